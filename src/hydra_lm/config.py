@@ -1,0 +1,234 @@
+"""Model configuration: one typed dataclass, one preset table, validation with actionable errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+ARCHS = ("hydra", "dense")
+SHARING = ("sequence", "middle_cycle")
+MOR_ROUTING = ("expert", "token")
+MOR_SCHEDULES = ("paper", "layer_aware")
+
+
+@dataclass
+class HydraConfig:
+    """Everything that defines a HYDRA (or dense baseline) model.
+
+    Attention layout (CCGQA, arXiv 2510.04476): queries live in a latent of width
+    ``n_heads * head_dim = dim / compression_factor``; keys/values in ``n_kv_heads * head_dim``.
+    """
+
+    arch: str = "hydra"
+    vocab_size: int = 50257
+    dim: int = 512
+    n_blocks: int = 2  # unique recursive blocks (the seed's n_mor_blocks)
+    recursions: int = 2  # applications of each block's shared weights
+    n_layers: int | None = None  # dense arch only; default n_blocks
+    n_heads: int = 4  # latent query heads (hydra) / query heads (dense)
+    n_kv_heads: int = 2
+    head_dim: int | None = None  # default: dim // (compression_factor * n_heads) (hydra), dim // n_heads (dense)
+    compression_factor: int = 4  # C1: query down-projection factor
+    mlp_hidden: int | None = None  # default: 4 * dim rounded up to a multiple of 256
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+    # CCGQA details
+    conv_seq_kernel: int = 3  # depthwise causal conv over time
+    conv_ch_kernel: int = 2  # grouped (one group per head) causal conv over time
+    qk_mean: bool = True
+    value_shift: bool = True
+
+    # Routing (MoD arXiv 2404.02258, MoR arXiv 2507.10524)
+    sharing: str = "sequence"  # "sequence": block b repeated R times; "middle_cycle": first/last unshared
+    mod_enabled: bool = True
+    mod_capacity: float = 0.75  # fraction of the row that enters a MoD-routed block
+    mod_every: int = 2  # every mod_every-th block is MoD-routed (1 = all blocks)
+    mor_enabled: bool = True  # False: fixed depth, every recursion runs every (MoD-selected) token
+    mor_routing: str = "expert"  # "expert" (expert-choice, hierarchical) or "token" (token-choice)
+    mor_capacity_schedule: str = "paper"  # "paper": (R-j+1)/R; "layer_aware": deeper late blocks
+    mor_gate_scale: float = 0.1  # alpha in gate = alpha * sigmoid(router logit)
+    static_routing_mode: bool = False  # soft routing: every token runs every unit, weighted by its gate
+    mod_aux_weight: float | None = None  # None: 0.01 * (L/32) * sqrt(dim/768)
+    mor_aux_weight: float = 1e-3
+
+    # Optional MoE feed-forward blocks inserted between recursive blocks
+    moe: bool = False
+    moe_num_experts: int = 4
+    moe_num_layers: int = 1
+    moe_top_k: int = 1
+    moe_hidden: int | None = None  # default: mlp_hidden
+    moe_aux_weight: float = 0.01
+    moe_router_jitter: float = 0.01
+
+    # Filled in by the preset that built this config (informational)
+    preset: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.n_layers is None:
+            self.n_layers = self.n_blocks
+        if self.head_dim is None and self.n_heads > 0:
+            latent = self.dim // self.compression_factor if self.arch == "hydra" and self.compression_factor > 0 else self.dim
+            self.head_dim = latent // self.n_heads
+        if self.mlp_hidden is None:
+            self.mlp_hidden = _round_up(4 * self.dim, 256)
+        if self.moe_hidden is None:
+            self.moe_hidden = self.mlp_hidden
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        def bad(field_name: str, msg: str) -> None:
+            raise ValueError(f"HydraConfig.{field_name}={getattr(self, field_name)!r}: {msg}")
+
+        _choice(self, "arch", ARCHS)
+        _choice(self, "sharing", SHARING)
+        _choice(self, "mor_routing", MOR_ROUTING)
+        _choice(self, "mor_capacity_schedule", MOR_SCHEDULES)
+        for name in ("vocab_size", "dim", "n_blocks", "recursions", "n_layers", "n_heads", "n_kv_heads",
+                     "compression_factor", "mlp_hidden", "max_seq_len", "conv_seq_kernel", "conv_ch_kernel",
+                     "mod_every", "moe_num_experts", "moe_num_layers", "moe_top_k", "moe_hidden"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                bad(name, "must be a positive integer")
+        if self.n_heads % self.n_kv_heads:
+            bad("n_kv_heads", f"must divide n_heads={self.n_heads} (grouped-query attention); "
+                              f"try one of {[d for d in range(1, self.n_heads + 1) if self.n_heads % d == 0]}")
+        if self.arch == "hydra":
+            if self.dim % self.compression_factor:
+                bad("compression_factor", f"must divide dim={self.dim}; the query latent is dim/compression_factor")
+            latent = self.dim // self.compression_factor
+            if self.head_dim * self.n_heads != latent:
+                bad("n_heads", f"n_heads*head_dim={self.n_heads}*{self.head_dim} must equal the query latent "
+                               f"dim/compression_factor={latent}; pick n_heads dividing {latent} or set head_dim")
+        elif self.head_dim * self.n_heads != self.dim:
+            bad("n_heads", f"n_heads*head_dim={self.n_heads}*{self.head_dim} must equal dim={self.dim} for the "
+                           "dense baseline")
+        if self.head_dim % 2:
+            bad("head_dim", "must be even (rotary embeddings rotate channel pairs)")
+        if not (0.0 < self.mod_capacity <= 1.0):
+            bad("mod_capacity", "must lie in (0, 1]: it is the fraction of tokens that enter a routed block")
+        if not (0.0 < self.mor_gate_scale):
+            bad("mor_gate_scale", "must be > 0")
+        if self.sharing == "middle_cycle" and self.n_blocks < 3:
+            bad("n_blocks", "middle_cycle sharing needs n_blocks >= 3 (first and last layers are unshared)")
+        if self.moe_top_k > self.moe_num_experts:
+            bad("moe_top_k", f"cannot exceed moe_num_experts={self.moe_num_experts}")
+        if self.moe and self.moe_num_layers > self.n_units_between_moe():
+            bad("moe_num_layers", f"at most {self.n_units_between_moe()} MoE blocks fit between this "
+                                  "model's blocks; lower moe_num_layers or add blocks")
+        for name in ("mod_aux_weight", "mor_aux_weight", "moe_aux_weight", "moe_router_jitter"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                bad(name, "must be >= 0")
+
+    # ------------------------------------------------------------------ derived values
+    def n_units_between_moe(self) -> int:
+        """How many MoE blocks fit strictly between the model's blocks."""
+        if self.arch == "dense":
+            return self.n_layers - 1
+        return 2 if self.sharing == "middle_cycle" else self.n_blocks - 1
+
+    @property
+    def kv_latent(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def q_latent(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def effective_layers(self) -> int:
+        if self.arch == "dense":
+            return self.n_layers
+        if self.sharing == "middle_cycle":
+            return 2 + (self.n_blocks - 2) * self.recursions
+        return self.n_blocks * self.recursions
+
+    @property
+    def resolved_mod_aux_weight(self) -> float:
+        if self.mod_aux_weight is not None:
+            return self.mod_aux_weight
+        return 0.01 * (self.effective_layers / 32) * math.sqrt(self.dim / 768)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "HydraConfig":
+        check_keys(values, cls)
+        return cls(**values)
+
+    def replace(self, **overrides: Any) -> "HydraConfig":
+        check_keys(overrides, type(self))
+        return dataclasses.replace(self, **overrides)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def _choice(cfg: HydraConfig, name: str, options: tuple[str, ...]) -> None:
+    if getattr(cfg, name) not in options:
+        raise ValueError(f"HydraConfig.{name}={getattr(cfg, name)!r}: must be one of {list(options)}")
+
+
+def check_keys(values: dict[str, Any], cls: type = HydraConfig) -> None:
+    """Reject keys that are not fields of ``cls``, suggesting the closest valid name."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else f"; valid keys: {', '.join(sorted(known))}"
+            raise ValueError(f"unknown {cls.__name__} key {key!r}{hint}")
+
+
+# One table for every preset. Columns: dim, n_blocks, recursions, n_heads, n_kv_heads (latent heads;
+# head_dim = dim / (4 * n_heads) is 32 up to width 768 and 64 above), dense layers for the baseline,
+# and the seed's advertised parameter count (for reference; README lists the true counts).
+PRESETS: dict[str, dict[str, Any]] = {
+    "debug": dict(dim=512, n_blocks=2, recursions=2, n_heads=4, n_kv_heads=2, seed_params=33e6),
+    "50M": dict(dim=512, n_blocks=8, recursions=3, n_heads=4, n_kv_heads=2, seed_params=50e6),
+    "100M": dict(dim=768, n_blocks=8, recursions=4, n_heads=6, n_kv_heads=2, seed_params=104e6),
+    "250M": dict(dim=1024, n_blocks=10, recursions=4, n_heads=4, n_kv_heads=1, seed_params=198e6),
+    "500M": dict(dim=1280, n_blocks=16, recursions=4, n_heads=5, n_kv_heads=1, seed_params=426e6),
+    "750M": dict(dim=1536, n_blocks=18, recursions=4, n_heads=6, n_kv_heads=2, seed_params=665e6),
+    "1B": dict(dim=1792, n_blocks=20, recursions=4, n_heads=7, n_kv_heads=1, seed_params=973e6),
+    "1.5B": dict(dim=2048, n_blocks=22, recursions=4, n_heads=8, n_kv_heads=2, seed_params=1369e6),
+}
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def _lookup_preset(name: str) -> str:
+    for key in PRESETS:
+        if key.lower() == str(name).lower():
+            return key
+    close = difflib.get_close_matches(str(name), list(PRESETS), n=2)
+    hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+    raise ValueError(f"unknown preset {name!r}{hint}; choose one of {', '.join(PRESETS)}")
+
+
+def preset_config(name: str, **overrides: Any) -> HydraConfig:
+    """The config of a named preset, with ``overrides`` applied (unknown keys raise ``ValueError``)."""
+    key = _lookup_preset(name)
+    check_keys(overrides)
+    values = {k: v for k, v in PRESETS[key].items() if k != "seed_params"}
+    if overrides.get("arch") == "dense":
+        # The dense baseline keeps width, MLP and depth-in-unique-layers; its attention is full-width GQA.
+        values["n_heads"] = values["dim"] // 64
+        values["n_kv_heads"] = max(1, values["n_heads"] // 4)
+    values.update(overrides)
+    values["preset"] = key
+    return HydraConfig(**values)
+
+
+def seed_param_count(name: str) -> float:
+    return PRESETS[_lookup_preset(name)]["seed_params"]

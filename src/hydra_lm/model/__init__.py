@@ -1,0 +1,5 @@
+"""HYDRA model components."""
+
+from .hydra import HydraModel
+
+__all__ = ["HydraModel"]

@@ -1,0 +1,154 @@
+"""A transformer layer, and the recursive block that routes tokens through it (MoD + MoR).
+
+A recursive block owns a stack of layers applied R times with shared weights. Depth j is a
+*routed unit*: it runs the stack on a subset of the tokens active at depth j-1 (depth 0 picks from
+the whole row; that choice is Mixture-of-Depths), adds a learned recursion embedding to the stack's
+input, and writes ``weight * (stack(u) - u)`` back into the residual stream. Tokens are gathered
+once per depth and kept compacted across deeper depths (a nested gather), then scattered back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import AttentionCache
+from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from .routing import DepthRouter, Router, Selection, causal_order
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP."""
+
+    def __init__(self, dim: int, mlp_hidden: int, attention: nn.Module, eps: float):
+        super().__init__()
+        self.attn_norm = RMSNorm(dim, eps)
+        self.attn = attention
+        self.mlp_norm = RMSNorm(dim, eps)
+        self.mlp = SwiGLUMLP(dim, mlp_hidden)
+
+    def forward(self, x, pos, rope: RotaryEmbedding, cache: AttentionCache | None = None, valid=None):
+        x = x + self.attn(self.attn_norm(x), pos, rope, cache, valid)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def _gather_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 2:
+        return x.gather(1, order)
+    return x.gather(1, order[..., None].expand(-1, -1, x.shape[-1]))
+
+
+class RecursiveBlock(nn.Module):
+    """A stack of layers recursed ``len(depth_fractions)`` times on routed tokens.
+
+    ``depth_fractions[j]`` is the fraction of the row processed at depth j (non-increasing). A depth
+    whose fraction is below the previous one gets an expert-choice router: "mod" at depth 0, "mor"
+    deeper. With ``token_choice`` a single depth router decides each token's depth instead.
+    """
+
+    def __init__(self, layers: list[nn.Module], depth_fractions: list[float], mor_gate_scale: float = 0.1,
+                 token_choice: bool = False, name: str = "block"):
+        super().__init__()
+        dim = layers[0].attn_norm.weight.shape[0]
+        self.layers = nn.ModuleList(layers)
+        self.depth_fractions = list(depth_fractions)
+        self.recursions = len(depth_fractions)
+        self.name = name
+        self.rec_emb = nn.Parameter(torch.zeros(self.recursions, dim)) if self.recursions > 1 else None
+        self.routers = nn.ModuleDict()
+        previous = 1.0
+        for j, frac in enumerate(self.depth_fractions):
+            if frac > previous + 1e-9:
+                raise ValueError(f"{name}: depth fractions must not increase, got {self.depth_fractions}")
+            if frac < previous - 1e-9 and (j == 0 or not token_choice):
+                kind = "mod" if j == 0 else "mor"
+                self.routers[str(j)] = Router(dim, kind, 1.0 if kind == "mod" else mor_gate_scale)
+            previous = frac
+        self.depth_router = DepthRouter(dim, self.recursions) if token_choice and self.recursions > 1 else None
+
+    # ------------------------------------------------------------------ static bookkeeping
+    def tokens_per_depth(self, seq_len: int) -> list[int]:
+        """Tokens per row that each depth runs on in top-k mode (token-choice depths: an upper bound)."""
+        counts, previous = [], seq_len
+        for j, frac in enumerate(self.depth_fractions):
+            if str(j) in self.routers:
+                previous = min(previous, max(1, round(frac * seq_len)))
+            counts.append(previous)
+        return counts
+
+    def router_names(self) -> list[str]:
+        names = [f"{self.name}.{'mod' if j == '0' else 'mor'}{j}" for j in self.routers]
+        if self.depth_router is not None:
+            names += [f"{self.name}.depth{j}" for j in range(1, self.recursions)]
+        return names
+
+    def new_caches(self, batch: int, length: int, device, dtype) -> list[list[AttentionCache]]:
+        return [[layer.attn.new_cache(batch, length, device, dtype) for layer in self.layers]
+                for _ in range(self.recursions)]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding, mode: str,
+                caches: list[list[AttentionCache]] | None = None):
+        """Returns (x, {"mod": [losses], "mor": [losses]}, [stats per router])."""
+        b, seq_len, dim = x.shape
+        counts = self.tokens_per_depth(seq_len)
+        losses: dict[str, list[torch.Tensor]] = {"mod": [], "mor": []}
+        stats: list[torch.Tensor] = []
+        parents: list[tuple[torch.Tensor, torch.Tensor]] = []
+        xc, pc, vc = x, pos, None
+        choice = None  # token-choice: [B, N, 1 + R] = (chosen depth, weight at each depth)
+
+        for j in range(self.recursions):
+            sel = self._select(j, xc, vc, choice, counts[j], mode, seq_len)
+            if sel is not None:
+                if str(j) in self.routers:
+                    losses[self.routers[str(j)].kind].append(sel.aux_loss)
+                stats.append(sel.stats)
+                if sel.order is not None:
+                    parents.append((xc, sel.order))
+                    xc, pc = _gather_rows(xc, sel.order), pc.gather(1, sel.order)
+                    if choice is not None:
+                        choice = _gather_rows(choice, sel.order)
+                vc = sel.valid
+            if j == 0 and self.depth_router is not None:
+                depth, weights, loss, _ = self.depth_router.route(xc, vc, soft=mode == "static")
+                losses["mor"].append(loss)
+                choice = torch.stack([depth.float(), *weights], dim=-1)
+
+            u = xc if self.rec_emb is None else xc + self.rec_emb[j].to(xc.dtype)
+            h = u
+            for i, layer in enumerate(self.layers):
+                h = layer(h, pc, rope, None if caches is None else caches[j][i], vc)
+            delta = h - u
+            if sel is not None and sel.weight is not None:
+                delta = delta * sel.weight[..., None].to(delta.dtype)
+            if vc is not None:
+                delta = torch.where(vc[..., None], delta, torch.zeros_like(delta))
+            xc = xc + delta
+
+        for parent, order in reversed(parents):
+            xc = parent.scatter(1, order[..., None].expand(-1, -1, dim), xc)
+        return xc, losses, stats
+
+    def _select(self, j: int, xc, vc, choice, k: int, mode: str, seq_len: int) -> Selection | None:
+        router = self.routers[str(j)] if str(j) in self.routers else None
+        if router is not None:
+            return router.select(xc, vc, k, mode, seq_len)
+        if choice is None or j == 0:
+            return None
+        # Token-choice depth j: tokens whose chosen depth index >= j. Causal by construction (each
+        # token decides from its own state), so training and decoding use the same rule.
+        weight = choice[..., 1 + j]
+        if mode == "static":
+            frac = (torch.ones_like(weight) if vc is None else vc.float()).sum(1).mean() / seq_len
+            return Selection(None, weight, vc, weight.new_zeros(()), torch.stack((frac, weight.mean(), frac.new_ones(()))))
+        chosen = choice[..., 0] >= j
+        if vc is not None:
+            chosen = chosen & vc
+        order = causal_order(chosen)
+        valid = chosen.gather(1, order)
+        executed = valid.float()
+        frac = executed.sum(1).mean() / seq_len
+        w = weight.gather(1, order)
+        mean_gate = (w * executed).sum() / executed.sum().clamp(min=1.0)
+        return Selection(order, w, valid, weight.new_zeros(()), torch.stack((frac, mean_gate, frac.new_ones(()))))

@@ -1,0 +1,236 @@
+"""Model assembly: embeddings -> routed recursive blocks (+ optional MoE blocks) -> norm -> head.
+
+Routing modes (see ``routing.py``):
+* ``model.train()``: expert-choice top-k with fixed k per unit (static shapes);
+* ``model.eval()``: causal threshold routing (a token enters a unit iff sigmoid(r) > 0.5) unless
+  ``model.eval_routing = "topk"`` (teacher-forced top-k, not an autoregressive number);
+* ``static_routing_mode``: every token runs every unit, weighted by its gate.
+``generate`` always decodes with causal routing (or static, when configured) and an incremental cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import HydraConfig
+from .attention import CCGQAttention, GQAttention
+from .block import RecursiveBlock, TransformerLayer
+from .layers import RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
+from .moe import MoEFeedForward
+from .routing import ROUTING_MODES
+from .sampling import sample_next
+
+
+def mor_fractions(cfg: HydraConfig, position: float) -> list[float]:
+    """Fraction of the block's entering tokens kept at each depth (expert-choice MoR).
+
+    "paper": (R-j)/R for j = 0..R-1 (the MoR paper's balanced hierarchical filtering).
+    "layer_aware": the deepest depth keeps 60% of tokens in the first block rising to 80% in the
+    last (``position`` in [0, 1]), with depths in between interpolated linearly.
+    """
+    r = cfg.recursions
+    if not cfg.mor_enabled or cfg.mor_routing != "expert" or r == 1:
+        return [1.0] * r
+    if cfg.mor_capacity_schedule == "paper":
+        return [(r - j) / r for j in range(r)]
+    deepest = 0.6 + 0.2 * position
+    return [1.0 - (1.0 - deepest) * j / (r - 1) for j in range(r)]
+
+
+def moe_positions(n_blocks: int, n_moe: int) -> list[int]:
+    """Indices of the blocks after which an MoE block is inserted (evenly spread, between blocks)."""
+    return [(i + 1) * n_blocks // (n_moe + 1) - 1 for i in range(n_moe)]
+
+
+class HydraModel(nn.Module):
+    def __init__(self, config: HydraConfig):
+        super().__init__()
+        config.validate()
+        self.config = cfg = config
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.blocks = nn.ModuleList(self._build_blocks(cfg))
+        self.moe_blocks = nn.ModuleDict()
+        if cfg.moe:
+            for i in moe_positions(len(self.blocks), cfg.moe_num_layers):
+                self.moe_blocks[str(i)] = MoEFeedForward(cfg.dim, cfg.moe_hidden, cfg.moe_num_experts, cfg.moe_top_k,
+                                                         cfg.moe_router_jitter, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.eval_routing = "causal"
+        self._init_weights()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _build_blocks(cfg: HydraConfig) -> list[RecursiveBlock]:
+        def layer() -> TransformerLayer:
+            if cfg.arch == "dense":
+                attn = GQAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+            else:
+                attn = CCGQAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.conv_seq_kernel,
+                                     cfg.conv_ch_kernel, cfg.qk_mean, cfg.value_shift, cfg.norm_eps)
+            return TransformerLayer(cfg.dim, cfg.mlp_hidden, attn, cfg.norm_eps)
+
+        if cfg.arch == "dense":
+            return [RecursiveBlock([layer()], [1.0], name=f"layer{i}") for i in range(cfg.n_layers)]
+
+        token_choice = cfg.mor_enabled and cfg.mor_routing == "token"
+
+        def routed(index: int, n_routable: int, layers: list[TransformerLayer], name: str) -> RecursiveBlock:
+            is_mod = cfg.mod_enabled and index % cfg.mod_every == cfg.mod_every - 1
+            mod = cfg.mod_capacity if is_mod else 1.0
+            position = index / max(1, n_routable - 1)
+            fracs = [mod * f for f in mor_fractions(cfg, position)]
+            return RecursiveBlock(layers, fracs, cfg.mor_gate_scale, token_choice, name)
+
+        if cfg.sharing == "middle_cycle":
+            middle = [layer() for _ in range(cfg.n_blocks - 2)]
+            return [RecursiveBlock([layer()], [1.0], name="first"),
+                    routed(0, 1, middle, "middle"),
+                    RecursiveBlock([layer()], [1.0], name="last")]
+        return [routed(b, cfg.n_blocks, [layer()], f"block{b}") for b in range(cfg.n_blocks)]
+
+    def _init_weights(self) -> None:
+        cfg = self.config
+        init_weights_normal(self, cfg.init_std)
+        residual_writers = []
+        for block in self.blocks:
+            for lyr in block.layers:
+                residual_writers += [lyr.attn.out, lyr.mlp.down]
+        scale_residual_weights(residual_writers, cfg.effective_layers, cfg.init_std)
+        for moe in self.moe_blocks.values():
+            nn.init.normal_(moe.w_gate_up, std=cfg.init_std)
+            nn.init.normal_(moe.w_down, std=cfg.init_std / (2 * max(1, cfg.effective_layers)) ** 0.5)
+
+    # ------------------------------------------------------------------ introspection
+    def router_names(self) -> list[str]:
+        return [name for block in self.blocks for name in block.router_names()]
+
+    def tokens_per_unit(self, seq_len: int) -> dict[str, int]:
+        """Tokens per row each routed unit (block, depth) runs on in top-k mode."""
+        return {f"{block.name}.depth{j}": k for block in self.blocks
+                for j, k in enumerate(block.tokens_per_depth(seq_len))}
+
+    def routing_mode(self, routing: str | None = None) -> str:
+        if self.config.static_routing_mode:
+            return "static"
+        if routing is not None:
+            if routing not in ROUTING_MODES:
+                raise ValueError(f"routing={routing!r}: must be one of {list(ROUTING_MODES)}")
+            return routing
+        return "topk" if self.training else self.eval_routing
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
+                routing: str | None = None) -> dict[str, torch.Tensor]:
+        """Logits [B, T, V], ``aux_loss`` (MoD routers), ``ponder_loss`` (MoR routers), ``moe_loss``,
+        ``routing_stats`` [n_routers, 3] (executed fraction, mean gate, top-k/threshold agreement);
+        with ``targets``: ``ce_loss`` and ``loss`` (CE plus the weighted router losses)."""
+        b, t = input_ids.shape
+        if t > self.config.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.config.max_seq_len}; "
+                             "raise HydraConfig.max_seq_len or feed shorter sequences")
+        pos = torch.arange(t, device=input_ids.device).expand(b, t)
+        x, out = self._trunk(self.embed(input_ids), pos, self.routing_mode(routing), None)
+        logits = self.lm_head(self.norm(x))
+        out["logits"] = logits
+        if targets is not None:
+            ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+            out["ce_loss"] = ce
+            out["loss"] = self.total_loss(ce, out)
+        return out
+
+    def total_loss(self, ce: torch.Tensor, out: dict[str, torch.Tensor]) -> torch.Tensor:
+        cfg = self.config
+        return (ce + cfg.resolved_mod_aux_weight * out["aux_loss"] + cfg.mor_aux_weight * out["ponder_loss"]
+                + cfg.moe_aux_weight * out["moe_loss"])
+
+    def _trunk(self, x, pos, mode, caches):
+        mod, mor, moe, stats = [], [], [], []
+        for i, block in enumerate(self.blocks):
+            x, losses, block_stats = block(x, pos, self.rope, mode, None if caches is None else caches[i])
+            mod += losses["mod"]
+            mor += losses["mor"]
+            stats += block_stats
+            if str(i) in self.moe_blocks:
+                x, loss, _ = self.moe_blocks[str(i)](x)
+                moe.append(loss)
+        zero = x.new_zeros((), dtype=torch.float32)
+        out = {
+            "aux_loss": torch.stack(mod).mean() if mod else zero,
+            "ponder_loss": torch.stack(mor).mean() if mor else zero,
+            "moe_loss": torch.stack(moe).mean() if moe else zero,
+            "routing_stats": torch.stack(stats) if stats else x.new_zeros((0, 3), dtype=torch.float32),
+        }
+        return x, out
+
+    # ------------------------------------------------------------------ incremental decoding
+    def init_cache(self, batch: int, length: int, device=None, dtype=None) -> list:
+        """Per block, per depth, per layer: latent KV slots, conv state and value-shift state."""
+        weight = self.embed.weight
+        device = device or weight.device
+        dtype = dtype or weight.dtype
+        return [block.new_caches(batch, length, device, dtype) for block in self.blocks]
+
+    def forward_cached(self, input_ids: torch.Tensor, start: int, caches: list) -> torch.Tensor:
+        """Run new tokens at positions start.. through the model, updating ``caches``; returns the
+        last position's logits [B, V]."""
+        b, s = input_ids.shape
+        pos = (start + torch.arange(s, device=input_ids.device)).expand(b, s)
+        mode = "static" if self.config.static_routing_mode else "causal"
+        x, _ = self._trunk(self.embed(input_ids), pos, mode, caches)
+        return self.lm_head(self.norm(x[:, -1]))
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Prompt [B, T] -> [B, T + max_new_tokens] (stops early once every row emitted ``eos_token_id``).
+
+        ``temperature=0`` is greedy decoding; it yields exactly the tokens that repeated full
+        forwards in eval (causal routing) mode would pick.
+        """
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [batch, length>0], got shape {tuple(input_ids.shape)}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got [{lo}, {hi}]")
+        b, t = input_ids.shape
+        total = t + max_new_tokens
+        if total > self.config.max_seq_len:
+            raise ValueError(f"prompt ({t}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len="
+                             f"{self.config.max_seq_len}")
+        was_training = self.training
+        self.eval()
+        try:
+            caches = self.init_cache(b, total)
+            tokens = input_ids
+            logits = self.forward_cached(input_ids, 0, caches)
+            done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+            for i in range(max_new_tokens):
+                nxt = sample_next(logits, temperature, top_k, top_p, generator)
+                if eos_token_id is not None:
+                    nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                    done = done | (nxt == eos_token_id)
+                tokens = torch.cat((tokens, nxt[:, None]), dim=1)
+                if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
+                    break
+                logits = self.forward_cached(nxt[:, None], t + i, caches)
+            return tokens
+        finally:
+            self.train(was_training)
+
+    # ------------------------------------------------------------------ utilities
+    def num_parameters(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding:
+            n -= self.embed.weight.numel()
+            if not self.config.tie_embeddings:
+                n -= self.lm_head.weight.numel()
+        return n

@@ -1,0 +1,91 @@
+"""Building blocks shared by every model: RMSNorm, SwiGLU MLP, rotary embeddings, init helpers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain (``torch.nn.functional.rms_norm`` underneath)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def get_activation(name: str):
+    """Activation function by name (``silu``/``swish``, ``gelu``, ``relu``, ``gelu_tanh``)."""
+    table = {
+        "silu": F.silu,
+        "swish": F.silu,
+        "gelu": F.gelu,
+        "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "relu": F.relu,
+    }
+    if name not in table:
+        raise ValueError(f"unknown activation {name!r}; choose one of {sorted(table)}")
+    return table[name]
+
+
+class SwiGLUMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with the gate and up projections fused into one matmul."""
+
+    def __init__(self, dim: int, hidden: int, activation: str = "silu"):
+        super().__init__()
+        self.hidden = hidden
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+        self.act = get_activation(activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
+
+
+class RotaryEmbedding(nn.Module):
+    """One cos/sin table for the whole model; layers look rows up by (possibly gathered) position ids."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"RotaryEmbedding head_dim={head_dim} must be even")
+        self.head_dim = head_dim
+        self.max_seq_len = max_seq_len
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+        # Not saved in checkpoints: they are a pure function of the config.
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for ``positions`` [B, N], shaped [B, 1, N, head_dim/2] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (first half, second half) of ``x`` [B, H, N, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+def init_weights_normal(module: nn.Module, std: float = 0.02) -> None:
+    """Normal(0, std) for linear and embedding weights, zeros for linear biases."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+def scale_residual_weights(projections: list[nn.Linear], n_residual_layers: int, std: float = 0.02) -> None:
+    """Shrink the projections that write into the residual stream by 1/sqrt(2 * layers)."""
+    for proj in projections:
+        nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * max(1, n_residual_layers)))

@@ -1,0 +1,75 @@
+"""Optional Mixture-of-Experts feed-forward block (Switch-style balancing, router jitter, top-k).
+
+Tokens are dispatched only to the experts they are routed to: assignments are sorted by expert
+and each expert runs on its contiguous slice. No token is dropped. On CUDA with bf16 the experts
+run as one grouped GEMM (``torch._grouped_mm``: static shapes, no host sync, compile-friendly);
+elsewhere a loop over experts does the same work on the same slices.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import RMSNorm
+
+
+def _grouped_mm_ok(x: torch.Tensor) -> bool:
+    return hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+
+
+def expert_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Row slice ``offsets[e-1]:offsets[e]`` of ``x`` [M, K] times ``weight[e]`` [K, N]."""
+    if _grouped_mm_ok(x):
+        return torch._grouped_mm(x, weight.to(x.dtype), offs=offsets.to(torch.int32))
+    ends = offsets.tolist()  # host sync: eager fallback only
+    out = x.new_empty(x.shape[0], weight.shape[-1])
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            out[start:end] = x[start:end] @ weight[e].to(x.dtype)
+        start = end
+    return out
+
+
+class MoEFeedForward(nn.Module):
+    """``x + sum_k gate_k * expert_k(norm(x))`` over each token's top-k experts."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int = 1, jitter: float = 0.0,
+                 eps: float = 1e-6):
+        super().__init__()
+        self.n_experts, self.top_k, self.jitter, self.hidden = n_experts, top_k, jitter, hidden
+        self.norm = RMSNorm(dim, eps)
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.w_gate_up = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden))
+        self.w_down = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (x + moe(x), balancing loss, fraction of assignments per expert [E])."""
+        b, t, dim = x.shape
+        h = self.norm(x).reshape(b * t, dim)
+        router_in = h
+        if self.training and self.jitter > 0:
+            router_in = h * torch.empty_like(h).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+        probs = torch.softmax(self.router(router_in).float(), dim=-1)
+        gate, expert = torch.topk(probs, self.top_k, dim=-1)  # [M, k]
+        if self.top_k > 1:
+            # Renormalise over the chosen experts; with k=1 keep the raw probability, otherwise the
+            # gate would be a constant 1 and the router would get no gradient from the LM loss.
+            gate = gate / gate.sum(-1, keepdim=True)
+        counts = F.one_hot(expert, self.n_experts).sum((0, 1))  # static shape [E]
+        fraction = counts.float() / expert.numel()
+        loss = self.n_experts * (fraction * probs.mean(0)).sum()
+
+        flat_expert = expert.reshape(-1)
+        order = torch.sort(flat_expert, stable=True).indices
+        token = order // self.top_k
+        xs = h[token]
+        offsets = counts.cumsum(0)
+        up = expert_matmul(xs, self.w_gate_up, offsets)
+        g, u = up.chunk(2, dim=-1)
+        ys = expert_matmul(F.silu(g) * u, self.w_down, offsets)
+        ys = ys * gate.reshape(-1)[order, None].to(ys.dtype)
+        out = torch.zeros_like(h).index_add_(0, token, ys.to(h.dtype))
+        return x + out.reshape(b, t, dim), loss, fraction

@@ -1,0 +1,30 @@
+"""Next-token sampling: greedy, temperature, top-k and nucleus (top-p)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick one token per row of ``logits`` [B, V]; ``temperature=0`` means argmax."""
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} must be >= 1")
+    if top_p is not None and not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p={top_p} must lie in (0, 1]")
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # Drop a token when the mass before it already reaches top_p (the first token always stays).
+        drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
