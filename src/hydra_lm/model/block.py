@@ -65,6 +65,10 @@ class RecursiveBlock(nn.Module):
                 self.routers[str(j)] = Router(dim, kind, 1.0 if kind == "mod" else mor_gate_scale)
             previous = frac
         self.depth_router = DepthRouter(dim, self.recursions) if token_choice and self.recursions > 1 else None
+        # Curriculum switches (training schedule): an inactive router lets every candidate through
+        # with weight 1, so MoD-off is a dense block and MoR-off is fixed full depth.
+        self.mod_active = True
+        self.mor_active = True
 
     # ------------------------------------------------------------------ static bookkeeping
     def tokens_per_depth(self, seq_len: int) -> list[int]:
@@ -101,8 +105,9 @@ class RecursiveBlock(nn.Module):
         for j in range(self.recursions):
             sel = self._select(j, xc, vc, choice, counts[j], mode, seq_len)
             if sel is not None:
-                if str(j) in self.routers:
-                    losses[self.routers[str(j)].kind].append(sel.aux_loss)
+                kind = self.routers[str(j)].kind if str(j) in self.routers else None
+                if kind is not None and (self.mod_active if kind == "mod" else self.mor_active):
+                    losses[kind].append(sel.aux_loss)
                 stats.append(sel.stats)
                 if sel.order is not None:
                     parents.append((xc, sel.order))
@@ -110,7 +115,7 @@ class RecursiveBlock(nn.Module):
                     if choice is not None:
                         choice = _gather_rows(choice, sel.order)
                 vc = sel.valid
-            if j == 0 and self.depth_router is not None:
+            if j == 0 and self.depth_router is not None and self.mor_active:
                 depth, weights, loss, _ = self.depth_router.route(xc, vc, soft=mode == "static")
                 losses["mor"].append(loss)
                 choice = torch.stack([depth.float(), *weights], dim=-1)
@@ -133,9 +138,13 @@ class RecursiveBlock(nn.Module):
     def _select(self, j: int, xc, vc, choice, k: int, mode: str, seq_len: int) -> Selection | None:
         router = self.routers[str(j)] if str(j) in self.routers else None
         if router is not None:
-            return router.select(xc, vc, k, mode, seq_len)
+            if self.mod_active if router.kind == "mod" else self.mor_active:
+                return router.select(xc, vc, k, mode, seq_len)
+            return _pass_through(xc, vc, seq_len)
         if choice is None or j == 0:
             return None
+        if not self.mor_active:
+            return _pass_through(xc, vc, seq_len)
         # Token-choice depth j: tokens whose chosen depth index >= j. Causal by construction (each
         # token decides from its own state), so training and decoding use the same rule.
         weight = choice[..., 1 + j]
@@ -152,3 +161,11 @@ class RecursiveBlock(nn.Module):
         w = weight.gather(1, order)
         mean_gate = (w * executed).sum() / executed.sum().clamp(min=1.0)
         return Selection(order, w, valid, weight.new_zeros(()), torch.stack((frac, mean_gate, frac.new_ones(()))))
+
+
+def _pass_through(xc: torch.Tensor, vc: torch.Tensor | None, seq_len: int) -> Selection:
+    """Selection of an inactive router: every candidate, weight 1 (keeps the stats layout fixed)."""
+    executed = torch.full((), xc.shape[1] / seq_len, device=xc.device) if vc is None else \
+        vc.float().sum(1).mean() / seq_len
+    one = torch.ones((), device=xc.device)
+    return Selection(None, None, vc, one.new_zeros(()), torch.stack((executed, one, one)))

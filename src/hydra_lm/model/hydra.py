@@ -115,6 +115,13 @@ class HydraModel(nn.Module):
         return {f"{block.name}.depth{j}": k for block in self.blocks
                 for j, k in enumerate(block.tokens_per_depth(seq_len))}
 
+    def set_curriculum(self, mod_active: bool = True, mor_active: bool = True) -> None:
+        """Switch MoD / MoR routing on or off (the training curriculum). Off: every token runs
+        every block (MoD) / every recursion (MoR) with weight 1. Changing it retraces a compiled model once."""
+        for block in self.blocks:
+            block.mod_active = bool(mod_active)
+            block.mor_active = bool(mor_active)
+
     def routing_mode(self, routing: str | None = None) -> str:
         if self.config.static_routing_mode:
             return "static"
