@@ -42,6 +42,27 @@ def _valid_counts(valid: torch.Tensor | None, batch: int, n: int, device: torch.
     return valid.sum(dim=1)
 
 
+def _shift(x: torch.Tensor, s: int) -> torch.Tensor:
+    """x[:, i - s] along dim 1, zeros before the start."""
+    return x if s == 0 else F.pad(x, (0, 0, s, 0))[:, : x.shape[1]]
+
+
+def _same_doc(doc: torch.Tensor, s: int) -> torch.Tensor:
+    """[B, N] bool: entry i - s exists and belongs to the same document as entry i."""
+    return doc == (doc if s == 0 else F.pad(doc, (s, 0), value=-1)[:, : doc.shape[1]])
+
+
+def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention over the whole (compacted) row; with ``doc`` [B, N], only within a document."""
+    gqa = q.shape[1] != k.shape[1]
+    if doc is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    n = q.shape[2]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    mask = causal & (doc[:, :, None] == doc[:, None, :])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
+
+
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                      valid: torch.Tensor | None, cache: AttentionCache) -> torch.Tensor:
     """Store k/v of the new entries at their positions, then attend over every valid slot <= position.
@@ -101,17 +122,22 @@ class CCGQAttention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding,
-                cache: AttentionCache | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
+                cache: AttentionCache | None = None, valid: torch.Tensor | None = None,
+                doc: torch.Tensor | None = None) -> torch.Tensor:
         b, n, _ = x.shape
         h_q, h_k, d = self.n_heads, self.n_kv_heads, self.head_dim
         q0, k0, v_now, v_prev = self.qkv(x).split(
             [self.q_dim, self.kv_dim, self.kv_dim - self.v_prev_dim, self.v_prev_dim], dim=-1)
         qk = torch.cat((q0, k0), dim=-1)
 
-        if cache is None:
+        if doc is not None:
+            conv = self._doc_conv(qk, doc)
+            if self.value_shift:
+                v_prev = torch.where(_same_doc(doc, 1)[..., None], _shift(v_prev, 1), torch.zeros_like(v_prev))
+        elif cache is None:
             qk_padded = F.pad(qk, (0, 0, self.conv_pad, 0))
             if self.value_shift:
-                v_prev = F.pad(v_prev, (0, 0, 1, 0))[:, :n]
+                v_prev = _shift(v_prev, 1)
         else:
             count = _valid_counts(valid, b, n, x.device)
             qk_padded = torch.cat((cache.conv.to(qk.dtype), qk), dim=1)
@@ -122,7 +148,8 @@ class CCGQAttention(nn.Module):
                 cache.shift.copy_(shifted.gather(1, count[:, None, None].expand(-1, 1, self.v_prev_dim))[:, 0])
                 v_prev = shifted[:, :n]
 
-        conv = self.conv_ch(self.conv_seq(qk_padded.transpose(1, 2))).transpose(1, 2)
+        if doc is None:
+            conv = self.conv_ch(self.conv_seq(qk_padded.transpose(1, 2))).transpose(1, 2)
         q, k = conv.split([self.q_dim, self.kv_dim], dim=-1)
         q = q.reshape(b, n, h_k, h_q // h_k, d)
         k = k.reshape(b, n, h_k, d)
@@ -138,11 +165,26 @@ class CCGQAttention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         v = v.reshape(b, n, h_k, d).transpose(1, 2)
-        if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h_q != h_k)
-        else:
-            y = cached_attention(q, k, v, pos, valid, cache)
+        y = cached_attention(q, k, v, pos, valid, cache) if cache is not None else full_attention(q, k, v, doc)
         return self.out(y.transpose(1, 2).reshape(b, n, self.q_dim))
+
+    def _doc_conv(self, qk: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+        """Both causal convs, with every document treated as a sequence of its own.
+
+        A tap that reaches into another document reads what a fresh sequence would read there:
+        zero input for the first conv, and the first conv's output on zeros (its bias) for the second.
+        """
+        ks, kc = self.conv_seq.kernel_size[0], self.conv_ch.kernel_size[0]
+        w1 = self.conv_seq.weight[:, 0]  # [C, ks]
+        y1 = self.conv_seq.bias
+        for s in range(ks):
+            y1 = y1 + w1[:, ks - 1 - s] * torch.where(_same_doc(doc, s)[..., None], _shift(qk, s), 0.0)
+        y2 = self.conv_ch.bias
+        for s in range(kc):
+            tap = torch.where(_same_doc(doc, s)[..., None], _shift(y1, s), self.conv_seq.bias)
+            weight = self.conv_ch.weight[:, :, kc - 1 - s: kc - s]
+            y2 = y2 + F.conv1d(tap.transpose(1, 2), weight, groups=self.conv_ch.groups).transpose(1, 2)
+        return y2
 
 
 class GQAttention(nn.Module):
@@ -163,15 +205,13 @@ class GQAttention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding,
-                cache: AttentionCache | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
+                cache: AttentionCache | None = None, valid: torch.Tensor | None = None,
+                doc: torch.Tensor | None = None) -> torch.Tensor:
         b, n, _ = x.shape
         q, k, v = self.qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         cos, sin = rope(pos, q.dtype)
         q = apply_rotary(q.reshape(b, n, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
         k = apply_rotary(k.reshape(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
         v = v.reshape(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
-        else:
-            y = cached_attention(q, k, v, pos, valid, cache)
+        y = cached_attention(q, k, v, pos, valid, cache) if cache is not None else full_attention(q, k, v, doc)
         return self.out(y.transpose(1, 2).reshape(b, n, self.q_dim))

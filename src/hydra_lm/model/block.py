@@ -27,8 +27,8 @@ class TransformerLayer(nn.Module):
         self.mlp_norm = RMSNorm(dim, eps)
         self.mlp = SwiGLUMLP(dim, mlp_hidden)
 
-    def forward(self, x, pos, rope: RotaryEmbedding, cache: AttentionCache | None = None, valid=None):
-        x = x + self.attn(self.attn_norm(x), pos, rope, cache, valid)
+    def forward(self, x, pos, rope: RotaryEmbedding, cache: AttentionCache | None = None, valid=None, doc=None):
+        x = x + self.attn(self.attn_norm(x), pos, rope, cache, valid, doc)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -92,8 +92,11 @@ class RecursiveBlock(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding, mode: str,
-                caches: list[list[AttentionCache]] | None = None):
-        """Returns (x, {"mod": [losses], "mor": [losses]}, [stats per router])."""
+                caches: list[list[AttentionCache]] | None = None, doc: torch.Tensor | None = None):
+        """Returns (x, {"mod": [losses], "mor": [losses]}, [stats per router]).
+
+        ``doc`` [B, T]: document index of each position; attention, convs and value shift then stay
+        inside a document (gathered along with the positions when tokens are compacted)."""
         b, seq_len, dim = x.shape
         counts = self.tokens_per_depth(seq_len)
         losses: dict[str, list[torch.Tensor]] = {"mod": [], "mor": []}
@@ -112,6 +115,8 @@ class RecursiveBlock(nn.Module):
                 if sel.order is not None:
                     parents.append((xc, sel.order))
                     xc, pc = _gather_rows(xc, sel.order), pc.gather(1, sel.order)
+                    if doc is not None:
+                        doc = doc.gather(1, sel.order)
                     if choice is not None:
                         choice = _gather_rows(choice, sel.order)
                 vc = sel.valid
@@ -123,7 +128,7 @@ class RecursiveBlock(nn.Module):
             u = xc if self.rec_emb is None else xc + self.rec_emb[j].to(xc.dtype)
             h = u
             for i, layer in enumerate(self.layers):
-                h = layer(h, pc, rope, None if caches is None else caches[j][i], vc)
+                h = layer(h, pc, rope, None if caches is None else caches[j][i], vc, doc)
             delta = h - u
             if sel is not None and sel.weight is not None:
                 delta = delta * sel.weight[..., None].to(delta.dtype)

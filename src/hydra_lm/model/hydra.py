@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..config import HydraConfig
 from .attention import CCGQAttention, GQAttention
@@ -60,6 +61,7 @@ class HydraModel(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.eval_routing = "causal"
+        self.gradient_checkpointing = False
         self._init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -133,16 +135,17 @@ class HydraModel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
-                routing: str | None = None) -> dict[str, torch.Tensor]:
+                routing: str | None = None, doc_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Logits [B, T, V], ``aux_loss`` (MoD routers), ``ponder_loss`` (MoR routers), ``moe_loss``,
         ``routing_stats`` [n_routers, 3] (executed fraction, mean gate, top-k/threshold agreement);
-        with ``targets``: ``ce_loss`` and ``loss`` (CE plus the weighted router losses)."""
+        with ``targets``: ``ce_loss`` and ``loss`` (CE plus the weighted router losses).
+        ``doc_ids`` [B, T] (documents packed in a row): nothing crosses a document boundary."""
         b, t = input_ids.shape
         if t > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.config.max_seq_len}; "
                              "raise HydraConfig.max_seq_len or feed shorter sequences")
         pos = torch.arange(t, device=input_ids.device).expand(b, t)
-        x, out = self._trunk(self.embed(input_ids), pos, self.routing_mode(routing), None)
+        x, out = self._trunk(self.embed(input_ids), pos, self.routing_mode(routing), None, doc_ids)
         logits = self.lm_head(self.norm(x))
         out["logits"] = logits
         if targets is not None:
@@ -156,10 +159,15 @@ class HydraModel(nn.Module):
         return (ce + cfg.resolved_mod_aux_weight * out["aux_loss"] + cfg.mor_aux_weight * out["ponder_loss"]
                 + cfg.moe_aux_weight * out["moe_loss"])
 
-    def _trunk(self, x, pos, mode, caches):
+    def _trunk(self, x, pos, mode, caches, doc=None):
         mod, mor, moe, stats = [], [], [], []
         for i, block in enumerate(self.blocks):
-            x, losses, block_stats = block(x, pos, self.rope, mode, None if caches is None else caches[i])
+            block_caches = None if caches is None else caches[i]
+            if self.gradient_checkpointing and self.training and caches is None:
+                # Recompute each block in backward instead of storing its activations.
+                x, losses, block_stats = checkpoint(block, x, pos, self.rope, mode, None, doc, use_reentrant=False)
+            else:
+                x, losses, block_stats = block(x, pos, self.rope, mode, block_caches, doc)
             mod += losses["mod"]
             mor += losses["mor"]
             stats += block_stats

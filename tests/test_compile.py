@@ -1,0 +1,42 @@
+"""Routing keeps shapes static: the training step compiles as one graph and does not recompile."""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from conftest import TINY, tiny_model
+
+
+def _batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 32), generator=g)
+    return ids, torch.roll(ids, -1, 1)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"mor_routing": "token"}, {"static_routing_mode": True}],
+                         ids=["expert_choice", "token_choice", "static"])
+def test_training_step_compiles_fullgraph_without_recompiling(overrides):
+    torch._dynamo.reset()
+    model = tiny_model(**overrides).train()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    for seed in (1, 2):
+        ids, targets = _batch(seed)
+        out = compiled(ids, targets=targets)
+        out["loss"].backward()
+        eager = model(ids, targets=targets)
+        torch.testing.assert_close(out["loss"], eager["loss"])
+    assert counter.frame_count == 1, "a second batch of the same shape must reuse the compiled graph"
+
+
+def test_causal_eval_with_document_masks_compiles_fullgraph():
+    torch._dynamo.reset()
+    model = tiny_model().eval()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    doc = torch.tensor([[0] * 20 + [1] * 12] * 2)
+    with torch.no_grad():
+        for seed in (1, 2):
+            ids, _ = _batch(seed)
+            torch.testing.assert_close(compiled(ids, doc_ids=doc)["logits"], model(ids, doc_ids=doc)["logits"])
+    assert counter.frame_count == 1

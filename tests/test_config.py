@@ -1,0 +1,63 @@
+"""Config validation, presets and the info command."""
+
+import pytest
+import torch
+
+import hydra_lm
+from hydra_lm.config import PRESETS, HydraConfig, preset_config, seed_param_count
+from hydra_lm.model import HydraModel
+from hydra_lm.model.accounting import count_parameters, executed_flops_per_token
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_parameter_counts_are_within_25_percent_of_the_seed_table(name):
+    cfg = preset_config(name)
+    with torch.device("meta"):
+        model = HydraModel(cfg)
+    total = count_parameters(model).total
+    assert abs(total - seed_param_count(name)) / seed_param_count(name) < 0.25, total
+    assert cfg.head_dim in (32, 64), "latent heads sized for tensor cores"
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(dim=510), "compression_factor"),
+    (dict(mod_capacity=0.0), "mod_capacity"),
+    (dict(mod_capacity=1.5), "mod_capacity"),
+    (dict(n_kv_heads=3), "n_kv_heads"),
+    (dict(n_heads=3, n_kv_heads=1), "n_heads"),
+    (dict(dim=56, n_heads=2, n_kv_heads=1), "head_dim"),
+    (dict(recursions=0), "recursions"),
+    (dict(arch="rnn"), "arch"),
+    (dict(sharing="random"), "sharing"),
+    (dict(mor_routing="soft"), "mor_routing"),
+    (dict(moe=True, moe_top_k=5), "moe_top_k"),
+    (dict(moe=True, moe_num_layers=2), "moe_num_layers"),
+    (dict(sharing="middle_cycle"), "n_blocks"),
+])
+def test_invalid_values_raise_value_errors_that_name_the_field(overrides, field):
+    with pytest.raises(ValueError, match=f"HydraConfig.{field}="):
+        preset_config("debug", **overrides)
+
+
+def test_unknown_keys_and_presets_are_rejected_with_suggestions():
+    with pytest.raises(ValueError, match="did you mean mod_capacity"):
+        hydra_lm.create_model("debug", mod_capacityy=0.5)
+    with pytest.raises(ValueError, match="unknown preset '7B'"):
+        hydra_lm.create_model("7B")
+    with pytest.raises(ValueError, match="unknown HydraConfig key"):
+        HydraConfig.from_dict({"dim": 64, "colour": "blue"})
+
+
+def test_routing_cuts_executed_flops():
+    cfg = preset_config("100M")
+    routed = executed_flops_per_token(cfg, 1024)
+    full = executed_flops_per_token(cfg.replace(mod_enabled=False, mor_enabled=False), 1024)
+    assert full / routed > 1.5
+
+
+def test_info_command_prints_the_promised_facts(capsys):
+    assert hydra_lm.cli.main(["info", "--model_size", "100M"]) == 0
+    text = capsys.readouterr().out
+    for needle in ("non-embedding", "effective", "32 effective layers", "FLOPs per token", "KV cache", "heads x 32"):
+        assert needle in text
+    assert hydra_lm.cli.main(["info", "--model_size", "7B"]) == 2

@@ -1,0 +1,266 @@
+"""Behaviour of the model: causality, decode == forward, routing, gradients, sharing."""
+
+import pytest
+import torch
+
+import hydra_lm
+from hydra_lm.model.block import TransformerLayer
+
+from conftest import TINY, VARIANTS, tiny_model
+
+
+def _ids(b=2, t=40, seed=1, vocab=TINY["vocab_size"]):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (b, t), generator=g)
+
+
+# ---------------------------------------------------------------------------- causality
+@pytest.mark.parametrize("routing", ["causal", "static"])
+def test_changing_a_token_never_changes_earlier_outputs(variant, routing):
+    name, overrides = variant
+    model = tiny_model(**overrides).double().eval()
+    ids = _ids()
+    base = model(ids, routing=routing)["logits"]
+    for t in (0, 7, 23, 39):
+        changed = ids.clone()
+        changed[:, t] = (changed[:, t] + 1 + t) % TINY["vocab_size"]
+        out = model(changed, routing=routing)["logits"]
+        torch.testing.assert_close(out[:, :t], base[:, :t], rtol=0, atol=1e-10)
+        assert not torch.allclose(out[:, t:], base[:, t:]), "the change must matter from position t on"
+
+
+def test_topk_routing_is_not_causal_which_is_why_eval_defaults_to_causal():
+    model = tiny_model().double().eval()
+    assert model.routing_mode() == "causal"
+    model.eval_routing = "topk"
+    assert model.routing_mode() == "topk"
+    model.train()
+    assert model.routing_mode() == "topk"
+
+
+def test_document_mask_makes_packed_rows_equal_separate_sequences(variant):
+    name, overrides = variant
+    model = tiny_model(**overrides).double().eval()
+    a, b = _ids(1, 17, seed=2), _ids(1, 12, seed=3)
+    packed = torch.cat((a, b), dim=1)
+    doc = torch.tensor([[0] * 17 + [1] * 12])
+    out = model(packed, doc_ids=doc)["logits"]
+    # RoPE tables are float32, so relative-position invariance holds to ~1e-7, not 1e-15.
+    torch.testing.assert_close(out[:, :17], model(a)["logits"], rtol=0, atol=1e-12)
+    torch.testing.assert_close(out[:, 17:], model(b)["logits"], rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- decoding
+def test_incremental_decode_matches_full_forward(variant):
+    name, overrides = variant
+    model = tiny_model(**overrides).double().eval()
+    ids = _ids(3, 30)
+    full = model(ids)["logits"]
+    caches = model.init_cache(3, 30)
+    prefill = 12
+    logits = model.forward_cached(ids[:, :prefill], 0, caches)
+    torch.testing.assert_close(logits, full[:, prefill - 1], rtol=0, atol=1e-9)
+    for t in range(prefill, 30):
+        logits = model.forward_cached(ids[:, t:t + 1], t, caches)
+        torch.testing.assert_close(logits, full[:, t], rtol=0, atol=1e-9)
+
+
+def test_greedy_generate_equals_repeated_full_forwards(variant):
+    name, overrides = variant
+    model = tiny_model(**overrides).double().eval()
+    prompt = _ids(2, 9, seed=5)
+    generated = model.generate(prompt, max_new_tokens=14)
+    tokens = prompt
+    for _ in range(14):
+        nxt = model(tokens)["logits"][:, -1].argmax(-1)
+        tokens = torch.cat((tokens, nxt[:, None]), dim=1)
+    assert torch.equal(generated, tokens)
+
+
+def test_generate_restores_training_mode_and_checks_inputs():
+    model = tiny_model().train()
+    out = model.generate(_ids(1, 5), max_new_tokens=3, temperature=0.8, top_k=5, top_p=0.9,
+                         generator=torch.Generator().manual_seed(0))
+    assert out.shape == (1, 8) and model.training
+    with pytest.raises(ValueError, match="token ids"):
+        model.generate(torch.tensor([[0, TINY["vocab_size"]]]), 2)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model.generate(_ids(1, 100), 50)
+
+
+def test_generate_stops_at_eos():
+    model = tiny_model().double().eval()
+    prompt = _ids(1, 6)
+    first = model.generate(prompt, 1)[0, -1].item()
+    out = model.generate(prompt, 10, eos_token_id=first)
+    assert out.shape[1] == 7 and out[0, -1].item() == first
+
+
+# ---------------------------------------------------------------------------- routing
+def _record_unit_sizes(model):
+    sizes = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: sizes.append((id(mod), args[0].shape[1])))
+             for m in model.modules() if isinstance(m, TransformerLayer)]
+    return sizes, hooks
+
+
+def test_topk_runs_exactly_the_configured_tokens_per_unit():
+    model = tiny_model(mod_capacity=0.75).train()
+    t = 40
+    sizes, hooks = _record_unit_sizes(model)
+    model(_ids(2, t))
+    for h in hooks:
+        h.remove()
+    expected = list(model.tokens_per_unit(t).values())
+    assert [n for _, n in sizes] == expected
+    # MoD at 0.75, then MoR (R-j)/R of that: 30, 20, 10 tokens per row in each of the 3 blocks
+    assert expected == [30, 20, 10] * 3
+
+
+def test_static_mode_runs_every_token_through_every_unit():
+    model = tiny_model(static_routing_mode=True).train()
+    sizes, hooks = _record_unit_sizes(model)
+    out = model(_ids(2, 40))
+    for h in hooks:
+        h.remove()
+    assert all(n == 40 for _, n in sizes) and len(sizes) == 9
+    assert out["routing_stats"].shape == (len(model.router_names()), 3)
+
+
+def test_deeper_recursions_take_a_subset_of_the_shallower_ones():
+    model = tiny_model().train()
+    block = model.blocks[0]
+    chosen = []
+    original = block.routers["1"].select
+
+    def spy(x, valid, k, mode, row_len, _orig=original):
+        sel = _orig(x, valid, k, mode, row_len)
+        chosen.append((x.shape[1], sel.order))
+        return sel
+    block.routers["1"].select = spy
+    model(_ids(2, 40))
+    n_candidates, order = chosen[0]
+    assert n_candidates == 20  # depth 1 picks among the 20 tokens MoD let into depth 0
+    assert order.shape == (2, 13) and bool((order.diff(dim=1) > 0).all())  # sorted: causal order kept
+
+
+def test_routers_learn_from_the_language_model_loss_and_all_parameters_get_gradients(variant):
+    name, overrides = variant
+    model = tiny_model(**overrides).train()
+    ids = _ids()
+    out = model(ids, targets=torch.roll(ids, -1, 1))
+    out["ce_loss"].backward()  # the LM loss alone, without the router aux losses
+    for pname, p in model.named_parameters():
+        if "router" in pname or "depth_router" in pname or "rec_emb" in pname or "temperature" in pname:
+            assert p.grad is not None and p.grad.abs().sum() > 0, f"{pname} gets no gradient from the LM loss"
+    model.zero_grad()
+    out = model(ids, targets=torch.roll(ids, -1, 1))
+    out["loss"].backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or p.grad.abs().sum() == 0]
+    assert not missing, f"parameters without gradient: {missing}"
+
+
+def test_weights_are_shared_across_recursions():
+    model = tiny_model(recursions=4).train()
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    assert len(layers) == TINY["n_blocks"]  # one unique layer per block, whatever the recursion count
+    calls = {id(m): 0 for m in layers}
+    hooks = [m.register_forward_hook(lambda mod, a, o: calls.__setitem__(id(mod), calls[id(mod)] + 1)) for m in layers]
+    model(_ids())
+    for h in hooks:
+        h.remove()
+    assert set(calls.values()) == {4}
+    def layer_params(m):
+        return sum(p.numel() for lyr in m.modules() if isinstance(lyr, TransformerLayer) for p in lyr.parameters())
+    assert layer_params(tiny_model(recursions=6)) == layer_params(model)
+
+
+def test_curriculum_switches_routing_off_and_on():
+    model = tiny_model().train()
+    model.set_curriculum(mod_active=False, mor_active=False)
+    sizes, hooks = _record_unit_sizes(model)
+    out = model(_ids(2, 40))
+    assert all(n == 40 for _, n in sizes) and float(out["aux_loss"]) == 0.0
+    sizes.clear()
+    model.set_curriculum(mod_active=True, mor_active=True)
+    out = model(_ids(2, 40))
+    for h in hooks:
+        h.remove()
+    assert [n for _, n in sizes] == [20, 13, 7] * 3 and float(out["aux_loss"]) > 0
+
+
+def test_causal_mode_routes_by_threshold_only():
+    model = tiny_model(n_blocks=1, recursions=1, mod_capacity=0.5).double().eval()
+    router = model.blocks[0].routers["0"]
+    with torch.no_grad():
+        router.proj.bias.fill_(-50.0)  # every logit negative: nothing enters the block
+    ids = _ids()
+    out = model(ids)
+    assert float(out["routing_stats"][0, 0]) == 0.0
+    x = model.embed(ids)
+    expected = model.lm_head(model.norm(x))  # the block was skipped entirely
+    torch.testing.assert_close(out["logits"], expected)
+
+
+# ---------------------------------------------------------------------------- MoE
+def test_moe_dispatches_only_routed_tokens_and_top1_gate_learns():
+    model = tiny_model(moe=True, moe_num_layers=1, moe_num_experts=4, moe_top_k=1).train()
+    moe = next(iter(model.moe_blocks.values()))
+    rows = []
+    import hydra_lm.model.moe as moe_mod
+    original = moe_mod.expert_matmul
+    moe_mod.expert_matmul = lambda x, w, o: (rows.append(x.shape[0]), original(x, w, o))[1]
+    try:
+        ids = _ids(2, 40)
+        out = model(ids, targets=torch.roll(ids, -1, 1))
+    finally:
+        moe_mod.expert_matmul = original
+    assert rows == [80, 80]  # each of the 80 tokens goes to exactly one expert (up and down matmuls)
+    out["ce_loss"].backward()
+    assert moe.router.weight.grad.abs().sum() > 0
+    assert float(out["moe_loss"]) > 0
+
+
+def test_moe_matches_a_per_token_reference():
+    torch.manual_seed(0)
+    from hydra_lm.model.moe import MoEFeedForward
+    moe = MoEFeedForward(16, 24, n_experts=3, top_k=2).double().eval()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    y, _, _ = moe(x)
+    h = moe.norm(x)
+    probs = torch.softmax(moe.router(h), -1)
+    ref = x.clone()
+    for b in range(2):
+        for t in range(5):
+            g, e = torch.topk(probs[b, t], 2)
+            g = g / g.sum()
+            for gate, ex in zip(g, e):
+                up = h[b, t] @ moe.w_gate_up[ex]
+                a, u = up.chunk(2)
+                ref[b, t] += gate * ((torch.nn.functional.silu(a) * u) @ moe.w_down[ex])
+    torch.testing.assert_close(y, ref)
+
+
+# ---------------------------------------------------------------------------- outputs and API
+def test_forward_outputs_and_seed_constructor():
+    model = hydra_lm.create_ccgqa_mod_mor_model(vocab_size=101, dim=64, n_mor_blocks=2, recursions=2, n_heads=2,
+                                               n_kv_heads=1, compression_factor=4, capacity_ratio=0.75)
+    ids = torch.randint(0, 101, (2, 24))
+    out = model(ids)
+    assert out["logits"].shape == (2, 24, 101)
+    for key in ("aux_loss", "ponder_loss"):
+        assert out[key].dim() == 0
+    assert out["routing_stats"].shape == (len(model.router_names()), 3)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    ids = _ids()
+    grads = []
+    for ckpt in (False, True):
+        model = tiny_model().double().train()
+        model.gradient_checkpointing = ckpt
+        model(ids, targets=torch.roll(ids, -1, 1))["loss"].backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1])
