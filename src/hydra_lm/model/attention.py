@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention_backend import flexible_attention
 from .layers import RotaryEmbedding, apply_rotary
 
 
@@ -54,9 +55,9 @@ def _same_doc(doc: torch.Tensor, s: int) -> torch.Tensor:
 
 def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor | None) -> torch.Tensor:
     """Causal attention over the whole (compacted) row; with ``doc`` [B, N], only within a document."""
-    gqa = q.shape[1] != k.shape[1]
     if doc is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return flexible_attention(q, k, v, is_causal=True)
+    gqa = q.shape[1] != k.shape[1]
     n = q.shape[2]
     causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
     mask = causal & (doc[:, :, None] == doc[:, None, :])

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import HydraConfig
 from .attention import CCGQAttention, GQAttention
 from .block import RecursiveBlock, TransformerLayer
-from .layers import RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
+from .layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
 from .moe import MoEFeedForward
 from .routing import ROUTING_MODES
 from .sampling import sample_next
@@ -45,7 +45,7 @@ def moe_positions(n_blocks: int, n_moe: int) -> list[int]:
     return [(i + 1) * n_blocks // (n_moe + 1) - 1 for i in range(n_moe)]
 
 
-class HydraModel(nn.Module):
+class HydraModel(nn.Module, GradientCheckpointMixin):
     def __init__(self, config: HydraConfig):
         super().__init__()
         config.validate()

@@ -89,3 +89,16 @@ def scale_residual_weights(projections: list[nn.Linear], n_residual_layers: int,
     """Shrink the projections that write into the residual stream by 1/sqrt(2 * layers)."""
     for proj in projections:
         nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * max(1, n_residual_layers)))
+
+
+class GradientCheckpointMixin:
+    """``enable_gradient_checkpointing()`` / ``disable_gradient_checkpointing()`` toggle the
+    ``gradient_checkpointing`` attribute that the model's forward consults (training only)."""
+
+    gradient_checkpointing: bool = False
+
+    def enable_gradient_checkpointing(self) -> None:
+        self.gradient_checkpointing = True
+
+    def disable_gradient_checkpointing(self) -> None:
+        self.gradient_checkpointing = False

@@ -1,0 +1,63 @@
+"""Which kernel computes softmax attention: PyTorch SDPA (default; picks flash / cuDNN / efficient /
+math itself), the FlashAttention package, or xFormers, chosen once per process.
+
+The packages are optional and imported lazily; asking for one that is missing is an error that
+says what to install, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "sdpa", "flash", "xformers")
+FLASH_ATTN_AVAILABLE = importlib.util.find_spec("flash_attn") is not None
+XFORMERS_AVAILABLE = importlib.util.find_spec("xformers") is not None
+
+_backend = "auto"
+
+
+def set_attention_backend(name: str) -> None:
+    """Select ``auto`` (SDPA; it dispatches to the fastest kernel PyTorch has), ``sdpa``, ``flash``
+    (flash-attn package) or ``xformers``."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r}: choose one of {list(BACKENDS)}")
+    if name == "flash" and not FLASH_ATTN_AVAILABLE:
+        raise ValueError("attention backend 'flash' needs the flash-attn package: pip install flash-attn")
+    if name == "xformers" and not XFORMERS_AVAILABLE:
+        raise ValueError("attention backend 'xformers' needs the xformers package: pip install xformers")
+    _backend = name
+
+
+def get_attention_backend() -> str:
+    return _backend
+
+
+def flexible_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True,
+                       attn_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """Attention over [B, H, N, D] tensors; k/v may have fewer heads (grouped-query attention)."""
+    gqa = q.shape[1] != k.shape[1]
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    backend = _backend
+    if attn_mask is not None or not q.is_cuda or backend in ("auto", "sdpa"):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal and attn_mask is None,
+                                              scale=scale, enable_gqa=gqa)
+    if backend == "flash":
+        from flash_attn import flash_attn_func  # takes [B, N, H, D] and handles GQA itself
+
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=is_causal,
+                              softmax_scale=scale)
+        return out.transpose(1, 2)
+    import xformers.ops as xops
+
+    if gqa:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    bias = xops.LowerTriangularMask() if is_causal else None
+    out = xops.memory_efficient_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_bias=bias,
+                                          scale=scale)
+    return out.transpose(1, 2)

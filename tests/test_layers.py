@@ -1,0 +1,72 @@
+"""The shared-layers API."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hydra_lm import layers
+from conftest import tiny_model
+
+
+def test_rmsnorm_and_swiglu_match_their_definitions():
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    norm = layers.RMSNorm(16)
+    torch.nn.init.normal_(norm.weight)
+    ref = x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * norm.weight
+    torch.testing.assert_close(norm(x), ref)
+    mlp = layers.SwiGLUMLP(16, 24)
+    gate, up = mlp.gate_up.weight.split(24)
+    torch.testing.assert_close(mlp(x), (F.silu(x @ gate.T) * (x @ up.T)) @ mlp.down.weight.T)
+    with pytest.raises(ValueError, match="unknown activation"):
+        layers.get_activation("tanhh")
+
+
+def test_rotary_is_relative_and_norm_preserving():
+    rope = layers.RotaryEmbedding(8, 64)
+    q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+
+    def score(i, j):
+        ci, si = rope(torch.tensor([[i]]), torch.float32)
+        cj, sj = rope(torch.tensor([[j]]), torch.float32)
+        return (layers.apply_rotary(q, ci, si) * layers.apply_rotary(k, cj, sj)).sum()
+    torch.testing.assert_close(score(10, 3), score(27, 20), rtol=1e-5, atol=1e-5)
+    c, s = rope(torch.tensor([[13]]), torch.float32)
+    torch.testing.assert_close(layers.apply_rotary(q, c, s).norm(), q.norm())
+
+
+def test_flexible_attention_expands_gqa_and_validates_backends():
+    q, k, v = torch.randn(2, 8, 10, 16), torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 16)
+    out = layers.flexible_attention(q, k, v, is_causal=True)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
+    torch.testing.assert_close(out, ref)
+    with pytest.raises(ValueError, match="choose one of"):
+        layers.set_attention_backend("magic")
+    if not layers.FLASH_ATTN_AVAILABLE:
+        with pytest.raises(ValueError, match="pip install flash-attn"):
+            layers.set_attention_backend("flash")
+    layers.set_attention_backend("sdpa")
+    assert layers.get_attention_backend() == "sdpa"
+    layers.set_attention_backend("auto")
+
+
+def test_gradient_checkpoint_mixin_and_memory_footprint():
+    model = tiny_model()
+    before = layers.compute_memory_footprint(model, batch_size=4, seq_len=64)
+    model.enable_gradient_checkpointing()
+    assert model.gradient_checkpointing
+    after = layers.compute_memory_footprint(model, batch_size=4, seq_len=64)
+    assert after["activations_mb"] < before["activations_mb"]
+    assert math.isclose(before["weights_mb"], model.num_parameters() * 4 / 2**20)
+    model.disable_gradient_checkpointing()
+    assert not model.gradient_checkpointing
+
+
+def test_init_helpers():
+    lin = torch.nn.Linear(256, 256)
+    layers.init_weights_normal(lin, std=0.02)
+    assert abs(lin.weight.std().item() - 0.02) < 0.002 and lin.bias.abs().sum() == 0
+    layers.scale_residual_weights([lin], n_residual_layers=8, std=0.02)
+    assert abs(lin.weight.std().item() - 0.02 / 4) < 0.001
