@@ -90,23 +90,25 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     peak = measure_peak_tflops()
     modes = {"eager": [False], "compiled": [True], "both": [False, True]}[args.compile]
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, measured bf16 peak {peak:.0f} TFLOP/s, "
+          f"batch {args.batch} x {args.seq}")
+    header = f"{'config':<18}{'mode':<10}{'params':>8}{'tok/s':>11}{'ms/step':>9}{'TFLOP/s':>9}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}"
+    print(header, flush=True)
     rows = []
     for name in args.configs:
         for compiled in modes:
-            row = time_config(name, args.batch, args.seq, compiled, args.steps, args.warmup)
-            row["mfu"] = row["tflops"] / peak
-            rows.append(row)
+            r = time_config(name, args.batch, args.seq, compiled, args.steps, args.warmup)
+            r["mfu"] = r["tflops"] / peak
+            rows.append(r)
+            # Each row as soon as it is measured: a run cut short still reports what it finished.
+            print(f"{r['config']:<18}{'compiled' if r['compiled'] else 'eager':<10}{r['params_M']:>7.1f}M"
+                  f"{r['tokens_per_s']:>11,.0f}{r['step_ms']:>9.1f}{r['tflops']:>9.1f}{r['mfu']:>7.1%}"
+                  f"{r['peak_mem_GB']:>9.1f}{r['first_step_s']:>11.1f}", flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"peak_tflops": peak, "rows": rows}, f, indent=1)
             torch._dynamo.reset()
             torch.cuda.empty_cache()
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, measured bf16 peak {peak:.0f} TFLOP/s, "
-          f"batch {args.batch} x {args.seq}")
-    print(f"{'config':<18}{'mode':<10}{'params':>8}{'tok/s':>11}{'ms/step':>9}{'TFLOP/s':>9}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}")
-    for r in rows:
-        print(f"{r['config']:<18}{'compiled' if r['compiled'] else 'eager':<10}{r['params_M']:>7.1f}M{r['tokens_per_s']:>11,.0f}"
-              f"{r['step_ms']:>9.1f}{r['tflops']:>9.1f}{r['mfu']:>7.1%}{r['peak_mem_GB']:>9.1f}{r['first_step_s']:>11.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"peak_tflops": peak, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
