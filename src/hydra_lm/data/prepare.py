@@ -1,0 +1,263 @@
+"""``prepare_data``: a corpus in, token shards + tokenizer + ``meta.json`` out (see ``shards.py``)."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .shards import (
+    FORMAT_VERSION,
+    META_FILE,
+    SPLITS,
+    SplitWriter,
+    bin_path,
+    idx_path,
+    read_meta,
+    token_dtype,
+    write_json_atomic,
+)
+from .sources import DEFAULT_CORPUS_BYTES, Corpus, resolve_inputs
+from .tokenizer import TIKTOKEN_FILE, TOKENIZER_FILE, HydraTokenizer, check_vocab_size, load_tokenizer
+
+# Enough text per encode_batch call to keep the Rust thread pool busy, little enough to bound memory.
+_BATCH_DOCS, _BATCH_CHARS = 512, 16 << 20
+# BPE merges stop improving long before a large corpus is exhausted; training on a bounded sample
+# keeps tokenizer training time and memory flat however big the corpus is.
+DEFAULT_TOKENIZER_SAMPLE_BYTES = 200_000_000
+
+
+def _log(progress: bool, msg: str) -> None:
+    if progress:
+        print(f"[hydra-lm prepare] {msg}", flush=True)
+
+
+def in_val(key: str, seed: int, val_fraction: float) -> bool:
+    """Hold-out decision from a hash of (seed, document key): stable across machines and runs."""
+    if val_fraction <= 0:
+        return False
+    h = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "big") / 2**64 < val_fraction
+
+
+def _documents(corpus: Corpus, text_field: str, max_bytes: int | None) -> Iterator[tuple[int, str, object]]:
+    """``(source index, key, payload)`` in corpus order, stopping once ``max_bytes`` were read.
+
+    Text counts its UTF-8 bytes, token arrays 4 bytes per token; the document that would cross
+    the cap is left out, except a first one, so a tiny cap still yields data.
+    """
+    used = 0
+    for si, source in enumerate(corpus.sources):
+        for key, payload in source.documents(text_field, corpus.strict_text):
+            if max_bytes is not None:
+                size = len(payload.encode("utf-8")) if isinstance(payload, str) else 4 * len(payload)
+                if used and used + size > max_bytes:
+                    return
+                used += size
+            yield si, key, payload
+
+
+def _check_options(vocab_size, val_fraction, seed, max_bytes, text_field) -> None:
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction={val_fraction!r} must be in [0, 1); 0.01 to 0.05 is usual")
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed={seed!r} must be an integer >= 0")
+    if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
+        raise ValueError(f"max_bytes={max_bytes!r} must be a positive integer (or None for no cap)")
+    if not text_field:
+        raise ValueError("text_field must name the field that holds the text, e.g. 'text'")
+    check_vocab_size(vocab_size)
+
+
+def _fingerprint(corpus: Corpus, options: dict, tokenizer_id: str) -> str:
+    body = {"format": FORMAT_VERSION, "options": options, "tokenizer": tokenizer_id,
+            "inputs": [s.fingerprint() for s in corpus.sources], "notes": corpus.notes}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode("utf-8")).hexdigest()
+
+
+def _up_to_date(out: Path, fingerprint: str) -> bool:
+    try:
+        meta = read_meta(out)
+    except (FileNotFoundError, ValueError):
+        return False
+    if meta.get("fingerprint") != fingerprint:
+        return False
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    if meta.get("tokenizer") and not (out / meta["tokenizer"]["file"]).is_file():
+        return False
+    return all(bin_path(out, s).is_file() and idx_path(out, s).is_file()
+               and bin_path(out, s).stat().st_size == info["tokens"] * itemsize
+               for s, info in meta["splits"].items())
+
+
+def _train_tokenizer(corpus, text_field, max_bytes, seed, val_fraction, vocab_size, sample_bytes, progress):
+    def texts() -> Iterator[str]:
+        used = 0
+        for _, key, payload in _documents(corpus, text_field, max_bytes):
+            if payload.strip() and not in_val(key, seed, val_fraction):
+                yield payload
+                used += len(payload)
+                if used >= sample_bytes:
+                    return
+
+    stream = texts()
+    first = next(stream, None)
+    if first is None:
+        raise ValueError(f"no training text in {corpus.description}: the inputs are empty, or every document fell "
+                         f"into the validation split (val_fraction={val_fraction}); add text or lower val_fraction")
+    _log(progress, f"training a byte-level BPE tokenizer (vocab {vocab_size})")
+    return HydraTokenizer.train(_chain(first, stream), vocab_size, progress)
+
+
+def _chain(first: str, rest: Iterator[str]) -> Iterator[str]:
+    yield first
+    yield from rest
+
+
+def _scan_token_vocab(corpus: Corpus) -> int:
+    """Vocabulary of tokenizer-less shards: what they declare, or else their largest id + 1."""
+    from .readers import load_token_docs
+
+    size = 0
+    for s in corpus.sources:
+        docs, declared = load_token_docs(s.path, s.fmt)
+        top = max((int(d.max()) + 1 for d in docs if len(d)), default=0)
+        size = max(size, top, declared or 0)
+    return size
+
+
+def prepare_data(inputs: Sequence[str | Path] | str | Path | None, out_dir: str | Path, vocab_size: int = 8192,
+                 tokenizer: "str | Path | HydraTokenizer | None" = None, val_fraction: float = 0.02, seed: int = 0,
+                 text_field: str = "text", max_bytes: int | None = None, progress: bool = True, *,
+                 force: bool = False, tokenizer_sample_bytes: int = DEFAULT_TOKENIZER_SAMPLE_BYTES) -> Path:
+    """Turn a corpus into ``train``/``val`` token shards, a tokenizer and ``meta.json`` in ``out_dir``.
+
+    ``inputs``: files, directories, globs, ``small_chat``/``nemotron`` (via ``HYDRA_DATA_ROOT``),
+    ``hf:NAME[:CONFIG][:SPLIT]``, or None for the Python standard library source (capped at
+    ``max_bytes``, default 20 MB). ``tokenizer``: None trains a byte-level BPE of ``vocab_size``;
+    otherwise a ``tokenizer.json`` or its directory, ``tiktoken:NAME``, or a cached HF model name.
+    Pre-tokenized ``.pt``/``.npy`` inputs without a tokenizer are stored as-is, with a separator id
+    appended after their vocabulary. The validation split holds out whole documents by a hash of
+    ``(seed, key)``, where a key is a path relative to its input (``path#n`` for records).
+    Re-running with the same inputs and options does nothing unless ``force``.
+    """
+    start = time.perf_counter()
+    out = Path(out_dir).expanduser()
+    _check_options(vocab_size, val_fraction, seed, max_bytes, text_field)
+    corpus = resolve_inputs(inputs, default_cap=max_bytes or DEFAULT_CORPUS_BYTES, exclude=out)
+    if inputs is None:
+        max_bytes = None  # the default corpus applied the cap when choosing its files
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else None
+    if tok is None and corpus.has_text and corpus.has_tokens:
+        raise ValueError("inputs mix text and pre-tokenized shards: pass tokenizer=... (the one the shards were "
+                         "made with) so both end up in the same vocabulary")
+    options = {"vocab_size": vocab_size, "val_fraction": val_fraction, "seed": seed, "text_field": text_field,
+               "max_bytes": max_bytes, "tokenizer_sample_bytes": tokenizer_sample_bytes}
+    fingerprint = _fingerprint(corpus, options, tok.fingerprint() if tok else "train" if corpus.has_text else "as-is")
+    if not force and _up_to_date(out, fingerprint):
+        _log(progress, f"{out} is already prepared from the same inputs and options (fingerprint "
+                       f"{fingerprint[:12]}): skipped")
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    _log(progress, f"preparing {out} from {corpus.description}")
+
+    if tok is None and corpus.has_text:
+        tok = _train_tokenizer(corpus, text_field, max_bytes, seed, val_fraction, vocab_size,
+                               tokenizer_sample_bytes, progress)
+    if tok is not None:
+        vocab, eos_id, bos_id, pad_id = tok.vocab_size, tok.eos_id, tok.bos_id, tok.pad_id
+    else:
+        eos_id = _scan_token_vocab(corpus)  # the separator takes the first id after the shards' own
+        vocab, bos_id, pad_id = eos_id + 1, eos_id, eos_id
+    dtype = token_dtype(vocab)
+    writers = {s: SplitWriter(out, s, dtype, eos_id) for s in SPLITS}
+    try:
+        val_moved = _encode_all(corpus, tok, writers, text_field, max_bytes, seed, val_fraction, vocab, progress)
+        if writers["train"].documents == 0:
+            raise ValueError(f"no training documents in {corpus.description}: the inputs hold no text, or every "
+                             f"document fell into the validation split; add data or lower val_fraction")
+        # Only now does the old output start to be replaced: drop its meta.json first so that, if
+        # this run dies halfway, no stale meta.json vouches for half-replaced shards.
+        (out / META_FILE).unlink(missing_ok=True)
+        splits = {s: w.finish() for s, w in writers.items()}
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    for stale in (TOKENIZER_FILE, TIKTOKEN_FILE):
+        (out / stale).unlink(missing_ok=True)
+    if tok is not None:
+        tok.save(out)
+    from .. import __version__
+
+    meta = {
+        "format_version": FORMAT_VERSION, "hydra_lm_version": __version__, "fingerprint": fingerprint,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "vocab_size": vocab, "vocab_size_requested": vocab_size if tok is not None and tok.kind == "bpe" else None,
+        "dtype": dtype.name, "eos_id": eos_id, "bos_id": bos_id, "pad_id": pad_id,
+        "tokenizer": tok.describe() if tok is not None else None,
+        "splits": splits, "num_documents": sum(v["documents"] for v in splits.values()),
+        "token_counts": {s: v["tokens"] for s, v in splits.items()},
+        "source": {"description": corpus.description, "inputs": corpus.inputs, **corpus.notes},
+        "options": options,
+        "val_holdout": ("documents whose blake2b hash of (seed, key) falls below val_fraction; key = path relative "
+                        "to its input, path#n for the n-th record" + ("; none did, so the last document was moved"
+                                                                      " to val" if val_moved else "")),
+        "layout": "each document is [eos] + tokens; the stream ends with one extra eos; idx = document starts",
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+    write_json_atomic(out / META_FILE, meta)
+    _log(progress, f"done in {meta['seconds']:.1f}s: vocab {vocab} ({dtype.name}), train {splits['train']['tokens']:,} "
+                   f"tokens / {splits['train']['documents']:,} docs, val {splits['val']['tokens']:,} tokens / "
+                   f"{splits['val']['documents']:,} docs")
+    return out
+
+
+def _encode_all(corpus, tok, writers, text_field, max_bytes, seed, val_fraction, vocab, progress) -> bool:
+    """Stream every document into its split's writer; returns whether a document was moved to val."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=corpus.total_bytes or None, unit="B", unit_scale=True, desc="encode", disable=not progress)
+    pending: list[tuple[bool, str]] = []
+    pending_chars = 0
+    done_source = 0
+
+    def flush() -> None:
+        nonlocal pending, pending_chars
+        if pending:
+            for (is_val, _), ids in zip(pending, tok.encode_arrays([t for _, t in pending])):
+                writers["val" if is_val else "train"].add(ids)
+            pending, pending_chars = [], 0
+
+    for si, key, payload in _documents(corpus, text_field, max_bytes):
+        while done_source < si:
+            bar.update(corpus.sources[done_source].size)
+            done_source += 1
+        is_val = in_val(key, seed, val_fraction)
+        if isinstance(payload, str):
+            if payload.strip():
+                pending.append((is_val, payload))
+                pending_chars += len(payload)
+                if len(pending) >= _BATCH_DOCS or pending_chars >= _BATCH_CHARS:
+                    flush()
+            continue
+        flush()  # keep corpus order when text and token documents interleave
+        if len(payload) == 0:
+            continue
+        top = int(payload.max())
+        if top >= vocab:
+            raise ValueError(f"{corpus.sources[si].path}: token id {top} >= vocab size {vocab} of the tokenizer: "
+                             f"these shards were made with another tokenizer; pass the matching one")
+        writers["val" if is_val else "train"].add(payload)
+    flush()
+    bar.update(sum(s.size for s in corpus.sources[done_source:]))
+    bar.close()
+    if val_fraction > 0 and writers["val"].documents == 0 and writers["train"].documents >= 2:
+        writers["val"].add(writers["train"].take_pending())
+        return True
+    return False

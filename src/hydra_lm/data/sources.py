@@ -1,0 +1,256 @@
+"""Resolve ``prepare_data`` inputs into an ordered list of sources, each a file or a dataset.
+
+Inputs may be files, directories (walked recursively), globs, named local data sets of the seed
+project (``small_chat``, ``nemotron``, ``finefineweb``, found through ``HYDRA_*`` variables),
+``hf:NAME[:CONFIG][:SPLIT]``, or nothing, which selects the embedded default corpus: the source
+of the running interpreter's standard library, present on every machine without a download.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import sys
+import sysconfig
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import readers
+
+DEFAULT_CORPUS_BYTES = 20_000_000
+SKIP_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", "node_modules", ".venv", "venv", ".tox",
+                       ".mypy_cache", ".pytest_cache", ".ipynb_checkpoints", "site-packages", "dist-packages"})
+TEST_DIRS = frozenset({"test", "tests", "idle_test"})
+# name -> (variable naming the directory itself, sub-directory of HYDRA_DATA_ROOT)
+NAMED_SETS = {
+    "small_chat": ("HYDRA_SMALL_CHAT_PT_DIR", "hydra_small_chat_pt"),
+    "nemotron": ("HYDRA_NEMOTRON_PT_DIR", "hydra_nemotron_pt"),
+    "finefineweb": (None, "hf_finefineweb"),
+}
+# The seed documents this mount point as the fallback location of its converted shards.
+SEED_DEFAULT_ROOT = Path("/mnt/nvme0")
+
+
+@dataclass(frozen=True)
+class Source:
+    fmt: str                 # text, jsonl, json, parquet, pt, npy or hf
+    key: str                 # stable name: path relative to its input, or the hf: spec
+    path: Path | None = None
+    size: int = 0
+    mtime_ns: int = 0
+    explicit: bool = False   # named by the user rather than found in a directory
+
+    @property
+    def pretokenized(self) -> bool:
+        return self.fmt in ("pt", "npy")
+
+    def fingerprint(self) -> list:
+        return [self.fmt, self.key, str(self.path) if self.path else None, self.size, self.mtime_ns]
+
+    def documents(self, text_field: str, strict_text: bool = False) -> Iterator[readers.Doc]:
+        if self.fmt == "hf":
+            yield from readers.iter_hf(self.key, text_field)
+        elif self.fmt == "hf_disk":
+            yield from readers.iter_saved_dataset(self.path, self.key, text_field)
+        elif self.fmt == "text":
+            text = readers.read_text(self.path, strict=strict_text)
+            if text is not None:
+                yield self.key, text
+        elif self.fmt == "jsonl":
+            yield from readers.iter_jsonl(self.path, self.key, text_field)
+        elif self.fmt == "json":
+            yield from readers.iter_json(self.path, self.key, text_field, self.explicit)
+        elif self.fmt == "parquet":
+            yield from readers.iter_parquet(self.path, self.key, text_field)
+        else:
+            yield from readers.iter_token_docs(self.path, self.key, self.fmt)
+
+
+@dataclass
+class Corpus:
+    sources: list[Source]
+    description: str
+    inputs: list[str] | None
+    strict_text: bool = False
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def has_text(self) -> bool:
+        return any(not s.pretokenized for s in self.sources)
+
+    @property
+    def has_tokens(self) -> bool:
+        return any(s.pretokenized for s in self.sources)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.sources)
+
+
+def _file_source(path: Path, root: Path, explicit: bool) -> Source | None:
+    fmt = readers.detect_format(path)
+    if fmt is None:
+        if not explicit:
+            return None
+        if readers.looks_binary(path):
+            raise ValueError(f"unknown input type: {path} is neither text nor a supported format; supported: "
+                             f"{readers.FORMAT_HELP}")
+        fmt = "text"
+    st = path.stat()
+    try:
+        key = path.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        key = path.name
+    return Source(fmt, key, path, st.st_size, st.st_mtime_ns, explicit)
+
+
+def _is_prepared(directory: Path) -> bool:
+    # A prepared output inside an input tree would otherwise be read back as .npy token shards.
+    return (directory / "meta.json").is_file() and (directory / "train.bin").is_file()
+
+
+def _walk(root: Path, skip_test_data: bool = False) -> Iterator[Path]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_parts = Path(dirpath).relative_to(root).parts
+        in_tests = any(p in TEST_DIRS for p in rel_parts)
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")
+                             and not (skip_test_data and in_tests and d.endswith("data"))
+                             and not _is_prepared(Path(dirpath) / d))
+        for name in sorted(filenames):
+            if not name.startswith("."):
+                yield Path(dirpath) / name
+
+
+def _dir_sources(root: Path) -> list[Source]:
+    if readers.is_saved_dataset(root):
+        files = [p for p in root.rglob("*") if p.is_file()]
+        stamp = max((p.stat().st_mtime_ns for p in files), default=0)
+        return [Source("hf_disk", root.name, root, sum(p.stat().st_size for p in files), stamp)]
+    found = [s for p in _walk(root) if p.is_file() and (s := _file_source(p, root, explicit=False))]
+    if not found:
+        raise ValueError(f"found no supported files under {root}: supported are {readers.FORMAT_HELP}")
+    return found
+
+
+def named_data_dir(name: str) -> Path:
+    """Directory of a named seed data set, from its variable, ``HYDRA_DATA_ROOT``, or the seed's mount."""
+    variable, sub = NAMED_SETS[name]
+    if variable and os.environ.get(variable):
+        path = Path(os.environ[variable]).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"{variable}={path} is not a directory: point it at the {sub}/ shards")
+        return path
+    looked = []
+    if os.environ.get("HYDRA_DATA_ROOT"):
+        looked.append(Path(os.environ["HYDRA_DATA_ROOT"]).expanduser() / sub)
+    looked.append(SEED_DEFAULT_ROOT / sub)
+    for path in looked:
+        if path.is_dir():
+            return path
+    how = f"set {variable} to its directory or" if variable else "set"
+    raise FileNotFoundError(f"named data set {name!r} not found (looked in {', '.join(map(str, looked))}): {how} "
+                            f"HYDRA_DATA_ROOT to the directory that contains {sub}/")
+
+
+def _named_set(spec: str) -> str | None:
+    bare = spec.lower().removeprefix("hydra_").removeprefix("hf_").removesuffix("_pt")
+    return bare if bare in NAMED_SETS else None
+
+
+def _glob_base(pattern: str) -> Path:
+    parts = Path(pattern).parts
+    stop = next((i for i, p in enumerate(parts) if glob.has_magic(p)), len(parts))
+    return Path(*parts[:stop]) if stop else Path(".")
+
+
+def resolve_inputs(inputs: Sequence[str | Path] | str | Path | None, default_cap: int = DEFAULT_CORPUS_BYTES,
+                   exclude: Path | None = None) -> Corpus:
+    """Sources of ``inputs`` in a deterministic order; files under ``exclude`` (the output) are left out."""
+    if inputs is None:
+        return default_corpus(default_cap)
+    if isinstance(inputs, (str, Path)):
+        inputs = [inputs]
+    inputs = [str(i) for i in inputs]
+    if not inputs:
+        raise ValueError("inputs is an empty list: pass files, directories, globs or hf:NAME, or None for the "
+                         "default corpus (the Python standard library source)")
+    sources: list[Source] = []
+    notes: dict = {}
+    for spec in inputs:
+        if spec.startswith("hf:"):
+            readers.parse_hf_spec(spec)
+            sources.append(Source("hf", spec))
+            continue
+        path = Path(spec).expanduser()
+        if glob.has_magic(spec) and not path.exists():
+            matches = sorted(glob.glob(str(path), recursive=True))
+            if not matches:
+                raise FileNotFoundError(f"input pattern {spec!r} matches no files")
+            base = _glob_base(str(path))
+            for m in map(Path, matches):
+                if m.is_dir():
+                    sources += _dir_sources(m)
+                elif (s := _file_source(m, base, explicit=False)) is not None:
+                    sources.append(s)
+        elif path.is_dir():
+            sources += _dir_sources(path)
+        elif path.is_file():
+            sources.append(_file_source(path, path.parent, explicit=True))
+        elif (name := _named_set(spec)) is not None:
+            directory = named_data_dir(name)
+            notes.setdefault("named_sets", {})[name] = str(directory)
+            sources += _dir_sources(directory)
+        else:
+            raise FileNotFoundError(f"input {spec!r} does not exist: inputs are files, directories, globs, "
+                                    f"hf:NAME[:CONFIG][:SPLIT], or a named set ({', '.join(NAMED_SETS)}) found "
+                                    f"through HYDRA_DATA_ROOT")
+    unique, seen = [], set()
+    skip = exclude.resolve() if exclude is not None else None
+    for s in sources:
+        ident = str(s.path.resolve()) if s.path else s.key
+        if skip is not None and s.path is not None and skip in s.path.resolve().parents:
+            continue
+        if ident not in seen:
+            seen.add(ident)
+            unique.append(s)
+    if not unique:
+        raise ValueError(f"no supported input files in {inputs}: supported are {readers.FORMAT_HELP}")
+    return Corpus(unique, f"{len(unique)} source(s) from {', '.join(inputs)}", inputs, notes=notes)
+
+
+def _path_hash(rel: str) -> bytes:
+    return hashlib.sha1(rel.encode("utf-8")).digest()
+
+
+def default_corpus(cap: int = DEFAULT_CORPUS_BYTES) -> Corpus:
+    """The ``.py`` files of the running interpreter's standard library, at most ``cap`` bytes.
+
+    Files are picked in the order of a hash of their relative path until the cap is reached, so
+    the subset covers the whole library rather than its alphabetical head and is identical on
+    every machine with the same Python version.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in _walk(root, skip_test_data=True) if p.suffix == ".py" and p.is_file()]
+    if not files:
+        raise ValueError(f"found no .py files under {root}, the standard library of this interpreter: pass "
+                         f"inputs explicitly")
+    rels = {p: p.relative_to(root).as_posix() for p in files}
+    chosen, total = [], 0
+    for p in sorted(files, key=lambda p: _path_hash(rels[p])):
+        size = p.stat().st_size
+        if total + size <= cap:
+            chosen.append(p)
+            total += size
+    all_bytes = sum(p.stat().st_size for p in files)
+    sources = [Source("text", rels[p], p, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(chosen)]
+    version = ".".join(map(str, sys.version_info[:3]))
+    capped = len(chosen) < len(files)
+    description = (f"Python {version} standard library source: {len(chosen)} of {len(files)} .py files, "
+                   f"{total:,} of {all_bytes:,} bytes" + (f" (capped at {cap:,} bytes, files chosen by a hash of "
+                                                           f"their relative path)" if capped else "")
+                   + "; site-packages and test data directories skipped, non-UTF-8 files dropped")
+    notes = {"python_version": version, "stdlib": str(root), "files_total": len(files), "files_used": len(chosen),
+             "bytes_total": all_bytes, "bytes_used": total, "cap_bytes": cap, "capped": capped}
+    return Corpus(sources, description, None, strict_text=True, notes=notes)
