@@ -15,14 +15,19 @@ from torch import nn
 from .layers import RMSNorm
 
 
-def _grouped_mm_ok(x: torch.Tensor) -> bool:
-    return hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+def _grouped_mm_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """bf16 when the grouped GEMM kernel can run (CUDA, bf16 inputs or bf16 autocast), else None."""
+    if not (hasattr(torch, "_grouped_mm") and x.is_cuda):
+        return None
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    return dtype if dtype == torch.bfloat16 else None
 
 
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Row slice ``offsets[e-1]:offsets[e]`` of ``x`` [M, K] times ``weight[e]`` [K, N]."""
-    if _grouped_mm_ok(x):
-        return torch._grouped_mm(x, weight.to(x.dtype), offs=offsets.to(torch.int32))
+    dtype = _grouped_mm_dtype(x)
+    if dtype is not None:
+        return torch._grouped_mm(x.to(dtype), weight.to(dtype), offs=offsets.to(torch.int32))
     ends = offsets.tolist()  # host sync: eager fallback only
     out = x.new_empty(x.shape[0], weight.shape[-1])
     start = 0
