@@ -37,6 +37,14 @@ class AttentionCache:
                    if t is not None)
 
 
+def empty_kv_cache(batch: int, kv_heads: int, length: int, head_dim: int, device, dtype) -> AttentionCache:
+    return AttentionCache(
+        k=torch.zeros(batch, kv_heads, length, head_dim, device=device, dtype=dtype),
+        v=torch.zeros(batch, kv_heads, length, head_dim, device=device, dtype=dtype),
+        slot_valid=torch.zeros(batch, length, dtype=torch.bool, device=device),
+    )
+
+
 def _valid_counts(valid: torch.Tensor | None, batch: int, n: int, device: torch.device) -> torch.Tensor:
     if valid is None:
         return torch.full((batch,), n, dtype=torch.long, device=device)
@@ -114,13 +122,10 @@ class CCGQAttention(nn.Module):
         self.out = nn.Linear(self.q_dim, dim, bias=False)
 
     def new_cache(self, batch: int, length: int, device, dtype) -> AttentionCache:
-        return AttentionCache(
-            k=torch.zeros(batch, self.n_kv_heads, length, self.head_dim, device=device, dtype=dtype),
-            v=torch.zeros(batch, self.n_kv_heads, length, self.head_dim, device=device, dtype=dtype),
-            slot_valid=torch.zeros(batch, length, dtype=torch.bool, device=device),
-            conv=torch.zeros(batch, self.conv_pad, self.q_dim + self.kv_dim, device=device, dtype=dtype),
-            shift=torch.zeros(batch, self.v_prev_dim, device=device, dtype=dtype),
-        )
+        cache = empty_kv_cache(batch, self.n_kv_heads, length, self.head_dim, device, dtype)
+        cache.conv = torch.zeros(batch, self.conv_pad, self.q_dim + self.kv_dim, device=device, dtype=dtype)
+        cache.shift = torch.zeros(batch, self.v_prev_dim, device=device, dtype=dtype)
+        return cache
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding,
                 cache: AttentionCache | None = None, valid: torch.Tensor | None = None,
@@ -199,11 +204,7 @@ class GQAttention(nn.Module):
         self.out = nn.Linear(self.q_dim, dim, bias=False)
 
     def new_cache(self, batch: int, length: int, device, dtype) -> AttentionCache:
-        return AttentionCache(
-            k=torch.zeros(batch, self.n_kv_heads, length, self.head_dim, device=device, dtype=dtype),
-            v=torch.zeros(batch, self.n_kv_heads, length, self.head_dim, device=device, dtype=dtype),
-            slot_valid=torch.zeros(batch, length, dtype=torch.bool, device=device),
-        )
+        return empty_kv_cache(batch, self.n_kv_heads, length, self.head_dim, device, dtype)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding,
                 cache: AttentionCache | None = None, valid: torch.Tensor | None = None,

@@ -14,7 +14,7 @@ from torch import nn
 
 from .attention import AttentionCache
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
-from .routing import DepthRouter, Router, Selection, causal_order
+from .routing import DepthRouter, Router, Selection, masked_selection
 
 
 class TransformerLayer(nn.Module):
@@ -156,16 +156,7 @@ class RecursiveBlock(nn.Module):
         if mode == "static":
             frac = (torch.ones_like(weight) if vc is None else vc.float()).sum(1).mean() / seq_len
             return Selection(None, weight, vc, weight.new_zeros(()), torch.stack((frac, weight.mean(), frac.new_ones(()))))
-        chosen = choice[..., 0] >= j
-        if vc is not None:
-            chosen = chosen & vc
-        order = causal_order(chosen)
-        valid = chosen.gather(1, order)
-        executed = valid.float()
-        frac = executed.sum(1).mean() / seq_len
-        w = weight.gather(1, order)
-        mean_gate = (w * executed).sum() / executed.sum().clamp(min=1.0)
-        return Selection(order, w, valid, weight.new_zeros(()), torch.stack((frac, mean_gate, frac.new_ones(()))))
+        return masked_selection(choice[..., 0] >= j, weight, vc, seq_len)
 
 
 def _pass_through(xc: torch.Tensor, vc: torch.Tensor | None, seq_len: int) -> Selection:

@@ -67,17 +67,22 @@ class Router(nn.Module):
             frac = torch.full((), k / row_len, device=x.device)
             return Selection(order, weight, None, aux, torch.stack((frac, weight.mean(), agree)))
         if mode == "causal":
-            chosen = r > 0
-            if valid is not None:
-                chosen = chosen & valid
-            order = causal_order(chosen)
-            valid_out = chosen.gather(1, order)
-            weight = self.gate(r.gather(1, order))
-            executed = valid_out.float()
-            frac = executed.sum(1).mean() / row_len
-            mean_gate = (weight * executed).sum() / executed.sum().clamp(min=1.0)
-            return Selection(order, weight, valid_out, r.new_zeros(()), torch.stack((frac, mean_gate, frac.new_ones(()))))
+            return masked_selection(r > 0, self.gate(r), valid, row_len)
         raise ValueError(f"routing mode {mode!r}: must be one of {ROUTING_MODES}")
+
+
+def masked_selection(chosen: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor | None, row_len: int) -> Selection:
+    """Select the ``chosen`` [B, N] candidates (and only valid ones) without changing shapes: all N
+    entries are kept, chosen ones first in causal order, the rest marked invalid behind them."""
+    if valid is not None:
+        chosen = chosen & valid
+    order = causal_order(chosen)
+    valid_out = chosen.gather(1, order)
+    weight = gate.gather(1, order)
+    executed = valid_out.float()
+    frac = executed.sum(1).mean() / row_len
+    mean_gate = (weight * executed).sum() / executed.sum().clamp(min=1.0)
+    return Selection(order, weight, valid_out, gate.new_zeros(()), torch.stack((frac, mean_gate, frac.new_ones(()))))
 
 
 def causal_order(chosen: torch.Tensor) -> torch.Tensor:
