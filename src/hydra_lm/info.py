@@ -14,6 +14,13 @@ def _m(n: float) -> str:
     return f"{n / 1e6:,.1f}M"
 
 
+def _per_block(units: list[tuple[str, int, int]]) -> str:
+    blocks: dict[str, list[str]] = {}
+    for name, _, k in units:
+        blocks.setdefault(name.split(".")[0], []).append(str(k))
+    return ", ".join(f"{block} {'/'.join(ks)}" for block, ks in blocks.items())
+
+
 def describe(model_size: str, seq_len: int = 1024, arch: str = "hydra", vocab_size: int | None = None) -> list[str]:
     overrides = {"arch": arch, "max_seq_len": max(seq_len, 2048)}
     if vocab_size is not None:
@@ -49,7 +56,7 @@ def describe(model_size: str, seq_len: int = 1024, arch: str = "hydra", vocab_si
         f"(every token through every unit: {full / 1e9:.3f} GFLOP, ratio {full / flops:.2f}x)",
         f"KV cache per token (bf16): {cache['allocated'] / 1024:.1f} KiB allocated, "
         f"{cache['occupied'] / 1024:.1f} KiB at the configured capacities",
-        "tokens per row per unit (top-k): " + ", ".join(f"{name}={k}" for name, _, k in unit_token_counts(cfg, seq_len)),
+        f"tokens per row entering each depth (top-k, of {seq_len}): " + _per_block(unit_token_counts(cfg, seq_len)),
     ]
     return lines
 
