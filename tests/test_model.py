@@ -29,6 +29,19 @@ def test_changing_a_token_never_changes_earlier_outputs(variant, routing):
         assert not torch.allclose(out[:, t:], base[:, t:]), "the change must matter from position t on"
 
 
+def test_document_masked_forward_is_causal(variant):
+    name, overrides = variant
+    model = tiny_model(**overrides).double().eval()
+    ids = _ids()
+    doc = torch.tensor([[0] * 15 + [1] * 25, [0] * 30 + [1] * 10])
+    base = model(ids, doc_ids=doc)["logits"]
+    for t in (3, 20, 33):
+        changed = ids.clone()
+        changed[:, t] = (changed[:, t] + 5) % TINY["vocab_size"]
+        out = model(changed, doc_ids=doc)["logits"]
+        torch.testing.assert_close(out[:, :t], base[:, :t], rtol=0, atol=1e-10)
+
+
 def test_topk_routing_is_not_causal_which_is_why_eval_defaults_to_causal():
     model = tiny_model().double().eval()
     assert model.routing_mode() == "causal"
