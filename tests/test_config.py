@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import hydra_lm
+import hydra_lm.cli
 from hydra_lm.config import PRESETS, HydraConfig, preset_config, seed_param_count
 from hydra_lm.model import HydraModel
 from hydra_lm.model.accounting import count_parameters, executed_flops_per_token

@@ -6,7 +6,6 @@ from typing import Any
 
 from .config import PRESETS, HydraConfig, preset_config, preset_names
 from .model import HydraModel
-from . import cli  # noqa: F401  (hydra_lm.cli.main)
 
 __version__ = "0.1.0"
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 
@@ -20,6 +22,52 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from .data.cli import run_prepare
+
+    return run_prepare(args)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    # Fewer out-of-memory failures from fragmentation; must be set before CUDA's allocator starts.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    from .train import setup_run, train
+    from .train.flags import cli_values, load_config_file
+
+    file_values = load_config_file(args.config) if args.config else {}
+    return train(setup_run(cli_values(args, args.model_overrides), file_values))
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from .train import eval_run
+
+    result = eval_run(args.run, args.checkpoint, data=args.data, batch_size=args.batch_size, seq_len=args.seq_len,
+                      max_batches=args.eval_batches, device=args.device)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{result['checkpoint']} (step {result['step']}), {result['val_tokens']:,} validation tokens:")
+        for mode, note in (("causal", "causal routing: what generation does"),
+                           ("topk", "top-k routing: teacher-forced, not an autoregressive number")):
+            print(f"  {mode:<6} loss {result[f'val_loss_{mode}']:.4f}  perplexity {result[f'val_ppl_{mode}']:.2f}"
+                  f"   ({note})")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from .train import generate_text
+
+    print(generate_text(args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                        args.seed, args.checkpoint, args.device))
+    return 0
+
+
+def _cmd_quickstart(args: argparse.Namespace) -> int:
+    from .train.quickstart import quickstart
+
+    return quickstart(args.out, args.max_steps, args.seed, args.prompt, args.max_new_tokens, args.device)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hydra-lm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -34,16 +82,76 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="build the debug model, run a forward pass and a greedy generation")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_cmd_demo)
+
+    from .data.cli import add_prepare_arguments
+    from .train.flags import add_train_arguments
+
+    prepare = sub.add_parser("prepare", help="corpus -> tokenizer + token shards (no input: the embedded default "
+                                             "corpus, the Python standard library source)")
+    add_prepare_arguments(prepare)
+    prepare.add_argument("--input", dest="inputs", nargs="*", help="same as --inputs")
+    prepare.set_defaults(func=_cmd_prepare)
+
+    train = sub.add_parser("train", help="train a model (resumes automatically when RUN_DIR has checkpoints)")
+    add_train_arguments(train)
+    train.set_defaults(func=_cmd_train)
+
+    ev = sub.add_parser("eval", help="validation loss and perplexity of a run's checkpoint (causal and top-k)")
+    ev.add_argument("--run", required=True, help="run directory")
+    ev.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the newest good one)")
+    ev.add_argument("--data", default=None, help="data directory (default: the run's)")
+    ev.add_argument("--batch_size", type=int, default=None)
+    ev.add_argument("--seq_len", type=int, default=None)
+    ev.add_argument("--eval_batches", type=int, default=0, help="at most this many batches (0: the whole split)")
+    ev.add_argument("--device", default="auto")
+    ev.add_argument("--json", action="store_true", help="print one JSON object")
+    ev.set_defaults(func=_cmd_eval)
+
+    gen = sub.add_parser("generate", help="sample text from a run's checkpoint (causal routing, cached decoding)")
+    gen.add_argument("--run", required=True, help="run directory")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max_new_tokens", type=int, default=100)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    gen.add_argument("--top_k", type=int, default=50)
+    gen.add_argument("--top_p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--checkpoint", default=None)
+    gen.add_argument("--device", default="auto")
+    gen.set_defaults(func=_cmd_generate)
+
+    quick = sub.add_parser("quickstart", help="prepare the default corpus, train the debug preset for a few "
+                                              "minutes, report validation loss and print a sample")
+    quick.add_argument("--out", default="hydra-quickstart", help="directory for data/ and run/")
+    quick.add_argument("--max_steps", type=int, default=None)
+    quick.add_argument("--seed", type=int, default=0)
+    quick.add_argument("--prompt", default="def ")
+    quick.add_argument("--max_new_tokens", type=int, default=80)
+    quick.add_argument("--device", default="auto")
+    quick.set_defaults(func=_cmd_quickstart)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from .train.flags import split_model_overrides
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        argv, model_overrides = split_model_overrides(argv)
+    except ValueError as err:
+        parser.error(str(err))
+    args = parser.parse_args(argv)
+    if model_overrides and args.command != "train":
+        parser.error(f"--model.* overrides apply to `train` only, not `{args.command}`")
+    args.model_overrides = model_overrides
     try:
         return args.func(args)
-    except ValueError as err:  # bad user input: one clear line, no traceback
+    except (ValueError, FileNotFoundError) as err:  # bad user input: one clear line, no traceback
         print(f"hydra-lm {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"hydra-lm {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import HydraConfig
 from .attention import CCGQAttention, GQAttention
 from .block import RecursiveBlock, TransformerLayer
+from .loss import linear_cross_entropy
 from .layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
 from .moe import MoEFeedForward
 from .routing import ROUTING_MODES
@@ -62,6 +63,11 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.eval_routing = "causal"
         self.gradient_checkpointing = False
+        self.checkpoint_every = 1  # with gradient_checkpointing: recompute every N-th block
+        # Loss path for forward(targets=...): "naive" (materialise logits), "chunked" (fused, chunked
+        # over tokens), "liger" (Liger's fused kernel, CUDA) or "auto" (liger on CUDA when usable).
+        self.ce_impl = "naive"
+        self.ce_chunk_size = 4096
         self._init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -138,7 +144,8 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
                 routing: str | None = None, doc_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Logits [B, T, V], ``aux_loss`` (MoD routers), ``ponder_loss`` (MoR routers), ``moe_loss``,
         ``routing_stats`` [n_routers, 3] (executed fraction, mean gate, top-k/threshold agreement);
-        with ``targets``: ``ce_loss`` and ``loss`` (CE plus the weighted router losses).
+        with ``targets``: ``ce_loss`` and ``loss`` (CE plus the weighted router losses); when
+        ``model.ce_impl`` is not "naive" the loss is fused with the head and ``logits`` is omitted.
         ``doc_ids`` [B, T] (documents packed in a row): nothing crosses a document boundary."""
         b, t = input_ids.shape
         if t > self.config.max_seq_len:
@@ -146,10 +153,18 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
                              "raise HydraConfig.max_seq_len or feed shorter sequences")
         pos = torch.arange(t, device=input_ids.device).expand(b, t)
         x, out = self._trunk(self.embed(input_ids), pos, self.routing_mode(routing), None, doc_ids)
-        logits = self.lm_head(self.norm(x))
-        out["logits"] = logits
+        h = self.norm(x)
+        if targets is not None and self.ce_impl != "naive":
+            # Fused head + loss: the [B, T, V] logits are never materialised (no "logits" key).
+            ce = linear_cross_entropy(h, self.lm_head.weight, targets, ignore_index=-100, impl=self.ce_impl,
+                                      chunk_size=self.ce_chunk_size)
+        else:
+            logits = self.lm_head(h)
+            out["logits"] = logits
+            if targets is not None:
+                ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                     ignore_index=-100)
         if targets is not None:
-            ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
             out["ce_loss"] = ce
             out["loss"] = self.total_loss(ce, out)
         return out
@@ -163,7 +178,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         mod, mor, moe, stats = [], [], [], []
         for i, block in enumerate(self.blocks):
             block_caches = None if caches is None else caches[i]
-            if self.gradient_checkpointing and self.training and caches is None:
+            if self.gradient_checkpointing and self.training and caches is None and i % self.checkpoint_every == 0:
                 # Recompute each block in backward instead of storing its activations.
                 x, losses, block_stats = checkpoint(block, x, pos, self.rope, mode, None, doc, use_reentrant=False)
             else:

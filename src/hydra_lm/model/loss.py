@@ -1,0 +1,250 @@
+"""Cross-entropy of the LM head without materialising [N, V] logits.
+
+``linear_cross_entropy(hidden, weight, targets)`` equals
+``F.cross_entropy(hidden @ weight.T, targets, ignore_index=...)`` but picks an implementation that
+keeps at most one chunk of logits alive:
+
+- ``liger``: Liger's fused linear cross-entropy Triton kernel (CUDA only, optional package).
+- ``chunked``: pure PyTorch, chunk by chunk along the tokens, with the gradients computed during the
+  forward; runs everywhere and traces under ``torch.compile(fullgraph=True)``.
+- ``naive``: materialises the logits; the reference the other two are tested against.
+
+The Liger switches ``HYDRA_ENABLE_LIGER_CE`` (default 1) and ``HYDRA_DISABLE_LIGER_CE`` (default 0)
+are read once, at import; ``read_liger_ce_env()`` reads them again on request.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+IMPLS = ("auto", "liger", "chunked", "naive")
+REDUCTIONS = ("mean", "sum")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+LIGER_INSTALLED = importlib.util.find_spec("liger_kernel") is not None
+_liger_enabled = True
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    # A typo in an environment variable must not make the whole package unimportable.
+    warnings.warn(f"{name}={raw!r} is not a boolean (use 1/0); using the default {int(default)}", stacklevel=3)
+    return default
+
+
+def read_liger_ce_env() -> bool:
+    """(Re)read ``HYDRA_ENABLE_LIGER_CE`` / ``HYDRA_DISABLE_LIGER_CE``; return whether Liger's CE is
+    enabled. Disable wins when both are set."""
+    global _liger_enabled
+    _liger_enabled = _env_flag("HYDRA_ENABLE_LIGER_CE", True) and not _env_flag("HYDRA_DISABLE_LIGER_CE", False)
+    return _liger_enabled
+
+
+read_liger_ce_env()
+
+
+def _liger_version() -> str | None:
+    if not LIGER_INSTALLED:
+        return None
+    try:
+        return importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        # Importable from a source checkout without installed metadata.
+        return "unknown"
+
+
+def liger_ce_status() -> dict:
+    """What ``impl="auto"`` can use, for logs and benchmark records."""
+    return {"installed": LIGER_INSTALLED, "enabled": _liger_enabled, "version": _liger_version(),
+            "cuda_available": torch.cuda.is_available()}
+
+
+@functools.lru_cache(maxsize=None)
+def _liger_loss(ignore_index: int, reduction: str):
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=ignore_index, reduction=reduction)
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """The implementation ``impl`` stands for on ``device``; raises for a request that cannot run."""
+    if impl not in IMPLS:
+        raise ValueError(f"linear cross-entropy impl {impl!r}: choose one of {list(IMPLS)}")
+    if impl == "auto":
+        # Liger's forward reads the non-ignored token count on the host (.item()), which would break
+        # a fullgraph trace; the chunked path compiles into the same graph instead.
+        use_liger = (LIGER_INSTALLED and _liger_enabled and device.type == "cuda"
+                     and not torch.compiler.is_compiling())
+        return "liger" if use_liger else "chunked"
+    if impl == "liger":
+        if not LIGER_INSTALLED:
+            raise ValueError("linear cross-entropy impl 'liger' needs the liger-kernel package: "
+                             "pip install liger-kernel (or use impl='chunked')")
+        if not _liger_enabled:
+            raise ValueError("linear cross-entropy impl 'liger' was requested but HYDRA_DISABLE_LIGER_CE / "
+                             "HYDRA_ENABLE_LIGER_CE turn it off; unset them or use impl='chunked'")
+        if device.type != "cuda":
+            raise ValueError(f"linear cross-entropy impl 'liger' runs on CUDA tensors only, got {device.type}; "
+                             "use impl='chunked'")
+    return impl
+
+
+def _compute_dtypes(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """(matmul dtype, softmax / accumulation dtype). Matmuls follow autocast the way ``F.linear``
+    would; the softmax and the loss never run below fp32."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        mm = torch.get_autocast_dtype(device_type)
+    else:
+        mm = torch.promote_types(hidden.dtype, weight.dtype)
+    return mm, torch.promote_types(mm, torch.float32)
+
+
+def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction, need_gh, need_gw):
+    """Loss, and when asked the gradients of that loss w.r.t. ``hidden`` and ``weight``, one
+    [chunk, V] block of logits at a time."""
+    n = hidden.shape[0]
+    mm_dtype, acc_dtype = _compute_dtypes(hidden, weight)
+    w = weight.to(mm_dtype)
+    valid_all = targets != ignore_index
+    if reduction == "mean":
+        # Stays a tensor: dividing by a host number would sync the device every step. Clamping makes
+        # a batch with no valid target give loss 0 and zero gradients instead of 0/0.
+        scale = 1.0 / valid_all.sum().clamp(min=1).to(acc_dtype)
+    else:
+        scale = torch.ones((), dtype=acc_dtype, device=hidden.device)
+    total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
+    grad_h = torch.empty_like(hidden) if need_gh else None
+    # Summing per-chunk products of a low-precision matmul needs a wider accumulator.
+    grad_w = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, acc_dtype),
+                         device=weight.device) if need_gw else None
+    for start in range(0, n, chunk_size):
+        end = min(start + chunk_size, n)
+        h = hidden[start:end].to(mm_dtype)
+        t = targets[start:end]
+        valid = valid_all[start:end]
+        safe_t = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
+        logits = (h @ w.t()).to(acc_dtype)
+        lse = torch.logsumexp(logits, dim=1)
+        picked = logits.gather(1, safe_t).squeeze(1)
+        total = total + torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
+        if not (need_gh or need_gw):
+            continue
+        # d loss / d logits = (softmax - onehot) * scale on valid rows, 0 on ignored ones.
+        row_scale = (valid.to(acc_dtype) * scale).unsqueeze(1)
+        if torch.compiler.is_compiling():
+            # Out of place, Inductor fuses the whole chain (cast, exp, one-hot, scale, downcast) into
+            # one kernel that writes g in the matmul dtype; in-place ops and scatter would split it
+            # into kernels passing fp32 [chunk, V] buffers between them.
+            hit = torch.arange(logits.shape[1], device=logits.device) == safe_t
+            g = ((logits - lse.unsqueeze(1)).exp() - hit.to(acc_dtype)) * row_scale
+        else:
+            # Eager runs op by op: reusing the logits buffer keeps a chunk at one fp32 [chunk, V].
+            g = logits.sub_(lse.unsqueeze(1)).exp_()
+            g.scatter_add_(1, safe_t, -valid.to(acc_dtype).unsqueeze(1))
+            g.mul_(row_scale)
+        g = g.to(mm_dtype)
+        if need_gh:
+            grad_h[start:end] = g @ w
+        if need_gw:
+            if grad_w.dtype == mm_dtype:
+                grad_w.addmm_(g.t(), h)
+            else:
+                grad_w.add_(g.t() @ h)
+    loss = total * scale
+    return loss, grad_h, None if grad_w is None else grad_w.to(weight.dtype)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """The forward already holds every intermediate the gradient needs, so it computes the gradient
+    there and backward only scales it: no logits are kept or recomputed between the two."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, reduction, need_gh, need_gw):
+        loss, grad_h, grad_w = _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction,
+                                             need_gh, need_gw)
+        ctx.need_gh, ctx.need_gw = need_gh, need_gw
+        ctx.save_for_backward(*[g for g in (grad_h, grad_w) if g is not None])
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        saved = iter(ctx.saved_tensors)
+        grad_h = next(saved) * grad_loss if ctx.need_gh else None
+        grad_w = next(saved) * grad_loss if ctx.need_gw else None
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def _check(hidden, weight, targets, chunk_size, reduction):
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)}: "
+                         "need hidden [..., E] and weight [V, E]")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"targets {tuple(targets.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size}: must be >= 1")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}: choose one of {list(REDUCTIONS)}")
+
+
+def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                 ignore_index: int = -100, chunk_size: int = 4096,
+                                 reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T`` (hidden [..., E], weight [V, E], targets [...]) over
+    the targets that are not ``ignore_index``; at most ``chunk_size`` rows of logits exist at once.
+    ``mean`` over zero valid targets is 0 (``F.cross_entropy`` gives NaN)."""
+    _check(hidden, weight, targets, chunk_size, reduction)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    targets = targets.reshape(-1)
+    need_gh = hidden.requires_grad and torch.is_grad_enabled()
+    need_gw = weight.requires_grad and torch.is_grad_enabled()
+    if not (need_gh or need_gw):
+        return _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction, False, False)[0]
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, ignore_index, chunk_size, reduction,
+                                            need_gh, need_gw)
+
+
+def naive_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                               ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """Reference: full [N, V] logits and ``F.cross_entropy``, with the chunked path's 0 for a batch
+    that has no valid target."""
+    _check(hidden, weight, targets, 1, reduction)
+    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    flat = targets.reshape(-1)
+    total = F.cross_entropy(logits, flat, ignore_index=ignore_index, reduction="sum")
+    if reduction == "sum":
+        return total
+    return total / (flat != ignore_index).sum().clamp(min=1).to(total.dtype)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         ignore_index: int = -100, impl: str = "auto", chunk_size: int = 4096,
+                         reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of the LM head ``hidden @ weight.T`` against ``targets`` through the
+    implementation ``impl`` picks (see the module docstring). ``auto``: Liger on CUDA when it is
+    installed and enabled, outside ``torch.compile``; otherwise ``chunked``."""
+    chosen = resolve_impl(impl, hidden.device)
+    if chosen == "naive":
+        return naive_linear_cross_entropy(hidden, weight, targets, ignore_index, reduction)
+    if chosen == "chunked":
+        return chunked_linear_cross_entropy(hidden, weight, targets, ignore_index, chunk_size, reduction)
+    _check(hidden, weight, targets, chunk_size, reduction)
+    flat_h = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    return _liger_loss(ignore_index, reduction)(weight, flat_h, targets.reshape(-1).contiguous())

@@ -1,0 +1,31 @@
+"""Training system: config layers, the loop, schedules, curriculum, checkpoints, eval and sampling."""
+
+from __future__ import annotations
+
+from .checkpoint import CheckpointError, CheckpointManager, resolve_checkpoint, verify
+from .curriculum import Curriculum, CurriculumPlan
+from .evaluate import evaluate
+from .inference import eval_run, generate_text, load_run
+from .options import TrainConfig
+from .run import setup_run
+from .schedule import AdaptiveLR, lr_at
+from .trainer import Trainer, train
+
+__all__ = [
+    "AdaptiveLR",
+    "CheckpointError",
+    "CheckpointManager",
+    "Curriculum",
+    "CurriculumPlan",
+    "TrainConfig",
+    "Trainer",
+    "eval_run",
+    "evaluate",
+    "generate_text",
+    "load_run",
+    "lr_at",
+    "resolve_checkpoint",
+    "setup_run",
+    "train",
+    "verify",
+]

@@ -1,0 +1,249 @@
+"""Checkpoints: atomic, verifiable, loadable without unpickling arbitrary objects.
+
+Layout of ``RUN_DIR/checkpoints/``::
+
+    hydra_{model_size}_step{N}/model.safetensors   weights (safetensors)
+                              /trainer.pt          optimizer state + torch RNG (torch.load weights_only)
+                              /state.json          step, configs, curriculum, loader position, Python/NumPy
+                                                   RNG, and the size + SHA-256 of the two files above
+    latest                                         name of the newest checkpoint (a text file)
+
+A checkpoint is written into a temporary directory that is renamed into place only once every
+file is on disk, so a crash mid-save leaves the previous checkpoints untouched. Older ones are
+deleted only after a new one is complete. A checkpoint that fails verification on resume is
+renamed ``*.corrupt`` (kept for inspection) and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from safetensors.torch import load_model, save_model
+
+FORMAT_VERSION = 1
+MODEL_FILE = "model.safetensors"
+TRAINER_FILE = "trainer.pt"
+STATE_FILE = "state.json"
+LATEST = "latest"
+_NAME = re.compile(r"^hydra_(?P<size>.+)_step(?P<step>\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the offending file."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+    state: dict[str, Any]
+
+    @property
+    def model_file(self) -> Path:
+        return self.path / MODEL_FILE
+
+    def load_model(self, model: torch.nn.Module) -> None:
+        try:
+            missing, unexpected = load_model(model, str(self.model_file), strict=False)
+        except Exception as err:  # safetensors raises its own error types on a damaged header
+            raise CheckpointError(f"checkpoint file {self.model_file} cannot be read: {err}") from None
+        if missing or unexpected:
+            raise CheckpointError(f"checkpoint file {self.model_file} does not match the model: missing "
+                                  f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+
+    def load_trainer(self, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+        path = self.path / TRAINER_FILE
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except Exception as err:
+            raise CheckpointError(f"checkpoint file {path} cannot be read: {err}") from None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def verify(path: Path) -> Checkpoint:
+    """Read ``state.json`` and check every file it lists (size and SHA-256)."""
+    path = Path(path)
+    if path.is_file() and path.name in (MODEL_FILE, STATE_FILE, TRAINER_FILE):
+        path = path.parent
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    state_path = path / STATE_FILE
+    if not state_path.is_file():
+        raise CheckpointError(f"checkpoint file {state_path} is missing (incomplete checkpoint)")
+    try:
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+        step = int(state["step"])
+        files = state["files"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"checkpoint file {state_path} is corrupt: {err}") from None
+    for name, info in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} is missing")
+        size = f.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(f"checkpoint file {f} is truncated or corrupt: {size} bytes, "
+                                  f"expected {info['bytes']}")
+        if _sha256(f) != info["sha256"]:
+            raise CheckpointError(f"checkpoint file {f} is corrupt: its SHA-256 does not match state.json")
+    return Checkpoint(path, step, state)
+
+
+class CheckpointManager:
+    def __init__(self, directory: str | Path, model_size: str, keep: int = 3,
+                 warn: Callable[[str], None] | None = None):
+        self.dir = Path(directory)
+        self.model_size = model_size
+        self.keep = keep
+        self.warn = warn or (lambda msg: None)
+
+    def name(self, step: int) -> str:
+        return f"hydra_{self.model_size}_step{step}"
+
+    def list(self) -> list[tuple[int, Path]]:
+        """Complete-looking checkpoints, oldest first."""
+        if not self.dir.is_dir():
+            return []
+        found = []
+        for p in self.dir.iterdir():
+            m = _NAME.match(p.name)
+            if m and p.is_dir():
+                found.append((int(m["step"]), p))
+        return sorted(found)
+
+    def save(self, step: int, model: torch.nn.Module, trainer_tensors: dict[str, Any], state: dict[str, Any]) -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        final = self.dir / self.name(step)
+        tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        try:
+            save_model(model, str(tmp / MODEL_FILE), metadata={"format": "hydra-lm", "step": str(step)})
+            torch.save(trainer_tensors, tmp / TRAINER_FILE)
+            files = {}
+            for name in (MODEL_FILE, TRAINER_FILE):
+                _fsync(tmp / name)
+                files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+            full = {"format": FORMAT_VERSION, "step": step, "files": files, "saved_at": time.time(), **state}
+            write_text_atomic(tmp / STATE_FILE, json.dumps(full, indent=1))
+            if final.exists():  # same step saved again (e.g. interrupted right after a periodic save)
+                old = self.dir / f".old-{final.name}-{os.getpid()}"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        write_text_atomic(self.dir / LATEST, final.name + "\n")
+        self._rotate(keep_path=final)
+        return final
+
+    def _rotate(self, keep_path: Path) -> None:
+        ckpts = [p for _, p in self.list() if p != keep_path]
+        excess = len(ckpts) + 1 - self.keep
+        for p in ckpts[:max(0, excess)]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def latest_good(self, quarantine: bool = True) -> Checkpoint | None:
+        """Newest checkpoint that verifies; broken newer ones are reported (and renamed *.corrupt)."""
+        errors = []
+        for _, path in reversed(self.list()):
+            try:
+                ckpt = verify(path)
+            except CheckpointError as err:
+                errors.append(str(err))
+                self.warn(f"{err}; falling back to the previous checkpoint")
+                if quarantine:
+                    bad = path.with_name(f"{path.name}.corrupt")
+                    if not bad.exists():
+                        os.replace(path, bad)
+                continue
+            if errors:
+                write_text_atomic(self.dir / LATEST, path.name + "\n")
+            return ckpt
+        if errors:
+            raise CheckpointError(f"no readable checkpoint in {self.dir}: " + "; ".join(errors))
+        return None
+
+    def cleanup_temp(self) -> None:
+        """Remove half-written checkpoints left by a crash (never complete ones)."""
+        if self.dir.is_dir():
+            for p in self.dir.glob(".tmp-hydra_*"):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def resolve_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None) -> Checkpoint:
+    """The checkpoint to evaluate or sample from: an explicit path, else the run's newest good one."""
+    if checkpoint is not None:
+        return verify(Path(checkpoint))
+    ckdir = Path(run_dir) / "checkpoints"
+    found = CheckpointManager(ckdir, "").list()
+    errors = []
+    for _, path in reversed(found):
+        try:
+            return verify(path)
+        except CheckpointError as err:
+            errors.append(str(err))
+    if errors:
+        raise CheckpointError(f"no readable checkpoint in {ckdir}: " + "; ".join(errors))
+    raise CheckpointError(f"run {run_dir} has no checkpoint in {ckdir}")
+
+
+# ---------------------------------------------------------------------- RNG state
+def capture_rng() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(JSON-able Python/NumPy state, tensors for torch.save) of every RNG the run uses."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    json_part = {"python": [version, list(internal), gauss],
+                 "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    tensors: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["cuda"] = torch.cuda.get_rng_state_all()
+    return json_part, tensors
+
+
+def restore_rng(json_part: dict[str, Any], tensors: dict[str, Any]) -> None:
+    version, internal, gauss = json_part["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = json_part["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        states = tensors["cuda"]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)

@@ -1,0 +1,129 @@
+"""The MoD / MoR routing curriculum (seed T4).
+
+Routers that start on a random network route on noise, so training starts dense and switches
+routing on in phases, all measured in optimizer steps of the whole run (``max_steps``):
+
+* MoD is off until ``mod_enable_pct``. From there it switches on as soon as the CE-loss EMA is
+  below ``mod_loss_gate`` (5.0), and at ``mod_force_enable_pct`` whatever the loss.
+* MoR runs every token at full depth until ``mor_enable_pct``, then routes (adaptive depth).
+* Once on, a router stays on; ``--mod_off`` / ``--mor_off`` keep one off for the whole run.
+
+The loss EMA is updated on the device every step and read only at log steps (where the loop
+synchronises anyway), so the gate is checked every ``log_every`` steps.
+
+Short runs (``max_steps`` < SHORT_RUN_STEPS): the EMA of a short run is still dominated by its first
+steps when the gate opens, so whether MoD switches at ``mod_enable_pct`` or at the force step would
+depend on noise. By default such runs skip the gate and switch MoD on exactly at ``mod_enable_pct``;
+``--no_short_run_override`` keeps the gate as in a long run. The phase fractions are never changed.
+
+The model's switch is on/off; the seed's gradual MoR "ramp" is not expressible with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .options import SHORT_RUN_STEPS, TrainConfig
+
+
+@dataclass(frozen=True)
+class CurriculumPlan:
+    mod_gate_step: int | None  # None: MoD never on
+    mod_force_step: int | None
+    mor_step: int | None  # None: MoR never on
+    loss_gate: float | None  # None: no loss gate (MoD on at mod_gate_step)
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, routable: tuple[bool, bool] = (True, True)) -> "CurriculumPlan":
+        steps = cfg.max_steps
+        has_mod, has_mor = routable
+        short = steps < SHORT_RUN_STEPS and not cfg.no_short_run_override
+        mod_on = has_mod and not cfg.mod_off
+        mor_on = has_mor and not cfg.mor_off
+        return cls(
+            mod_gate_step=round(cfg.mod_enable_pct * steps) if mod_on else None,
+            mod_force_step=round(cfg.mod_force_enable_pct * steps) if mod_on else None,
+            mor_step=round(cfg.mor_enable_pct * steps) if mor_on else None,
+            loss_gate=None if short else cfg.mod_loss_gate,
+        )
+
+    def describe(self) -> str:
+        if self.mod_gate_step is None:
+            mod = "MoD off"
+        elif self.loss_gate is None or self.mod_force_step == self.mod_gate_step:
+            mod = f"MoD on at step {self.mod_gate_step}"
+        else:
+            mod = (f"MoD on from step {self.mod_gate_step} once CE EMA < {self.loss_gate:g}, forced at step "
+                   f"{self.mod_force_step}")
+        mor = "MoR off" if self.mor_step is None else f"MoR on at step {self.mor_step}"
+        return f"{mod}; {mor}"
+
+
+class Curriculum:
+    def __init__(self, plan: CurriculumPlan, ema_beta: float = 0.98):
+        self.plan = plan
+        self.ema_beta = ema_beta
+        self.mod_active = False
+        self.mor_active = False
+        self.gate_open = False
+        self._ema: torch.Tensor | None = None  # biased EMA of the CE loss, on the training device
+        self._ema_count = 0
+        self._applied: tuple[bool, bool] | None = None
+
+    # ------------------------------------------------------------------ per step
+    def apply(self, step: int, model) -> str | None:
+        """Decide the routing for the step with 0-based index ``step``; returns a message on a switch."""
+        p = self.plan
+        if not self.mod_active and p.mod_gate_step is not None:
+            if step >= p.mod_force_step or (step >= p.mod_gate_step and (p.loss_gate is None or self.gate_open)):
+                self.mod_active = True
+        if not self.mor_active and p.mor_step is not None and step >= p.mor_step:
+            self.mor_active = True
+        state = (self.mod_active, self.mor_active)
+        if state == self._applied:
+            return None
+        previous = self._applied
+        model.set_curriculum(mod_active=self.mod_active, mor_active=self.mor_active)
+        self._applied = state
+        if previous is None:
+            return None
+        on = {True: "on", False: "off"}
+        return f"curriculum: step {step}: MoD {on[self.mod_active]}, MoR {on[self.mor_active]}"
+
+    def observe(self, ce_loss: torch.Tensor) -> None:
+        """Fold one step's CE loss into the EMA without leaving the device."""
+        ce = ce_loss.detach().float()
+        b = self.ema_beta
+        self._ema = (1 - b) * ce if self._ema is None else b * self._ema + (1 - b) * ce
+        self._ema_count += 1
+
+    def ema(self) -> float | None:
+        """The bias-corrected loss EMA (a host sync: call at log steps only)."""
+        if self._ema is None:
+            return None
+        return float(self._ema) / (1 - self.ema_beta ** self._ema_count)
+
+    def check_gate(self, next_step: int) -> None:
+        p = self.plan
+        if self.mod_active or self.gate_open or p.loss_gate is None or p.mod_gate_step is None:
+            return
+        if next_step >= p.mod_gate_step:
+            value = self.ema()
+            if value is not None and value < p.loss_gate:
+                self.gate_open = True
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        return {"mod_active": self.mod_active, "mor_active": self.mor_active, "gate_open": self.gate_open,
+                "ema_biased": None if self._ema is None else float(self._ema), "ema_count": self._ema_count}
+
+    def load_state_dict(self, state: dict, device: torch.device | str = "cpu") -> None:
+        self.mod_active = bool(state["mod_active"])
+        self.mor_active = bool(state["mor_active"])
+        self.gate_open = bool(state["gate_open"])
+        ema = state["ema_biased"]
+        self._ema = None if ema is None else torch.tensor(ema, dtype=torch.float32, device=device)
+        self._ema_count = int(state["ema_count"])
+        self._applied = None

@@ -1,0 +1,126 @@
+"""Using a finished (or running) run: load its model from a checkpoint, evaluate it, sample from it."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import create_model
+from ..config import HydraConfig
+from .checkpoint import Checkpoint, resolve_checkpoint
+from .data_io import ValSet, open_data
+from .evaluate import evaluate
+from .run import CONFIG_JSON, pick_device
+
+
+@dataclass
+class LoadedRun:
+    run_dir: Path
+    model: torch.nn.Module
+    checkpoint: Checkpoint
+    config: dict[str, Any]  # the run's config.json
+    device: torch.device
+
+
+def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto") -> LoadedRun:
+    run_dir = Path(run_dir).expanduser()
+    if not run_dir.is_dir():
+        raise ValueError(f"run directory {run_dir} does not exist")
+    ckpt = resolve_checkpoint(run_dir, checkpoint)
+    config_path = run_dir / CONFIG_JSON
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except ValueError as err:
+            raise ValueError(f"{config_path} is corrupt: {err}") from None
+    else:  # a checkpoint copied out of its run carries its own config
+        config = {"train": ckpt.state.get("train_config", {}), "model": ckpt.state.get("model_config"),
+                  "data": ckpt.state.get("data", {})}
+    model_values = ckpt.state.get("model_config") or config.get("model")
+    if not model_values:
+        raise ValueError(f"checkpoint {ckpt.path} holds no model config")
+    dev = pick_device(device)
+    model = create_model(HydraConfig.from_dict(model_values))
+    ckpt.load_model(model)
+    model.to(dev).eval()
+    curriculum = ckpt.state.get("curriculum")
+    if curriculum is not None:  # evaluate the network as it was training at that step
+        model.set_curriculum(mod_active=curriculum["mod_active"], mor_active=curriculum["mor_active"])
+    return LoadedRun(run_dir, model, ckpt, config, dev)
+
+
+def run_tokenizer(run: LoadedRun):
+    from ..data import load_tokenizer
+
+    data_path = run.config.get("data", {}).get("path")
+    for candidate in (run.run_dir / "tokenizer.json", run.run_dir / "tokenizer_tiktoken.json",
+                      Path(data_path) if data_path else None):
+        if candidate is not None and candidate.exists():
+            try:
+                return load_tokenizer(candidate)
+            except FileNotFoundError:
+                continue
+    raise ValueError(f"run {run.run_dir} has no tokenizer (its data was pre-tokenized without one): "
+                     "text generation needs a tokenizer")
+
+
+def eval_run(run_dir: str | Path, checkpoint: str | Path | None = None, data: str | None = None,
+             batch_size: int | None = None, seq_len: int | None = None, max_batches: int = 0,
+             device: str = "auto") -> dict[str, Any]:
+    """Validation loss/perplexity of a checkpoint, causal and top-k routing."""
+    run = load_run(run_dir, checkpoint, device)
+    train_cfg = run.config.get("train", {})
+    data_dir = data or run.config.get("data", {}).get("path") or train_cfg.get("data")
+    if not data_dir:
+        raise ValueError(f"run {run_dir} does not record its data directory: pass --data")
+    info = open_data(data_dir)
+    if info.vocab_size > run.model.config.vocab_size:
+        raise ValueError(f"data vocab {info.vocab_size} exceeds the model's {run.model.config.vocab_size}: "
+                         f"{data_dir} was not prepared with this run's tokenizer")
+    bs = batch_size or train_cfg.get("batch_size") or 8
+    sl = seq_len or train_cfg.get("seq_len") or 256
+    t0 = time.perf_counter()
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16) if run.device.type == "cuda" else contextlib.nullcontext()
+
+    use_doc_ids = "doc_ids" in inspect.signature(run.model.forward).parameters
+    result = evaluate(run.model, ValSet(info, bs, sl), run.device, max_batches, autocast, use_doc_ids)
+    return {"checkpoint": str(run.checkpoint.path), "step": run.checkpoint.step, **result,
+            "eval_s": round(time.perf_counter() - t0, 2)}
+
+
+def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,
+                  top_k: int | None = 50, top_p: float | None = None, seed: int = 0,
+                  checkpoint: str | Path | None = None, device: str = "auto") -> str:
+    """Prompt in, prompt + continuation out, decoded with the run's tokenizer (causal routing)."""
+    run = load_run(run_dir, checkpoint, device)
+    tok = run_tokenizer(run)
+    # Prepared documents start with the separator, so the prompt is framed as the start of one.
+    ids = [tok.eos_id] + tok.encode(prompt)
+    vocab = run.model.config.vocab_size
+    if max(ids) >= vocab:
+        raise ValueError(f"the tokenizer produced id {max(ids)} outside the model's vocabulary ({vocab})")
+    room = run.model.config.max_seq_len - len(ids)
+    if room <= 0:
+        raise ValueError(f"the prompt ({len(ids)} tokens) fills the model's context ({run.model.config.max_seq_len})")
+    if max_new_tokens > room:
+        print(f"note: max_new_tokens {max_new_tokens} -> {room}: the model's context is "
+              f"{run.model.config.max_seq_len} tokens", file=sys.stderr)
+        max_new_tokens = room
+    gen = torch.Generator(device=run.device).manual_seed(seed)
+    x = torch.tensor([ids], dtype=torch.long, device=run.device)
+    out = run.model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                             eos_token_id=tok.eos_id, generator=gen)
+    new = out[0, len(ids):].tolist()
+    if tok.eos_id in new:
+        new = new[:new.index(tok.eos_id)]
+    return prompt + tok.decode(new)

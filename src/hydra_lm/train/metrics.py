@@ -1,0 +1,175 @@
+"""Run logging: the human log (stdout + RUN_DIR/train.log), metrics.jsonl, optional TensorBoard/W&B."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+LOG_FILE = "train.log"
+
+
+class RunLog:
+    """Lines to stdout and to the run's log file; warnings also go to stderr."""
+
+    def __init__(self, path: Path | None, echo: bool = True):
+        self.echo = echo
+        self._file = open(path, "a", encoding="utf-8") if path is not None else None
+
+    def info(self, msg: str) -> None:
+        if self.echo:
+            print(msg, flush=True)
+        self._write(msg)
+
+    def warning(self, msg: str) -> None:
+        print(f"warning: {msg}", file=sys.stderr, flush=True)
+        self._write(f"warning: {msg}")
+
+    def _write(self, msg: str) -> None:
+        if self._file is not None:
+            self._file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def git_revision() -> str:
+    src = Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=src, capture_output=True, text=True,
+                             timeout=5)
+        if rev.returncode != 0:
+            return "unknown (not a git checkout)"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=src,
+                               capture_output=True, text=True, timeout=5)
+        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (git not available)"
+
+
+def versions() -> dict[str, str]:
+    from .. import __version__
+
+    out = {"hydra_lm": __version__, "python": platform.python_version(), "torch": torch.__version__,
+           "platform": platform.platform()}
+    for name in ("numpy", "tokenizers", "safetensors"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:  # a missing optional package is not worth failing a run over
+            out[name] = "not installed"
+    if torch.cuda.is_available():
+        out["cuda"] = str(torch.version.cuda)
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
+def memory_mb(device: torch.device) -> float:
+    """Peak memory: allocated GPU memory on CUDA, the process's peak RSS elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak_kb / 1024 if sys.platform != "darwin" else peak_kb / 2**20
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> float | None:
+    """Dense matmul throughput actually reachable on this GPU (the MFU denominator), in FLOP/s."""
+    if device.type != "cuda":
+        return None
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    reps = 10
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 2 * n**3 * reps / (time.perf_counter() - start)
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, log: RunLog, tensorboard: bool = False, wandb: bool = False,
+                 wandb_project: str = "hydra-lm", config: dict | None = None, resume_step: int = -1):
+        self.path = run_dir / METRICS_FILE
+        self.log = log
+        self._drop_after(resume_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        self._wandb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)") from None
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        if wandb:
+            try:
+                import wandb as wandb_mod
+            except ImportError:
+                raise ValueError("--wandb needs the wandb package (pip install wandb)") from None
+            self._wandb = wandb_mod.init(project=wandb_project, dir=str(run_dir), config=config,
+                                         name=run_dir.name, resume="allow")
+
+    def _drop_after(self, step: int) -> None:
+        """A resumed run redoes the steps after its checkpoint; drop their old records so every step
+        appears once. A fresh start (step -1) keeps an earlier attempt's file as metrics.jsonl.old."""
+        if not self.path.is_file():
+            return
+        if step < 0:
+            self.path.replace(self.path.with_name(self.path.name + ".old"))
+            return
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a crash
+            if record.get("step", 0) <= step:
+                kept.append(line)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+        tmp.replace(self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+        step = record.get("step", 0)
+        numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if self._tb is not None:
+            for k, v in numeric.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def progress_line(r: dict[str, Any], max_steps: int) -> str:
+    parts = [f"step {r['step']:>6}/{max_steps}", f"loss {r['loss']:.4f}", f"ce {r['ce_loss']:.4f}",
+             f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.2f}", f"{r['tokens_per_s']:,.0f} tok/s",
+             f"mem {r['memory_mb']:,.0f}MB"]
+    if r.get("mfu") is not None:
+        parts.append(f"mfu {100 * r['mfu']:.1f}%")
+    if "mod_exec_frac" in r:
+        parts.append(f"mod {r['mod_exec_frac']:.2f}")
+    return " | ".join(parts)

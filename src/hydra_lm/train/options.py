@@ -1,0 +1,253 @@
+"""The trainer's settings: one typed dataclass whose fields are the CLI flags and the config-file keys.
+
+``None`` on a field means "automatic": ``resolve`` fills it from the per-size table (T11), the
+run mode and the device, after the layers (defaults < saved run < config file < CLI) are merged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+MODES = ("testing", "production")
+SCHEDULES = ("cosine", "wsd")
+OPTIMIZERS = ("adamw", "adafactor", "adam8bit")
+ARCHS = ("hydra", "dense")
+
+# Runs shorter than this skip the MoD loss gate unless --no_short_run_override (see curriculum.py).
+SHORT_RUN_STEPS = 1000
+
+
+def opt(default: Any, help: str, *, type: Any = None, choices: tuple | None = None,
+        flags: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata=dict(help=help, type=type, choices=choices, flags=flags))
+
+
+@dataclass
+class TrainConfig:
+    # --- what to train on, where to write
+    data: str | None = opt(None, "prepared data directory (from `hydra-lm prepare`)", type=str)
+    dataset: str | None = opt(None, "'default' (the embedded corpus, prepared on first use) or a prepared "
+                                    "data directory; hub dataset names are not available offline", type=str)
+    out: str | None = opt(None, "run directory: config, metrics, logs, checkpoints", type=str)
+    model_size: str = opt("debug", "model preset (debug, 50M, 100M, 250M, 500M, 750M, 1B, 1.5B)", type=str)
+    arch: str = opt("hydra", "hydra (CCGQA + MoD/MoR) or the dense GQA baseline", type=str, choices=ARCHS)
+    mode: str = opt("testing", "testing: short-run defaults; production: long-run defaults", type=str,
+                    choices=MODES)
+    seed: int = opt(0, "seeds model init, data order and every RNG", type=int)
+    device: str = opt("auto", "auto (cuda if available), cpu or cuda[:N]", type=str)
+
+    # --- length of the run and batch shape (None: per-size / per-mode defaults)
+    max_steps: int | None = opt(None, "optimizer steps of the whole run (the schedule and curriculum scale "
+                                      "with it)", type=int)
+    stop_at_step: int | None = opt(None, "save and exit after this step, keeping the schedule of max_steps "
+                                         "(train a long run in chunks)", type=int)
+    batch_size: int | None = opt(None, "sequences per micro-batch", type=int)
+    grad_accum: int | None = opt(None, "micro-batches per optimizer step", type=int)
+    seq_len: int | None = opt(None, "tokens per sequence", type=int)
+
+    # --- optimisation
+    lr: float | None = opt(None, "peak learning rate", type=float)
+    min_lr: float | None = opt(None, "final learning rate (default lr/10)", type=float)
+    warmup_steps: int | None = opt(None, "linear warm-up steps (default max_steps/10, at most 1000)", type=int)
+    weight_decay: float = opt(0.1, "decoupled weight decay (2-D weights only)", type=float)
+    beta1: float = opt(0.9, "Adam beta1", type=float)
+    beta2: float = opt(0.95, "Adam beta2", type=float)
+    grad_clip: float | None = opt(None, "clip the global gradient norm to this (0: no clipping)", type=float)
+    schedule: str = opt("wsd", "learning-rate schedule after warm-up", type=str, choices=SCHEDULES)
+    wsd_decay_pct: float = opt(0.2, "WSD: fraction of the run spent decaying to min_lr", type=float)
+    optimizer: str = opt("adamw", "adamw (fused on CUDA), adafactor or adam8bit (bitsandbytes)", type=str,
+                         choices=OPTIMIZERS)
+    adaptive_lr: bool = opt(False, "cut the LR for a cool-down period after a loss spike", type=bool)
+    adaptive_lr_spike: float = opt(2.0, "a logged loss above this multiple of its EMA is a spike", type=float)
+    adaptive_lr_factor: float = opt(0.5, "LR multiplier during a cool-down", type=float)
+    adaptive_lr_cooldown: int = opt(100, "cool-down length in steps", type=int)
+
+    # --- MoD / MoR curriculum (T4)
+    mod_enable_pct: float = opt(0.10, "MoD may switch on from this fraction of the run (loss gate)", type=float)
+    mod_force_enable_pct: float = opt(0.15, "MoD switches on here whatever the loss", type=float)
+    mod_loss_gate: float = opt(5.0, "MoD switches on early once the CE loss EMA is below this", type=float)
+    mor_enable_pct: float = opt(0.30, "MoR adaptive depth switches on from this fraction of the run", type=float)
+    mod_off: bool = opt(False, "never route with MoD (dense blocks)", type=bool)
+    mor_off: bool = opt(False, "never route with MoR (fixed full depth)", type=bool)
+    no_short_run_override: bool = opt(False, f"keep the MoD loss gate in runs under {SHORT_RUN_STEPS} steps",
+                                      type=bool)
+
+    # --- speed and memory
+    compile: bool = opt(False, "torch.compile the model", type=bool)
+    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass", type=bool)
+    checkpoint_every: int | None = opt(None, "gradient checkpointing every N blocks (implies "
+                                             "--gradient_checkpointing)", type=int)
+    triton_kernels: bool = opt(False, "fused Triton kernels", type=bool)
+    chunked_ce: bool = opt(False, "fused head + cross-entropy without [B,T,V] logits (Liger on CUDA if "
+                                  "installed, else chunked)", type=bool)
+    chunked_ce_size: int = opt(4096, "tokens per chunk of the chunked cross-entropy", type=int)
+    experimental_prefetch_threads: int = opt(0, "background threads preparing batches (0: none)", type=int)
+    prefetch_buffer_size: int = opt(8, "batches kept ready by the prefetch threads", type=int)
+
+    # --- logging, evaluation, checkpoints
+    log_every: int | None = opt(None, "steps between metric records (the only host syncs of the loop)",
+                                type=int)
+    eval_every: int | None = opt(None, "steps between validation runs (0: only at the end)", type=int)
+    eval_batches: int | None = opt(None, "validation batches per evaluation (0: the whole split)", type=int)
+    eval_at_start: bool = opt(True, "evaluate once before the first step", type=bool)
+    save_every: int | None = opt(None, "steps between checkpoints", type=int)
+    keep_checkpoints: int = opt(3, "checkpoints kept (older ones are deleted after a good save)", type=int)
+    tensorboard: bool = opt(False, "also log to TensorBoard (RUN_DIR/tensorboard)", type=bool)
+    wandb: bool = opt(False, "also log to Weights & Biases", type=bool)
+    wandb_project: str = opt("hydra-lm", "W&B project name", type=str)
+    resume: bool = opt(False, "continue from RUN_DIR's newest good checkpoint (automatic when it has one)",
+                       type=bool)
+
+    # --- model config overrides: `--model.KEY VALUE` or a [model] table
+    model: dict = field(default_factory=dict, metadata=dict(help="HydraConfig overrides", type=None))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+# Seed flag names that are not valid identifiers, as (field, value) pairs.
+KEY_ALIASES: dict[str, tuple[str, Any]] = {
+    "8bit_adam": ("optimizer", "adam8bit"),
+    "adafactor": ("optimizer", "adafactor"),
+}
+
+# Changing these on resume would either not load (model) or not reproduce the data order.
+FROZEN_ON_RESUME = ("model_size", "arch", "model", "seq_len", "batch_size", "seed")
+
+
+def check_train_keys(values: dict[str, Any], where: str) -> None:
+    for key in values:
+        if key not in FIELDS and key not in KEY_ALIASES:
+            close = difflib.get_close_matches(key, sorted([*FIELDS, *KEY_ALIASES]), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"unknown training key {key!r} in {where}{hint}")
+
+
+def normalize(values: dict[str, Any], where: str) -> dict[str, Any]:
+    """Map seed aliases onto fields and coerce value types; unknown keys raise ValueError."""
+    check_train_keys(values, where)
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in KEY_ALIASES:
+            name, target = KEY_ALIASES[key]
+            if value:
+                out[name] = target
+            continue
+        out[key] = _coerce(key, value, where)
+    return out
+
+
+def _coerce(key: str, value: Any, where: str) -> Any:
+    meta = FIELDS[key].metadata
+    kind, choices = meta.get("type"), meta.get("choices")
+    if key == "model":
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: 'model' must be a table of HydraConfig fields, got {value!r}")
+        return dict(value)
+    if value is None:
+        return None
+    try:
+        if kind is bool and not isinstance(value, bool):
+            raise TypeError
+        if kind is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
+            raise TypeError
+        if kind is str and not isinstance(value, str):
+            raise TypeError
+        value = kind(value) if kind in (int, float) else value
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: {key}={value!r} must be of type {kind.__name__}") from None
+    if choices and value not in choices:
+        raise ValueError(f"{where}: {key}={value!r} must be one of {list(choices)}")
+    return value
+
+
+# Per-size defaults (T11): batch size and gradient accumulation from the seed's tables for a 32 GB
+# GPU; learning rates shrink with width, as usual for AdamW at these scales.
+SIZE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "debug": dict(batch_size=32, grad_accum=1, grad_clip=1.0, lr=1e-3),
+    "50M": dict(batch_size=32, grad_accum=4, grad_clip=1.0, lr=6e-4),
+    "100M": dict(batch_size=32, grad_accum=4, grad_clip=1.0, lr=6e-4),
+    "250M": dict(batch_size=24, grad_accum=5, grad_clip=1.0, lr=4e-4),
+    "500M": dict(batch_size=8, grad_accum=8, grad_clip=1.0, lr=3e-4),
+    "750M": dict(batch_size=4, grad_accum=16, grad_clip=1.0, lr=2.5e-4),
+    "1B": dict(batch_size=2, grad_accum=30, grad_clip=1.0, lr=2e-4),
+    "1.5B": dict(batch_size=1, grad_accum=60, grad_clip=1.0, lr=1.5e-4),
+}
+# The seed's 8-bit-Adam table (seq_len 1024/2048) trades batch for accumulation on the big sizes.
+ADAM8BIT_BATCH = {"500M": (4, 15), "750M": (4, 16), "1B": (2, 30)}
+# A CPU cannot afford the GPU batches; these make the debug preset learn visibly in minutes on two cores.
+CPU_DEFAULTS = dict(batch_size=16, grad_accum=1, seq_len=128, lr=2e-3)
+MODE_DEFAULTS = {
+    "testing": dict(max_steps=1000, log_every=10, eval_batches=20),
+    "production": dict(max_steps=20000, log_every=50, eval_batches=100),
+}
+GPU_SEQ_LEN = 1024
+
+
+def resolve(cfg: TrainConfig, preset: str, on_cuda: bool) -> TrainConfig:
+    """Fill every automatic (None) field; validate the result."""
+    size = SIZE_DEFAULTS.get(preset, SIZE_DEFAULTS["100M"])
+    auto: dict[str, Any] = dict(size)
+    auto["seq_len"] = GPU_SEQ_LEN
+    if cfg.optimizer == "adam8bit" and preset in ADAM8BIT_BATCH:
+        auto["batch_size"], auto["grad_accum"] = ADAM8BIT_BATCH[preset]
+    if not on_cuda:
+        auto.update(batch_size=min(auto["batch_size"], CPU_DEFAULTS["batch_size"]), grad_accum=1,
+                    seq_len=CPU_DEFAULTS["seq_len"])
+        if preset == "debug":
+            auto["lr"] = CPU_DEFAULTS["lr"]
+    auto.update(MODE_DEFAULTS[cfg.mode])
+    changes = {k: v for k, v in auto.items() if getattr(cfg, k) is None}
+    cfg = cfg.replace(**changes)
+    steps = cfg.max_steps
+    later: dict[str, Any] = {}
+    if cfg.min_lr is None:
+        later["min_lr"] = cfg.lr / 10
+    if cfg.warmup_steps is None:
+        later["warmup_steps"] = min(1000, max(1, steps // 10))
+    if cfg.eval_every is None:
+        later["eval_every"] = max(1, steps // 10)
+    if cfg.save_every is None:
+        later["save_every"] = max(1, steps // 4) if cfg.mode == "testing" else min(1000, max(1, steps // 10))
+    if cfg.checkpoint_every is not None:
+        later["gradient_checkpointing"] = True
+    cfg = cfg.replace(**later)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ValueError(msg)
+
+    for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "log_every", "keep_checkpoints", "save_every",
+                 "chunked_ce_size"):
+        need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be >= 1")
+    for name in ("eval_every", "eval_batches", "warmup_steps", "experimental_prefetch_threads"):
+        need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)} must be >= 0")
+    need(cfg.prefetch_buffer_size >= 1, f"prefetch_buffer_size={cfg.prefetch_buffer_size} must be >= 1")
+    need(cfg.lr > 0, f"lr={cfg.lr} must be > 0")
+    need(0 <= cfg.min_lr <= cfg.lr, f"min_lr={cfg.min_lr} must lie in [0, lr={cfg.lr}]")
+    need(cfg.grad_clip >= 0, f"grad_clip={cfg.grad_clip} must be >= 0 (0 disables clipping)")
+    need(cfg.weight_decay >= 0, f"weight_decay={cfg.weight_decay} must be >= 0")
+    need(0 < cfg.wsd_decay_pct <= 1, f"wsd_decay_pct={cfg.wsd_decay_pct} must lie in (0, 1]")
+    for name in ("mod_enable_pct", "mod_force_enable_pct", "mor_enable_pct"):
+        need(0 <= getattr(cfg, name) <= 1, f"{name}={getattr(cfg, name)} must lie in [0, 1]")
+    need(cfg.mod_force_enable_pct >= cfg.mod_enable_pct,
+         f"mod_force_enable_pct={cfg.mod_force_enable_pct} must be >= mod_enable_pct={cfg.mod_enable_pct}")
+    need(cfg.adaptive_lr_spike > 1, f"adaptive_lr_spike={cfg.adaptive_lr_spike} must be > 1")
+    need(0 < cfg.adaptive_lr_factor <= 1, f"adaptive_lr_factor={cfg.adaptive_lr_factor} must lie in (0, 1]")
+    if cfg.checkpoint_every is not None:
+        need(cfg.checkpoint_every >= 1, f"checkpoint_every={cfg.checkpoint_every} must be >= 1")
+    if cfg.stop_at_step is not None:
+        need(1 <= cfg.stop_at_step <= cfg.max_steps,
+             f"stop_at_step={cfg.stop_at_step} must lie in [1, max_steps={cfg.max_steps}]")

@@ -1,0 +1,178 @@
+"""Setting up a run: merge the config layers, check the run directory and data, decide on resume.
+
+Layers, lowest first: TrainConfig defaults < the run's saved ``config.json`` (when resuming) <
+the ``--config`` file < command-line flags; then automatic values (per size / mode / device).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import HydraConfig, preset_config
+from .checkpoint import Checkpoint, CheckpointManager, write_text_atomic
+from .data_io import DataInfo, dataset_dir, open_data
+from .flags import to_toml
+from .metrics import RunLog, git_revision, versions
+from .options import FIELDS, FROZEN_ON_RESUME, TrainConfig, normalize, resolve
+
+CONFIG_JSON = "config.json"
+CONFIG_TOML = "config.toml"
+# Settings of one invocation, not of the run: a resumed run does not inherit them.
+PER_INVOCATION = ("out", "resume", "stop_at_step")
+
+
+@dataclass
+class RunSetup:
+    cfg: TrainConfig
+    model_cfg: HydraConfig
+    run_dir: Path
+    data: DataInfo
+    device: torch.device
+    manager: CheckpointManager
+    resume_from: Checkpoint | None
+    log: RunLog
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine (use cpu or auto)")
+    return device
+
+
+def check_writable(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"run directory {run_dir} is not writable: {err.strerror or err}") from None
+
+
+def read_saved_config(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / CONFIG_JSON
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        return saved if isinstance(saved, dict) and "train" in saved else None
+    except ValueError as err:
+        raise ValueError(f"{path} is corrupt ({err}); move it away to resume from the checkpoints' own config")
+
+
+def merge_layers(file_values: dict[str, Any], cli: dict[str, Any], saved: dict[str, Any] | None) -> TrainConfig:
+    base: dict[str, Any] = {}
+    if saved is not None:
+        base = normalize({k: v for k, v in saved.items() if k in FIELDS and k not in PER_INVOCATION},
+                         "the run's saved config.json")
+        for key in FROZEN_ON_RESUME:
+            for layer, where in ((file_values, "the config file"), (cli, "the command line")):
+                if key in layer and layer[key] != base.get(key):
+                    raise ValueError(f"cannot change {key} when resuming (run has {base.get(key)!r}, {where} gives "
+                                     f"{layer[key]!r}): it would not load or not reproduce the run; start a new "
+                                     "--out directory instead")
+    merged = {**base, **file_values, **cli}
+    if "model" in file_values and "model" in cli:
+        merged["model"] = {**file_values["model"], **cli["model"]}
+    return TrainConfig(**merged)
+
+
+def build_model_config(cfg: TrainConfig, data: DataInfo) -> HydraConfig:
+    overrides = dict(cfg.model)
+    preset_len = preset_config(cfg.model_size).max_seq_len
+    values = {"arch": cfg.arch, "vocab_size": data.vocab_size, "max_seq_len": max(preset_len, cfg.seq_len)}
+    values.update(overrides)
+    model_cfg = preset_config(cfg.model_size, **values)
+    if model_cfg.vocab_size < data.vocab_size:
+        raise ValueError(f"model vocab_size={model_cfg.vocab_size} is smaller than the data's vocabulary "
+                         f"({data.vocab_size} in {data.path}): token ids would be out of range")
+    if model_cfg.max_seq_len < cfg.seq_len:
+        raise ValueError(f"model max_seq_len={model_cfg.max_seq_len} is below seq_len={cfg.seq_len}")
+    return model_cfg
+
+
+def setup_run(cli: dict[str, Any], file_values: dict[str, Any] | None = None, echo: bool = True) -> RunSetup:
+    file_values = file_values or {}
+    out = cli.get("out") or file_values.get("out")
+    if not out:
+        raise ValueError("--out RUN_DIR is required")
+    run_dir = Path(out).expanduser()
+    check_writable(run_dir)
+    manager = CheckpointManager(run_dir / "checkpoints", "?")
+    has_ckpt = bool(manager.list())
+    saved = read_saved_config(run_dir)
+    if has_ckpt and saved is None:
+        raise ValueError(f"{run_dir} has checkpoints but no readable {CONFIG_JSON}; cannot resume safely")
+    resuming = has_ckpt
+    cfg = merge_layers(file_values, cli, saved["train"] if resuming else None)
+    log = RunLog(run_dir / "train.log", echo=echo)
+    try:
+        if cfg.resume and not has_ckpt:
+            log.warning(f"--resume: {run_dir} has no checkpoint yet; starting a new run")
+
+        if cfg.data is None and cfg.dataset is not None:
+            cfg = cfg.replace(data=str(dataset_dir(cfg.dataset)))
+        if cfg.data is None:
+            raise ValueError("no data: pass --data DATA_DIR (from `hydra-lm prepare`) or --dataset default")
+        data = open_data(cfg.data)
+        device = pick_device(cfg.device)
+        preset = preset_config(cfg.model_size).preset  # validates the name early, with suggestions
+        cfg = resolve(cfg.replace(model_size=preset), preset, device.type == "cuda")
+        model_cfg = build_model_config(cfg, data)
+        manager = CheckpointManager(run_dir / "checkpoints", preset, cfg.keep_checkpoints, warn=log.warning)
+        manager.cleanup_temp()
+
+        resume_from = None
+        if resuming:
+            check_same_run(saved, data, model_cfg, run_dir)
+            resume_from = manager.latest_good()
+            if resume_from is None:
+                raise ValueError(f"{run_dir} has no usable checkpoint")
+        return RunSetup(cfg, model_cfg, run_dir, data, device, manager, resume_from, log)
+    except BaseException:
+        log.close()
+        raise
+
+
+def check_same_run(saved: dict[str, Any], data: DataInfo, model_cfg: HydraConfig, run_dir: Path) -> None:
+    """A resumed run must see the tokenizer and build the model it was trained with."""
+    was = saved.get("data", {})
+    other_tokenizer = None not in (was.get("tokenizer_fingerprint"), data.tokenizer_fingerprint) and \
+        was["tokenizer_fingerprint"] != data.tokenizer_fingerprint
+    if other_tokenizer or was.get("vocab_size", data.vocab_size) != data.vocab_size:
+        raise ValueError(f"tokenizer mismatch: {data.path} (vocab {data.vocab_size}) was not tokenized like the data "
+                         f"run {run_dir} was trained on (vocab {was.get('vocab_size')}); resume with the run's data "
+                         f"directory ({was.get('path')})")
+    if saved.get("model") != model_cfg.to_dict():
+        diff = sorted(k for k, v in model_cfg.to_dict().items() if saved.get("model", {}).get(k) != v)
+        raise ValueError(f"the model config differs from the one {run_dir} was trained with (fields {diff}); "
+                         "resume with the same settings or start a new --out directory")
+
+
+def write_run_files(s: RunSetup, argv: list[str]) -> None:
+    """config.json / config.toml (the resolved config), the tokenizer, and the log header.
+
+    Called once the trainer is built, so a start that fails (a bad flag on a resumed run, say)
+    leaves the run's saved config as it was."""
+    record = {"train": s.cfg.to_dict(), "model": s.model_cfg.to_dict(), "data": s.data.to_dict(),
+              "versions": versions(), "git": git_revision()}
+    write_text_atomic(s.run_dir / CONFIG_JSON, json.dumps(record, indent=1))
+    write_text_atomic(s.run_dir / CONFIG_TOML, to_toml({**s.cfg.to_dict(), "model": s.model_cfg.to_dict()}))
+    for name in ("tokenizer.json", "tokenizer_tiktoken.json"):
+        src = s.data.path / name
+        if src.is_file() and not (s.run_dir / name).is_file():
+            shutil.copyfile(src, s.run_dir / name)
+    v = record["versions"]
+    s.log.info(f"hydra-lm {v['hydra_lm']} (git {record['git']}) | torch {v['torch']} | python {v['python']} | "
+               f"{s.device}" + (f" ({v['gpu']})" if "gpu" in v else ""))
+    s.log.info("command: " + " ".join(argv))

@@ -1,0 +1,356 @@
+"""The training loop: accumulation, clipping, schedule, curriculum, eval, checkpoints, exact resume.
+
+Inside a step nothing reads a device value back to the host: losses, grad norms and the
+curriculum's loss EMA stay on the device and are read together every ``log_every`` steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import random
+import signal
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import create_model
+from .checkpoint import capture_rng, restore_rng
+from .curriculum import Curriculum, CurriculumPlan
+from .data_io import ValSet, train_loader
+from .evaluate import evaluate
+from .metrics import MetricsWriter, measure_peak_flops, memory_mb, progress_line
+from .optim import build_optimizer, set_lr
+from .run import RunSetup, write_run_files
+from .schedule import AdaptiveLR, lr_at
+
+EXIT_INTERRUPTED = 130
+
+
+class Trainer:
+    def __init__(self, setup: RunSetup):
+        self.s = setup
+        cfg, self.cfg, self.log, self.device = setup.cfg, setup.cfg, setup.log, setup.device
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self.model = create_model(setup.model_cfg).to(self.device)
+        self._check_features()
+        self.optimizer = build_optimizer(self.model, cfg, self.device)
+        mc = setup.model_cfg
+        routable = (mc.arch == "hydra" and mc.mod_enabled, mc.arch == "hydra" and mc.mor_enabled and mc.recursions > 1)
+        self.curriculum = Curriculum(CurriculumPlan.from_config(cfg, routable))
+        self.adaptive = AdaptiveLR(cfg.adaptive_lr_spike, cfg.adaptive_lr_factor, cfg.adaptive_lr_cooldown) \
+            if cfg.adaptive_lr else None
+        self.loader = train_loader(setup.data, cfg.batch_size, cfg.seq_len, cfg.seed,
+                                   cfg.experimental_prefetch_threads, cfg.prefetch_buffer_size)
+        self.step = 0
+        self.tokens_seen = 0
+        self._saved_window: dict | None = None
+        self._window: dict | None = None
+        if setup.resume_from is not None:
+            self._restore(setup.resume_from)
+        self.step_model = torch.compile(self.model) if cfg.compile else self.model
+        self.use_doc_ids = "doc_ids" in inspect.signature(self.model.forward).parameters
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+        self.peak_flops = measure_peak_flops(self.device) if self.device.type == "cuda" else None
+        self._stop: str | None = None
+        self._valset: ValSet | None = None
+        self._iter = None
+
+    # ------------------------------------------------------------------ setup helpers
+    def _check_features(self) -> None:
+        cfg = self.cfg
+        if cfg.triton_kernels:
+            raise ValueError("--triton_kernels is not available yet: no fused Triton kernels are wired into "
+                             "the model; run without it")
+        if cfg.chunked_ce:
+            # Liger's fused kernel on CUDA when installed (eager only), else the chunked fallback.
+            self.model.ce_impl = "auto"
+            self.model.ce_chunk_size = cfg.chunked_ce_size
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing = True
+            self.model.checkpoint_every = cfg.checkpoint_every or 1
+
+    def autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _restore(self, ckpt) -> None:
+        ckpt.load_model(self.model)
+        # On the CPU: RNG states must stay there; the optimizer moves its state to the parameters' device.
+        tensors = ckpt.load_trainer(map_location="cpu")
+        try:
+            self.optimizer.load_state_dict(tensors["optimizer"])
+        except (ValueError, KeyError) as err:
+            raise ValueError(f"checkpoint {ckpt.path}: optimizer state does not fit this optimizer "
+                             f"({self.cfg.optimizer}): {err}") from None
+        st = ckpt.state
+        self.step = ckpt.step
+        self.tokens_seen = int(st.get("tokens_seen", 0))
+        self.curriculum.load_state_dict(st["curriculum"], self.device)
+        if self.adaptive is not None and st.get("adaptive_lr"):
+            self.adaptive.load_state_dict(st["adaptive_lr"])
+        self.loader.load_state_dict(st["loader"])
+        self._saved_window = st.get("log_window")
+        restore_rng(st["rng"], {k: v for k, v in tensors.items() if k in ("torch", "cuda")})
+        self.log.info(f"resumed from {ckpt.path} at step {self.step}")
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, reason: str = "") -> None:
+        rng_json, rng_tensors = capture_rng()
+        state = {
+            "model_size": self.s.cfg.model_size,
+            "tokens_seen": self.tokens_seen,
+            "curriculum": self.curriculum.state_dict(),
+            "adaptive_lr": self.adaptive.state_dict() if self.adaptive is not None else None,
+            "loader": self.loader.state_dict(),
+            "rng": rng_json,
+            "log_window": self._window_state(),
+            "train_config": self.cfg.to_dict(),
+            "model_config": self.s.model_cfg.to_dict(),
+            "data": self.s.data.to_dict(),
+        }
+        path = self.s.manager.save(self.step, self.model, {"optimizer": self.optimizer.state_dict(), **rng_tensors},
+                                   state)
+        self.log.info(f"saved checkpoint {path}" + (f" ({reason})" if reason else ""))
+
+    # ------------------------------------------------------------------ data
+    def _next_batch(self) -> dict[str, torch.Tensor]:
+        if self._iter is None:
+            self._iter = iter(self.loader)
+        try:
+            batch = next(self._iter)
+        except StopIteration:  # a finite loader: start its next epoch
+            self._iter = iter(self.loader)
+            batch = next(self._iter)
+        return batch
+
+    # ------------------------------------------------------------------ the loop
+    def _install_signals(self) -> dict:
+        def handler(signum, frame):
+            if self._stop is not None:  # second Ctrl-C: stop now (checkpoints on disk are intact)
+                raise KeyboardInterrupt
+            self._stop = signal.Signals(signum).name
+            self.log.info(f"{self._stop} received: finishing step {self.step + 1}, then saving a checkpoint")
+
+        old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                old[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return old
+
+    def run(self) -> int:
+        cfg = self.cfg
+        old = self._install_signals()
+        metrics = MetricsWriter(self.s.run_dir, self.log, cfg.tensorboard, cfg.wandb, cfg.wandb_project,
+                                config=self.cfg.to_dict(), resume_step=self.step if self.s.resume_from else -1)
+        self.metrics = metrics
+        try:
+            return self._loop()
+        finally:
+            metrics.close()
+            self.loader.close()
+            if self._valset is not None:
+                self._valset.loader.close()
+            for sig, h in old.items():
+                signal.signal(sig, h)
+
+    def _loop(self) -> int:
+        cfg, s = self.cfg, self.s
+        end = cfg.stop_at_step or cfg.max_steps
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.log.info(f"model {cfg.model_size} ({s.model_cfg.arch}): {self.model.num_parameters() / 1e6:.2f}M "
+                      f"parameters | data {s.data.path} (vocab {s.data.vocab_size}) | batch {cfg.batch_size} x "
+                      f"{cfg.seq_len} x accum {cfg.grad_accum} = {self.tokens_per_step:,} tokens/step | "
+                      f"{cfg.optimizer}, lr {cfg.lr:g} -> {cfg.min_lr:g} ({cfg.schedule}, warm-up "
+                      f"{cfg.warmup_steps}) | {self.curriculum.plan.describe()}")
+        self.log.info("active: " + ", ".join(self._active_features()))
+        if self.step >= end:
+            self.log.info(f"nothing to do: the run is at step {self.step}, target {end}")
+            return 0
+        if self.step == 0 and cfg.eval_at_start:
+            self._eval()
+        self._window = self._new_window()
+        while self.step < end and self._stop is None:
+            self._train_step(params, self._window)
+            regular = self.step % cfg.log_every == 0
+            if regular or self.step == end or self._stop:
+                if not self._log(self._window, regular):
+                    return 1
+                if regular:
+                    self._window = self._new_window()
+            if cfg.eval_every and self.step % cfg.eval_every == 0 or self.step == cfg.max_steps:
+                self._eval()
+                self._restart_timer()
+            if self._stop:
+                break
+            if self.step % cfg.save_every == 0 or self.step == end:
+                self.save("stop_at_step" if self.step == cfg.stop_at_step else "")
+                self._restart_timer()
+        if self._stop:
+            self.save(f"interrupted by {self._stop}")
+            self.log.info(f"stopped at step {self.step}; resume with: hydra-lm train --out {s.run_dir}")
+            return EXIT_INTERRUPTED
+        return 0
+
+    def _active_features(self) -> list[str]:
+        cfg, cuda = self.cfg, self.device.type == "cuda"
+        feats = ["bf16 autocast, TF32" if cuda else "fp32",
+                 f"{'fused ' if cuda and cfg.optimizer == 'adamw' else ''}{cfg.optimizer}",
+                 f"grad clip {cfg.grad_clip:g}" if cfg.grad_clip > 0 else "no grad clip"]
+        feats += [name for name, on in (("torch.compile", cfg.compile), ("gradient checkpointing",
+                                         cfg.gradient_checkpointing), ("document masking", self.use_doc_ids),
+                                        ("adaptive LR", cfg.adaptive_lr)) if on]
+        if cfg.experimental_prefetch_threads:
+            feats.append(f"prefetch {cfg.experimental_prefetch_threads} threads x {cfg.prefetch_buffer_size} batches")
+        return feats
+
+    def _restart_timer(self) -> None:
+        """Throughput counts training steps only, not evaluation or checkpoint time."""
+        self._window["t0"] = time.perf_counter()
+        self._window["timed_steps"] = 0
+
+    def _window_state(self) -> dict | None:
+        w = self._window
+        if w is None or w["steps"] == 0:
+            return None
+        return {"sums": w["sums"].tolist(), "steps": w["steps"]}
+
+    def _new_window(self) -> dict[str, Any]:
+        window = {"t0": time.perf_counter(), "steps": 0, "sums": torch.zeros(6, device=self.device), "stats": None,
+                  "timed_steps": 0}
+        if self._saved_window is not None:  # a resumed run continues the interrupted log window
+            window["sums"] = torch.tensor(self._saved_window["sums"], device=self.device)
+            window["steps"] = int(self._saved_window["steps"])
+            self._saved_window = None
+        return window
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        # A copy from pageable memory would wait for the GPU to drain; from pinned memory it queues.
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _train_step(self, params, window) -> None:
+        cfg = self.cfg
+        msg = self.curriculum.apply(self.step, self.model)
+        if msg:
+            self.log.info(msg)
+        lr = lr_at(self.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
+                   schedule=cfg.schedule, wsd_decay_pct=cfg.wsd_decay_pct)
+        if self.adaptive is not None:
+            lr *= self.adaptive.multiplier(self.step)
+        set_lr(self.optimizer, lr)
+        parts = torch.zeros(5, device=self.device)  # loss, ce, aux, ponder, moe (summed over micro-batches)
+        stats = None
+        for _ in range(cfg.grad_accum):
+            batch = self._next_batch()
+            x, y = self._to_device(batch["input_ids"]), self._to_device(batch["targets"])
+            kwargs = {"doc_ids": self._to_device(batch["doc_ids"])} if self.use_doc_ids else {}
+            with self.autocast():
+                out = self.step_model(x, targets=y, **kwargs)
+            (out["loss"] / cfg.grad_accum).backward()
+            parts += torch.stack([out[k].detach().float() for k in ("loss", "ce_loss", "aux_loss", "ponder_loss",
+                                                                    "moe_loss")])
+            stats = out["routing_stats"].detach()
+        if cfg.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        else:  # still measured for the log; clipping by inf would turn an overflowed norm into NaN grads
+            grad_norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None]))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        parts = parts / cfg.grad_accum
+        self.curriculum.observe(parts[1])
+        window["sums"] += torch.cat([parts, grad_norm.detach().float().reshape(1)])
+        window["stats"] = stats
+        window["steps"] += 1
+        window["timed_steps"] += 1
+        window["lr"] = lr
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+
+    def _log(self, window, regular: bool = True) -> bool:
+        """Write a metrics record. Only ``regular`` records (every log_every steps) feed the loss gate
+        and the adaptive LR, so interrupting a run cannot change their decisions."""
+        n = max(1, window["steps"])
+        values = (window["sums"] / n).tolist()  # the one host sync per log interval
+        elapsed = time.perf_counter() - window["t0"]
+        loss, ce, aux, ponder, moe, gnorm = values
+        tps = window["timed_steps"] * self.tokens_per_step / max(elapsed, 1e-9)
+        record: dict[str, Any] = {
+            "kind": "train", "step": self.step, "loss": loss, "ce_loss": ce, "aux_loss": aux, "ponder_loss": ponder,
+            "moe_loss": moe, "lr": window.get("lr", 0.0), "grad_norm": gnorm, "tokens_per_s": tps,
+            "tokens": self.tokens_seen, "memory_mb": memory_mb(self.device),
+            "mod_active": self.curriculum.mod_active, "mor_active": self.curriculum.mor_active,
+        }
+        if window["stats"] is not None and window["stats"].numel():
+            fracs = window["stats"][:, 0].tolist()
+            record["routing_exec_frac"] = dict(zip(self.model.router_names(), fracs))
+            record["exec_frac_mean"] = sum(fracs) / len(fracs)
+        if self.peak_flops:
+            record["mfu"] = self._flops_per_token() * tps / self.peak_flops
+        self.metrics.write(record)
+        self.log.info(progress_line(record, self.cfg.max_steps))
+        if not math.isfinite(loss):
+            self.log.warning(f"loss is {loss} at step {self.step}: training diverged; not saving this state. "
+                             f"Resume from the last checkpoint with a lower --lr (or --adaptive_lr)")
+            return False
+        if not regular:
+            return True
+        self.curriculum.check_gate(self.step)
+        if self.adaptive is not None and self.adaptive.observe(self.step, loss):
+            self.log.info(f"adaptive LR: loss spike at step {self.step} ({loss:.3f}); LR "
+                          f"x{self.cfg.adaptive_lr_factor:g} for {self.cfg.adaptive_lr_cooldown} steps")
+        return True
+
+    def _flops_per_token(self) -> float:
+        try:
+            from ..model.accounting import executed_flops_per_token
+        except ImportError:
+            return 0.0
+        mc = self.s.model_cfg
+        live = mc.replace(mod_enabled=mc.mod_enabled and self.curriculum.mod_active,
+                          mor_enabled=mc.mor_enabled and self.curriculum.mor_active)
+        return executed_flops_per_token(live, self.cfg.seq_len, training=True)
+
+    def _eval(self) -> dict | None:
+        if not self.s.data.token_counts.get("val"):
+            if not getattr(self, "_warned_no_val", False):
+                self.log.warning(f"{self.s.data.path} has no validation split: skipping evaluation")
+                self._warned_no_val = True
+            return None
+        t0 = time.perf_counter()
+        if self._valset is None:
+            self._valset = ValSet(self.s.data, self.cfg.batch_size, self.cfg.seq_len)
+        result = evaluate(self.model, self._valset, self.device,
+                          self.cfg.eval_batches, self.autocast, self.use_doc_ids, lambda: self._stop is not None)
+        if result is None:
+            return None
+        record = {"kind": "eval", "step": self.step, **result, "eval_s": time.perf_counter() - t0}
+        self.metrics.write(record)
+        self.log.info(f"eval step {self.step}: val loss causal {result['val_loss_causal']:.4f} (ppl "
+                      f"{result['val_ppl_causal']:.1f}) | top-k {result['val_loss_topk']:.4f} (ppl "
+                      f"{result['val_ppl_topk']:.1f}) | {result['val_tokens']:,} tokens")
+        return result
+
+
+def train(setup: RunSetup) -> int:
+    """Run a configured training job; returns the process exit status (130 when interrupted)."""
+    try:
+        trainer = Trainer(setup)
+        write_run_files(setup, sys.argv)
+        return trainer.run()
+    finally:
+        setup.log.close()

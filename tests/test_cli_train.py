@@ -1,0 +1,191 @@
+"""The command line end to end on a tiny corpus: prepare -> train -> eval -> generate, exact resume,
+Ctrl-C, and clear one-line errors for bad input (never losing a checkpoint)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from hydra_lm.cli import main
+from test_train_support import TINY_RUN, prepare, records, tiny_data, train_losses, write_corpus  # noqa: F401
+
+
+def train(data, run, *extra):
+    return main(["train", "--data", str(data), "--out", str(run), *TINY_RUN, *extra])
+
+
+def test_prepare_train_eval_generate(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "12", "--log_every", "3", "--eval_every", "6", "--save_every",
+                 "4", "--keep_checkpoints", "2", "--lr", "0.01") == 0
+    out = capsys.readouterr().out
+    assert "tok/s" in out and "eval step 12" in out
+    train_rs, eval_rs = records(run, "train"), records(run, "eval")
+    assert [r["step"] for r in train_rs] == [3, 6, 9, 12]
+    for r in train_rs:
+        assert {"step", "loss", "lr", "tokens_per_s", "grad_norm", "memory_mb", "ce_loss"} <= set(r)
+    assert [r["step"] for r in eval_rs] == [0, 6, 12]
+    assert all({"val_loss_causal", "val_loss_topk", "val_ppl_causal", "val_ppl_topk"} <= set(r) for r in eval_rs)
+    assert eval_rs[-1]["val_loss_causal"] < eval_rs[0]["val_loss_causal"] - 0.5  # it learns
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == ["hydra_debug_step12", "hydra_debug_step8", "latest"]
+    log = (run / "train.log").read_text()
+    assert "torch" in log and "git" in log
+
+    assert main(["eval", "--run", str(run), "--json", "--device", "cpu"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["step"] == 12 and result["val_loss_causal"] > 0 and result["val_loss_topk"] > 0
+    assert main(["eval", "--run", str(run), "--checkpoint", str(run / "checkpoints" / "hydra_debug_step8")]) == 0
+    assert "step 8" in capsys.readouterr().out
+
+    assert main(["generate", "--run", str(run), "--prompt", "the quick", "--max_new_tokens", "12", "--seed", "3"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("the quick") and len(text) > len("the quick")
+    assert main(["generate", "--run", str(run), "--prompt", "the quick", "--max_new_tokens", "12", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == text  # seeded sampling is reproducible
+
+
+@pytest.mark.parametrize("split_at", [5])
+def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tiny_data, tmp_path, split_at):
+    common = ["--max_steps", "10", "--log_every", "1", "--eval_every", "4", "--save_every", "3", "--grad_accum", "2",
+              "--adaptive_lr", "--mod_enable_pct", "0.3", "--mod_force_enable_pct", "0.6", "--mor_enable_pct", "0.7",
+              "--no_short_run_override", "--mod_loss_gate", "5.5", "--experimental_prefetch_threads", "2"]
+    straight, pieces = tmp_path / "straight", tmp_path / "pieces"
+    assert train(tiny_data, straight, *common) == 0
+    assert train(tiny_data, pieces, *common, "--stop_at_step", str(split_at)) == 0
+    assert [s for s, _ in train_losses(pieces)] == list(range(1, split_at + 1))
+    assert main(["train", "--out", str(pieces)]) == 0  # everything else comes from the run's config
+    assert train_losses(pieces) == train_losses(straight)  # bit-identical per-step losses
+    strip = [{k: v for k, v in r.items() if k not in ("eval_s",)} for r in records(straight, "eval")]
+    assert strip == [{k: v for k, v in r.items() if k not in ("eval_s",)} for r in records(pieces, "eval")]
+    a, b = records(straight, "train"), records(pieces, "train")
+    assert [(r["mod_active"], r["mor_active"], r["lr"]) for r in a] == [(r["mod_active"], r["mor_active"], r["lr"])
+                                                                        for r in b]
+    assert any(r["mod_active"] for r in a[split_at:]) and not a[0]["mod_active"]
+
+
+def test_sigint_saves_a_checkpoint_and_the_run_resumes(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-c", "import sys; from hydra_lm.cli import main; sys.exit(main())",
+           "train", "--data", str(tiny_data), "--out", str(run),
+           "--max_steps", "100000", "--log_every", "1", "--no-eval_at_start", "--save_every", "100000", *TINY_RUN]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 120
+        metrics = run / "metrics.jsonl"
+        while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode in (0, 130), out
+    assert "SIGINT" in out
+    ckpts = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("hydra_debug_step")]
+    assert len(ckpts) == 1
+    step = int(ckpts[0].name.rsplit("step", 1)[1])
+    assert step >= 3 and records(run, "train")[-1]["step"] == step
+    assert main(["train", "--out", str(run), "--max_steps", str(step + 2), "--log_every", "1"]) == 0
+    assert [r["step"] for r in records(run, "train")][-2:] == [step + 1, step + 2]
+
+
+# ---------------------------------------------------------------------- bad input
+def err_of(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    return err[-1] if err else ""
+
+
+def test_missing_and_empty_data_dirs(tmp_path, capsys):
+    assert main(["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "r1")]) == 2
+    assert "does not exist" in err_of(capsys)
+    (tmp_path / "empty").mkdir()
+    assert main(["train", "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "r2")]) == 2
+    assert "no prepared data" in err_of(capsys)
+    assert main(["train", "--out", str(tmp_path / "r3")]) == 2
+    assert "no data" in err_of(capsys)
+
+
+def test_unwritable_run_dir(tiny_data, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert train(tiny_data, blocker / "run", "--max_steps", "1") == 2
+    assert "not writable" in err_of(capsys)
+
+
+def test_out_of_range_token_ids(tiny_data, tmp_path, capsys):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_data, bad)
+    tokens = np.memmap(bad / "train.bin", dtype=np.uint16, mode="r+")
+    tokens[5] = 60000
+    tokens.flush()
+    del tokens
+    assert train(bad, tmp_path / "run", "--max_steps", "1") == 2
+    assert "60000" in err_of(capsys)
+
+
+def test_resume_with_another_tokenizer_is_refused(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "2") == 0
+    other = prepare(write_corpus(tmp_path / "c2", seed=1, words=200), tmp_path / "other", vocab_size=300)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert train(other, run, "--max_steps", "4") == 2
+    assert "tokenizer mismatch" in err_of(capsys)
+    other_vocab = prepare(write_corpus(tmp_path / "c3", seed=2), tmp_path / "other_vocab", vocab_size=320)
+    assert train(other_vocab, run, "--max_steps", "4") == 2
+    assert "tokenizer mismatch" in err_of(capsys)
+    assert train(tiny_data, run, "--max_steps", "4", "--model.dim", "32") == 2
+    assert "cannot change model when resuming" in err_of(capsys)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # nothing lost
+
+
+def test_corrupt_checkpoint_errors_for_eval_and_resume_falls_back(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "4", "--save_every", "2", "--log_every", "1") == 0
+    newest = run / "checkpoints" / "hydra_debug_step4" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:-50])
+    assert main(["eval", "--run", str(run), "--checkpoint", str(newest.parent)]) == 2
+    line = err_of(capsys)
+    assert line.startswith("hydra-lm eval: error:") and str(newest) in line and "truncated" in line
+    assert main(["train", "--out", str(run), "--max_steps", "6", "--log_every", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "falling back" in captured.err and str(newest) in captured.err
+    assert "resumed from" in captured.out and "hydra_debug_step2" in captured.out
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert "hydra_debug_step4.corrupt" in names and "hydra_debug_step6" in names
+    assert [r["step"] for r in records(run, "train")] == [1, 2, 3, 4, 5, 6]  # redone steps logged once
+
+
+def test_quickstart_runs_end_to_end_on_a_stand_in_corpus(tiny_data, tmp_path, monkeypatch, capsys):
+    import hydra_lm.data
+    from hydra_lm.train.quickstart import quickstart
+
+    prepared = []
+    monkeypatch.setattr(hydra_lm.data, "prepare_data", lambda inputs, out: prepared.append(inputs) or tiny_data)
+    model = {"dim": 64, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden": 128}
+    code = quickstart(tmp_path / "qs", max_steps=8, prompt="the", max_new_tokens=8, device="cpu",
+                      overrides={"batch_size": 4, "seq_len": 32, "eval_batches": 2, "model": model})
+    out = capsys.readouterr().out
+    assert code == 0 and prepared == [None]  # None: the embedded default corpus
+    assert "validation loss (causal routing):" in out and "at step 0 ->" in out and "at step 8" in out
+    assert "sample (prompt 'the'" in out
+    assert (tmp_path / "qs" / "run" / "checkpoints" / "hydra_debug_step8").is_dir()
+
+
+def test_a_failed_restart_leaves_the_run_as_it_was(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "2") == 0
+    saved = (run / "config.json").read_text()
+    assert main(["train", "--out", str(run), "--max_steps", "4", "--triton_kernels"]) == 2
+    assert "not available yet" in err_of(capsys)
+    assert (run / "config.json").read_text() == saved
+    assert main(["train", "--out", str(run), "--max_steps", "4"]) == 0
+    assert json.loads((run / "config.json").read_text())["train"]["max_steps"] == 4

@@ -1,0 +1,119 @@
+"""Checkpoints: atomic layout, safe loading, rotation, corruption detection and fallback."""
+
+import json
+
+import pytest
+import torch
+
+import hydra_lm
+from hydra_lm.train.checkpoint import (CheckpointError, CheckpointManager, capture_rng, restore_rng,
+                                       resolve_checkpoint, verify)
+
+
+def tiny():
+    torch.manual_seed(0)
+    return hydra_lm.create_model("debug", vocab_size=50, dim=32, n_heads=2, n_kv_heads=1, mlp_hidden=64,
+                                 max_seq_len=16)
+
+
+def save(manager, model, step):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 50, (2, 8)), targets=torch.randint(0, 50, (2, 8)))["loss"].backward()
+    opt.step()
+    return manager.save(step, model, {"optimizer": opt.state_dict(), "torch": torch.get_rng_state()},
+                        {"note": "test", "model_config": model.config.to_dict()})
+
+
+def test_layout_latest_pointer_and_rotation(tmp_path):
+    m = CheckpointManager(tmp_path / "ck", "debug", keep=2)
+    model = tiny()
+    for step in (1, 2, 3):
+        path = save(m, model, step)
+        assert path.name == f"hydra_debug_step{step}"
+    assert [s for s, _ in m.list()] == [2, 3]  # kept the last 2
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "hydra_debug_step3"
+    assert sorted(p.name for p in path.iterdir()) == ["model.safetensors", "state.json", "trainer.pt"]
+    assert not list((tmp_path / "ck").glob(".tmp-*"))
+    ck = verify(path)
+    assert ck.step == 3 and ck.state["note"] == "test"
+    trainer = ck.load_trainer()  # weights_only=True: no arbitrary unpickling
+    assert "state" in trainer["optimizer"]
+    fresh = tiny()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    ck.load_model(fresh)
+    for a, b in zip(fresh.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_resaving_the_same_step_replaces_it_cleanly(tmp_path):
+    m = CheckpointManager(tmp_path / "ck", "debug", keep=3)
+    model = tiny()
+    save(m, model, 5)
+    save(m, model, 5)
+    assert [s for s, _ in m.list()] == [5]
+    verify(m.list()[0][1])
+
+
+@pytest.mark.parametrize("damage", ["truncate_model", "flip_trainer", "drop_state", "garble_state"])
+def test_damage_is_detected_naming_the_file_and_resume_falls_back(tmp_path, damage):
+    warnings = []
+    m = CheckpointManager(tmp_path / "ck", "debug", keep=5, warn=warnings.append)
+    model = tiny()
+    save(m, model, 1)
+    bad = save(m, model, 2)
+    if damage == "truncate_model":
+        f = bad / "model.safetensors"
+        f.write_bytes(f.read_bytes()[:100])
+    elif damage == "flip_trainer":
+        f = bad / "trainer.pt"
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    elif damage == "drop_state":
+        f = bad / "state.json"
+        f.unlink()
+    else:
+        f = bad / "state.json"
+        f.write_text(f.read_text()[:40])
+    with pytest.raises(CheckpointError, match=str(f)):
+        verify(bad)
+    good = m.latest_good()
+    assert good.step == 1
+    assert warnings and str(f) in warnings[0] and "falling back" in warnings[0]
+    assert (tmp_path / "ck" / "hydra_debug_step2.corrupt").is_dir()  # kept for inspection, not deleted
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "hydra_debug_step1"
+
+
+def test_every_checkpoint_broken_is_an_error_not_a_fresh_start(tmp_path):
+    m = CheckpointManager(tmp_path / "checkpoints", "debug", keep=5)
+    path = save(m, tiny(), 1)
+    (path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no readable checkpoint"):
+        m.latest_good(quarantine=False)
+    with pytest.raises(CheckpointError, match="no readable checkpoint"):
+        resolve_checkpoint(tmp_path)
+
+
+def test_resolve_checkpoint_accepts_a_directory_or_file(tmp_path):
+    m = CheckpointManager(tmp_path / "checkpoints", "debug")
+    path = save(m, tiny(), 7)
+    assert resolve_checkpoint(tmp_path).step == 7
+    assert resolve_checkpoint(tmp_path, path / "model.safetensors").step == 7
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve_checkpoint(tmp_path, tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="has no checkpoint"):
+        resolve_checkpoint(tmp_path / "empty")
+
+
+def test_rng_state_round_trips_through_json_and_tensors():
+    import random
+
+    import numpy as np
+
+    json_part, tensors = capture_rng()
+    json_part = json.loads(json.dumps(json_part))
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    restore_rng(json_part, tensors)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected

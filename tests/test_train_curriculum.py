@@ -1,0 +1,93 @@
+"""MoD/MoR curriculum: switches at the planned steps, the loss gate, the short-run override,
+state round trip, and the switches as a real run records them."""
+
+import torch
+
+from hydra_lm.cli import main
+from hydra_lm.train import Curriculum, CurriculumPlan, TrainConfig
+from test_train_support import TINY_RUN, records, tiny_data  # noqa: F401 (fixture)
+
+
+class FakeModel:
+    def __init__(self):
+        self.calls = []
+
+    def set_curriculum(self, mod_active, mor_active):
+        self.calls.append((mod_active, mor_active))
+
+
+def run_plan(curriculum, steps, losses=None, log_every=1):
+    model, states = FakeModel(), []
+    for step in range(steps):
+        curriculum.apply(step, model)
+        states.append((curriculum.mod_active, curriculum.mor_active))
+        curriculum.observe(torch.tensor(losses(step) if losses else 9.0))
+        if (step + 1) % log_every == 0:
+            curriculum.check_gate(step + 1)
+    return states, model
+
+
+def test_plan_from_percentages_and_short_run_override():
+    short = CurriculumPlan.from_config(TrainConfig(max_steps=200))
+    assert (short.mod_gate_step, short.mod_force_step, short.mor_step) == (20, 30, 60)
+    assert short.loss_gate is None  # short run: no gate by default
+    kept = CurriculumPlan.from_config(TrainConfig(max_steps=200, no_short_run_override=True))
+    assert kept.loss_gate == 5.0 and kept.mod_gate_step == 20
+    long = CurriculumPlan.from_config(TrainConfig(max_steps=5000))
+    assert (long.mod_gate_step, long.mod_force_step, long.mor_step, long.loss_gate) == (500, 750, 1500, 5.0)
+    off = CurriculumPlan.from_config(TrainConfig(max_steps=5000, mod_off=True, mor_off=True))
+    assert off.mod_gate_step is None and off.mor_step is None
+    dense = CurriculumPlan.from_config(TrainConfig(max_steps=5000), routable=(False, False))
+    assert dense.mod_gate_step is None and dense.mor_step is None
+
+
+def test_switches_without_gate_happen_exactly_at_the_planned_steps():
+    plan = CurriculumPlan(mod_gate_step=3, mod_force_step=5, mor_step=6, loss_gate=None)
+    states, model = run_plan(Curriculum(plan), 10)
+    assert [s[0] for s in states] == [False] * 3 + [True] * 7
+    assert [s[1] for s in states] == [False] * 6 + [True] * 4
+    assert model.calls == [(False, False), (True, False), (True, True)]  # set only on a change
+
+
+def test_loss_gate_opens_early_only_when_the_ema_is_low():
+    plan = CurriculumPlan(mod_gate_step=3, mod_force_step=8, mor_step=None, loss_gate=5.0)
+    high, _ = run_plan(Curriculum(plan), 10, losses=lambda s: 9.0)
+    assert [s[0] for s in high].index(True) == 8  # forced
+    low, _ = run_plan(Curriculum(plan), 10, losses=lambda s: 2.0)
+    assert [s[0] for s in low].index(True) == 3  # gate open at its first step
+    # The gate is read at log steps only: with log_every 4 it is first seen at step 4.
+    sparse, _ = run_plan(Curriculum(plan), 10, losses=lambda s: 2.0, log_every=4)
+    assert [s[0] for s in sparse].index(True) == 4
+
+
+def test_state_round_trip_keeps_the_ema_exactly():
+    c = Curriculum(CurriculumPlan(1, 2, 3, 5.0))
+    run_plan(c, 4, losses=lambda s: 1.0 + s / 7)
+    d = Curriculum(c.plan)
+    d.load_state_dict(c.state_dict())
+    assert d.state_dict() == c.state_dict()
+    assert d.ema() == c.ema()
+    model = FakeModel()
+    d.apply(4, model)
+    assert model.calls == [(True, True)]  # a restored curriculum re-applies its state to the new model
+
+
+def test_a_run_records_the_switches_at_the_planned_steps(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    code = main(["train", "--data", str(tiny_data), "--out", str(run), "--max_steps", "10", "--log_every", "1",
+                 "--eval_every", "0", "--no-eval_at_start", "--mod_enable_pct", "0.3", "--mod_force_enable_pct", "0.3",
+                 "--mor_enable_pct", "0.6", *TINY_RUN])
+    assert code == 0
+    rs = records(run, "train")
+    # A record at step s describes the step with index s-1.
+    assert [r["mod_active"] for r in rs] == [False] * 3 + [True] * 7
+    assert [r["mor_active"] for r in rs] == [False] * 6 + [True] * 4
+    assert all(r["routing_exec_frac"]["block1.mod0"] == 1.0 for r in rs[:3])  # off: every token runs
+    assert all(r["routing_exec_frac"]["block1.mod0"] < 1.0 for r in rs[3:])
+
+
+def test_mod_off_mor_off_keep_routing_off(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(tiny_data), "--out", str(run), "--max_steps", "4", "--log_every", "1",
+                 "--eval_every", "0", "--no-eval_at_start", "--mod_off", "--mor_off", *TINY_RUN]) == 0
+    assert not any(r["mod_active"] or r["mor_active"] for r in records(run, "train"))

@@ -1,0 +1,84 @@
+"""Evaluation: the causal number is computed with causal routing only, whatever the model's defaults."""
+
+import math
+
+import pytest
+import torch
+
+import hydra_lm
+from hydra_lm.model import routing
+from hydra_lm.train import evaluate
+
+
+def batches(n=3, b=2, t=16, vocab=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (b, t + 1), generator=g)
+        y = ids[:, 1:].clone()
+        y[0, -3:] = -100  # padding the loader may produce at the end of a pass
+        out.append({"input_ids": ids[:, :-1], "targets": y, "doc_ids": torch.zeros(b, t, dtype=torch.int32)})
+    return out
+
+
+def tiny(**kw):
+    torch.manual_seed(0)
+    return hydra_lm.create_model("debug", vocab_size=50, dim=32, n_heads=2, n_kv_heads=1, mlp_hidden=64,
+                                 max_seq_len=32, mod_every=1, mod_capacity=0.5, **kw)
+
+
+def test_causal_pass_never_routes_top_k(monkeypatch):
+    model = tiny()
+    model.eval_routing = "topk"  # a model whose eval default is top-k must still give a causal number
+    events = []
+    original_forward, original_select = model.forward, routing.Router.select
+
+    def forward(*args, routing=None, **kw):
+        events.append(("forward", routing))
+        return original_forward(*args, routing=routing, **kw)
+
+    def select(self, x, valid, k, mode, row_len):
+        events.append(("router", mode))
+        return original_select(self, x, valid, k, mode, row_len)
+
+    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(routing.Router, "select", select)
+    result = evaluate(model, batches(), torch.device("cpu"))
+    current, seen = None, {"causal": set(), "topk": set()}
+    for kind, mode in events:
+        if kind == "forward":
+            current = mode
+        else:
+            seen[current].add(mode)
+    assert seen == {"causal": {"causal"}, "topk": {"topk"}}
+    assert [m for k, m in events if k == "forward"] == ["causal", "topk"] * 3
+    assert model.training  # evaluate restores the mode it found
+    assert result["val_loss_causal"] != result["val_loss_topk"]  # the routing really differs
+
+
+def test_losses_are_token_weighted_means_and_training_mode_is_restored():
+    model = tiny().train()
+    data = batches()
+    result = evaluate(model, data, torch.device("cpu"))
+    assert model.training
+    model.eval()
+    with torch.no_grad():
+        for mode in ("causal", "topk"):
+            total = count = 0.0
+            for b in data:
+                out = model(b["input_ids"], targets=b["targets"], routing=mode)
+                n = (b["targets"] != -100).sum().item()
+                total += out["ce_loss"].item() * n
+                count += n
+            assert result[f"val_loss_{mode}"] == pytest.approx(total / count, rel=1e-6)
+            assert result[f"val_ppl_{mode}"] == pytest.approx(math.exp(total / count), rel=1e-6)
+    assert result["val_tokens"] == 3 * 2 * 16 - 3 * 3
+    assert 0 < result["val_exec_frac_causal"] <= 1
+
+
+def test_max_batches_stop_and_empty_split():
+    model = tiny()
+    assert evaluate(model, batches(n=5), torch.device("cpu"), max_batches=2)["val_batches"] == 2
+    assert evaluate(model, batches(), torch.device("cpu"), should_stop=lambda: True) is None
+    with pytest.raises(ValueError, match="no batch"):
+        evaluate(model, [], torch.device("cpu"))

@@ -1,0 +1,75 @@
+"""Optional trainer features run (or refuse clearly): optimizers, checkpointing, dense arch, --dataset,
+optional loggers, a data directory without a validation split."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from hydra_lm.cli import main
+from hydra_lm.train import optim
+from hydra_lm.train.options import TrainConfig
+from test_train_support import TINY_RUN, records, tiny_data, write_corpus  # noqa: F401
+
+
+def train(data, run, *extra):
+    return main(["train", "--data", str(data), "--out", str(run), "--max_steps", "3", "--log_every", "1",
+                 "--no-eval_at_start", *TINY_RUN, *extra])
+
+
+@pytest.mark.parametrize("extra", [["--adafactor"], ["--gradient_checkpointing"], ["--checkpoint_every", "2"],
+                                   ["--arch", "dense"], ["--schedule", "cosine", "--grad_clip", "0"]],
+                         ids=["adafactor", "grad_ckpt", "ckpt_every_2", "dense", "cosine_noclip"])
+def test_feature_runs_and_learns(tiny_data, tmp_path, extra):
+    assert train(tiny_data, tmp_path / "run", *extra) == 0
+    losses = [r["loss"] for r in records(tmp_path / "run", "train")]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    if "--arch" in extra:
+        assert saved["model"]["arch"] == "dense"
+    if "--adafactor" in extra:
+        assert saved["train"]["optimizer"] == "adafactor"
+
+
+def test_gradient_checkpointing_and_chunked_ce_do_not_change_the_numbers(tiny_data, tmp_path):
+    assert train(tiny_data, tmp_path / "a") == 0
+    assert train(tiny_data, tmp_path / "b", "--gradient_checkpointing") == 0
+    assert train(tiny_data, tmp_path / "c", "--chunked_ce", "--chunked_ce_size", "100") == 0
+    a = [r["loss"] for r in records(tmp_path / "a", "train")]
+    for other in ("b", "c"):
+        assert a == pytest.approx([r["loss"] for r in records(tmp_path / other, "train")], rel=1e-5)
+
+
+def test_weight_decay_only_on_matrices():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    decay, keep = optim.param_groups(model, 0.1)
+    assert [p.dim() for p in decay["params"]] == [2] and decay["weight_decay"] == 0.1
+    assert all(p.dim() == 1 for p in keep["params"]) and keep["weight_decay"] == 0.0
+    opt = optim.build_optimizer(model, TrainConfig(lr=1e-3), torch.device("cpu"))
+    assert isinstance(opt, torch.optim.AdamW)
+
+
+def test_dataset_flag_takes_a_prepared_directory(tiny_data, tmp_path):
+    assert main(["train", "--dataset", str(tiny_data), "--out", str(tmp_path / "run"), "--max_steps", "1",
+                 *TINY_RUN]) == 0
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["data"]["path"] == str(tiny_data)
+
+
+@pytest.mark.parametrize("flag, package", [("--tensorboard", "tensorboard"), ("--wandb", "wandb")])
+def test_optional_loggers_need_their_package(tiny_data, tmp_path, capsys, flag, package):
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed")
+    assert train(tiny_data, tmp_path / "run", flag) == 2
+    assert f"{flag} needs the {package} package" in capsys.readouterr().err
+
+
+def test_data_without_validation_split_trains_and_warns(tmp_path, capsys):
+    data = tmp_path / "data"
+    assert main(["prepare", "--inputs", str(write_corpus(tmp_path / "c", n_docs=10)), "--out", str(data),
+                 "--vocab_size", "300", "--val_fraction", "0", "--no_progress"]) == 0
+    assert main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--max_steps", "2",
+                 *TINY_RUN]) == 0
+    assert "no validation split" in capsys.readouterr().err
+    assert records(tmp_path / "run", "eval") == []

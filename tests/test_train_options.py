@@ -1,0 +1,120 @@
+"""Train settings: per-size defaults, config files, CLI precedence, model overrides, unknown keys."""
+
+import json
+
+import pytest
+
+from hydra_lm.cli import main
+from hydra_lm.train.flags import load_config_file, parse_value, split_model_overrides, to_toml
+from hydra_lm.train.options import TrainConfig, resolve
+from test_train_support import TINY_RUN, tiny_data  # noqa: F401 (fixture)
+
+
+def test_per_size_defaults_follow_the_seed_tables():
+    big = resolve(TrainConfig(), "1B", on_cuda=True)
+    assert (big.batch_size, big.grad_accum, big.seq_len, big.grad_clip) == (2, 30, 1024, 1.0)
+    eight = resolve(TrainConfig(optimizer="adam8bit"), "500M", on_cuda=True)
+    assert (eight.batch_size, eight.grad_accum) == (4, 15)
+    cpu = resolve(TrainConfig(), "debug", on_cuda=False)
+    assert (cpu.batch_size, cpu.grad_accum, cpu.seq_len, cpu.lr) == (16, 1, 128, 2e-3)
+    assert cpu.min_lr == pytest.approx(2e-4) and cpu.warmup_steps == 100 and cpu.eval_every == 100
+    prod = resolve(TrainConfig(mode="production"), "100M", on_cuda=True)
+    assert prod.max_steps == 20000 and prod.log_every == 50
+    explicit = resolve(TrainConfig(batch_size=3, lr=1e-4), "1B", on_cuda=True)
+    assert (explicit.batch_size, explicit.lr) == (3, 1e-4)
+    assert resolve(TrainConfig(checkpoint_every=2), "debug", False).gradient_checkpointing
+
+
+def test_validation_errors_are_clear():
+    with pytest.raises(ValueError, match="mod_force_enable_pct"):
+        resolve(TrainConfig(mod_enable_pct=0.5, mod_force_enable_pct=0.2), "debug", False)
+    with pytest.raises(ValueError, match="min_lr"):
+        resolve(TrainConfig(lr=1e-3, min_lr=1e-2), "debug", False)
+    with pytest.raises(ValueError, match="stop_at_step"):
+        resolve(TrainConfig(max_steps=10, stop_at_step=11), "debug", False)
+
+
+def test_model_overrides_parse_from_argv():
+    rest, overrides = split_model_overrides(["train", "--model.dim", "64", "--model.mod_capacity=0.5",
+                                             "--model.moe", "true", "--lr", "1"])
+    assert rest == ["train", "--lr", "1"]
+    assert overrides == {"dim": 64, "mod_capacity": 0.5, "moe": True}
+    assert parse_value("null") is None and parse_value("hydra") == "hydra" and parse_value("[1, 2]") == [1, 2]
+
+
+def test_config_file_toml_yaml_and_aliases(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('lr = 0.001\n8bit_adam = true\nschedule = "cosine"\n[model]\ndim = 64\n')
+    assert load_config_file(toml) == {"lr": 0.001, "optimizer": "adam8bit", "schedule": "cosine",
+                                      "model": {"dim": 64}}
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("lr: 0.002\nmodel:\n  mod_capacity: 0.5\n")
+    assert load_config_file(yaml) == {"lr": 0.002, "model": {"mod_capacity": 0.5}}
+    bad = tmp_path / "bad.toml"
+    bad.write_text("lrr = 1\n")
+    with pytest.raises(ValueError, match="unknown training key 'lrr'.*did you mean lr"):
+        load_config_file(bad)
+    wrong_type = tmp_path / "t.toml"
+    wrong_type.write_text('max_steps = "ten"\n')
+    with pytest.raises(ValueError, match="max_steps"):
+        load_config_file(wrong_type)
+    broken = tmp_path / "broken.toml"
+    broken.write_text("lr = = 1\n")
+    with pytest.raises(ValueError, match="cannot be parsed"):
+        load_config_file(broken)
+
+
+def test_toml_copy_round_trips(tmp_path):
+    values = {**TrainConfig(max_steps=5, data="d").to_dict(), "model": {"dim": 64, "head_dim": None}}
+    path = tmp_path / "round.toml"
+    path.write_text(to_toml(values))
+    loaded = load_config_file(path)
+    assert loaded["max_steps"] == 5 and loaded["data"] == "d" and loaded["model"] == {"dim": 64}
+
+
+def test_cli_overrides_config_file_and_resolved_config_is_written(tiny_data, tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("lr = 0.001\nbatch_size = 2\nwarmup_steps = 1\nschedule = 'cosine'\n"
+                   "[model]\nmod_capacity = 0.5\nmlp_hidden = 96\n")
+    run = tmp_path / "run"
+    args = ["train", "--config", str(cfg), "--data", str(tiny_data), "--out", str(run), "--max_steps", "2",
+            "--lr", "0.005", *TINY_RUN, "--model.mlp_hidden", "128"]
+    args[args.index("--batch_size") + 1] = "3"
+    assert main(args) == 0
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["train"]["lr"] == 0.005  # CLI beats the file
+    assert saved["train"]["batch_size"] == 3
+    assert saved["train"]["warmup_steps"] == 1 and saved["train"]["schedule"] == "cosine"  # from the file
+    assert saved["model"]["mod_capacity"] == 0.5 and saved["model"]["mlp_hidden"] == 128 and saved["model"]["dim"] == 64
+    assert saved["model"]["vocab_size"] == 300  # from the data's tokenizer
+    assert "git" in saved and saved["versions"]["torch"]
+    assert (run / "config.toml").is_file() and (run / "train.log").read_text().count("hydra-lm") >= 1
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--model.bogus", "1"], "unknown HydraConfig key 'bogus'"),
+    (["--model.mod_capacity", "1.5"], "mod_capacity"),
+    (["--triton_kernels"], "--triton_kernels is not available yet"),
+    (["--8bit_adam"], "--8bit_adam"),
+    (["--chunked_ce_size", "0"], "chunked_ce_size=0 must be >= 1"),
+])
+def test_bad_settings_fail_with_one_line(tiny_data, tmp_path, capsys, extra, message):
+    code = main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "run"), "--max_steps", "2", *TINY_RUN,
+                 *extra])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and err.startswith("hydra-lm train: error:")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_unknown_key_in_config_file_via_cli(tiny_data, tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("warmup = 3\n")
+    assert main(["train", "--config", str(cfg), "--data", str(tiny_data), "--out", str(tmp_path / "r")]) == 2
+    assert "unknown training key 'warmup'" in capsys.readouterr().err
+
+
+def test_model_overrides_only_for_train(capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "--run", "x", "--model.dim", "64"])
+    assert "--model.*" in capsys.readouterr().err
