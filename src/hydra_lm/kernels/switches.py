@@ -11,12 +11,12 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-import os
 import types
 import warnings
 from dataclasses import dataclass, field
 
 import torch
+from ..env import env_flag
 
 # Per-kernel flags; each one is HYDRA_{ENABLE,DISABLE}_FUSED_<NAME in upper case> in the environment.
 KERNELS = ("rms_norm", "rms_norm_bwd", "swiglu", "swiglu_bwd", "qk_norm", "qk_norm_bwd", "rope",
@@ -25,21 +25,8 @@ KERNELS = ("rms_norm", "rms_norm_bwd", "swiglu", "swiglu_bwd", "qk_norm", "qk_no
 # float64 is accepted so that gradcheck can run through the kernels themselves.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
 
 
-def _env_bool(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    warnings.warn(f"{name}={raw!r} is not a boolean (use 1/0); keeping the default {int(default)}", stacklevel=3)
-    return default
 
 
 def env_var_names(kernel: str) -> tuple[str, str]:
@@ -73,11 +60,11 @@ def refresh_from_env() -> dict[str, bool]:
 
     A DISABLE variable wins over its ENABLE twin; ENABLE defaults to on, so only ``=0`` matters.
     """
-    STATE.env_disabled = _env_bool("HYDRA_DISABLE_TRITON", False)
-    STATE.interpret_env = _env_bool("TRITON_INTERPRET", False)
+    STATE.env_disabled = env_flag("HYDRA_DISABLE_TRITON", False)
+    STATE.interpret_env = env_flag("TRITON_INTERPRET", False)
     for name in KERNELS:
         enable, disable = env_var_names(name)
-        STATE.flags[name] = _env_bool(enable, True) and not _env_bool(disable, False)
+        STATE.flags[name] = env_flag(enable, True) and not env_flag(disable, False)
     _update_active()
     return dict(STATE.flags)
 

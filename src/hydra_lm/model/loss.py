@@ -18,41 +18,26 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
-import os
-import warnings
 
 import torch
 import torch.nn.functional as F
+from ..env import env_flag
 
 IMPLS = ("auto", "liger", "chunked", "naive")
 REDUCTIONS = ("mean", "sum")
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
 
 LIGER_INSTALLED = importlib.util.find_spec("liger_kernel") is not None
 _liger_enabled = True
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    # A typo in an environment variable must not make the whole package unimportable.
-    warnings.warn(f"{name}={raw!r} is not a boolean (use 1/0); using the default {int(default)}", stacklevel=3)
-    return default
 
 
 def read_liger_ce_env() -> bool:
     """(Re)read ``HYDRA_ENABLE_LIGER_CE`` / ``HYDRA_DISABLE_LIGER_CE``; return whether Liger's CE is
     enabled. Disable wins when both are set."""
     global _liger_enabled
-    _liger_enabled = _env_flag("HYDRA_ENABLE_LIGER_CE", True) and not _env_flag("HYDRA_DISABLE_LIGER_CE", False)
+    _liger_enabled = env_flag("HYDRA_ENABLE_LIGER_CE", True) and not env_flag("HYDRA_DISABLE_LIGER_CE", False)
     return _liger_enabled
 
 
