@@ -1,7 +1,6 @@
-"""Training-step timing on one GPU: tokens/s, executed-FLOP MFU, peak memory, compile time.
+"""Training-step timing on one GPU for named anchor configs (the timing code is `hydra_lm.bench`'s).
 
-A first measurement ahead of the `hydra-lm bench` command. Random tokens, bf16 autocast, fused
-AdamW, one step = forward + backward + optimizer step. Usage:
+Random tokens, bf16 autocast, fused AdamW, one step = forward + backward + optimizer step. Usage:
     python benchmarks/step_timing.py --configs hydra100M dense113M --batch 16 --seq 1024 --compile both
 """
 
@@ -9,13 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 import hydra_lm
-from hydra_lm.model.accounting import executed_flops_per_token
+from hydra_lm.bench import bench_training, measure_peak_tflops
 
 CONFIGS = {
     "hydra100M": dict(preset="100M"),
@@ -24,57 +21,15 @@ CONFIGS = {
 }
 
 
-def measure_peak_tflops() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * 8192 ** 3 * 20 / (start.elapsed_time(end) / 1e3) / 1e12
-
-
 def time_config(name: str, batch: int, seq: int, compiled: bool, steps: int, warmup: int) -> dict:
     spec = dict(CONFIGS[name])
     preset = spec.pop("preset")
     torch.manual_seed(0)
-    model = hydra_lm.create_model(preset, vocab_size=50257, max_seq_len=seq, **spec).cuda().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    fwd = torch.compile(model, fullgraph=True) if compiled else model
-    ids = torch.randint(0, 50257, (batch, seq), device="cuda")
-    targets = torch.roll(ids, -1, 1)
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = fwd(ids, targets=targets)["loss"]
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    step()
-    torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        step()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    med = statistics.median(times)
-    flops = executed_flops_per_token(model.config, seq) * batch * seq
+    model = hydra_lm.create_model(preset, vocab_size=50257, max_seq_len=seq, **spec)
+    row = bench_training(model, batch, seq, steps, warmup, compiled, torch.device("cuda"))
     return {"config": name, "compiled": compiled, "params_M": model.num_parameters() / 1e6,
-            "tokens_per_s": batch * seq / med, "step_ms": med * 1e3, "tflops": flops / med / 1e12,
-            "peak_mem_GB": torch.cuda.max_memory_allocated() / 1e9, "first_step_s": first}
+            "tokens_per_s": row["tokens_per_s"], "step_ms": row["step_ms"], "tflops": row["executed_tflops"],
+            "peak_mem_GB": row["peak_memory_gb"], "first_step_s": row["first_step_s"]}
 
 
 def main() -> None:
@@ -88,7 +43,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
-    peak = measure_peak_tflops()
+    peak = measure_peak_tflops(torch.device("cuda"))
     modes = {"eager": [False], "compiled": [True], "both": [False, True]}[args.compile]
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, measured bf16 peak {peak:.0f} TFLOP/s, "
           f"batch {args.batch} x {args.seq}")

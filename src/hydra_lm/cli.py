@@ -15,6 +15,18 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import format_report, run_bench, write_json
+
+    archs = ["hydra", "dense"] if args.arch == "both" else [args.arch]
+    report = run_bench(args.model_size, archs, args.batch_size, args.seq_len, args.steps, args.warmup, args.compile,
+                       args.inference, args.device, args.vocab_size, args.new_tokens)
+    print(format_report(report))
+    if args.json:
+        write_json(report, args.json)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -78,6 +90,22 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--seq_len", type=int, default=1024, help="sequence length for the FLOP count")
     info.add_argument("--vocab_size", type=int, default=None, help="override the preset's vocabulary size")
     info.set_defaults(func=_cmd_info)
+
+    bench = sub.add_parser("bench", help="time training steps (and inference) of a preset and its dense baseline")
+    bench.add_argument("--model_size", default="100M")
+    bench.add_argument("--arch", default="both", choices=["both", "hydra", "dense"])
+    bench.add_argument("--batch_size", type=int, default=16)
+    bench.add_argument("--seq_len", type=int, default=1024)
+    bench.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
+    bench.add_argument("--warmup", type=int, default=5, help="untimed steps after the first")
+    bench.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                       help="torch.compile(fullgraph=True) the model")
+    bench.add_argument("--inference", action="store_true", help="also time prefill and decode (batch 1 and 32)")
+    bench.add_argument("--new_tokens", type=int, default=32, help="decode steps timed per batch size")
+    bench.add_argument("--vocab_size", type=int, default=50257)
+    bench.add_argument("--device", default="auto")
+    bench.add_argument("--json", default=None, help="also write the report here")
+    bench.set_defaults(func=_cmd_bench)
 
     demo = sub.add_parser("demo", help="build the debug model, run a forward pass and a greedy generation")
     demo.add_argument("--seed", type=int, default=0)
