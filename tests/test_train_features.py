@@ -10,7 +10,7 @@ import torch
 from hydra_lm.cli import main
 from hydra_lm.train import optim
 from hydra_lm.train.options import TrainConfig
-from test_train_support import TINY_RUN, records, tiny_data, write_corpus  # noqa: F401
+from test_train_support import TINY_RUN, prepare, records, tiny_data, write_corpus  # noqa: F401
 
 
 def train(data, run, *extra):
@@ -39,6 +39,17 @@ def test_gradient_checkpointing_and_chunked_ce_do_not_change_the_numbers(tiny_da
     a = [r["loss"] for r in records(tmp_path / "a", "train")]
     for other in ("b", "c"):
         assert a == pytest.approx([r["loss"] for r in records(tmp_path / other, "train")], rel=1e-5)
+
+
+def test_document_masking_can_be_switched_off(tmp_path):
+    short_docs = prepare(write_corpus(tmp_path / "corpus", n_docs=80, words=6), tmp_path / "data")
+    assert train(short_docs, tmp_path / "a") == 0
+    assert train(short_docs, tmp_path / "b", "--no-document_masking") == 0
+    masked = [r["loss"] for r in records(tmp_path / "a", "train")]
+    plain = [r["loss"] for r in records(tmp_path / "b", "train")]
+    assert masked[0] != pytest.approx(plain[0], rel=1e-6)  # rows hold several documents: masking matters
+    saved = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert saved["train"]["document_masking"] is False
 
 
 def test_weight_decay_only_on_matrices():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import sys
 import time
@@ -92,7 +91,7 @@ def eval_run(run_dir: str | Path, checkpoint: str | Path | None = None, data: st
     def autocast():
         return torch.autocast("cuda", dtype=torch.bfloat16) if run.device.type == "cuda" else contextlib.nullcontext()
 
-    use_doc_ids = "doc_ids" in inspect.signature(run.model.forward).parameters
+    use_doc_ids = train_cfg.get("document_masking", True)
     result = evaluate(run.model, ValSet(info, bs, sl), run.device, max_batches, autocast, use_doc_ids)
     return {"checkpoint": str(run.checkpoint.path), "step": run.checkpoint.step, **result,
             "eval_s": round(time.perf_counter() - t0, 2)}

@@ -84,6 +84,9 @@ class TrainConfig:
     chunked_ce: bool = opt(False, "fused head + cross-entropy without [B,T,V] logits (Liger on CUDA if "
                                   "installed, else chunked)", type=bool)
     chunked_ce_size: int = opt(4096, "tokens per chunk of the chunked cross-entropy", type=int)
+    document_masking: bool = opt(True, "keep attention, convs and value shift inside each packed document "
+                                       "(--no-document_masking: attend across documents, plain causal kernels)",
+                                 type=bool)
     experimental_prefetch_threads: int = opt(0, "background threads preparing batches (0: none)", type=int)
     prefetch_buffer_size: int = opt(8, "batches kept ready by the prefetch threads", type=int)
 

@@ -7,7 +7,6 @@ curriculum's loss EMA stay on the device and are read together every ``log_every
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import random
 import signal
@@ -58,7 +57,7 @@ class Trainer:
         if setup.resume_from is not None:
             self._restore(setup.resume_from)
         self.step_model = torch.compile(self.model) if cfg.compile else self.model
-        self.use_doc_ids = "doc_ids" in inspect.signature(self.model.forward).parameters
+        self.use_doc_ids = cfg.document_masking
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
         self.peak_flops = measure_peak_flops(self.device) if self.device.type == "cuda" else None
         self._stop: str | None = None
