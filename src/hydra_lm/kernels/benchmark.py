@@ -36,11 +36,11 @@ def _cases(b: int, t: int, e: int, head_dim: int, device, dtype, gen: torch.Gene
     eps = 1e-6
     return {
         "rms_norm": (lambda x, w: reference.rms_norm(x, w, eps),
-                     lambda x, w: ops._RMSNorm.apply(x, w, eps, True), (rand(b, t, e), rand(e))),
+                     lambda x, w: ops._Norm.apply(x, w, None, eps, True), (rand(b, t, e), rand(e))),
         "swiglu": (reference.swiglu, lambda g, u: ops._SwiGLU.apply(g, u, True),
                    (rand(b, t, hidden), rand(b, t, hidden))),
         "qk_norm": (lambda x, tp: reference.qk_norm(x, tp, eps),
-                    lambda x, tp: ops._QKNorm.apply(x, tp, eps, True),
+                    lambda x, tp: ops._Norm.apply(x, None, tp, eps, True),
                     (rand(b, t, kv_heads, head_dim), rand(kv_heads).float())),
         "rope": (lambda x: reference.rope(x, cos, sin), lambda x: ops._Rope.apply(x, cos, sin),
                  (rand(b, heads, t, head_dim),)),

@@ -31,27 +31,31 @@ def _needed(ctx, *grads):
     return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad))
 
 
-class _RMSNorm(Function):
+class _Norm(Function):
+    """RMSNorm (``weight``) and CCGQA's QK-norm (``temperature``) share one kernel pair."""
+
     @staticmethod
-    def forward(ctx, x, weight, eps, fused_bwd):
-        ctx.save_for_backward(x, weight)
+    def forward(ctx, x, weight, temperature, eps, fused_bwd):
+        ctx.save_for_backward(x, weight, temperature)
         ctx.eps, ctx.fused_bwd = eps, fused_bwd
-        return switches.TK.norms.norm_fwd(x, weight, None, eps)
+        return switches.TK.norms.norm_fwd(x, weight, temperature, eps)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+        x, weight, temperature = ctx.saved_tensors
         if ctx.fused_bwd:
-            dx, dw, _ = switches.TK.norms.norm_bwd(x, weight, None, dy, ctx.eps)
+            dx, dw, dt = switches.TK.norms.norm_bwd(x, weight, temperature, dy, ctx.eps)
+        elif weight is not None:
+            (dx, dw), dt = _vjp(reference.rms_norm, (x, weight), dy, ctx.eps), None
         else:
-            dx, dw = _vjp(reference.rms_norm, (x, weight), dy, ctx.eps)
-        return *_needed(ctx, dx, dw), None, None
+            (dx, dt), dw = _vjp(reference.qk_norm, (x, temperature), dy, ctx.eps), None
+        return *_needed(ctx, dx, dw, dt), None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim (``F.rms_norm(x, (N,), weight, eps)``); any leading shape."""
     if use_kernel("rms_norm", x, weight) and x.shape[-1] <= MAX_ROW:
-        return _RMSNorm.apply(x, weight, eps, kernel_enabled("rms_norm_bwd"))
+        return _Norm.apply(x, weight, None, eps, kernel_enabled("rms_norm_bwd"))
     return reference.rms_norm(x, weight, eps)
 
 
@@ -83,28 +87,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return reference.swiglu(gate, up)
 
 
-class _QKNorm(Function):
-    @staticmethod
-    def forward(ctx, x, temperature, eps, fused_bwd):
-        ctx.save_for_backward(x, temperature)
-        ctx.eps, ctx.fused_bwd = eps, fused_bwd
-        return switches.TK.norms.norm_fwd(x, None, temperature, eps)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, temperature = ctx.saved_tensors
-        if ctx.fused_bwd:
-            dx, _, dt = switches.TK.norms.norm_bwd(x, None, temperature, dy, ctx.eps)
-        else:
-            dx, dt = _vjp(reference.qk_norm, (x, temperature), dy, ctx.eps)
-        return *_needed(ctx, dx, dt), None, None
-
-
 def qk_norm(x: torch.Tensor, temperature: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """L2-normalise the last dim to norm sqrt(d); with ``temperature`` [H] and x [..., H, d],
     also scale head h by exp(temperature[h]) (CCGQA's learnable key temperature)."""
     if use_kernel("qk_norm", x, temperature) and x.shape[-1] <= MAX_ROW:
-        return _QKNorm.apply(x, temperature, eps, kernel_enabled("qk_norm_bwd"))
+        return _Norm.apply(x, None, temperature, eps, kernel_enabled("qk_norm_bwd"))
     return reference.qk_norm(x, temperature, eps)
 
 

@@ -65,8 +65,9 @@ def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 
 
 @jit
-def _norm_rope_fwd_rows(X, Y, T, b, n, sxb, sxn, sxh, syb, syh, syn, H, HALF, D, eps, cos, sin,
-                        HAS_T: tl.constexpr, ACC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _load_head_halves(X, b, n, sxb, sxn, sxh, H, HALF, ACC: tl.constexpr, BLOCK_H: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    """The two rotary halves [BLOCK_H, BLOCK_D] of every head of entry (b, n), in ACC precision."""
     h = tl.arange(0, BLOCK_H)
     c = tl.arange(0, BLOCK_D)
     h_ok = h < H
@@ -74,6 +75,14 @@ def _norm_rope_fwd_rows(X, Y, T, b, n, sxb, sxn, sxh, syb, syh, syn, H, HALF, D,
     src = X + b * sxb + n * sxn + h[:, None] * sxh + c[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(ACC)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(ACC)
+    return h, c, h_ok, mask, x1, x2
+
+
+@jit
+def _norm_rope_fwd_rows(X, Y, T, b, n, sxb, sxn, sxh, syb, syh, syn, H, HALF, D, eps, cos, sin,
+                        HAS_T: tl.constexpr, ACC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    h, c, h_ok, mask, x1, x2 = _load_head_halves(X, b, n, sxb, sxn, sxh, H, HALF, ACC=ACC, BLOCK_H=BLOCK_H,
+                                                 BLOCK_D=BLOCK_D)
     # eps may arrive as fp64 (torch.compile passes Python floats so): keep the math in ACC.
     scale = 1.0 / tl.sqrt(((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps).to(ACC))
     if HAS_T:
@@ -89,13 +98,8 @@ def _norm_rope_fwd_rows(X, Y, T, b, n, sxb, sxn, sxh, syb, syh, syn, H, HALF, D,
 def _norm_rope_bwd_rows(X, DY, DX, T, DT, b, n, row, sxb, sxn, sxh, sdyb, sdyh, sdyn, sdxb, sdxn, sdxh,
                         H, HALF, D, eps, cos, sin, HAS_T: tl.constexpr, ACC: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    h = tl.arange(0, BLOCK_H)
-    c = tl.arange(0, BLOCK_D)
-    h_ok = h < H
-    mask = h_ok[:, None] & (c < HALF)[None, :]
-    src = X + b * sxb + n * sxn + h[:, None] * sxh + c[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(ACC)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(ACC)
+    h, c, h_ok, mask, x1, x2 = _load_head_halves(X, b, n, sxb, sxn, sxh, H, HALF, ACC=ACC, BLOCK_H=BLOCK_H,
+                                                 BLOCK_D=BLOCK_D)
     gsrc = DY + b * sdyb + n * sdyn + h[:, None] * sdyh + c[None, :]
     dy1 = tl.load(gsrc, mask=mask, other=0.0).to(ACC)
     dy2 = tl.load(gsrc + HALF, mask=mask, other=0.0).to(ACC)
@@ -119,6 +123,18 @@ def _norm_rope_bwd_rows(X, DY, DX, T, DT, b, n, row, sxb, sxn, sxh, sdyb, sdyh, 
 
 
 @jit
+def _cos_sin_at(CT, ST, P, b, n, spb, spn, sct, scd, sst, ssd, HALF,
+                ACC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """cos/sin table rows [1, BLOCK_D] at the original position of entry (b, n)."""
+    pos = tl.load(P + b * spb + n * spn).to(tl.int64)
+    c = tl.arange(0, BLOCK_D)
+    c_ok = c < HALF
+    cos = tl.load(CT + pos * sct + c * scd, mask=c_ok, other=0.0).to(ACC)[None, :]
+    sin = tl.load(ST + pos * sst + c * ssd, mask=c_ok, other=0.0).to(ACC)[None, :]
+    return cos, sin
+
+
+@jit
 def _norm_rope_fwd_kernel(Q, K, T, QO, KO, CT, ST, P, N, HQ, HK, HALF, D, eps,
                           sqb, sqn, sqh, skb, skn, skh, sob_q, soh_q, son_q, sob_k, soh_k, son_k,
                           sct, scd, sst, ssd, spb, spn,
@@ -127,11 +143,7 @@ def _norm_rope_fwd_kernel(Q, K, T, QO, KO, CT, ST, P, N, HQ, HK, HALF, D, eps,
     pid = tl.program_id(0)
     b = (pid // N).to(tl.int64)
     n = (pid % N).to(tl.int64)
-    pos = tl.load(P + b * spb + n * spn).to(tl.int64)
-    c = tl.arange(0, BLOCK_D)
-    c_ok = c < HALF
-    cos = tl.load(CT + pos * sct + c * scd, mask=c_ok, other=0.0).to(ACC)[None, :]
-    sin = tl.load(ST + pos * sst + c * ssd, mask=c_ok, other=0.0).to(ACC)[None, :]
+    cos, sin = _cos_sin_at(CT, ST, P, b, n, spb, spn, sct, scd, sst, ssd, HALF, ACC=ACC, BLOCK_D=BLOCK_D)
     _norm_rope_fwd_rows(Q, QO, T, b, n, sqb, sqn, sqh, sob_q, soh_q, son_q, HQ, HALF, D, eps, cos, sin,
                         HAS_T=False, ACC=ACC, BLOCK_H=BLOCK_HQ, BLOCK_D=BLOCK_D)
     _norm_rope_fwd_rows(K, KO, T, b, n, skb, skn, skh, sob_k, soh_k, son_k, HK, HALF, D, eps, cos, sin,
@@ -147,11 +159,7 @@ def _norm_rope_bwd_kernel(Q, K, T, DQO, DKO, DQ, DK, DT, CT, ST, P, N, HQ, HK, H
     pid = tl.program_id(0)
     b = (pid // N).to(tl.int64)
     n = (pid % N).to(tl.int64)
-    pos = tl.load(P + b * spb + n * spn).to(tl.int64)
-    c = tl.arange(0, BLOCK_D)
-    c_ok = c < HALF
-    cos = tl.load(CT + pos * sct + c * scd, mask=c_ok, other=0.0).to(ACC)[None, :]
-    sin = tl.load(ST + pos * sst + c * ssd, mask=c_ok, other=0.0).to(ACC)[None, :]
+    cos, sin = _cos_sin_at(CT, ST, P, b, n, spb, spn, sct, scd, sst, ssd, HALF, ACC=ACC, BLOCK_D=BLOCK_D)
     _norm_rope_bwd_rows(Q, DQO, DQ, T, DT, b, n, pid, sqb, sqn, sqh, sdqob, sdqoh, sdqon, sdqb, sdqn, sdqh,
                         HQ, HALF, D, eps, cos, sin, HAS_T=False, ACC=ACC, BLOCK_H=BLOCK_HQ, BLOCK_D=BLOCK_D)
     _norm_rope_bwd_rows(K, DKO, DK, T, DT, b, n, pid, skb, skn, skh, sdkob, sdkoh, sdkon, sdkb, sdkn, sdkh,
