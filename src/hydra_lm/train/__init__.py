@@ -5,7 +5,7 @@ from __future__ import annotations
 from .checkpoint import CheckpointError, CheckpointManager, resolve_checkpoint, verify
 from .curriculum import Curriculum, CurriculumPlan
 from .evaluate import evaluate
-from .inference import eval_run, generate_text, load_run
+from .inference import eval_run, export_model, generate_text, load_run
 from .options import TrainConfig
 from .run import setup_run
 from .schedule import AdaptiveLR, lr_at
@@ -21,6 +21,7 @@ __all__ = [
     "Trainer",
     "eval_run",
     "evaluate",
+    "export_model",
     "generate_text",
     "load_run",
     "lr_at",

@@ -3,10 +3,15 @@
 Layout of ``RUN_DIR/checkpoints/``::
 
     hydra_{model_size}_step{N}/model.safetensors   weights (safetensors)
-                              /trainer.pt          optimizer state + torch RNG (torch.load weights_only)
+                              /trainer.pt          optimizer state (keyed by parameter name) + torch RNG
+                                                   (torch.load weights_only)
                               /state.json          step, configs, curriculum, loader position, Python/NumPy
-                                                   RNG, and the size + SHA-256 of the two files above
+                                                   RNG, and the size + SHA-256 of every other file
     latest                                         name of the newest checkpoint (a text file)
+
+A multi-process run writes ``layout: "dcp"`` checkpoints instead (see ``sharded_checkpoint``):
+``dcp/`` holds model and optimizer as torch.distributed.checkpoint shards, ``rank{R}.pt`` each
+rank's RNG state; ``state.json`` is the same.
 
 A checkpoint is written into a temporary directory that is renamed into place only once every
 file is on disk, so a crash mid-save leaves the previous checkpoints untouched. Older ones are
@@ -29,13 +34,16 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"
 STATE_FILE = "state.json"
+DCP_DIR = "dcp"
 LATEST = "latest"
+EXPORT_FORMAT = "hydra-lm-export"
 _NAME = re.compile(r"^hydra_(?P<size>.+)_step(?P<step>\d+)$")
 
 
@@ -51,9 +59,25 @@ class Checkpoint:
 
     @property
     def model_file(self) -> Path:
-        return self.path / MODEL_FILE
+        return self.path if self.layout == "file" else self.path / MODEL_FILE
+
+    @property
+    def layout(self) -> str:
+        """"single" (one process wrote model.safetensors + trainer.pt), "dcp" (sharded) or "file" (an
+        exported model: weights and config only)."""
+        return self.state.get("layout", "single")
+
+    @property
+    def world_size(self) -> int:
+        return int(self.state.get("world_size", 1))
 
     def load_model(self, model: torch.nn.Module) -> None:
+        """Load the weights into an ordinary (unsharded) model, whichever layout wrote them."""
+        if self.layout == "dcp":
+            from .sharded_checkpoint import load_dcp
+
+            load_dcp(self, model)
+            return
         try:
             missing, unexpected = load_model(model, str(self.model_file), strict=False)
         except Exception as err:  # safetensors raises its own error types on a damaged header
@@ -62,8 +86,8 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint file {self.model_file} does not match the model: missing "
                                   f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
 
-    def load_trainer(self, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-        path = self.path / TRAINER_FILE
+    def load_trainer(self, map_location: str | torch.device = "cpu", name: str = TRAINER_FILE) -> dict[str, Any]:
+        path = self.path / name
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
         except Exception as err:
@@ -95,6 +119,8 @@ def write_text_atomic(path: Path, text: str) -> None:
 def verify(path: Path) -> Checkpoint:
     """Read ``state.json`` and check every file it lists (size and SHA-256)."""
     path = Path(path)
+    if path.is_file() and path.suffix == ".safetensors" and not (path.parent / STATE_FILE).is_file():
+        return _exported(path)
     if path.is_file() and path.name in (MODEL_FILE, STATE_FILE, TRAINER_FILE):
         path = path.parent
     if not path.is_dir():
@@ -121,6 +147,23 @@ def verify(path: Path) -> Checkpoint:
     return Checkpoint(path, step, state)
 
 
+def _exported(path: Path) -> Checkpoint:
+    """A file written by ``hydra-lm export``: weights plus the configs in the safetensors metadata."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") != EXPORT_FORMAT:
+            raise CheckpointError(f"{path} is not a hydra-lm export (metadata format {meta.get('format')!r})")
+        state = {"layout": "file", "model_config": json.loads(meta["model_config"]),
+                 "train_config": json.loads(meta.get("train_config", "{}")), "data": json.loads(meta.get("data", "{}")),
+                 "curriculum": json.loads(meta.get("curriculum", "null"))}
+        return Checkpoint(path, int(meta["step"]), state)
+    except CheckpointError:
+        raise
+    except Exception as err:  # a damaged header or metadata
+        raise CheckpointError(f"exported model {path} cannot be read: {err}") from None
+
+
 class CheckpointManager:
     def __init__(self, directory: str | Path, model_size: str, keep: int = 3,
                  warn: Callable[[str], None] | None = None):
@@ -144,19 +187,33 @@ class CheckpointManager:
         return sorted(found)
 
     def save(self, step: int, model: torch.nn.Module, trainer_tensors: dict[str, Any], state: dict[str, Any]) -> Path:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        final = self.dir / self.name(step)
-        tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        """One process: weights as safetensors, ``trainer_tensors`` (optimizer, RNG) as trainer.pt."""
+        tmp = self.begin(step, f"{os.getpid()}")
         try:
             save_model(model, str(tmp / MODEL_FILE), metadata={"format": "hydra-lm", "step": str(step)})
             torch.save(trainer_tensors, tmp / TRAINER_FILE)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return self.commit(tmp, step, state)
+
+    def begin(self, step: int, tag: str) -> Path:
+        """A fresh temporary directory for checkpoint ``step`` (renamed into place by ``commit``)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".tmp-{self.name(step)}-{tag}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, tmp: Path, step: int, state: dict[str, Any]) -> Path:
+        """Record size + SHA-256 of every file in ``tmp``, write state.json, rename into place."""
+        final = self.dir / self.name(step)
+        try:
             files = {}
-            for name in (MODEL_FILE, TRAINER_FILE):
-                _fsync(tmp / name)
-                files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+            for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                _fsync(f)
+                files[f.relative_to(tmp).as_posix()] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
             full = {"format": FORMAT_VERSION, "step": step, "files": files, "saved_at": time.time(), **state}
             write_text_atomic(tmp / STATE_FILE, json.dumps(full, indent=1))
             if final.exists():  # same step saved again (e.g. interrupted right after a periodic save)

@@ -58,19 +58,21 @@ def dataset_dir(name: str) -> Path:
 
 
 def train_loader(info: DataInfo, batch_size: int, seq_len: int, seed: int, prefetch_threads: int = 0,
-                 prefetch_buffer_size: int = 8):
-    return data_pkg.PackedLoader(info.path, "train", batch_size, seq_len, seed=seed, prefetch_threads=prefetch_threads,
-                                 prefetch_buffer_size=prefetch_buffer_size)
+                 prefetch_buffer_size: int = 8, rank: int = 0, world_size: int = 1):
+    return data_pkg.PackedLoader(info.path, "train", batch_size, seq_len, seed=seed, rank=rank, world_size=world_size,
+                                 prefetch_threads=prefetch_threads, prefetch_buffer_size=prefetch_buffer_size)
 
 
 class ValSet:
-    """One deterministic pass over the validation split per iteration, however early the last one stopped."""
+    """One deterministic pass over the validation split per iteration, however early the last one stopped
+    (with several ranks: each rank's share of it; every rank gets the same number of batches)."""
 
-    def __init__(self, info: DataInfo, batch_size: int, seq_len: int):
+    def __init__(self, info: DataInfo, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1):
         if not info.token_counts.get("val"):
             raise ValueError(f"data directory {info.path} has no validation tokens: prepare it with a validation "
                              "fraction above 0")
-        self.loader = data_pkg.PackedLoader(info.path, "val", batch_size, seq_len, seed=0, loop=False)
+        self.loader = data_pkg.PackedLoader(info.path, "val", batch_size, seq_len, seed=0, rank=rank,
+                                            world_size=world_size, loop=False)
         self._start = self.loader.state_dict()
 
     def __iter__(self):

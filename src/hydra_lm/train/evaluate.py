@@ -19,10 +19,12 @@ EVAL_MODES = ("causal", "topk")
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]], device: torch.device,
              max_batches: int = 0, autocast: Callable[[], Any] = contextlib.nullcontext,
-             use_doc_ids: bool = False, should_stop: Callable[[], bool] = lambda: False) -> dict[str, float] | None:
+             use_doc_ids: bool = False, should_stop: Callable[[], bool] = lambda: False,
+             reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, float] | None:
     """Token-weighted mean CE over ``batches`` (all of them when ``max_batches`` is 0).
 
     Returns None when ``should_stop`` interrupts it (e.g. Ctrl-C), so no partial number is logged.
+    ``reduce`` sums the totals over the ranks that evaluated their shares of the data.
     """
     was_training = model.training
     model.eval()
@@ -50,6 +52,10 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
             n_batches += 1
     finally:
         model.train(was_training)
+    summed = reduce(torch.stack([totals["causal"], totals["topk"], exec_frac, tokens,
+                                 torch.tensor(float(n_batches), dtype=torch.float64, device=device)]))
+    totals = {"causal": summed[0], "topk": summed[1]}
+    exec_frac, tokens, n_batches = summed[2], summed[3], int(summed[4])
     if n_batches == 0:
         raise ValueError("the validation split yielded no batch: it is shorter than one batch of sequences "
                          "(prepare more data, raise the validation fraction, or lower --batch_size/--seq_len)")

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_model
 
 from .. import create_model
 from ..config import HydraConfig
-from .checkpoint import Checkpoint, resolve_checkpoint
+from .checkpoint import EXPORT_FORMAT, Checkpoint, resolve_checkpoint
 from .data_io import ValSet, open_data
 from .evaluate import evaluate
 from .run import CONFIG_JSON, pick_device
@@ -54,6 +55,23 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
     if curriculum is not None:  # evaluate the network as it was training at that step
         model.set_curriculum(mod_active=curriculum["mod_active"], mor_active=curriculum["mor_active"])
     return LoadedRun(run_dir, model, ckpt, config, dev)
+
+
+def export_model(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None = None) -> Path:
+    """The full model of a checkpoint (any layout) as one safetensors file with its config in the metadata."""
+    out = Path(out).expanduser()
+    if out.suffix != ".safetensors":
+        raise ValueError(f"--out {out}: name the file *.safetensors")
+    run = load_run(run_dir, checkpoint, "cpu")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    meta = {"format": EXPORT_FORMAT, "step": str(run.checkpoint.step),
+            "model_config": json.dumps(run.model.config.to_dict()),
+            "train_config": json.dumps(run.config.get("train", {})), "data": json.dumps(run.config.get("data", {})),
+            "curriculum": json.dumps(run.checkpoint.state.get("curriculum"))}
+    save_model(run.model, str(tmp), metadata=meta)
+    tmp.replace(out)
+    return out
 
 
 def run_tokenizer(run: LoadedRun):

@@ -21,8 +21,9 @@ LOG_FILE = "train.log"
 class RunLog:
     """Lines to stdout and to the run's log file; warnings also go to stderr."""
 
-    def __init__(self, path: Path | None, echo: bool = True):
+    def __init__(self, path: Path | None, echo: bool = True, prefix: str = ""):
         self.echo = echo
+        self.prefix = prefix  # e.g. "[rank 1] " on the non-logging ranks of a multi-process run
         self._file = open(path, "a", encoding="utf-8") if path is not None else None
 
     def info(self, msg: str) -> None:
@@ -31,7 +32,7 @@ class RunLog:
         self._write(msg)
 
     def warning(self, msg: str) -> None:
-        print(f"warning: {msg}", file=sys.stderr, flush=True)
+        print(f"{self.prefix}warning: {msg}", file=sys.stderr, flush=True)
         self._write(f"warning: {msg}")
 
     def _write(self, msg: str) -> None:
@@ -162,6 +163,16 @@ class MetricsWriter:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+class NullMetrics:
+    """The metrics sink of the ranks that do not log (all but rank 0)."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def progress_line(r: dict[str, Any], max_steps: int) -> str:

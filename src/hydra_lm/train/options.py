@@ -87,6 +87,9 @@ class TrainConfig:
     document_masking: bool = opt(True, "keep attention, convs and value shift inside each packed document "
                                        "(--no-document_masking: attend across documents, plain causal kernels)",
                                  type=bool)
+    parallel: str = opt("fsdp", "data parallelism under torchrun: fsdp (FSDP2, sharded) or ddp (replicas)", type=str,
+                         choices=("fsdp", "ddp"))
+    async_checkpoint: bool = opt(False, "multi-process runs: write checkpoints in a background thread", type=bool)
     experimental_prefetch_threads: int = opt(0, "background threads preparing batches (0: none)", type=int)
     prefetch_buffer_size: int = opt(8, "batches kept ready by the prefetch threads", type=int)
 

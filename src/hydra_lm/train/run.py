@@ -9,15 +9,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..config import HydraConfig, preset_config
-from .checkpoint import Checkpoint, CheckpointManager, write_text_atomic
+from .checkpoint import Checkpoint, CheckpointManager, verify, write_text_atomic
 from .data_io import DataInfo, dataset_dir, open_data
+from .distributed import DistInfo, broadcast_object, init_distributed, launched_rank
 from .flags import to_toml
 from .metrics import RunLog, git_revision, versions
 from .options import FIELDS, FROZEN_ON_RESUME, TrainConfig, normalize, resolve
@@ -38,6 +39,7 @@ class RunSetup:
     manager: CheckpointManager
     resume_from: Checkpoint | None
     log: RunLog
+    dist: DistInfo = field(default_factory=DistInfo)
 
 
 def pick_device(name: str) -> torch.device:
@@ -115,7 +117,8 @@ def setup_run(cli: dict[str, Any], file_values: dict[str, Any] | None = None, ec
         raise ValueError(f"{run_dir} has checkpoints but no readable {CONFIG_JSON}; cannot resume safely")
     resuming = has_ckpt
     cfg = merge_layers(file_values, cli, saved["train"] if resuming else None)
-    log = RunLog(run_dir / "train.log", echo=echo)
+    rank = launched_rank()  # under torchrun only rank 0 writes the log; the others report warnings
+    log = RunLog(run_dir / "train.log", echo=echo) if rank == 0 else RunLog(None, echo=False, prefix=f"[rank {rank}] ")
     try:
         if cfg.resume and not has_ckpt:
             log.warning(f"--resume: {run_dir} has no checkpoint yet; starting a new run")
@@ -125,20 +128,25 @@ def setup_run(cli: dict[str, Any], file_values: dict[str, Any] | None = None, ec
         if cfg.data is None:
             raise ValueError("no data: pass --data DATA_DIR (from `hydra-lm prepare`) or --dataset default")
         data = open_data(cfg.data)
-        device = pick_device(cfg.device)
+        info, device = init_distributed(cfg.device, cfg.parallel)
+        device = device or pick_device(cfg.device)
         preset = preset_config(cfg.model_size).preset  # validates the name early, with suggestions
         cfg = resolve(cfg.replace(model_size=preset), preset, device.type == "cuda")
         model_cfg = build_model_config(cfg, data)
         manager = CheckpointManager(run_dir / "checkpoints", preset, cfg.keep_checkpoints, warn=log.warning)
-        manager.cleanup_temp()
-
         resume_from = None
         if resuming:
             check_same_run(saved, data, model_cfg, run_dir)
-            resume_from = manager.latest_good()
-            if resume_from is None:
-                raise ValueError(f"{run_dir} has no usable checkpoint")
-        return RunSetup(cfg, model_cfg, run_dir, data, device, manager, resume_from, log)
+        if info.is_main:
+            manager.cleanup_temp()
+            if resuming:
+                resume_from = manager.latest_good()
+        if info.enabled:  # rank 0 alone verifies (and quarantines); every rank resumes from its choice
+            chosen = broadcast_object(None if resume_from is None else str(resume_from.path), info)
+            resume_from = None if chosen is None else verify(Path(chosen))
+        if resuming and resume_from is None:
+            raise ValueError(f"{run_dir} has no usable checkpoint")
+        return RunSetup(cfg, model_cfg, run_dir, data, device, manager, resume_from, log, info)
     except BaseException:
         log.close()
         raise

@@ -2,6 +2,8 @@
 
 Inside a step nothing reads a device value back to the host: losses, grad norms and the
 curriculum's loss EMA stay on the device and are read together every ``log_every`` steps.
+Under torchrun the same loop runs on every rank (see ``distributed``): losses and routing
+statistics are averaged over ranks each step, so every rank takes the same decisions.
 """
 
 from __future__ import annotations
@@ -18,14 +20,19 @@ import numpy as np
 import torch
 
 from .. import create_model
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
 from .checkpoint import capture_rng, restore_rng
 from .curriculum import Curriculum, CurriculumPlan
 from .data_io import ValSet, train_loader
 from .evaluate import evaluate
-from .metrics import MetricsWriter, measure_peak_flops, memory_mb, progress_line
+from .distributed import (any_rank, full_tensor, gather_objects, gradient_sync, mean_across_ranks, sum_across_ranks,
+                          wrap_model)
+from .metrics import MetricsWriter, NullMetrics, measure_peak_flops, memory_mb, progress_line
 from .optim import build_optimizer, set_lr
 from .run import RunSetup, write_run_files
 from .schedule import AdaptiveLR, lr_at
+from .sharded_checkpoint import RANK_FILE, ShardedSaver, load_dcp, load_optimizer, load_single_into_sharded
 
 EXIT_INTERRUPTED = 130
 
@@ -33,7 +40,7 @@ EXIT_INTERRUPTED = 130
 class Trainer:
     def __init__(self, setup: RunSetup):
         self.s = setup
-        cfg, self.cfg, self.log, self.device = setup.cfg, setup.cfg, setup.log, setup.device
+        cfg, self.cfg, self.log, self.device, self.dist = setup.cfg, setup.cfg, setup.log, setup.device, setup.dist
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -42,23 +49,27 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = True
         self.model = create_model(setup.model_cfg).to(self.device)
         self._check_features()
-        self.optimizer = build_optimizer(self.model, cfg, self.device)
         mc = setup.model_cfg
         routable = (mc.arch == "hydra" and mc.mod_enabled, mc.arch == "hydra" and mc.mor_enabled and mc.recursions > 1)
+        # self.model stays the HydraModel (sharded in place by FSDP2); self.wrapped is what a step calls.
+        self.wrapped = wrap_model(self.model, self.dist, self.device, find_unused=any(routable) or mc.moe)
+        self.optimizer = build_optimizer(self.model, cfg, self.device)
         self.curriculum = Curriculum(CurriculumPlan.from_config(cfg, routable))
         self.adaptive = AdaptiveLR(cfg.adaptive_lr_spike, cfg.adaptive_lr_factor, cfg.adaptive_lr_cooldown) \
             if cfg.adaptive_lr else None
         self.loader = train_loader(setup.data, cfg.batch_size, cfg.seq_len, cfg.seed,
-                                   cfg.experimental_prefetch_threads, cfg.prefetch_buffer_size)
+                                   cfg.experimental_prefetch_threads, cfg.prefetch_buffer_size, self.dist.rank,
+                                   self.dist.world_size)
+        self.saver = ShardedSaver(setup.manager, self.dist, cfg.async_checkpoint) if self.dist.enabled else None
         self.step = 0
         self.tokens_seen = 0
         self._saved_window: dict | None = None
         self._window: dict | None = None
         if setup.resume_from is not None:
             self._restore(setup.resume_from)
-        self.step_model = torch.compile(self.model) if cfg.compile else self.model
+        self.step_model = torch.compile(self.wrapped) if cfg.compile else self.wrapped
         self.use_doc_ids = cfg.document_masking
-        self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world_size
         self.peak_flops = measure_peak_flops(self.device) if self.device.type == "cuda" else None
         self._stop: str | None = None
         self._valset: ValSet | None = None
@@ -84,13 +95,21 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _restore(self, ckpt) -> None:
-        ckpt.load_model(self.model)
         # On the CPU: RNG states must stay there; the optimizer moves its state to the parameters' device.
-        tensors = ckpt.load_trainer(map_location="cpu")
+        same_world = ckpt.world_size == self.dist.world_size
         try:
-            self.optimizer.load_state_dict(tensors["optimizer"])
-        except (ValueError, KeyError) as err:
-            raise ValueError(f"checkpoint {ckpt.path}: optimizer state does not fit this optimizer "
+            if ckpt.layout == "dcp":
+                load_dcp(ckpt, self.model, self.optimizer, distributed=self.dist.enabled)
+                tensors = ckpt.load_trainer("cpu", RANK_FILE.format(self.dist.rank)) if same_world else {}
+            else:
+                tensors = ckpt.load_trainer(map_location="cpu")
+                if self.dist.enabled and self.dist.parallel == "fsdp":
+                    load_single_into_sharded(ckpt, self.model, self.optimizer, tensors)
+                else:
+                    ckpt.load_model(self.model)
+                    load_optimizer(self.model, self.optimizer, tensors["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as err:
+            raise ValueError(f"checkpoint {ckpt.path}: its model or optimizer state does not fit this run "
                              f"({self.cfg.optimizer}): {err}") from None
         st = ckpt.state
         self.step = ckpt.step
@@ -100,7 +119,14 @@ class Trainer:
             self.adaptive.load_state_dict(st["adaptive_lr"])
         self.loader.load_state_dict(st["loader"])
         self._saved_window = st.get("log_window")
-        restore_rng(st["rng"], {k: v for k, v in tensors.items() if k in ("torch", "cuda")})
+        if same_world:
+            restore_rng(st["rng"], {k: v for k, v in tensors.items() if k in ("torch", "cuda")})
+        else:
+            self.log.warning(f"{ckpt.path} was written by {ckpt.world_size} process(es), this run has "
+                             f"{self.dist.world_size}: model and optimizer restored; the data continues at the same "
+                             f"row of the epoch but batches are now shared out among {self.dist.world_size}, and the "
+                             "random number streams restart from the seed, so the run is not bit-identical to an "
+                             "uninterrupted one")
         self.log.info(f"resumed from {ckpt.path} at step {self.step}")
 
     # ------------------------------------------------------------------ checkpoints
@@ -118,8 +144,13 @@ class Trainer:
             "model_config": self.s.model_cfg.to_dict(),
             "data": self.s.data.to_dict(),
         }
-        path = self.s.manager.save(self.step, self.model, {"optimizer": self.optimizer.state_dict(), **rng_tensors},
-                                   state)
+        if self.saver is not None:
+            state["loader_ranks"] = gather_objects(self.loader.state_dict(), self.dist)
+            path = self.saver.save(self.step, self.model, self.optimizer, rng_tensors, state)
+        else:
+            # Optimizer state keyed by parameter name, so any number of ranks can load it.
+            trainer_tensors = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer), **rng_tensors}
+            path = self.s.manager.save(self.step, self.model, trainer_tensors, state)
         self.log.info(f"saved checkpoint {path}" + (f" ({reason})" if reason else ""))
 
     # ------------------------------------------------------------------ data
@@ -153,7 +184,8 @@ class Trainer:
         cfg = self.cfg
         old = self._install_signals()
         metrics = MetricsWriter(self.s.run_dir, self.log, cfg.tensorboard, cfg.wandb, cfg.wandb_project,
-                                config=self.cfg.to_dict(), resume_step=self.step if self.s.resume_from else -1)
+                                config=self.cfg.to_dict(), resume_step=self.step if self.s.resume_from else -1) \
+            if self.dist.is_main else NullMetrics()
         self.metrics = metrics
         try:
             return self._loop()
@@ -181,10 +213,12 @@ class Trainer:
         if self.step == 0 and cfg.eval_at_start:
             self._eval()
         self._window = self._new_window()
-        while self.step < end and self._stop is None:
+        stopping = False
+        while self.step < end and not stopping:
             self._train_step(params, self._window)
+            stopping = self._stop_agreed()
             regular = self.step % cfg.log_every == 0
-            if regular or self.step == end or self._stop:
+            if regular or self.step == end or stopping:
                 if not self._log(self._window, regular):
                     return 1
                 if regular:
@@ -192,20 +226,32 @@ class Trainer:
             if cfg.eval_every and self.step % cfg.eval_every == 0 or self.step == cfg.max_steps:
                 self._eval()
                 self._restart_timer()
-            if self._stop:
+                stopping = self._stop_agreed()
+            if stopping:
                 break
             if self.step % cfg.save_every == 0 or self.step == end:
                 self.save("stop_at_step" if self.step == cfg.stop_at_step else "")
                 self._restart_timer()
-        if self._stop:
+        if stopping:
             self.save(f"interrupted by {self._stop}")
+        if self.saver is not None:
+            self.saver.finish()
+        if stopping:
             self.log.info(f"stopped at step {self.step}; resume with: hydra-lm train --out {s.run_dir}")
             return EXIT_INTERRUPTED
         return 0
 
+    def _stop_agreed(self) -> bool:
+        """Whether to stop now: a signal on any rank stops every rank at the same step."""
+        if any_rank(self._stop is not None, self.dist):
+            self._stop = self._stop or "a signal on another rank"
+            return True
+        return False
+
     def _active_features(self) -> list[str]:
         cfg, cuda = self.cfg, self.device.type == "cuda"
-        feats = ["bf16 autocast, TF32" if cuda else "fp32",
+        feats = [f"{self.dist.parallel.upper()} on {self.dist.world_size} processes"] if self.dist.enabled else []
+        feats += ["bf16 autocast, TF32" if cuda else "fp32",
                  f"{'fused ' if cuda and cfg.optimizer == 'adamw' else ''}{cfg.optimizer}",
                  f"grad clip {cfg.grad_clip:g}" if cfg.grad_clip > 0 else "no grad clip"]
         feats += [name for name, on in (("torch.compile", cfg.compile), ("gradient checkpointing",
@@ -253,24 +299,28 @@ class Trainer:
         set_lr(self.optimizer, lr)
         parts = torch.zeros(5, device=self.device)  # loss, ce, aux, ponder, moe (summed over micro-batches)
         stats = None
-        for _ in range(cfg.grad_accum):
+        for i in range(cfg.grad_accum):
             batch = self._next_batch()
             x, y = self._to_device(batch["input_ids"]), self._to_device(batch["targets"])
             kwargs = {"doc_ids": self._to_device(batch["doc_ids"])} if self.use_doc_ids else {}
-            with self.autocast():
-                out = self.step_model(x, targets=y, **kwargs)
-            (out["loss"] / cfg.grad_accum).backward()
+            with gradient_sync(self.wrapped, self.dist, sync=i == cfg.grad_accum - 1):
+                with self.autocast():
+                    out = self.step_model(x, targets=y, **kwargs)
+                (out["loss"] / cfg.grad_accum).backward()
             parts += torch.stack([out[k].detach().float() for k in ("loss", "ce_loss", "aux_loss", "ponder_loss",
                                                                     "moe_loss")])
-            stats = out["routing_stats"].detach()
+            stats = out["routing_stats"].detach().float()
         if cfg.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         else:  # still measured for the log; clipping by inf would turn an overflowed norm into NaN grads
-            grad_norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None]))
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        grad_norm = full_tensor(grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         parts = parts / cfg.grad_accum
+        if self.dist.enabled:  # one small all-reduce: every rank logs and decides on the global mean
+            flat = mean_across_ranks(torch.cat([parts, stats.flatten()]), self.dist)
+            parts, stats = flat[:5], flat[5:].reshape(stats.shape)
         self.curriculum.observe(parts[1])
         window["sums"] += torch.cat([parts, grad_norm.detach().float().reshape(1)])
         window["stats"] = stats
@@ -299,7 +349,7 @@ class Trainer:
             record["routing_exec_frac"] = dict(zip(self.model.router_names(), fracs))
             record["exec_frac_mean"] = sum(fracs) / len(fracs)
         if self.peak_flops:
-            record["mfu"] = self._flops_per_token() * tps / self.peak_flops
+            record["mfu"] = self._flops_per_token() * tps / (self.peak_flops * self.dist.world_size)
         self.metrics.write(record)
         self.log.info(progress_line(record, self.cfg.max_steps))
         if not math.isfinite(loss):
@@ -332,9 +382,10 @@ class Trainer:
             return None
         t0 = time.perf_counter()
         if self._valset is None:
-            self._valset = ValSet(self.s.data, self.cfg.batch_size, self.cfg.seq_len)
-        result = evaluate(self.model, self._valset, self.device,
-                          self.cfg.eval_batches, self.autocast, self.use_doc_ids, lambda: self._stop is not None)
+            self._valset = ValSet(self.s.data, self.cfg.batch_size, self.cfg.seq_len, self.dist.rank,
+                                  self.dist.world_size)
+        result = evaluate(self.model, self._valset, self.device, self.cfg.eval_batches, self.autocast,
+                          self.use_doc_ids, self._stop_agreed, lambda t: sum_across_ranks(t, self.dist))
         if result is None:
             return None
         record = {"kind": "eval", "step": self.step, **result, "eval_s": time.perf_counter() - t0}
@@ -349,7 +400,8 @@ def train(setup: RunSetup) -> int:
     """Run a configured training job; returns the process exit status (130 when interrupted)."""
     try:
         trainer = Trainer(setup)
-        write_run_files(setup, sys.argv)
+        if setup.dist.is_main:
+            write_run_files(setup, sys.argv)
         return trainer.run()
     finally:
         setup.log.close()

@@ -1,0 +1,141 @@
+"""Multi-process training on CPU (gloo, 2 processes under torchrun), FSDP2 and DDP.
+
+Equivalence: 2 ranks x accumulation k see the rows that 1 process x accumulation 2k sees, so the
+per-step losses agree to float rounding. Resume: exact on the same world size; on another world
+size model and optimizer are restored (and here, with the same global batch, the losses continue
+to agree). Gradient checkpointing is on in the multi-process runs, so it is covered too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+from hydra_lm.cli import main
+from hydra_lm.train import setup_run
+from hydra_lm.train.checkpoint import verify
+from hydra_lm.train.trainer import Trainer
+from test_train_support import TINY_RUN, tiny_data, train_losses  # noqa: F401
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+
+# MoD switches on at step 2 and MoR at step 3, so routers start without optimizer state mid-run.
+COMMON = [*TINY_RUN, "--max_steps", "6", "--log_every", "1", "--save_every", "3", "--eval_every", "3",
+          "--mod_enable_pct", "0.3", "--mod_force_enable_pct", "0.3", "--mor_enable_pct", "0.5",
+          "--no_short_run_override"]
+TOL = 1e-5
+
+
+def torchrun(data, run, *extra, nproc: int = 2, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "hydra_lm", "train", "--data", str(data), "--out", str(run), *COMMON, "--gradient_checkpointing",
+           *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def single(data, run, *extra) -> None:
+    assert main(["train", "--data", str(data), "--out", str(run), *COMMON, *extra]) == 0
+
+
+def assert_close(a, b, tol=TOL):
+    assert [s for s, _ in a] == [s for s, _ in b]
+    worst = max(abs(x - y) for (_, x), (_, y) in zip(a, b))
+    assert worst <= tol, f"per-step losses differ by {worst:.2e}: {a} vs {b}"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory):
+    """One process, accumulation 2: the run every 2-process run (accumulation 1) must reproduce."""
+    run = tmp_path_factory.mktemp("single") / "run"
+    single(tiny_data, run, "--grad_accum", "2")
+    return train_losses(run)
+
+
+@pytest.mark.parametrize("parallel,save", [("fsdp", "--async_checkpoint"), ("ddp", "--no-async_checkpoint")])
+def test_two_ranks_match_one_rank_and_resume(tiny_data, tmp_path, reference, parallel, save):
+    straight, pieces = tmp_path / "straight", tmp_path / "pieces"
+    out = torchrun(tiny_data, straight, "--parallel", parallel, "--grad_accum", "1").stdout
+    assert f"{parallel.upper()} on 2 processes" in out
+    assert_close(train_losses(straight), reference)
+    ckpt = verify(straight / "checkpoints" / "hydra_debug_step6")
+    assert ckpt.layout == "dcp" and ckpt.world_size == 2 and len(ckpt.state["loader_ranks"]) == 2
+    assert {"rank0.pt", "rank1.pt", "dcp/.metadata"} <= set(ckpt.state["files"])
+
+    # Same world size: stop at step 3, resume, and every step after is bit-identical.
+    torchrun(tiny_data, pieces, "--parallel", parallel, "--grad_accum", "1", "--stop_at_step", "3", save)
+    assert [s for s, _ in train_losses(pieces)] == [1, 2, 3]
+    torchrun(tiny_data, pieces, "--parallel", parallel, "--grad_accum", "1", save)
+    assert train_losses(pieces) == train_losses(straight)
+
+    # Another world size: the 2-rank checkpoint of step 3 resumed by one process (accumulation 2).
+    one = tmp_path / "one"
+    shutil.copytree(pieces, one)
+    shutil.rmtree(one / "checkpoints" / "hydra_debug_step6")
+    (one / "checkpoints" / "latest").write_text("hydra_debug_step3\n")
+    single(tiny_data, one, "--grad_accum", "2")
+    assert_close(train_losses(one), train_losses(straight))
+
+
+def test_resume_on_one_process_restores_model_and_optimizer(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    torchrun(tiny_data, run, "--grad_accum", "1", "--stop_at_step", "3")
+    ckpt = verify(run / "checkpoints" / "hydra_debug_step3")
+    # torch's own converter, independent of our loading code, is the reference.
+    dcp_to_torch_save(ckpt.path / "dcp", tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    trainer = Trainer(setup_run({"out": str(run), "grad_accum": 2}, echo=False))
+    try:
+        assert trainer.step == 3
+        model_sd = trainer.model.state_dict()
+        for name, value in full["model"].items():
+            assert torch.equal(model_sd[name], value), name
+        opt = get_optimizer_state_dict(trainer.model, trainer.optimizer)["state"]
+        assert set(opt) == set(full["optim"]["state"])  # no state invented for never-updated routers
+        for name, entry in full["optim"]["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(opt[name][key], value), (name, key)
+    finally:
+        trainer.s.log.close()
+        trainer.loader.close()
+
+
+def test_export_writes_one_file_that_evaluates_like_the_sharded_checkpoint(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    torchrun(tiny_data, run, "--grad_accum", "1", "--max_steps", "2", "--save_every", "2", "--eval_every", "0")
+    exported = tmp_path / "model.safetensors"
+    assert main(["export", "--run", str(run), "--out", str(exported)]) == 0
+    results = []
+    for extra in ([], ["--checkpoint", str(exported)]):
+        capsys.readouterr()
+        assert main(["eval", "--run", str(run), "--json", "--device", "cpu", *extra]) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    assert results[0]["step"] == results[1]["step"] == 2
+    assert results[0]["val_loss_causal"] == results[1]["val_loss_causal"]
+    assert main(["generate", "--run", str(run), "--checkpoint", str(exported), "--prompt", "the", "--max_new_tokens",
+                 "4"]) == 0
+
+
+def test_one_process_checkpoint_resumes_on_two_ranks(tiny_data, tmp_path, reference):
+    run = tmp_path / "run"
+    single(tiny_data, run, "--grad_accum", "2", "--stop_at_step", "3")
+    proc = torchrun(tiny_data, run, "--grad_accum", "1")
+    assert "written by 1 process(es), this run has 2" in proc.stderr
+    assert_close(train_losses(run), reference)
+
+
+def test_every_rank_reports_its_error(tmp_path):
+    proc = torchrun(tmp_path / "no-data", tmp_path / "run", check=False)
+    assert proc.returncode != 0
+    assert "[rank 0] error" in proc.stderr and "[rank 1] error" in proc.stderr
