@@ -2,6 +2,9 @@
 
 import json
 
+import pytest
+import torch
+
 import hydra_lm.cli
 
 
@@ -19,3 +22,37 @@ def test_bench_reports_training_and_inference_for_both_archs(tmp_path, capsys):
         assert row["tokens_per_s"] > 0 and row["executed_tflops"] > 0 and row["mfu"] is None  # no MFU on CPU
         assert row["decode_tokens_per_s_batch32"] > 0 and row["kv_cache_bytes_per_token"]["allocated"] > 0
     assert report["rows"][0]["ce_impl"] == "naive" and report["measured_bf16_peak_tflops"] is None
+
+
+def test_bench_document_masking_reports_the_mask_path_and_kernels(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = hydra_lm.cli.main(["bench", "--model_size", "debug", "--arch", "hydra", "--vocab_size", "512",
+                              "--batch_size", "2", "--seq_len", "64", "--steps", "1", "--warmup", "0", "--no-compile",
+                              "--document_masking", "--conv_impl", "conv1d", "--device", "cpu", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    row = report["rows"][0]
+    assert report["document_masking"] and report["conv_impl"] == "conv1d" and report["compile_scope"] is None
+    assert row["doc_mask_path"] == "dense-mask"  # CPU: the dense SDPA mask
+    assert row["attention_kernels"] and all(k in ("math", "flash/cpu") for k in row["attention_kernels"])
+    assert row["docs_per_row"] >= 1
+    assert "dense-mask" in capsys.readouterr().out
+
+
+def test_random_doc_ids_look_like_the_loaders():
+    from hydra_lm.bench import random_doc_ids
+
+    doc = random_doc_ids(8, 4096, mean_len=400, seed=0)
+    assert torch.equal(doc, random_doc_ids(8, 4096, mean_len=400, seed=0))
+    assert (doc[:, 0] == 0).all() and (doc.diff(dim=1) >= 0).all() and (doc.diff(dim=1) <= 1).all()
+    mean_length = doc.numel() / (doc[:, -1] + 1).sum().item()
+    assert 250 < mean_length < 600
+
+
+def test_bench_without_documents_reports_none_and_checks_the_compile_scope():
+    from hydra_lm.bench import run_bench
+
+    report = run_bench("debug", ["dense"], 1, 32, 1, 0, False, False, "cpu", 512)
+    assert report["rows"][0]["doc_mask_path"] == "none" and report["rows"][0]["docs_per_row"] is None
+    with pytest.raises(ValueError, match="compile_scope"):
+        run_bench("debug", ["dense"], 1, 32, 1, 0, True, False, "cpu", 512, compile_scope="layers")

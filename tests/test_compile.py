@@ -40,3 +40,20 @@ def test_causal_eval_with_document_masks_compiles_fullgraph():
             ids, _ = _batch(seed)
             torch.testing.assert_close(compiled(ids, doc_ids=doc)["logits"], model(ids, doc_ids=doc)["logits"])
     assert counter.frame_count == 1
+
+
+def test_compile_blocks_shares_one_graph_across_blocks_and_keeps_the_state_dict():
+    torch._dynamo.reset()
+    model, reference = tiny_model().train(), tiny_model().train()
+    keys = list(model.state_dict())
+    counter = CompileCounterWithBackend("aot_eager")
+    assert model.compile_blocks(backend=counter) is model
+    doc = torch.tensor([[0] * 20 + [1] * 12] * 2)
+    for seed in (1, 2):
+        ids, targets = _batch(seed)
+        out = model(ids, targets=targets, doc_ids=doc)
+        out["loss"].backward()
+        torch.testing.assert_close(out["loss"], reference(ids, targets=targets, doc_ids=doc)["loss"])
+    # Three blocks of one structure: one graph, reused for every block and every batch.
+    assert counter.frame_count == 1
+    assert list(model.state_dict()) == keys

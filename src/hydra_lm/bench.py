@@ -4,6 +4,10 @@ One training step = forward + backward + optimizer step on random tokens. Warm-u
 excluded; on CUDA each step is timed with CUDA events and the median is reported. MFU uses the
 FLOPs each routed unit really executed (``executed_flops_per_token``) against a bf16 peak measured
 on the device with a large matmul; the datasheet value is shown beside it.
+
+``document_masking`` times the trainer's default path (rows of several documents, ``doc_ids``
+passed to the model); each row reports which attention kernels ran (a profiled eager forward) and
+which document-mask path the attention took ("flex", "dense-mask" or "none").
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from . import create_model
 from .model.accounting import executed_flops_per_token, kv_cache_bytes_per_token
 from .model.attention_backend import get_attention_backend
+from .model.doc_attention import get_doc_mask_backend, resolve_doc_mask_backend
 
 # Dense bf16 tensor-core peaks from the vendor datasheets (TFLOP/s), keyed by a device-name fragment.
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -61,18 +66,71 @@ def _timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def random_doc_ids(batch: int, seq: int, mean_len: float = 400.0, seed: int = 0,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B, T] non-decreasing document ids, like the loader's: a document starts at each position
+    with probability 1/mean_len (geometric lengths), the same ids for a given seed."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.rand(batch, seq, generator=g) < 1.0 / mean_len
+    starts[:, 0] = False
+    return starts.cumsum(1).to(device)
+
+
+# Profiler names of SDPA's implementations -> the kernel they stand for.
+_SDPA_OPS = {"_scaled_dot_product_flash_attention_for_cpu": "flash/cpu",
+             "_scaled_dot_product_flash_attention": "flash",
+             "_scaled_dot_product_efficient_attention": "efficient",
+             "_scaled_dot_product_cudnn_attention": "cudnn",
+             "_scaled_dot_product_fused_attention_overrideable": "overrideable",
+             "_scaled_dot_product_attention_math": "math"}
+
+
+def attention_kernels(model, ids: torch.Tensor, doc: torch.Tensor | None, device: torch.device) -> list[str]:
+    """SDPA kernels one eager training-mode forward runs (profiled), e.g. ["flash"]; "flex" when
+    document-masked attention goes through FlexAttention. Compiled code dispatches SDPA the same
+    way for the same shapes and dtypes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    found = set()
+    if doc is not None and resolve_doc_mask_backend(device) == "flex":
+        found.add("flex")  # every layer gets doc ids, so no SDPA call remains to profile
+        return sorted(found)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(ids[:1], doc_ids=None if doc is None else doc[:1])
+    for event in prof.events():
+        name = event.name.split("::")[-1]
+        if name in _SDPA_OPS:
+            found.add(_SDPA_OPS[name])
+    return sorted(found)
+
+
+def doc_mask_path(doc: torch.Tensor | None, device: torch.device) -> str:
+    if doc is None:
+        return "none"
+    return "flex" if resolve_doc_mask_backend(device) == "flex" else "dense-mask"
+
+
 def bench_training(model, batch: int, seq: int, steps: int, warmup: int, compile_model: bool,
-                   device: torch.device) -> dict[str, Any]:
+                   device: torch.device, document_masking: bool = False,
+                   compile_scope: str = "model") -> dict[str, Any]:
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
-    fwd = torch.compile(model, fullgraph=True) if compile_model else model
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+    doc = random_doc_ids(batch, seq, device=device) if document_masking else None
+    kernels = attention_kernels(model, ids, doc, device)  # before compiling: eager dispatch
+    if not compile_model:
+        fwd = model
+    elif compile_scope == "blocks":
+        fwd = model.compile_blocks()
+    else:
+        fwd = torch.compile(model, fullgraph=True)
     targets = torch.roll(ids, -1, 1)
     use_bf16 = device.type == "cuda"
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            loss = fwd(ids, targets=targets)["loss"]
+            loss = fwd(ids, targets=targets, doc_ids=doc)["loss"]
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -86,7 +144,8 @@ def bench_training(model, batch: int, seq: int, steps: int, warmup: int, compile
     flops = executed_flops_per_token(model.config, seq) * batch * seq
     return {"tokens_per_s": batch * seq / median, "step_ms": median * 1e3, "executed_tflops": flops / median / 1e12,
             "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
-            "first_step_s": first}
+            "first_step_s": first, "attention_kernels": kernels, "doc_mask_path": doc_mask_path(doc, device),
+            "docs_per_row": None if doc is None else float(doc[:, -1].float().mean() + 1)}
 
 
 @torch.no_grad()
@@ -108,7 +167,10 @@ def bench_inference(model, seq: int, new_tokens: int, device: torch.device) -> d
 
 def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: int, warmup: int,
               compile_model: bool, inference: bool, device: str = "auto", vocab_size: int = 50257,
-              new_tokens: int = 32) -> dict[str, Any]:
+              new_tokens: int = 32, document_masking: bool = False, compile_scope: str = "model",
+              conv_impl: str = "taps") -> dict[str, Any]:
+    if compile_scope not in ("model", "blocks"):
+        raise ValueError(f"compile_scope={compile_scope!r}: choose 'model' or 'blocks'")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     if dev.type == "cuda":
@@ -117,14 +179,18 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
         "measured_bf16_peak_tflops": peak, "datasheet_bf16_peak_tflops": datasheet_peak(dev),
-        "attention_backend": get_attention_backend(), "batch": batch, "seq_len": seq, "compiled": compile_model,
-        "rows": [],
+        "attention_backend": get_attention_backend(), "doc_mask_backend": get_doc_mask_backend(),
+        "batch": batch, "seq_len": seq, "compiled": compile_model,
+        "compile_scope": compile_scope if compile_model else None, "document_masking": document_masking,
+        "conv_impl": conv_impl, "rows": [],
     }
     for arch in archs:
         torch.manual_seed(0)
         model = create_model(model_size, arch=arch, vocab_size=vocab_size, max_seq_len=max(seq, 64))
+        model.set_conv_impl(conv_impl)
         row: dict[str, Any] = {"arch": arch, "params_m": model.num_parameters() / 1e6, "ce_impl": model.ce_impl}
-        row.update(bench_training(model, batch, seq, steps, warmup, compile_model, dev))
+        row.update(bench_training(model, batch, seq, steps, warmup, compile_model, dev, document_masking,
+                                  compile_scope))
         row["mfu"] = row["executed_tflops"] / peak if peak else None
         if inference:
             row.update(bench_inference(model, seq, new_tokens, dev))
@@ -143,13 +209,17 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"device {report['device']} | torch {report['torch']} | bf16 peak measured "
              f"{num(report['measured_bf16_peak_tflops'])} / datasheet {num(report['datasheet_bf16_peak_tflops'])} TFLOP/s"
              f" | attention {report['attention_backend']} (SDPA picks its kernel) | batch {report['batch']} x "
-             f"{report['seq_len']} | {'compiled' if report['compiled'] else 'eager'}",
-             f"{'arch':<7}{'params':>9}{'tok/s':>12}{'ms/step':>9}{'TFLOP/s':>9}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}"]
+             f"{report['seq_len']} | {'compiled (' + report['compile_scope'] + ')' if report['compiled'] else 'eager'}"
+             f" | document masking {'on' if report['document_masking'] else 'off'} (backend "
+             f"{report['doc_mask_backend']}) | convs {report['conv_impl']}",
+             f"{'arch':<7}{'params':>9}{'tok/s':>12}{'ms/step':>9}{'TFLOP/s':>9}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}"
+             f"  {'doc mask':<11}attention kernels"]
     for r in report["rows"]:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         mem = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
         lines.append(f"{r['arch']:<7}{r['params_m']:>8.1f}M{r['tokens_per_s']:>12,.0f}{r['step_ms']:>9.1f}"
-                     f"{r['executed_tflops']:>9.2f}{mfu:>7}{mem:>9}{r['first_step_s']:>11.1f}")
+                     f"{r['executed_tflops']:>9.2f}{mfu:>7}{mem:>9}{r['first_step_s']:>11.1f}"
+                     f"  {r['doc_mask_path']:<11}{','.join(r['attention_kernels']) or '-'}")
         if "prefill_tokens_per_s" in r:
             lines.append(f"{'':<7}inference: prefill {r['prefill_tokens_per_s']:,.0f} tok/s | decode batch 1 "
                          f"{r['decode_tokens_per_s_batch1']:,.0f} tok/s, batch 32 {r['decode_tokens_per_s_batch32']:,.0f}"

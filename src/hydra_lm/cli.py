@@ -19,8 +19,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import format_report, run_bench, write_json
 
     archs = ["hydra", "dense"] if args.arch == "both" else [args.arch]
+    if args.doc_mask_backend:
+        from .model.doc_attention import set_doc_mask_backend
+
+        set_doc_mask_backend(args.doc_mask_backend)
     report = run_bench(args.model_size, archs, args.batch_size, args.seq_len, args.steps, args.warmup, args.compile,
-                       args.inference, args.device, args.vocab_size, args.new_tokens)
+                       args.inference, args.device, args.vocab_size, args.new_tokens, args.document_masking,
+                       args.compile_scope, args.conv_impl)
     print(format_report(report))
     if args.json:
         write_json(report, args.json)
@@ -100,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps after the first")
     bench.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                        help="torch.compile(fullgraph=True) the model")
+    bench.add_argument("--compile_scope", default="model", choices=["model", "blocks"],
+                       help="compile the whole model as one graph, or each block (HydraModel.compile_blocks)")
+    bench.add_argument("--document_masking", action="store_true",
+                       help="pass doc_ids like the trainer (documents of geometric length, mean 400 tokens)")
+    bench.add_argument("--doc_mask_backend", default=None, choices=["auto", "flex", "sdpa"],
+                       help="document-masked attention: FlexAttention or a dense SDPA mask (default: "
+                            "HYDRA_DOC_MASK_BACKEND, else auto = flex on CUDA)")
+    bench.add_argument("--conv_impl", default="taps", choices=["taps", "conv1d"],
+                       help="CCGQA convs as fused shifted taps, or F.conv1d (cuDNN) for comparison")
     bench.add_argument("--inference", action="store_true", help="also time prefill and decode (batch 1 and 32)")
     bench.add_argument("--new_tokens", type=int, default=32, help="decode steps timed per batch size")
     bench.add_argument("--vocab_size", type=int, default=50257)

@@ -3,6 +3,7 @@
 from .model.accounting import compute_memory_footprint
 from .model.attention_backend import (FLASH_ATTN_AVAILABLE, XFORMERS_AVAILABLE, flexible_attention,
                                       get_attention_backend, set_attention_backend)
+from .model.doc_attention import get_doc_mask_backend, set_doc_mask_backend
 from .model.layers import (GradientCheckpointMixin, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary,
                            get_activation, init_weights_normal, scale_residual_weights)
 
@@ -24,7 +25,9 @@ __all__ = [
     "flexible_attention",
     "get_activation",
     "get_attention_backend",
+    "get_doc_mask_backend",
     "init_weights_normal",
     "scale_residual_weights",
     "set_attention_backend",
+    "set_doc_mask_backend",
 ]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention_backend import flexible_attention
+from .doc_attention import doc_causal_attention
 from .layers import RotaryEmbedding, apply_rotary
 
 
@@ -62,14 +63,11 @@ def _same_doc(doc: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention over the whole (compacted) row; with ``doc`` [B, N], only within a document."""
+    """Causal attention over the whole (compacted) row; with ``doc`` [B, N], only within a document
+    (FlexAttention or a dense SDPA mask: ``doc_attention.set_doc_mask_backend``)."""
     if doc is None:
         return flexible_attention(q, k, v, is_causal=True)
-    gqa = q.shape[1] != k.shape[1]
-    n = q.shape[2]
-    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    mask = causal & (doc[:, :, None] == doc[:, None, :])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
+    return doc_causal_attention(q, k, v, doc)
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
@@ -118,6 +116,7 @@ class CCGQAttention(nn.Module):
         self.conv_seq = nn.Conv1d(channels, channels, conv_seq_kernel, groups=channels)
         self.conv_ch = nn.Conv1d(channels, channels, conv_ch_kernel, groups=n_heads + n_kv_heads)
         self.conv_pad = (conv_seq_kernel - 1) + (conv_ch_kernel - 1)
+        self.conv_impl = "taps"  # or "conv1d": see causal_convs
         self.temperature = nn.Parameter(torch.zeros(n_kv_heads))
         self.out = nn.Linear(self.q_dim, dim, bias=False)
 
@@ -136,26 +135,25 @@ class CCGQAttention(nn.Module):
             [self.q_dim, self.kv_dim, self.kv_dim - self.v_prev_dim, self.v_prev_dim], dim=-1)
         qk = torch.cat((q0, k0), dim=-1)
 
+        # The convs read the cached latents (decode) or zeros (a sequence start); computed before
+        # the cache is advanced below.
+        history = cache.conv.to(qk.dtype) if cache is not None and doc is None else None
+        conv = self.causal_convs(qk, history, doc)
         if doc is not None:
-            conv = self._doc_conv(qk, doc)
             if self.value_shift:
                 v_prev = torch.where(_same_doc(doc, 1)[..., None], _shift(v_prev, 1), torch.zeros_like(v_prev))
         elif cache is None:
-            qk_padded = F.pad(qk, (0, 0, self.conv_pad, 0))
             if self.value_shift:
                 v_prev = _shift(v_prev, 1)
         else:
             count = _valid_counts(valid, b, n, x.device)
-            qk_padded = torch.cat((cache.conv.to(qk.dtype), qk), dim=1)
+            qk_padded = torch.cat((history, qk), dim=1)
             take = (count[:, None] + torch.arange(self.conv_pad, device=x.device))[..., None]
             cache.conv.copy_(qk_padded.gather(1, take.expand(-1, -1, qk.shape[-1])))
             if self.value_shift:
                 shifted = torch.cat((cache.shift[:, None].to(v_prev.dtype), v_prev), dim=1)
                 cache.shift.copy_(shifted.gather(1, count[:, None, None].expand(-1, 1, self.v_prev_dim))[:, 0])
                 v_prev = shifted[:, :n]
-
-        if doc is None:
-            conv = self.conv_ch(self.conv_seq(qk_padded.transpose(1, 2))).transpose(1, 2)
         q, k = conv.split([self.q_dim, self.kv_dim], dim=-1)
         q = q.reshape(b, n, h_k, h_q // h_k, d)
         k = k.reshape(b, n, h_k, d)
@@ -174,23 +172,58 @@ class CCGQAttention(nn.Module):
         y = cached_attention(q, k, v, pos, valid, cache) if cache is not None else full_attention(q, k, v, doc)
         return self.out(y.transpose(1, 2).reshape(b, n, self.q_dim))
 
-    def _doc_conv(self, qk: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
-        """Both causal convs, with every document treated as a sequence of its own.
+    def causal_convs(self, qk: torch.Tensor, history: torch.Tensor | None = None,
+                     doc: torch.Tensor | None = None) -> torch.Tensor:
+        """Depthwise causal conv over time, then the grouped causal conv, on qk [B, N, C].
 
-        A tap that reaches into another document reads what a fresh sequence would read there:
-        zero input for the first conv, and the first conv's output on zeros (its bias) for the second.
+        ``history`` [B, P, C]: the P = conv_pad pre-conv latents before the first entry (zeros
+        when None). With ``doc`` [B, N] every document is a sequence of its own: a tap reaching into
+        another document (or before the row) reads what a fresh sequence reads there, zero input
+        for the first conv and the first conv's output on zeros (its bias) for the second.
+
+        Written as sums of shifted taps times weights (``conv_impl="taps"``) so that torch.compile
+        fuses them with their neighbours; ``conv_impl="conv1d"`` calls F.conv1d (cuDNN on CUDA)
+        for the unmasked case, kept to measure against.
         """
-        ks, kc = self.conv_seq.kernel_size[0], self.conv_ch.kernel_size[0]
-        w1 = self.conv_seq.weight[:, 0]  # [C, ks]
-        y1 = self.conv_seq.bias
-        for s in range(ks):
-            y1 = y1 + w1[:, ks - 1 - s] * torch.where(_same_doc(doc, s)[..., None], _shift(qk, s), 0.0)
-        y2 = self.conv_ch.bias
-        for s in range(kc):
-            tap = torch.where(_same_doc(doc, s)[..., None], _shift(y1, s), self.conv_seq.bias)
-            weight = self.conv_ch.weight[:, :, kc - 1 - s: kc - s]
-            y2 = y2 + F.conv1d(tap.transpose(1, 2), weight, groups=self.conv_ch.groups).transpose(1, 2)
-        return y2
+        b, n, c = qk.shape
+        ks, kc, p = self.conv_seq.kernel_size[0], self.conv_ch.kernel_size[0], self.conv_pad
+        xp = F.pad(qk, (0, 0, p, 0)) if history is None else torch.cat((history, qk), dim=1)
+        if doc is None and self.conv_impl == "conv1d":
+            return self.conv_ch(self.conv_seq(xp.transpose(1, 2))).transpose(1, 2)
+        # Document of each padded position (-1 before the row); a tap is kept iff it reads from
+        # the document of the position it computes.
+        docp = None if doc is None else F.pad(doc, (p, 0), value=-1)
+        n1 = n + kc - 1  # first-conv outputs the second conv needs (positions -(kc-1) .. n-1)
+
+        # conv_seq: out[i] = bias + sum_j w[:, j] * xp[i + j] (cross-correlation, like F.conv1d),
+        # accumulated in at least float32 (compile fuses the chain into one kernel).
+        acc = torch.promote_types(qk.dtype, torch.float32)
+        w1 = self.conv_seq.weight[:, 0].to(acc)  # [C, ks]
+        y1 = self.conv_seq.bias.to(acc)
+        for j in range(ks):
+            tap = xp[:, j: j + n1]
+            if docp is not None:
+                keep = docp[:, j: j + n1] == docp[:, ks - 1: ks - 1 + n1]
+                tap = torch.where(keep[..., None], tap, torch.zeros_like(tap))
+            y1 = y1 + w1[:, j] * tap.to(acc)
+        y1 = y1.to(qk.dtype)
+
+        # conv_ch: one group per head (width d), so per group a [d, kc*d] matmul over the kc taps.
+        groups = self.conv_ch.groups
+        d = c // groups
+        taps = []
+        for j in range(kc):
+            tap = y1[:, j: j + n]
+            if docp is not None:
+                d1 = docp[:, ks - 1:]  # document of each first-conv output
+                keep = d1[:, j: j + n] == d1[:, kc - 1: kc - 1 + n]
+                tap = torch.where(keep[..., None], tap, self.conv_seq.bias.to(tap.dtype))
+            taps.append(tap.reshape(b, n, groups, 1, d))
+        stacked = torch.cat(taps, dim=3).reshape(b, n, groups, kc * d)
+        # weight [C_out, d_in, kc] -> [groups, d_out, kc * d_in], matching the tap order above.
+        w2 = self.conv_ch.weight.view(groups, d, d, kc).transpose(2, 3).reshape(groups, d, kc * d)
+        y2 = torch.einsum("bngi,goi->bngo", stacked, w2.to(stacked.dtype)).reshape(b, n, c)
+        return y2 + self.conv_ch.bias.to(y2.dtype)
 
 
 class GQAttention(nn.Module):

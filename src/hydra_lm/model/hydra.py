@@ -256,6 +256,29 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         finally:
             self.train(was_training)
 
+    # ------------------------------------------------------------------ compilation and kernels
+    def compile_blocks(self, **kwargs) -> "HydraModel":
+        """Compile each recursive block and MoE block in place (``nn.Module.compile``), instead of
+        the whole model: blocks of the same structure share one compiled graph (parameters are
+        graph inputs), so cold compilation is much shorter than for one whole-model graph.
+        Keyword arguments go to torch.compile (default ``fullgraph=True``). Returns the model;
+        parameter names and the state dict are unchanged."""
+        kwargs.setdefault("fullgraph", True)
+        for block in self.blocks:
+            block.compile(**kwargs)
+        for moe in self.moe_blocks.values():
+            moe.compile(**kwargs)
+        return self
+
+    def set_conv_impl(self, impl: str) -> None:
+        """CCGQA convolutions as fused shifted taps (``"taps"``, default) or ``"conv1d"`` (cuDNN on
+        CUDA; document-masked rows always use taps). Same function, kept for measurement."""
+        if impl not in ("taps", "conv1d"):
+            raise ValueError(f"conv_impl={impl!r}: choose 'taps' or 'conv1d'")
+        for module in self.modules():
+            if isinstance(module, CCGQAttention):
+                module.conv_impl = impl
+
     # ------------------------------------------------------------------ utilities
     def num_parameters(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

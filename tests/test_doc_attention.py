@@ -1,0 +1,143 @@
+"""Document-masked attention: FlexAttention's block-sparse path computes what the dense SDPA mask does.
+
+FlexAttention has no backward on CPU, so the gradient checks lift its device check and run the
+reference (unfused) implementation of the same operator; the block tables are checked against
+``create_block_mask`` and through the compiled CPU kernel (forward), the fused GPU kernel in
+tests/test_gpu.py.
+"""
+
+import pytest
+import torch
+import torch.nn.attention.flex_attention as flex_module
+import torch.nn.functional as F
+
+from hydra_lm.model import doc_attention as da
+
+from conftest import TINY, tiny_model
+
+
+@pytest.fixture
+def flex_backward_on_cpu(monkeypatch):
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
+
+
+@pytest.fixture
+def doc_backend():
+    yield da.set_doc_mask_backend
+    da.set_doc_mask_backend("auto")
+
+
+def _qkv(b=2, h_q=4, h_k=2, n=300, d=16, dtype=torch.float64, grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, n, d, generator=g, dtype=dtype).requires_grad_(grad) for h in (h_q, h_k, h_k)]
+
+
+def _loader_docs(b, n, seed=0, mean=60):
+    starts = torch.rand(b, n, generator=torch.Generator().manual_seed(seed)) < 1 / mean
+    starts[:, 0] = False
+    return starts.cumsum(1)
+
+
+def _dense(q, k, v, doc):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=da.dense_doc_mask(doc), enable_gqa=True)
+
+
+def test_dense_mask_is_causal_and_within_documents():
+    doc = torch.tensor([[0, 0, 1, 1, 1]])
+    mask = da.dense_doc_mask(doc)[0, 0]
+    expected = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]])
+    assert torch.equal(mask, expected.bool())
+
+
+@pytest.mark.parametrize("n", [300, 256, 40])
+def test_block_mask_matches_the_exact_one_for_loader_ids(n):
+    doc = _loader_docs(3, n)
+    ours = da.doc_block_mask(doc)
+    exact = flex_module.create_block_mask(lambda b, h, q, k: (k <= q) & (doc[b, q] == doc[b, k]), 3, None, n, n,
+                                          device="cpu")
+    assert torch.equal(ours.to_dense(), exact.to_dense())
+    # A tile marked full skips the mask, so it must really be all allowed.
+    dense = F.pad(da.dense_doc_mask(doc)[:, 0], (0, ours.kv_num_blocks.shape[-1] * 128 - n) * 2)
+    for row in range(3):
+        for qt in range(ours.full_kv_num_blocks.shape[-1]):
+            for kt in ours.full_kv_indices[row, 0, qt, :int(ours.full_kv_num_blocks[row, 0, qt])].tolist():
+                assert dense[row, qt * 128:(qt + 1) * 128, kt * 128:(kt + 1) * 128][:n - qt * 128].all()
+
+
+@pytest.mark.parametrize("doc", [_loader_docs(2, 300), torch.randint(0, 3, (2, 300)),
+                                 torch.zeros(2, 300, dtype=torch.long)], ids=["loader", "unsorted", "one_doc"])
+def test_flex_forward_and_gradient_equal_the_dense_mask(doc, flex_backward_on_cpu):
+    q, k, v = _qkv(grad=True)
+    out = da._flex_doc_attention(q, k, v, doc)
+    ref = _dense(q, k, v, doc)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_compiled_flex_kernel_uses_the_block_tables_correctly():
+    # The compiled kernel (unlike the reference) skips tiles, so a wrong table would show here.
+    q, k, v = _qkv(dtype=torch.float32, n=260)
+    for seed in (0, 1):  # new document ids, no recompilation needed
+        doc = _loader_docs(2, 260, seed=seed)
+        torch.testing.assert_close(da._flex_doc_attention_compiled(q, k, v, doc), _dense(q, k, v, doc),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_backend_switch_and_environment(doc_backend, monkeypatch):
+    assert da.resolve_doc_mask_backend("cpu") == "sdpa"
+    assert da.resolve_doc_mask_backend("cuda", torch.bfloat16) == "flex"
+    assert da.resolve_doc_mask_backend("cuda", torch.float64) == "sdpa"  # no fused flex kernel for it
+    doc_backend("flex")
+    assert da.get_doc_mask_backend() == "flex" and da.resolve_doc_mask_backend("cpu") == "flex"
+    with pytest.raises(ValueError, match="choose one of"):
+        doc_backend("dense")
+    monkeypatch.setenv("HYDRA_DOC_MASK_BACKEND", "sdpa")
+    assert da._from_env() == "sdpa"
+    monkeypatch.setenv("HYDRA_DOC_MASK_BACKEND", "flash")
+    with pytest.raises(ValueError, match="HYDRA_DOC_MASK_BACKEND"):
+        da._from_env()
+
+
+@pytest.mark.parametrize("overrides", [{}, {"arch": "dense", "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}],
+                         ids=["hydra", "dense"])
+def test_model_gives_the_same_loss_and_gradients_with_flex(overrides, doc_backend, flex_backward_on_cpu,
+                                                          monkeypatch):
+    # Routed units attend over compacted rows with their own doc ids: flex must see those.
+    calls = []
+    flex = da._flex_doc_attention
+    monkeypatch.setattr(da, "_flex_doc_attention", lambda q, k, v, doc: calls.append(doc.shape) or flex(q, k, v, doc))
+    model = tiny_model(**overrides).double().train()
+    ids = torch.randint(0, TINY["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(4))
+    doc = torch.tensor([[0] * 13 + [1] * 20 + [2] * 15, [0] * 40 + [1] * 8])
+    results = []
+    for backend in ("sdpa", "flex"):
+        doc_backend(backend)
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, targets=torch.roll(ids, -1, 1), doc_ids=doc)["loss"]
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert calls and (overrides or min(n for _, n in calls) < 48), "flex ran, on compacted rows when routed"
+    torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=1e-12)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=0, atol=1e-10, msg=name)
+
+
+def test_flex_gets_the_autocast_dtype_like_sdpa(doc_backend, monkeypatch):
+    seen = []
+    flex = da._flex_doc_attention
+    monkeypatch.setattr(da, "_flex_doc_attention", lambda q, k, v, doc: seen.append({q.dtype, k.dtype, v.dtype})
+                        or flex(q, k, v, doc))
+    model = tiny_model().eval()
+    ids = torch.randint(0, TINY["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
+    doc = torch.tensor([[0] * 15 + [1] * 25, [0] * 40])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        doc_backend("sdpa")
+        ref = model(ids, doc_ids=doc)["logits"].float()
+        doc_backend("flex")
+        out = model(ids, doc_ids=doc)["logits"].float()
+    assert seen and all(s == {torch.bfloat16} for s in seen)
+    torch.testing.assert_close(out, ref, rtol=0, atol=3e-2)
