@@ -48,11 +48,21 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     # Fewer out-of-memory failures from fragmentation; must be set before CUDA's allocator starts.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     from .train import setup_run, train
+    from .train.distributed import shutdown
     from .train.flags import cli_values, load_config_file
 
-    file_values = load_config_file(args.config) if args.config else {}
-    return train(setup_run(cli_values(args, args.model_overrides), file_values))
+    @record  # under torchrun: an unexpected error's traceback is reported per rank
+    def run() -> int:
+        try:
+            file_values = load_config_file(args.config) if args.config else {}
+            return train(setup_run(cli_values(args, args.model_overrides), file_values))
+        finally:
+            shutdown()
+
+    return run()
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -76,6 +86,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     print(generate_text(args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                         args.seed, args.checkpoint, args.device))
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .train import export_model
+
+    path = export_model(args.run, args.out, args.checkpoint)
+    print(f"wrote {path}: the full model in one safetensors file (use it with --checkpoint {path})")
     return 0
 
 
@@ -140,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="validation loss and perplexity of a run's checkpoint (causal and top-k)")
     ev.add_argument("--run", required=True, help="run directory")
-    ev.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the newest good one)")
+    ev.add_argument("--checkpoint", default=None, help="checkpoint directory or exported .safetensors file "
+                                                       "(default: the run's newest good checkpoint)")
     ev.add_argument("--data", default=None, help="data directory (default: the run's)")
     ev.add_argument("--batch_size", type=int, default=None)
     ev.add_argument("--seq_len", type=int, default=None)
@@ -148,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="auto")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.set_defaults(func=_cmd_eval)
+
+    exp = sub.add_parser("export", help="write a checkpoint (also a sharded multi-process one) as one safetensors "
+                                        "file holding the full model and its config")
+    exp.add_argument("--run", required=True, help="run directory")
+    exp.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the newest good one)")
+    exp.add_argument("--out", required=True, help="the .safetensors file to write")
+    exp.set_defaults(func=_cmd_export)
 
     gen = sub.add_parser("generate", help="sample text from a run's checkpoint (causal routing, cached decoding)")
     gen.add_argument("--run", required=True, help="run directory")
@@ -189,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as err:  # bad user input: one clear line, no traceback
-        print(f"hydra-lm {args.command}: error: {err}", file=sys.stderr)
+        rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"hydra-lm {args.command}: {rank}error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"hydra-lm {args.command}: interrupted", file=sys.stderr)
