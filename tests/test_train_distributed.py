@@ -57,34 +57,43 @@ def assert_close(a, b, tol=TOL):
 
 @pytest.fixture(scope="module")
 def reference(tiny_data, tmp_path_factory):
-    """One process, accumulation 2: the run every 2-process run (accumulation 1) must reproduce."""
-    run = tmp_path_factory.mktemp("single") / "run"
-    single(tiny_data, run, "--grad_accum", "2")
-    return train_losses(run)
+    """Per-step losses of one process with accumulation 2k: what 2 processes with k must reproduce."""
+    cache = {}
+
+    def losses(accum: int):
+        if accum not in cache:
+            run = tmp_path_factory.mktemp("single") / "run"
+            single(tiny_data, run, "--grad_accum", str(accum))
+            cache[accum] = train_losses(run)
+        return cache[accum]
+
+    return losses
 
 
-@pytest.mark.parametrize("parallel,save", [("fsdp", "--async_checkpoint"), ("ddp", "--no-async_checkpoint")])
-def test_two_ranks_match_one_rank_and_resume(tiny_data, tmp_path, reference, parallel, save):
+@pytest.mark.parametrize("parallel,accum,save", [("fsdp", 2, "--async_checkpoint"),
+                                                 ("ddp", 1, "--no-async_checkpoint")])
+def test_two_ranks_match_one_rank_and_resume(tiny_data, tmp_path, reference, parallel, accum, save):
     straight, pieces = tmp_path / "straight", tmp_path / "pieces"
-    out = torchrun(tiny_data, straight, "--parallel", parallel, "--grad_accum", "1").stdout
+    k = str(accum)
+    out = torchrun(tiny_data, straight, "--parallel", parallel, "--grad_accum", k).stdout
     assert f"{parallel.upper()} on 2 processes" in out
-    assert_close(train_losses(straight), reference)
+    assert_close(train_losses(straight), reference(2 * accum))
     ckpt = verify(straight / "checkpoints" / "hydra_debug_step6")
     assert ckpt.layout == "dcp" and ckpt.world_size == 2 and len(ckpt.state["loader_ranks"]) == 2
     assert {"rank0.pt", "rank1.pt", "dcp/.metadata"} <= set(ckpt.state["files"])
 
     # Same world size: stop at step 3, resume, and every step after is bit-identical.
-    torchrun(tiny_data, pieces, "--parallel", parallel, "--grad_accum", "1", "--stop_at_step", "3", save)
+    torchrun(tiny_data, pieces, "--parallel", parallel, "--grad_accum", k, "--stop_at_step", "3", save)
     assert [s for s, _ in train_losses(pieces)] == [1, 2, 3]
-    torchrun(tiny_data, pieces, "--parallel", parallel, "--grad_accum", "1", save)
+    torchrun(tiny_data, pieces, "--parallel", parallel, "--grad_accum", k, save)
     assert train_losses(pieces) == train_losses(straight)
 
-    # Another world size: the 2-rank checkpoint of step 3 resumed by one process (accumulation 2).
+    # Another world size: the 2-rank checkpoint of step 3 resumed by one process (accumulation 2k).
     one = tmp_path / "one"
     shutil.copytree(pieces, one)
     shutil.rmtree(one / "checkpoints" / "hydra_debug_step6")
     (one / "checkpoints" / "latest").write_text("hydra_debug_step3\n")
-    single(tiny_data, one, "--grad_accum", "2")
+    single(tiny_data, one, "--grad_accum", str(2 * accum))
     assert_close(train_losses(one), train_losses(straight))
 
 
@@ -132,7 +141,7 @@ def test_one_process_checkpoint_resumes_on_two_ranks(tiny_data, tmp_path, refere
     single(tiny_data, run, "--grad_accum", "2", "--stop_at_step", "3")
     proc = torchrun(tiny_data, run, "--grad_accum", "1")
     assert "written by 1 process(es), this run has 2" in proc.stderr
-    assert_close(train_losses(run), reference)
+    assert_close(train_losses(run), reference(2))
 
 
 def test_every_rank_reports_its_error(tmp_path):

@@ -110,17 +110,17 @@ def wrap_model(model: nn.Module, info: DistInfo, device: torch.device, find_unus
 
 @contextlib.contextmanager
 def gradient_sync(wrapped: nn.Module, info: DistInfo, sync: bool):
-    """Accumulation: reduce gradients only on the last micro-batch of a step."""
-    if not info.enabled or sync:
-        if info.parallel == "fsdp" and info.enabled:
-            wrapped.set_requires_gradient_sync(True)
+    """Accumulation: reduce gradients only on the last micro-batch of a step. FSDP2 also keeps the
+    gathered parameters after the backward of an earlier micro-batch, so the next forward does
+    not gather them again (full bf16 parameters stay resident during accumulation)."""
+    if not info.enabled:
         yield
-        return
-    if info.parallel == "ddp":
-        with wrapped.no_sync():
+    elif info.parallel == "ddp":
+        with contextlib.nullcontext() if sync else wrapped.no_sync():
             yield
     else:
-        wrapped.set_requires_gradient_sync(False)
+        wrapped.set_requires_gradient_sync(sync)
+        wrapped.set_reshard_after_backward(sync)
         yield
 
 
