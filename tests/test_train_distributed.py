@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -148,3 +150,28 @@ def test_every_rank_reports_its_error(tmp_path):
     proc = torchrun(tmp_path / "no-data", tmp_path / "run", check=False)
     assert proc.returncode != 0
     assert "[rank 0] error" in proc.stderr and "[rank 1] error" in proc.stderr
+
+
+def test_ctrl_c_under_torchrun_saves_one_sharded_checkpoint(tiny_data, tmp_path):
+    """The terminal's SIGINT reaches torchrun and every worker (and torchrun forwards it again):
+    all ranks stop after the same step and write one complete checkpoint."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hydra_lm",
+           "train", "--data", str(tiny_data), "--out", str(run), *TINY_RUN, "--max_steps", "100000", "--log_every",
+           "1", "--no-eval_at_start", "--save_every", "100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        metrics, deadline = run / "metrics.jsonl", time.time() + 300
+        while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "interrupted by SIGINT" in out, out[-3000:]
+    saved = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("hydra_debug_step")]
+    assert len(saved) == 1
+    ckpt = verify(saved[0])
+    assert ckpt.layout == "dcp" and ckpt.step == train_losses(run)[-1][0] >= 3

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -113,7 +113,8 @@ def doc_mask_path(doc: torch.Tensor | None, device: torch.device) -> str:
 
 def bench_training(model, batch: int, seq: int, steps: int, warmup: int, compile_model: bool,
                    device: torch.device, document_masking: bool = False,
-                   compile_scope: str = "model") -> dict[str, Any]:
+                   compile_scope: str = "model", compile_mode: str = "default") -> dict[str, Any]:
+    """``compile_mode`` "reduce-overhead" captures the compiled forward and backward as CUDA graphs."""
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
@@ -122,13 +123,16 @@ def bench_training(model, batch: int, seq: int, steps: int, warmup: int, compile
     if not compile_model:
         fwd = model
     elif compile_scope == "blocks":
-        fwd = model.compile_blocks()
+        fwd = model.compile_blocks(mode=compile_mode)
     else:
-        fwd = torch.compile(model, fullgraph=True)
+        fwd = torch.compile(model, fullgraph=True, mode=compile_mode)
     targets = torch.roll(ids, -1, 1)
     use_bf16 = device.type == "cuda"
+    graphs = compile_model and compile_mode == "reduce-overhead"
 
     def step():
+        if graphs:  # a new iteration: the previous step's graph outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
             loss = fwd(ids, targets=targets, doc_ids=doc)["loss"]
         loss.backward()
@@ -168,7 +172,10 @@ def bench_inference(model, seq: int, new_tokens: int, device: torch.device) -> d
 def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: int, warmup: int,
               compile_model: bool, inference: bool, device: str = "auto", vocab_size: int = 50257,
               new_tokens: int = 32, document_masking: bool = False, compile_scope: str = "model",
-              conv_impl: str = "taps") -> dict[str, Any]:
+              conv_impl: str = "taps", on_row: Callable[[dict[str, Any]], None] | None = None,
+              compile_mode: str = "default") -> dict[str, Any]:
+    """Time each arch in turn; ``on_row(report)`` is called after every finished row, so a caller can
+    show and save partial results of a long (compiling) run."""
     if compile_scope not in ("model", "blocks"):
         raise ValueError(f"compile_scope={compile_scope!r}: choose 'model' or 'blocks'")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
@@ -181,7 +188,8 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
         "measured_bf16_peak_tflops": peak, "datasheet_bf16_peak_tflops": datasheet_peak(dev),
         "attention_backend": get_attention_backend(), "doc_mask_backend": get_doc_mask_backend(),
         "batch": batch, "seq_len": seq, "compiled": compile_model,
-        "compile_scope": compile_scope if compile_model else None, "document_masking": document_masking,
+        "compile_scope": compile_scope if compile_model else None,
+        "compile_mode": compile_mode if compile_model else None, "document_masking": document_masking,
         "conv_impl": conv_impl, "rows": [],
     }
     for arch in archs:
@@ -190,11 +198,13 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
         model.set_conv_impl(conv_impl)
         row: dict[str, Any] = {"arch": arch, "params_m": model.num_parameters() / 1e6, "ce_impl": model.ce_impl}
         row.update(bench_training(model, batch, seq, steps, warmup, compile_model, dev, document_masking,
-                                  compile_scope))
+                                  compile_scope, compile_mode))
         row["mfu"] = row["executed_tflops"] / peak if peak else None
         if inference:
             row.update(bench_inference(model, seq, new_tokens, dev))
         report["rows"].append(row)
+        if on_row is not None:
+            on_row(report)
         del model
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -209,7 +219,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"device {report['device']} | torch {report['torch']} | bf16 peak measured "
              f"{num(report['measured_bf16_peak_tflops'])} / datasheet {num(report['datasheet_bf16_peak_tflops'])} TFLOP/s"
              f" | attention {report['attention_backend']} (SDPA picks its kernel) | batch {report['batch']} x "
-             f"{report['seq_len']} | {'compiled (' + report['compile_scope'] + ')' if report['compiled'] else 'eager'}"
+             f"{report['seq_len']} | {'compiled (' + report['compile_scope'] + ', ' + report['compile_mode'] + ')' if report['compiled'] else 'eager'}"
              f" | document masking {'on' if report['document_masking'] else 'off'} (backend "
              f"{report['doc_mask_backend']}) | convs {report['conv_impl']}",
              f"{'arch':<7}{'params':>9}{'tok/s':>12}{'ms/step':>9}{'TFLOP/s':>9}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}"

@@ -23,12 +23,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from .model.doc_attention import set_doc_mask_backend
 
         set_doc_mask_backend(args.doc_mask_backend)
+    def on_row(partial: dict) -> None:  # a run killed later still leaves the rows it finished
+        r = partial["rows"][-1]
+        print(f"bench: {r['arch']} done: {r['tokens_per_s']:,.0f} tok/s, first step {r['first_step_s']:.1f} s",
+              file=sys.stderr, flush=True)
+        if args.json:
+            write_json(partial, args.json)
+
     report = run_bench(args.model_size, archs, args.batch_size, args.seq_len, args.steps, args.warmup, args.compile,
                        args.inference, args.device, args.vocab_size, args.new_tokens, args.document_masking,
-                       args.compile_scope, args.conv_impl)
+                       args.compile_scope, args.conv_impl, on_row, args.compile_mode)
     print(format_report(report))
-    if args.json:
-        write_json(report, args.json)
     return 0
 
 
@@ -114,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--vocab_size", type=int, default=None, help="override the preset's vocabulary size")
     info.set_defaults(func=_cmd_info)
 
+    from .train.options import COMPILE_MODES as compile_modes
+
     bench = sub.add_parser("bench", help="time training steps (and inference) of a preset and its dense baseline")
     bench.add_argument("--model_size", default="100M")
     bench.add_argument("--arch", default="both", choices=["both", "hydra", "dense"])
@@ -123,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps after the first")
     bench.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                        help="torch.compile(fullgraph=True) the model")
+    bench.add_argument("--compile_mode", default="default", choices=list(compile_modes),
+                       help="torch.compile mode; reduce-overhead captures forward and backward as CUDA graphs")
     bench.add_argument("--compile_scope", default="model", choices=["model", "blocks"],
                        help="compile the whole model as one graph, or each block (HydraModel.compile_blocks)")
     bench.add_argument("--document_masking", action="store_true",

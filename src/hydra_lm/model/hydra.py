@@ -259,8 +259,9 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
     # ------------------------------------------------------------------ compilation and kernels
     def compile_blocks(self, **kwargs) -> "HydraModel":
         """Compile each recursive block and MoE block in place (``nn.Module.compile``), instead of
-        the whole model: blocks of the same structure share one compiled graph (parameters are
-        graph inputs), so cold compilation is much shorter than for one whole-model graph.
+        the whole model: blocks of the same structure can share compiled code (parameters are graph
+        inputs). Measured on an H100 for the 100M preset (benchmarks/BENCHMARKS.md): 167 s cold
+        compile against 207 s for the whole model, but 28% fewer tokens/s, so it is not the default.
         Keyword arguments go to torch.compile (default ``fullgraph=True``). Returns the model;
         parameter names and the state dict are unchanged."""
         kwargs.setdefault("fullgraph", True)

@@ -15,6 +15,7 @@ MODES = ("testing", "production")
 SCHEDULES = ("cosine", "wsd")
 OPTIMIZERS = ("adamw", "adafactor", "adam8bit")
 ARCHS = ("hydra", "dense")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # Runs shorter than this skip the MoD loss gate unless --no_short_run_override (see curriculum.py).
 SHORT_RUN_STEPS = 1000
@@ -77,6 +78,8 @@ class TrainConfig:
 
     # --- speed and memory
     compile: bool = opt(False, "torch.compile the model", type=bool)
+    compile_mode: str = opt("default", "torch.compile mode with --compile; reduce-overhead captures forward and "
+                                       "backward as CUDA graphs (one process)", type=str, choices=COMPILE_MODES)
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass", type=bool)
     checkpoint_every: int | None = opt(None, "gradient checkpointing every N blocks (implies "
                                              "--gradient_checkpointing)", type=int)

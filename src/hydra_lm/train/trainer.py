@@ -35,6 +35,7 @@ from .schedule import AdaptiveLR, lr_at
 from .sharded_checkpoint import RANK_FILE, ShardedSaver, load_dcp, load_optimizer, load_single_into_sharded
 
 EXIT_INTERRUPTED = 130
+REPEATED_SIGNAL_S = 2.0  # signals closer together than this count as one request
 
 
 class Trainer:
@@ -67,11 +68,14 @@ class Trainer:
         self._window: dict | None = None
         if setup.resume_from is not None:
             self._restore(setup.resume_from)
-        self.step_model = torch.compile(self.wrapped) if cfg.compile else self.wrapped
+        self.step_model = torch.compile(self.wrapped, mode=cfg.compile_mode) if cfg.compile else self.wrapped
+        # CUDA graphs: each forward starts a new graph replay; outputs of the last one are consumed by then.
+        self._graph_steps = cfg.compile and cfg.compile_mode == "reduce-overhead" and self.device.type == "cuda"
         self.use_doc_ids = cfg.document_masking
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world_size
         self.peak_flops = measure_peak_flops(self.device) if self.device.type == "cuda" else None
         self._stop: str | None = None
+        self._signal_at: float | None = None
         self._valset: ValSet | None = None
         self._iter = None
 
@@ -167,10 +171,16 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def _install_signals(self) -> dict:
         def handler(signum, frame):
-            if self._stop is not None:  # second Ctrl-C: stop now (checkpoints on disk are intact)
-                raise KeyboardInterrupt
+            now = time.monotonic()
+            if self._signal_at is not None:
+                # A second Ctrl-C stops at once (checkpoints on disk are intact). One right after the
+                # first is the same request: torchrun forwards the terminal's signal to its workers.
+                if now - self._signal_at > REPEATED_SIGNAL_S:
+                    raise KeyboardInterrupt
+                return
+            self._signal_at = now
             self._stop = signal.Signals(signum).name
-            self.log.info(f"{self._stop} received: finishing step {self.step + 1}, then saving a checkpoint")
+            self.log.info(f"{self._stop} received: saving a checkpoint after the step in progress")
 
         old = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -254,7 +264,7 @@ class Trainer:
         feats += ["bf16 autocast, TF32" if cuda else "fp32",
                  f"{'fused ' if cuda and cfg.optimizer == 'adamw' else ''}{cfg.optimizer}",
                  f"grad clip {cfg.grad_clip:g}" if cfg.grad_clip > 0 else "no grad clip"]
-        feats += [name for name, on in (("torch.compile", cfg.compile), ("gradient checkpointing",
+        feats += [name for name, on in ((f"torch.compile ({cfg.compile_mode})", cfg.compile), ("gradient checkpointing",
                                          cfg.gradient_checkpointing), ("document masking", self.use_doc_ids),
                                         ("adaptive LR", cfg.adaptive_lr)) if on]
         if cfg.experimental_prefetch_threads:
@@ -304,12 +314,14 @@ class Trainer:
             x, y = self._to_device(batch["input_ids"]), self._to_device(batch["targets"])
             kwargs = {"doc_ids": self._to_device(batch["doc_ids"])} if self.use_doc_ids else {}
             with gradient_sync(self.wrapped, self.dist, sync=i == cfg.grad_accum - 1):
+                if self._graph_steps:
+                    torch.compiler.cudagraph_mark_step_begin()
                 with self.autocast():
                     out = self.step_model(x, targets=y, **kwargs)
                 (out["loss"] / cfg.grad_accum).backward()
             parts += torch.stack([out[k].detach().float() for k in ("loss", "ce_loss", "aux_loss", "ponder_loss",
                                                                     "moe_loss")])
-            stats = out["routing_stats"].detach().float()
+            stats = out["routing_stats"].detach().float().clone()  # CUDA graphs reuse output memory
         if cfg.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         else:  # still measured for the log; clipping by inf would turn an overflowed norm into NaN grads
