@@ -173,7 +173,7 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
               compile_model: bool, inference: bool, device: str = "auto", vocab_size: int = 50257,
               new_tokens: int = 32, document_masking: bool = False, compile_scope: str = "model",
               conv_impl: str = "taps", on_row: Callable[[dict[str, Any]], None] | None = None,
-              compile_mode: str = "default") -> dict[str, Any]:
+              compile_mode: str = "default", ce_impl: str = "naive") -> dict[str, Any]:
     """Time each arch in turn; ``on_row(report)`` is called after every finished row, so a caller can
     show and save partial results of a long (compiling) run."""
     if compile_scope not in ("model", "blocks"):
@@ -190,12 +190,14 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
         "batch": batch, "seq_len": seq, "compiled": compile_model,
         "compile_scope": compile_scope if compile_model else None,
         "compile_mode": compile_mode if compile_model else None, "document_masking": document_masking,
+        "ce_impl": ce_impl,
         "conv_impl": conv_impl, "rows": [],
     }
     for arch in archs:
         torch.manual_seed(0)
         model = create_model(model_size, arch=arch, vocab_size=vocab_size, max_seq_len=max(seq, 64))
         model.set_conv_impl(conv_impl)
+        model.ce_impl = ce_impl
         row: dict[str, Any] = {"arch": arch, "params_m": model.num_parameters() / 1e6, "ce_impl": model.ce_impl}
         row.update(bench_training(model, batch, seq, steps, warmup, compile_model, dev, document_masking,
                                   compile_scope, compile_mode))
@@ -221,7 +223,7 @@ def format_report(report: dict[str, Any]) -> str:
              f" | attention {report['attention_backend']} (SDPA picks its kernel) | batch {report['batch']} x "
              f"{report['seq_len']} | {'compiled (' + report['compile_scope'] + ', ' + report['compile_mode'] + ')' if report['compiled'] else 'eager'}"
              f" | document masking {'on' if report['document_masking'] else 'off'} (backend "
-             f"{report['doc_mask_backend']}) | convs {report['conv_impl']}",
+             f"{report['doc_mask_backend']}) | convs {report['conv_impl']} | loss {report['ce_impl']}",
              f"{'arch':<7}{'params':>9}{'tok/s':>12}{'ms/step':>9}{'TFLOP/s':>9}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}"
              f"  {'doc mask':<11}attention kernels"]
     for r in report["rows"]:
