@@ -39,6 +39,18 @@ def test_bench_document_masking_reports_the_mask_path_and_kernels(tmp_path, caps
     assert "dense-mask" in capsys.readouterr().out
 
 
+def test_forced_sdpa_kernel_and_fused_loss_are_what_runs(tmp_path):
+    out = tmp_path / "bench.json"
+    code = hydra_lm.cli.main(["bench", "--model_size", "debug", "--arch", "hydra", "--vocab_size", "512",
+                              "--batch_size", "2", "--seq_len", "64", "--steps", "1", "--warmup", "0", "--no-compile",
+                              "--sdpa_kernel", "math", "--ce_impl", "chunked", "--device", "cpu", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    row = report["rows"][0]
+    assert report["sdpa_kernel"] == "math" and row["attention_kernels"] == ["math"]  # CPU's default is flash/cpu
+    assert row["ce_impl"] == "chunked" and row["tokens_per_s"] > 0
+
+
 def test_random_doc_ids_look_like_the_loaders():
     from hydra_lm.bench import random_doc_ids
 

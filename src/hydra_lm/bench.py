@@ -21,7 +21,7 @@ import torch
 
 from . import create_model
 from .model.accounting import executed_flops_per_token, kv_cache_bytes_per_token
-from .model.attention_backend import get_attention_backend
+from .model.attention_backend import get_attention_backend, sdpa_kernel_only
 from .model.doc_attention import get_doc_mask_backend, resolve_doc_mask_backend
 
 # Dense bf16 tensor-core peaks from the vendor datasheets (TFLOP/s), keyed by a device-name fragment.
@@ -113,13 +113,15 @@ def doc_mask_path(doc: torch.Tensor | None, device: torch.device) -> str:
 
 def bench_training(model, batch: int, seq: int, steps: int, warmup: int, compile_model: bool,
                    device: torch.device, document_masking: bool = False,
-                   compile_scope: str = "model", compile_mode: str = "default") -> dict[str, Any]:
+                   compile_scope: str = "model", compile_mode: str = "default",
+                   sdpa_kernel: str = "auto") -> dict[str, Any]:
     """``compile_mode`` "reduce-overhead" captures the compiled forward and backward as CUDA graphs."""
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
     doc = random_doc_ids(batch, seq, device=device) if document_masking else None
-    kernels = attention_kernels(model, ids, doc, device)  # before compiling: eager dispatch
+    with sdpa_kernel_only(sdpa_kernel):
+        kernels = attention_kernels(model, ids, doc, device)  # before compiling: eager dispatch
     if not compile_model:
         fwd = model
     elif compile_scope == "blocks":
@@ -133,7 +135,7 @@ def bench_training(model, batch: int, seq: int, steps: int, warmup: int, compile
     def step():
         if graphs:  # a new iteration: the previous step's graph outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16), sdpa_kernel_only(sdpa_kernel):
             loss = fwd(ids, targets=targets, doc_ids=doc)["loss"]
         loss.backward()
         opt.step()
@@ -173,7 +175,7 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
               compile_model: bool, inference: bool, device: str = "auto", vocab_size: int = 50257,
               new_tokens: int = 32, document_masking: bool = False, compile_scope: str = "model",
               conv_impl: str = "taps", on_row: Callable[[dict[str, Any]], None] | None = None,
-              compile_mode: str = "default", ce_impl: str = "naive") -> dict[str, Any]:
+              compile_mode: str = "default", ce_impl: str = "naive", sdpa_kernel: str = "auto") -> dict[str, Any]:
     """Time each arch in turn; ``on_row(report)`` is called after every finished row, so a caller can
     show and save partial results of a long (compiling) run."""
     if compile_scope not in ("model", "blocks"):
@@ -190,7 +192,7 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
         "batch": batch, "seq_len": seq, "compiled": compile_model,
         "compile_scope": compile_scope if compile_model else None,
         "compile_mode": compile_mode if compile_model else None, "document_masking": document_masking,
-        "ce_impl": ce_impl,
+        "ce_impl": ce_impl, "sdpa_kernel": sdpa_kernel,
         "conv_impl": conv_impl, "rows": [],
     }
     for arch in archs:
@@ -200,7 +202,7 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
         model.ce_impl = ce_impl
         row: dict[str, Any] = {"arch": arch, "params_m": model.num_parameters() / 1e6, "ce_impl": model.ce_impl}
         row.update(bench_training(model, batch, seq, steps, warmup, compile_model, dev, document_masking,
-                                  compile_scope, compile_mode))
+                                  compile_scope, compile_mode, sdpa_kernel))
         row["mfu"] = row["executed_tflops"] / peak if peak else None
         if inference:
             row.update(bench_inference(model, seq, new_tokens, dev))
@@ -218,12 +220,16 @@ def format_report(report: dict[str, Any]) -> str:
     def num(v):
         return "-" if v is None else f"{v:.0f}"
 
-    lines = [f"device {report['device']} | torch {report['torch']} | bf16 peak measured "
-             f"{num(report['measured_bf16_peak_tflops'])} / datasheet {num(report['datasheet_bf16_peak_tflops'])} TFLOP/s"
-             f" | attention {report['attention_backend']} (SDPA picks its kernel) | batch {report['batch']} x "
-             f"{report['seq_len']} | {'compiled (' + report['compile_scope'] + ', ' + report['compile_mode'] + ')' if report['compiled'] else 'eager'}"
-             f" | document masking {'on' if report['document_masking'] else 'off'} (backend "
-             f"{report['doc_mask_backend']}) | convs {report['conv_impl']} | loss {report['ce_impl']}",
+    r0 = report
+    compiled = f"compiled ({r0['compile_scope']}, {r0['compile_mode']})" if r0["compiled"] else "eager"
+    header = [f"device {r0['device']}", f"torch {r0['torch']}",
+              f"bf16 peak measured {num(r0['measured_bf16_peak_tflops'])} / datasheet "
+              f"{num(r0['datasheet_bf16_peak_tflops'])} TFLOP/s",
+              f"attention {r0['attention_backend']} (SDPA kernel: {r0['sdpa_kernel']})",
+              f"batch {r0['batch']} x {r0['seq_len']}", compiled,
+              f"document masking {'on' if r0['document_masking'] else 'off'} (backend {r0['doc_mask_backend']})",
+              f"convs {r0['conv_impl']}", f"loss {r0['ce_impl']}"]
+    lines = [" | ".join(header),
              f"{'arch':<7}{'params':>9}{'tok/s':>12}{'ms/step':>9}{'TFLOP/s':>9}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}"
              f"  {'doc mask':<11}attention kernels"]
     for r in report["rows"]:

@@ -32,7 +32,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     report = run_bench(args.model_size, archs, args.batch_size, args.seq_len, args.steps, args.warmup, args.compile,
                        args.inference, args.device, args.vocab_size, args.new_tokens, args.document_masking,
-                       args.compile_scope, args.conv_impl, on_row, args.compile_mode, args.ce_impl)
+                       args.compile_scope, args.conv_impl, on_row, args.compile_mode, args.ce_impl, args.sdpa_kernel)
     print(format_report(report))
     return 0
 
@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps after the first")
     bench.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                        help="torch.compile(fullgraph=True) the model")
+    bench.add_argument("--sdpa_kernel", default="auto", choices=["auto", "flash", "cudnn", "efficient", "math"],
+                       help="allow SDPA only this kernel (auto: SDPA's own choice)")
     bench.add_argument("--ce_impl", default="naive", choices=["naive", "chunked", "liger", "auto"],
                        help="loss path: materialised logits, or head + cross-entropy fused (chunked; Liger on CUDA)")
     bench.add_argument("--compile_mode", default="default", choices=list(compile_modes),

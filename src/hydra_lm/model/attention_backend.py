@@ -7,6 +7,7 @@ says what to install, never a silent fallback.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -61,3 +62,20 @@ def flexible_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_cau
     out = xops.memory_efficient_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_bias=bias,
                                           scale=scale)
     return out.transpose(1, 2)
+
+
+SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
+
+
+def sdpa_kernel_only(name: str):
+    """A context in which SDPA may use only one kernel ("auto": SDPA's own choice), to compare them.
+    Wrap the first (compiling) call too: a compiled graph keeps the kernel chosen at trace time."""
+    if name not in SDPA_KERNELS:
+        raise ValueError(f"SDPA kernel {name!r}: choose one of {list(SDPA_KERNELS)}")
+    if name == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+    return sdpa_kernel([backend])
