@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -146,10 +147,11 @@ def test_one_process_checkpoint_resumes_on_two_ranks(tiny_data, tmp_path, refere
     assert_close(train_losses(run), reference(2))
 
 
-def test_every_rank_reports_its_error(tmp_path):
+def test_a_failing_rank_names_itself(tmp_path):
+    # torchrun stops the other ranks once one fails, so which ranks get to print is a race.
     proc = torchrun(tmp_path / "no-data", tmp_path / "run", check=False)
     assert proc.returncode != 0
-    assert "[rank 0] error" in proc.stderr and "[rank 1] error" in proc.stderr
+    assert re.search(r"hydra-lm train: \[rank [01]\] error: data directory \S*no-data", proc.stderr), proc.stderr
 
 
 def test_ctrl_c_under_torchrun_saves_one_sharded_checkpoint(tiny_data, tmp_path):

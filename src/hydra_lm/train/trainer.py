@@ -230,6 +230,8 @@ class Trainer:
             regular = self.step % cfg.log_every == 0
             if regular or self.step == end or stopping:
                 if not self._log(self._window, regular):
+                    if self.saver is not None:  # commit a pending background save (the last good state)
+                        self.saver.finish()
                     return 1
                 if regular:
                     self._window = self._new_window()
