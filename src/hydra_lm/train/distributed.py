@@ -100,7 +100,8 @@ def wrap_model(model: nn.Module, info: DistInfo, device: torch.device, find_unus
     kwargs = {}
     if device.type == "cuda":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    units = list(model.blocks) + list(getattr(model, "moe_blocks", {}).values())
+    moe = dict(getattr(model, "moe_blocks", {}).items())
+    units = [u for i, block in enumerate(model.blocks) for u in (block, moe.get(str(i))) if u is not None]
     for i, unit in enumerate(units):
         # The last unit's parameters are needed again at once by backward: keep them gathered.
         fully_shard(unit, reshard_after_forward=i < len(units) - 1, **kwargs)
