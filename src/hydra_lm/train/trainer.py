@@ -82,6 +82,9 @@ class Trainer:
     # ------------------------------------------------------------------ setup helpers
     def _check_features(self) -> None:
         cfg = self.cfg
+        if cfg.compile and cfg.compile_mode == "reduce-overhead" and self.dist.enabled:
+            raise ValueError("--compile_mode reduce-overhead (CUDA graphs) works in one process only: FSDP2/DDP "
+                             "communication hooks cannot be captured; use --compile_mode default under torchrun")
         if cfg.triton_kernels:
             raise ValueError("--triton_kernels is not available yet: no fused Triton kernels are wired into "
                              "the model; run without it")
