@@ -67,4 +67,4 @@ def test_bench_without_documents_reports_none_and_checks_the_compile_scope():
     report = run_bench("debug", ["dense"], 1, 32, 1, 0, False, False, "cpu", 512)
     assert report["rows"][0]["doc_mask_path"] == "none" and report["rows"][0]["docs_per_row"] is None
     with pytest.raises(ValueError, match="compile_scope"):
-        run_bench("debug", ["dense"], 1, 32, 1, 0, True, False, "cpu", 512, compile_scope="layers")
+        run_bench("debug", ["dense"], 1, 32, 1, 0, True, False, "cpu", 512, compile_scope="regions")

@@ -57,3 +57,19 @@ def test_compile_blocks_shares_one_graph_across_blocks_and_keeps_the_state_dict(
     # Three blocks of one structure: one graph, reused for every block and every batch.
     assert counter.frame_count == 1
     assert list(model.state_dict()) == keys
+
+
+def test_compile_layers_serves_every_depth_with_one_dynamic_graph():
+    torch._dynamo.reset()
+    model, reference = tiny_model().train(), tiny_model().train()
+    counter = CompileCounterWithBackend("aot_eager")
+    assert model.compile_layers(backend=counter) is model
+    doc = torch.tensor([[0] * 20 + [1] * 12] * 2)
+    for seed in (1, 2):
+        ids, targets = _batch(seed)
+        out = model(ids, targets=targets, doc_ids=doc)
+        out["loss"].backward()
+        torch.testing.assert_close(out["loss"], reference(ids, targets=targets, doc_ids=doc)["loss"])
+    # Routed units of several sizes run through the layers; after the first size specialises, one
+    # dynamic graph takes every other size and every later batch.
+    assert counter.frame_count <= 2

@@ -24,6 +24,8 @@ from .model.accounting import executed_flops_per_token, kv_cache_bytes_per_token
 from .model.attention_backend import get_attention_backend, sdpa_kernel_only
 from .model.doc_attention import get_doc_mask_backend, resolve_doc_mask_backend
 
+# model: one graph; blocks: HydraModel.compile_blocks; layers: HydraModel.compile_layers (dynamic token counts).
+COMPILE_SCOPES = ("model", "blocks", "layers")
 # Dense bf16 tensor-core peaks from the vendor datasheets (TFLOP/s), keyed by a device-name fragment.
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
@@ -126,6 +128,8 @@ def bench_training(model, batch: int, seq: int, steps: int, warmup: int, compile
         fwd = model
     elif compile_scope == "blocks":
         fwd = model.compile_blocks(mode=compile_mode)
+    elif compile_scope == "layers":
+        fwd = model.compile_layers(mode=compile_mode)
     else:
         fwd = torch.compile(model, fullgraph=True, mode=compile_mode)
     targets = torch.roll(ids, -1, 1)
@@ -178,8 +182,8 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
               compile_mode: str = "default", ce_impl: str = "naive", sdpa_kernel: str = "auto") -> dict[str, Any]:
     """Time each arch in turn; ``on_row(report)`` is called after every finished row, so a caller can
     show and save partial results of a long (compiling) run."""
-    if compile_scope not in ("model", "blocks"):
-        raise ValueError(f"compile_scope={compile_scope!r}: choose 'model' or 'blocks'")
+    if compile_scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile_scope={compile_scope!r}: choose one of {list(COMPILE_SCOPES)}")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     if dev.type == "cuda":

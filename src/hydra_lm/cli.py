@@ -136,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="loss path: materialised logits, or head + cross-entropy fused (chunked; Liger on CUDA)")
     bench.add_argument("--compile_mode", default="default", choices=list(compile_modes),
                        help="torch.compile mode; reduce-overhead captures forward and backward as CUDA graphs")
-    bench.add_argument("--compile_scope", default="model", choices=["model", "blocks"],
-                       help="compile the whole model as one graph, or each block (HydraModel.compile_blocks)")
+    bench.add_argument("--compile_scope", default="model", choices=["model", "blocks", "layers"],
+                       help="compile the whole model as one graph, each block (HydraModel.compile_blocks), or each "
+                            "layer with dynamic token counts (HydraModel.compile_layers)")
     bench.add_argument("--document_masking", action="store_true",
                        help="pass doc_ids like the trainer (documents of geometric length, mean 400 tokens)")
     bench.add_argument("--doc_mask_backend", default=None, choices=["auto", "flex", "sdpa"],
