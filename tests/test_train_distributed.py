@@ -177,3 +177,16 @@ def test_ctrl_c_under_torchrun_saves_one_sharded_checkpoint(tiny_data, tmp_path)
     assert len(saved) == 1
     ckpt = verify(saved[0])
     assert ckpt.layout == "dcp" and ckpt.step == train_losses(run)[-1][0] >= 3
+
+
+def test_cuda_graphs_are_refused_under_torchrun():
+    from types import SimpleNamespace
+
+    from hydra_lm.train.distributed import DistInfo
+    from hydra_lm.train.options import TrainConfig
+
+    cfg = TrainConfig(compile=True, compile_mode="reduce-overhead")
+    two_ranks = SimpleNamespace(cfg=cfg, dist=DistInfo(rank=0, world_size=2, parallel="fsdp"))
+    with pytest.raises(ValueError, match="one process only"):
+        Trainer._check_features(two_ranks)
+    Trainer._check_features(SimpleNamespace(cfg=cfg, dist=DistInfo()))  # one process: allowed

@@ -95,7 +95,7 @@ def load_dcp(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimize
                      no_dist=not distributed)
     except Exception as err:  # DCP raises its own error types for unreadable or mismatched entries
         raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {err}") from None
-    missing = [k for k in _flat_keys(payload["model"], "model") if k not in saved]
+    missing = [f"model.{k}" for k in payload["model"] if f"model.{k}" not in saved]
     if missing:
         raise CheckpointError(f"checkpoint {path} does not match the model: missing {missing[:5]}")
     set_model_state_dict(model, payload["model"])
@@ -104,10 +104,6 @@ def load_dcp(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimize
         with_state = {k[len(prefix):].rsplit(".", 1)[0] for k in saved if k.startswith(prefix)}
         set_optimizer_state_dict(model, optimizer, payload["optim"])
         _drop_state_not_in(model, optimizer, with_state)
-
-
-def _flat_keys(tree: dict[str, Any], prefix: str) -> list[str]:
-    return [f"{prefix}.{k}" for k in tree]
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
