@@ -1,6 +1,7 @@
 """Cold compile time of one training step (forward + backward), and where it goes.
 
     python benchmarks/compile_time.py --model_size 100M --scope model     # torch.compile(model)
+    python benchmarks/compile_time.py --model_size 100M --scope regions   # HydraModel.compile_regions()
     python benchmarks/compile_time.py --model_size 100M --scope layers    # HydraModel.compile_layers()
 
 Dynamo tracing, AOT autograd and inductor's scheduling do not depend on the device, so a CPU run
@@ -21,22 +22,28 @@ import hydra_lm
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model_size", default="100M")
-    p.add_argument("--scope", default="model", choices=["model", "blocks", "layers"])
+    p.add_argument("--scope", default="model", choices=["model", "regions", "blocks", "layers"])
     p.add_argument("--batch_size", type=int, default=1)
     p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--ce_impl", default="naive", choices=["naive", "chunked", "liger", "auto"])
     args = p.parse_args()
 
     torch.manual_seed(0)
     model = hydra_lm.create_model(args.model_size, vocab_size=50257, max_seq_len=args.seq_len)
     model = model.to(args.device).train()
+    model.ce_impl = args.ce_impl
     step = torch.compile(model, fullgraph=True) if args.scope == "model" else getattr(model, f"compile_{args.scope}")()
     ids = torch.randint(0, 50257, (args.batch_size, args.seq_len), device=args.device)
+    cuda = ids.device.type == "cuda"
     for call in range(2):
         t0 = time.perf_counter()
-        loss = step(ids, targets=torch.roll(ids, -1, 1))["loss"]
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=cuda):  # the graph training compiles
+            loss = step(ids, targets=torch.roll(ids, -1, 1))["loss"]
         t1 = time.perf_counter()
         loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
         t2 = time.perf_counter()
         print(f"call {call}: forward {t1 - t0:.1f} s, backward {t2 - t1:.1f} s", flush=True)
     print(f"unique graphs: {counters['stats']['unique_graphs']}")

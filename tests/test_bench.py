@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+import hydra_lm.bench
 import hydra_lm.cli
 
 
@@ -67,4 +68,35 @@ def test_bench_without_documents_reports_none_and_checks_the_compile_scope():
     report = run_bench("debug", ["dense"], 1, 32, 1, 0, False, False, "cpu", 512)
     assert report["rows"][0]["doc_mask_path"] == "none" and report["rows"][0]["docs_per_row"] is None
     with pytest.raises(ValueError, match="compile_scope"):
-        run_bench("debug", ["dense"], 1, 32, 1, 0, True, False, "cpu", 512, compile_scope="regions")
+        run_bench("debug", ["dense"], 1, 32, 1, 0, True, False, "cpu", 512, compile_scope="everything")
+
+
+def test_bench_applies_model_overrides_and_writes_a_profile(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = hydra_lm.cli.main(["bench", "--model_size", "debug", "--arch", "hydra", "--vocab_size", "512",
+                              "--batch_size", "1", "--seq_len", "32", "--steps", "1", "--warmup", "0", "--no-compile",
+                              "--model.mod_capacity", "0.5", "--model.mod_every", "1", "--device", "cpu",
+                              "--profile", str(tmp_path / "prof"), "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["model_overrides"] == {"mod_capacity": 0.5, "mod_every": 1}
+    row = report["rows"][0]
+    # Half of every row enters each block: fewer executed FLOPs than the preset's 0.75 every 2nd block.
+    preset = hydra_lm.bench.run_bench("debug", ["hydra"], 1, 32, 1, 0, False, False, "cpu", 512)["rows"][0]
+    assert row["executed_tflops"] * row["step_ms"] < preset["executed_tflops"] * preset["step_ms"]
+    assert (tmp_path / "prof" / "trace_hydra.json").stat().st_size > 0 and row["profile"]["trace"]
+    assert "overrides mod_capacity=0.5,mod_every=1" in capsys.readouterr().out
+
+
+def test_kernel_categories():
+    from hydra_lm.step_profile import kernel_category
+
+    assert kernel_category("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "gemm"
+    assert kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert kernel_category("flash_fwd_kernel<Flash_fwd_kernel_traits<32, 128, 128, 4>>") == "attention"
+    assert kernel_category("triton_poi_fused_add_mul_0") == "fused pointwise"
+    assert kernel_category("triton_red_fused__to_copy_mul_sum_3") == "reduction"
+    assert kernel_category("void at::native::_scatter_gather_elementwise_kernel<128, 4>") == "gather/scatter"
+    assert kernel_category("void at::native::(anonymous namespace)::multi_tensor_apply_kernel") == "optimizer"
+    assert kernel_category("triton_tem_fused_mm_4") == "gemm"
+    assert kernel_category("some_unknown_kernel") == "other"

@@ -60,3 +60,25 @@ def test_regional_compile_reuses_graphs_and_keeps_the_state_dict(scope, max_grap
         torch.testing.assert_close(out["loss"], reference(ids, targets=targets, doc_ids=doc)["loss"])
     assert 1 <= counter.frame_count <= max_graphs
     assert list(model.state_dict()) == keys
+
+
+def test_compile_regions_traces_each_unit_size_once_and_matches_eager():
+    torch._dynamo.reset()
+    model, reference = tiny_model().train(), tiny_model().train()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = model.compile_regions(backend=counter)
+    ids, targets = _batch(1)
+    out = compiled(ids, targets=targets)
+    out["loss"].backward()
+    ref = reference(ids, targets=targets)
+    ref["loss"].backward()
+    torch.testing.assert_close(out["loss"], ref["loss"])
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    graph = counter.graphs[0].graph
+    regions = [n.target for n in graph.nodes if n.op == "get_attr" and str(n.target).startswith("subgraph")]
+    sizes = set(model.tokens_per_unit(ids.shape[1]).values())
+    assert counter.frame_count == 1 and len(sizes) == 3
+    assert len(regions) == 9 and len(set(regions)) == len(sizes), "one traced layer per routed-unit size"

@@ -87,9 +87,11 @@ def test_compiled_flex_kernel_uses_the_block_tables_correctly():
 
 def test_backend_switch_and_environment(doc_backend, monkeypatch):
     assert da.resolve_doc_mask_backend("cpu") == "sdpa"
-    assert da.resolve_doc_mask_backend("cuda", torch.bfloat16) == "sdpa"  # flex is opt-in until verified on GPU
+    assert da.resolve_doc_mask_backend("cuda", torch.bfloat16) == "sdpa"
     doc_backend("flex")
     assert da.get_doc_mask_backend() == "flex" and da.resolve_doc_mask_backend("cpu") == "flex"
+    with pytest.raises(ValueError, match="disabled on CUDA.*--doc_mask_backend sdpa"):  # wrong there (torch 2.11)
+        da.resolve_doc_mask_backend("cuda", torch.bfloat16)
     with pytest.raises(ValueError, match="choose one of"):
         doc_backend("dense")
     monkeypatch.setenv("HYDRA_DOC_MASK_BACKEND", "sdpa")

@@ -36,15 +36,19 @@ def test_bf16_compiled_training_step_matches_eager_and_does_not_recompile(overri
     assert counter.frame_count == 1
 
 
-def test_cuda_graph_training_steps_match_eager():
+@pytest.mark.parametrize("scope,ce_impl", [("model", "naive"), ("regions", "chunked")])
+def test_cuda_graph_training_steps_match_eager(scope, ce_impl):
     """torch.compile(mode="reduce-overhead"): forward and backward replayed as CUDA graphs with hard
-    top-k routing (static shapes); every step's loss equals an eager twin's."""
+    top-k routing (static shapes); every step's loss equals an eager twin's (also with the layers
+    as nested compile regions and the fused chunked loss, the fastest measured setting)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = hydra_lm.create_model("debug", vocab_size=1024, max_seq_len=512).cuda().train()
     twin = hydra_lm.create_model("debug", vocab_size=1024, max_seq_len=512).cuda().train()
     twin.load_state_dict(model.state_dict())
-    graphed = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+    model.ce_impl = twin.ce_impl = ce_impl
+    graphed = (torch.compile(model, fullgraph=True, mode="reduce-overhead") if scope == "model"
+               else model.compile_regions(mode="reduce-overhead"))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (model, twin)]
     ids = _ids(4, 256, 1024)  # one input buffer, refilled in place like a data pipeline's
     for seed in range(4):
@@ -93,6 +97,8 @@ def test_causal_mode_is_causal_on_gpu():
     torch.testing.assert_close(model(changed)["logits"][:, :20], base[:, :20], rtol=0, atol=1e-10)
 
 
+@pytest.mark.xfail(strict=True, reason="torch 2.11: the compiled flex kernel reading captured document ids is wrong "
+                                       "on CUDA (pytorch/pytorch#175545); flex is refused on CUDA until this passes")
 def test_flex_document_attention_matches_the_dense_mask_on_gpu():
     from hydra_lm.bench import random_doc_ids
     from hydra_lm.model import doc_attention as da
@@ -108,22 +114,17 @@ def test_flex_document_attention_matches_the_dense_mask_on_gpu():
         torch.testing.assert_close(a, b, rtol=5e-3, atol=5e-3)
 
 
-def test_compiled_document_masked_step_flex_equals_dense_mask():
+def test_flex_document_masks_are_refused_on_cuda_with_a_clear_error():
     from hydra_lm.bench import random_doc_ids
     from hydra_lm.model import doc_attention as da
 
-    torch._dynamo.reset()
     model = hydra_lm.create_model("debug", vocab_size=1024, max_seq_len=512).cuda().train()
-    ids = _ids(4, 512, 1024)
-    doc = random_doc_ids(4, 512, mean_len=100, device="cuda")
-    losses = {}
+    ids = _ids(2, 256, 1024)
+    doc = random_doc_ids(2, 256, mean_len=100, device="cuda")
     try:
-        for backend in ("sdpa", "flex"):
-            da.set_doc_mask_backend(backend)
-            torch._dynamo.reset()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                losses[backend] = torch.compile(model, fullgraph=True)(ids, targets=torch.roll(ids, -1, 1),
-                                                                        doc_ids=doc)["loss"].item()
+        da.set_doc_mask_backend("flex")
+        with pytest.raises(ValueError, match="disabled on CUDA.*--doc_mask_backend sdpa"):
+            model(ids, doc_ids=doc)
     finally:
         da.set_doc_mask_backend("auto")
-    assert abs(losses["flex"] - losses["sdpa"]) < 2e-2
+    assert torch.isfinite(model(ids, targets=torch.roll(ids, -1, 1), doc_ids=doc)["loss"])  # auto: dense mask

@@ -41,6 +41,21 @@ def test_gradient_checkpointing_and_chunked_ce_do_not_change_the_numbers(tiny_da
         assert a == pytest.approx([r["loss"] for r in records(tmp_path / other, "train")], rel=1e-5)
 
 
+def test_compiled_training_with_layer_regions_gives_the_eager_numbers(tiny_data, tmp_path, monkeypatch):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")  # the trainer's graph, without inductor's C++ build on CPU
+    compile_fn = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None, **kw: compile_fn(model, backend=counter, **kw))
+    torch._dynamo.reset()
+    assert train(tiny_data, tmp_path / "eager") == 0
+    assert train(tiny_data, tmp_path / "compiled", "--compile", "--compile_regions") == 0
+    eager = [r["loss"] for r in records(tmp_path / "eager", "train")]
+    assert eager == pytest.approx([r["loss"] for r in records(tmp_path / "compiled", "train")], rel=1e-5)
+    regions = {n.target for g in counter.graphs for n in g.graph.nodes if str(n.target).startswith("subgraph")}
+    assert counter.frame_count >= 1 and regions, "the layers must reach the compiled graph as nested regions"
+
+
 def test_document_masking_can_be_switched_off(tmp_path):
     short_docs = prepare(write_corpus(tmp_path / "corpus", n_docs=80, words=6), tmp_path / "data")
     assert train(short_docs, tmp_path / "a") == 0

@@ -23,9 +23,11 @@ from . import create_model
 from .model.accounting import executed_flops_per_token, kv_cache_bytes_per_token
 from .model.attention_backend import get_attention_backend, sdpa_kernel_only
 from .model.doc_attention import get_doc_mask_backend, resolve_doc_mask_backend
+from .step_profile import format_profile, profile_steps
 
-# model: one graph; blocks: HydraModel.compile_blocks; layers: HydraModel.compile_layers (dynamic token counts).
-COMPILE_SCOPES = ("model", "blocks", "layers")
+# model: one graph; regions: one graph with layers as shared nested regions (HydraModel.compile_regions);
+# blocks: HydraModel.compile_blocks; layers: HydraModel.compile_layers (dynamic token counts).
+COMPILE_SCOPES = ("model", "regions", "blocks", "layers")
 # Dense bf16 tensor-core peaks from the vendor datasheets (TFLOP/s), keyed by a device-name fragment.
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
@@ -116,8 +118,9 @@ def doc_mask_path(doc: torch.Tensor | None, device: torch.device) -> str:
 def bench_training(model, batch: int, seq: int, steps: int, warmup: int, compile_model: bool,
                    device: torch.device, document_masking: bool = False,
                    compile_scope: str = "model", compile_mode: str = "default",
-                   sdpa_kernel: str = "auto") -> dict[str, Any]:
-    """``compile_mode`` "reduce-overhead" captures the compiled forward and backward as CUDA graphs."""
+                   sdpa_kernel: str = "auto", profile_dir: str | None = None) -> dict[str, Any]:
+    """``compile_mode`` "reduce-overhead" captures the compiled forward and backward as CUDA graphs.
+    ``profile_dir``: afterwards profile 3 more steps (kernel time by category, Chrome trace there)."""
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
@@ -126,6 +129,8 @@ def bench_training(model, batch: int, seq: int, steps: int, warmup: int, compile
         kernels = attention_kernels(model, ids, doc, device)  # before compiling: eager dispatch
     if not compile_model:
         fwd = model
+    elif compile_scope == "regions":
+        fwd = model.compile_regions(mode=compile_mode)
     elif compile_scope == "blocks":
         fwd = model.compile_blocks(mode=compile_mode)
     elif compile_scope == "layers":
@@ -152,10 +157,13 @@ def bench_training(model, batch: int, seq: int, steps: int, warmup: int, compile
         step()
     median = statistics.median(_timed(step, device) for _ in range(steps))
     flops = executed_flops_per_token(model.config, seq) * batch * seq
-    return {"tokens_per_s": batch * seq / median, "step_ms": median * 1e3, "executed_tflops": flops / median / 1e12,
-            "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
-            "first_step_s": first, "attention_kernels": kernels, "doc_mask_path": doc_mask_path(doc, device),
-            "docs_per_row": None if doc is None else float(doc[:, -1].float().mean() + 1)}
+    result = {"tokens_per_s": batch * seq / median, "step_ms": median * 1e3, "executed_tflops": flops / median / 1e12,
+              "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+              "first_step_s": first, "attention_kernels": kernels, "doc_mask_path": doc_mask_path(doc, device),
+              "docs_per_row": None if doc is None else float(doc[:, -1].float().mean() + 1)}
+    if profile_dir is not None:
+        result["profile"] = profile_steps(step, 3, device, profile_dir, tag=model.config.arch)
+    return result
 
 
 @torch.no_grad()
@@ -179,9 +187,11 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
               compile_model: bool, inference: bool, device: str = "auto", vocab_size: int = 50257,
               new_tokens: int = 32, document_masking: bool = False, compile_scope: str = "model",
               conv_impl: str = "taps", on_row: Callable[[dict[str, Any]], None] | None = None,
-              compile_mode: str = "default", ce_impl: str = "naive", sdpa_kernel: str = "auto") -> dict[str, Any]:
+              compile_mode: str = "default", ce_impl: str = "naive", sdpa_kernel: str = "auto",
+              profile_dir: str | None = None, model_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Time each arch in turn; ``on_row(report)`` is called after every finished row, so a caller can
-    show and save partial results of a long (compiling) run."""
+    show and save partial results of a long (compiling) run. ``model_overrides``: config fields
+    replacing the preset's (both archs)."""
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"compile_scope={compile_scope!r}: choose one of {list(COMPILE_SCOPES)}")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
@@ -197,16 +207,17 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
         "compile_scope": compile_scope if compile_model else None,
         "compile_mode": compile_mode if compile_model else None, "document_masking": document_masking,
         "ce_impl": ce_impl, "sdpa_kernel": sdpa_kernel,
-        "conv_impl": conv_impl, "rows": [],
+        "conv_impl": conv_impl, "model_overrides": dict(model_overrides or {}), "rows": [],
     }
     for arch in archs:
         torch.manual_seed(0)
-        model = create_model(model_size, arch=arch, vocab_size=vocab_size, max_seq_len=max(seq, 64))
+        model = create_model(model_size, **{"arch": arch, "vocab_size": vocab_size, "max_seq_len": max(seq, 64),
+                                            **(model_overrides or {})})
         model.set_conv_impl(conv_impl)
         model.ce_impl = ce_impl
         row: dict[str, Any] = {"arch": arch, "params_m": model.num_parameters() / 1e6, "ce_impl": model.ce_impl}
         row.update(bench_training(model, batch, seq, steps, warmup, compile_model, dev, document_masking,
-                                  compile_scope, compile_mode, sdpa_kernel))
+                                  compile_scope, compile_mode, sdpa_kernel, profile_dir))
         row["mfu"] = row["executed_tflops"] / peak if peak else None
         if inference:
             row.update(bench_inference(model, seq, new_tokens, dev))
@@ -233,6 +244,8 @@ def format_report(report: dict[str, Any]) -> str:
               f"batch {r0['batch']} x {r0['seq_len']}", compiled,
               f"document masking {'on' if r0['document_masking'] else 'off'} (backend {r0['doc_mask_backend']})",
               f"convs {r0['conv_impl']}", f"loss {r0['ce_impl']}"]
+    if r0.get("model_overrides"):
+        header.append("overrides " + ",".join(f"{k}={v}" for k, v in r0["model_overrides"].items()))
     lines = [" | ".join(header),
              f"{'arch':<7}{'params':>9}{'tok/s':>12}{'ms/step':>9}{'TFLOP/s':>9}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}"
              f"  {'doc mask':<11}attention kernels"]
@@ -246,6 +259,7 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"{'':<7}inference: prefill {r['prefill_tokens_per_s']:,.0f} tok/s | decode batch 1 "
                          f"{r['decode_tokens_per_s_batch1']:,.0f} tok/s, batch 32 {r['decode_tokens_per_s_batch32']:,.0f}"
                          f" tok/s | KV cache {r['kv_cache_bytes_per_token']['allocated'] / 1024:.1f} KiB/token")
+    lines += [format_profile(r["arch"], r["profile"]) for r in report["rows"] if r.get("profile")]
     return "\n".join(lines)
 
 

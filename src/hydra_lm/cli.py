@@ -32,7 +32,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     report = run_bench(args.model_size, archs, args.batch_size, args.seq_len, args.steps, args.warmup, args.compile,
                        args.inference, args.device, args.vocab_size, args.new_tokens, args.document_masking,
-                       args.compile_scope, args.conv_impl, on_row, args.compile_mode, args.ce_impl, args.sdpa_kernel)
+                       args.compile_scope, args.conv_impl, on_row, args.compile_mode, args.ce_impl, args.sdpa_kernel,
+                       args.profile, args.model_overrides)
     print(format_report(report))
     return 0
 
@@ -136,14 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="loss path: materialised logits, or head + cross-entropy fused (chunked; Liger on CUDA)")
     bench.add_argument("--compile_mode", default="default", choices=list(compile_modes),
                        help="torch.compile mode; reduce-overhead captures forward and backward as CUDA graphs")
-    bench.add_argument("--compile_scope", default="model", choices=["model", "blocks", "layers"],
-                       help="compile the whole model as one graph, each block (HydraModel.compile_blocks), or each "
+    bench.add_argument("--compile_scope", default="model", choices=["model", "regions", "blocks", "layers"],
+                       help="compile the whole model as one graph, the same with layers as shared nested regions "
+                            "(HydraModel.compile_regions), each block (HydraModel.compile_blocks), or each "
                             "layer with dynamic token counts (HydraModel.compile_layers)")
     bench.add_argument("--document_masking", action="store_true",
                        help="pass doc_ids like the trainer (documents of geometric length, mean 400 tokens)")
     bench.add_argument("--doc_mask_backend", default=None, choices=["auto", "flex", "sdpa"],
                        help="document-masked attention: FlexAttention or a dense SDPA mask (default: "
-                            "HYDRA_DOC_MASK_BACKEND, else auto = flex on CUDA)")
+                            "HYDRA_DOC_MASK_BACKEND, else auto = the dense mask; flex is refused on CUDA)")
     bench.add_argument("--conv_impl", default="taps", choices=["taps", "conv1d"],
                        help="CCGQA convs as fused shifted taps, or F.conv1d (cuDNN) for comparison")
     bench.add_argument("--inference", action="store_true", help="also time prefill and decode (batch 1 and 32)")
@@ -151,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--vocab_size", type=int, default=50257)
     bench.add_argument("--device", default="auto")
     bench.add_argument("--json", default=None, help="also write the report here")
+    bench.add_argument("--profile", default=None, metavar="DIR",
+                       help="after timing, profile 3 steps: kernel time by category in the report, Chrome traces in DIR")
+    bench.epilog = "Model config fields: --model.FIELD VALUE (e.g. --model.mod_capacity 0.5), applied to both archs."
     bench.set_defaults(func=_cmd_bench)
 
     demo = sub.add_parser("demo", help="build the debug model, run a forward pass and a greedy generation")
@@ -223,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     args = parser.parse_args(argv)
-    if model_overrides and args.command != "train":
-        parser.error(f"--model.* overrides apply to `train` only, not `{args.command}`")
+    if model_overrides and args.command not in ("train", "bench"):
+        parser.error(f"--model.* overrides apply to `train` and `bench` only, not `{args.command}`")
     args.model_overrides = model_overrides
     try:
         return args.func(args)

@@ -32,6 +32,15 @@ class TransformerLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def _run_layer(layer: TransformerLayer, h, pos, rope, cache, valid, doc):
+    return layer(h, pos, rope, cache, valid, doc)
+
+
+# Under torch.compile, every call with the same input shapes reuses one traced and compiled layer
+# (hierarchical compilation) instead of tracing all blocks x depths again; a no-op in eager mode.
+_run_layer_region = torch.compiler.nested_compile_region(_run_layer)
+
+
 def _gather_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2:
         return x.gather(1, order)
@@ -69,6 +78,7 @@ class RecursiveBlock(nn.Module):
         # with weight 1, so MoD-off is a dense block and MoR-off is fixed full depth.
         self.mod_active = True
         self.mor_active = True
+        self.layer_regions = False  # HydraModel.compile_regions: layers as nested compile regions
 
     # ------------------------------------------------------------------ static bookkeeping
     def tokens_per_depth(self, seq_len: int) -> list[int]:
@@ -127,8 +137,9 @@ class RecursiveBlock(nn.Module):
 
             u = xc if self.rec_emb is None else xc + self.rec_emb[j].to(xc.dtype)
             h = u
+            run = _run_layer_region if self.layer_regions and caches is None else _run_layer
             for i, layer in enumerate(self.layers):
-                h = layer(h, pc, rope, None if caches is None else caches[j][i], vc, doc)
+                h = run(layer, h, pc, rope, None if caches is None else caches[j][i], vc, doc)
             delta = h - u
             if sel is not None and sel.weight is not None:
                 delta = delta * sel.weight[..., None].to(delta.dtype)

@@ -9,9 +9,11 @@ variable ``HYDRA_DOC_MASK_BACKEND`` (read at import):
   the diagonal or between different documents are skipped, blocks inside one document run without
   a mask. Fast only when compiled: inside a torch.compile'd model it is traced with the model; in
   eager code it goes through a module-level compiled function.
-* ``"auto"`` (default): the dense mask for now. The flex path crashed in inductor's lowering on an
-  H200 (torch 2.11, eager evaluation through the compiled helper) and is not yet verified on a
-  GPU, so it is opt-in until it is.
+* ``"auto"`` (default): the dense mask. On CUDA the flex path is refused: with torch 2.11 on an
+  H100 the compiled flex kernel whose mask reads the document ids gave wrong outputs (errors of
+  order 1, also with torch's own ``create_block_mask``) or crashed ("operation not supported on
+  global/shared address space"), like upstream issue pytorch/pytorch#175545 (captured tensors in a
+  mask_mod). The GPU test that shows it is an expected failure; flex runs on CPU, where it is exact.
 
 A routed unit (MoD/MoR) attends over a compacted subset of the row; its ``doc`` is the documents of
 the entries present, in their order, so "causal" is over the compacted index.
@@ -39,7 +41,7 @@ _doc_backend = _from_env()
 
 
 def set_doc_mask_backend(name: str) -> None:
-    """``"auto"`` (flex on CUDA, dense mask elsewhere), ``"flex"`` or ``"sdpa"`` (dense mask)."""
+    """``"auto"`` (the dense mask), ``"flex"`` (FlexAttention; CPU only, see above) or ``"sdpa"`` (dense mask)."""
     global _doc_backend
     if name not in DOC_MASK_BACKENDS:
         raise ValueError(f"document-mask backend {name!r}: choose one of {list(DOC_MASK_BACKENDS)}")
@@ -52,6 +54,11 @@ def get_doc_mask_backend() -> str:
 
 def resolve_doc_mask_backend(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str:
     """The path a document-masked attention call on ``device`` / ``dtype`` takes: "flex" or "sdpa"."""
+    if _doc_backend == "flex" and torch.device(device).type == "cuda":
+        raise ValueError("FlexAttention document masks are disabled on CUDA: with torch 2.11 the compiled flex "
+                         "kernel reading document ids gave wrong results on an H100 (see model/doc_attention.py); "
+                         "use the dense mask: --doc_mask_backend sdpa, HYDRA_DOC_MASK_BACKEND=sdpa or "
+                         "set_doc_mask_backend('sdpa')")
     if _doc_backend != "auto":
         return _doc_backend
     return "sdpa"

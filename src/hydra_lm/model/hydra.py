@@ -286,6 +286,22 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             moe.compile(**kwargs)
         return self
 
+    def compile_regions(self, **kwargs):
+        """``torch.compile`` the whole model (default ``fullgraph=True``) with every transformer layer
+        marked as a nested compile region: layers called with the same token count share one traced
+        and compiled graph (hierarchical compilation), so compile work grows with the number of
+        distinct routed-unit sizes, not blocks x depths. Routing stays inside the one graph. Returns
+        the compiled module (parameters shared with this model)."""
+        kwargs.setdefault("fullgraph", True)
+        self.use_layer_regions(True)
+        return torch.compile(self, **kwargs)
+
+    def use_layer_regions(self, on: bool = True) -> None:
+        """Mark (or unmark) the transformer layers as nested compile regions for a later
+        ``torch.compile`` of this model or of a wrapper around it (no effect in eager mode)."""
+        for block in self.blocks:
+            block.layer_regions = bool(on)
+
     def set_conv_impl(self, impl: str) -> None:
         """CCGQA convolutions as fused shifted taps (``"taps"``, default) or ``"conv1d"`` (cuDNN on
         CUDA; document-masked rows always use taps). Same function, kept for measurement."""

@@ -80,6 +80,8 @@ class TrainConfig:
     compile: bool = opt(False, "torch.compile the model", type=bool)
     compile_mode: str = opt("default", "torch.compile mode with --compile; reduce-overhead captures forward and "
                                        "backward as CUDA graphs (one process)", type=str, choices=COMPILE_MODES)
+    compile_regions: bool = opt(False, "with --compile: trace each transformer layer once per routed-unit size "
+                                       "(nested compile regions; shorter cold compile)", type=bool)
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass", type=bool)
     checkpoint_every: int | None = opt(None, "gradient checkpointing every N blocks (implies "
                                              "--gradient_checkpointing)", type=int)

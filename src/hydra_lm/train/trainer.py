@@ -68,6 +68,8 @@ class Trainer:
         self._window: dict | None = None
         if setup.resume_from is not None:
             self._restore(setup.resume_from)
+        if cfg.compile and cfg.compile_regions:
+            self.model.use_layer_regions(True)
         self.step_model = torch.compile(self.wrapped, mode=cfg.compile_mode) if cfg.compile else self.wrapped
         # CUDA graphs: each forward starts a new graph replay; outputs of the last one are consumed by then.
         self._graph_steps = cfg.compile and cfg.compile_mode == "reduce-overhead" and self.device.type == "cuda"
@@ -269,7 +271,7 @@ class Trainer:
         feats += ["bf16 autocast, TF32" if cuda else "fp32",
                  f"{'fused ' if cuda and cfg.optimizer == 'adamw' else ''}{cfg.optimizer}",
                  f"grad clip {cfg.grad_clip:g}" if cfg.grad_clip > 0 else "no grad clip"]
-        feats += [name for name, on in ((f"torch.compile ({cfg.compile_mode})", cfg.compile), ("gradient checkpointing",
+        feats += [name for name, on in ((f"torch.compile ({cfg.compile_mode}{', layer regions' if cfg.compile_regions else ''})", cfg.compile), ("gradient checkpointing",
                                          cfg.gradient_checkpointing), ("document masking", self.use_doc_ids),
                                         ("adaptive LR", cfg.adaptive_lr)) if on]
         if cfg.experimental_prefetch_threads:

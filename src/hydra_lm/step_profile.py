@@ -1,0 +1,86 @@
+"""Where a training step's device time goes: torch.profiler over a few steps, kernels grouped by kind.
+
+Used by ``hydra-lm bench --profile DIR``: the same (already compiled, warmed-up) step the bench
+timed is profiled, so the breakdown explains the timed number without a second compilation.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+# (category, name fragments) in priority order: the first category with a matching fragment wins.
+_CATEGORIES = (
+    ("attention", ("flash", "fmha", "cudnn_generated_fort_native_sdpa", "sdpa", "attention", "flex")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "wgmma", "splitk", "matmul", "sm90_", "sm80_", "triton_tem_")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("sort/top-k", ("sort", "topk", "radix", "bitonic")),
+    ("gather/scatter", ("gather", "scatter", "index")),
+    ("reduction", ("reduce", "red_", "per_fused_")),  # triton_per_* / triton_red_*: fused reductions
+    ("fused pointwise", ("poi_", "triton_")),
+    ("copy/fill", ("copy", "memcpy", "memset", "fill", "cat")),
+    ("convolution", ("conv",)),
+)
+
+
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    for category, fragments in _CATEGORIES:
+        if any(f in lowered for f in fragments):
+            return category
+    return "other"
+
+
+def profile_steps(step: Callable[[], None], steps: int, device: torch.device, out_dir: str | None = None,
+                  tag: str = "step", top: int = 15) -> dict[str, Any]:
+    """Run ``step`` ``steps`` times under the profiler. Returns device time per step (ms), split by
+    kernel category and the ``top`` kernels; writes a Chrome trace to ``out_dir`` when given."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    trace = None
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        trace = os.path.join(out_dir, f"trace_{tag}.json")
+        prof.export_chrome_trace(trace)
+    if device.type != "cuda":
+        return {"trace": trace, "device_ms_per_step": None, "categories_ms": {}, "top_kernels": []}
+    # Device-side events only (the kernels themselves; not the ranges user annotations such as
+    # the optimizer's step draw on the GPU timeline), so nothing counts twice.
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
+            entry = kernels.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time_total / 1e3 / steps  # kernel duration, us -> ms per step
+            entry[1] += 1
+    categories: dict[str, float] = {}
+    for name, (ms, _) in kernels.items():
+        categories[kernel_category(name)] = categories.get(kernel_category(name), 0.0) + ms
+    ranked = sorted(kernels.items(), key=lambda kv: kv[1][0], reverse=True)[:top]
+    return {
+        "trace": trace,
+        "device_ms_per_step": sum(categories.values()),
+        "kernels_per_step": sum(n for _, n in kernels.values()) / steps,
+        "categories_ms": dict(sorted(categories.items(), key=lambda kv: kv[1], reverse=True)),
+        "top_kernels": [{"name": n[:160], "ms": ms, "calls": calls / steps, "category": kernel_category(n)}
+                        for n, (ms, calls) in ranked],
+    }
+
+
+def format_profile(arch: str, profile: dict[str, Any]) -> str:
+    if not profile.get("device_ms_per_step"):
+        return f"{arch}: profile trace {profile.get('trace')} (no device kernel times on this device)"
+    total = profile["device_ms_per_step"]
+    lines = [f"{arch}: kernel time {total:.1f} ms/step over {profile['kernels_per_step']:.0f} kernels/step"
+             f" (trace: {profile['trace']})"]
+    lines += [f"  {cat:<16}{ms:8.2f} ms {ms / total:6.1%}" for cat, ms in profile["categories_ms"].items()]
+    lines.append("  top kernels:")
+    lines += [f"  {k['ms']:8.2f} ms x{k['calls']:<6.0f} {k['category']:<16}{k['name'][:90]}" for k in profile["top_kernels"]]
+    return "\n".join(lines)
