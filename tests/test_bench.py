@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+import hydra_lm
 import hydra_lm.bench
 import hydra_lm.cli
 
@@ -100,3 +101,18 @@ def test_kernel_categories():
     assert kernel_category("void at::native::(anonymous namespace)::multi_tensor_apply_kernel") == "optimizer"
     assert kernel_category("triton_tem_fused_mm_4") == "gemm"
     assert kernel_category("some_unknown_kernel") == "other"
+
+
+def test_routing_efficiency_compares_with_the_same_model_unrouted():
+    from hydra_lm.bench import format_report, run_bench
+    from hydra_lm.model.accounting import dense_flops_per_token, executed_flops_per_token
+
+    report = run_bench("debug", ["hydra", "dense"], 1, 32, 1, 0, False, False, "cpu", 512, routing_efficiency=True)
+    hydra, dense = report["rows"]
+    cfg = hydra_lm.create_model("debug", vocab_size=512, max_seq_len=64).config
+    assert hydra["routing_flop_ratio"] == pytest.approx(dense_flops_per_token(cfg, 32) / executed_flops_per_token(cfg, 32))
+    assert hydra["routing_flop_ratio"] > 1.2  # the debug preset skips a real share of the work
+    assert hydra["unrouted_tokens_per_s"] > 0
+    assert hydra["routing_efficiency"] == pytest.approx(hydra["routing_speedup"] / hydra["routing_flop_ratio"])
+    assert "routing_efficiency" not in dense  # nothing to compare for the dense baseline
+    assert "routing efficiency" in format_report(report)

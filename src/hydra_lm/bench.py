@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from . import create_model
-from .model.accounting import executed_flops_per_token, kv_cache_bytes_per_token
+from .model.accounting import dense_flops_per_token, executed_flops_per_token, kv_cache_bytes_per_token
 from .model.attention_backend import get_attention_backend, sdpa_kernel_only
 from .model.doc_attention import get_doc_mask_backend, resolve_doc_mask_backend
 from .step_profile import format_profile, profile_steps
@@ -166,6 +166,22 @@ def bench_training(model, batch: int, seq: int, steps: int, warmup: int, compile
     return result
 
 
+def _routing_efficiency(model, routed: dict[str, Any], *timing_args) -> dict[str, Any]:
+    """Time the same model with MoD and MoR switched off (the curriculum's dense mode) and compare:
+    efficiency 1.0 means routing saves exactly the time its skipped FLOPs would take."""
+    batch, seq = timing_args[0], timing_args[1]
+    torch._dynamo.reset()
+    model.set_curriculum(mod_active=False, mor_active=False)
+    try:
+        unrouted = bench_training(model, *timing_args)
+    finally:
+        model.set_curriculum(mod_active=True, mor_active=True)
+    speedup = routed["tokens_per_s"] / unrouted["tokens_per_s"]
+    flop_ratio = dense_flops_per_token(model.config, seq) / executed_flops_per_token(model.config, seq)
+    return {"unrouted_tokens_per_s": unrouted["tokens_per_s"], "routing_speedup": speedup,
+            "routing_flop_ratio": flop_ratio, "routing_efficiency": speedup / flop_ratio}
+
+
 @torch.no_grad()
 def bench_inference(model, seq: int, new_tokens: int, device: torch.device) -> dict[str, Any]:
     model.to(device).eval()
@@ -188,10 +204,12 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
               new_tokens: int = 32, document_masking: bool = False, compile_scope: str = "model",
               conv_impl: str = "taps", on_row: Callable[[dict[str, Any]], None] | None = None,
               compile_mode: str = "default", ce_impl: str = "naive", sdpa_kernel: str = "auto",
-              profile_dir: str | None = None, model_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+              profile_dir: str | None = None, model_overrides: dict[str, Any] | None = None,
+              routing_efficiency: bool = False) -> dict[str, Any]:
     """Time each arch in turn; ``on_row(report)`` is called after every finished row, so a caller can
     show and save partial results of a long (compiling) run. ``model_overrides``: config fields
-    replacing the preset's (both archs)."""
+    replacing the preset's (both archs). ``routing_efficiency``: also time the HYDRA model with
+    routing off (every token runs every unit) and report achieved speedup / FLOP-ratio speedup."""
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"compile_scope={compile_scope!r}: choose one of {list(COMPILE_SCOPES)}")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
@@ -219,6 +237,9 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
         row.update(bench_training(model, batch, seq, steps, warmup, compile_model, dev, document_masking,
                                   compile_scope, compile_mode, sdpa_kernel, profile_dir))
         row["mfu"] = row["executed_tflops"] / peak if peak else None
+        if routing_efficiency and arch == "hydra":
+            row.update(_routing_efficiency(model, row, batch, seq, steps, warmup, compile_model, dev, document_masking,
+                                           compile_scope, compile_mode, sdpa_kernel))
         if inference:
             row.update(bench_inference(model, seq, new_tokens, dev))
         report["rows"].append(row)
@@ -259,6 +280,10 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"{'':<7}inference: prefill {r['prefill_tokens_per_s']:,.0f} tok/s | decode batch 1 "
                          f"{r['decode_tokens_per_s_batch1']:,.0f} tok/s, batch 32 {r['decode_tokens_per_s_batch32']:,.0f}"
                          f" tok/s | KV cache {r['kv_cache_bytes_per_token']['allocated'] / 1024:.1f} KiB/token")
+        if "routing_efficiency" in r:
+            lines.append(f"{'':<7}routing: {r['routing_speedup']:.2f}x the tokens/s of the same model unrouted "
+                         f"({r['unrouted_tokens_per_s']:,.0f}); FLOP ratio {r['routing_flop_ratio']:.2f}x -> routing "
+                         f"efficiency {r['routing_efficiency']:.0%}")
     lines += [format_profile(r["arch"], r["profile"]) for r in report["rows"] if r.get("profile")]
     return "\n".join(lines)
 

@@ -33,7 +33,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     report = run_bench(args.model_size, archs, args.batch_size, args.seq_len, args.steps, args.warmup, args.compile,
                        args.inference, args.device, args.vocab_size, args.new_tokens, args.document_masking,
                        args.compile_scope, args.conv_impl, on_row, args.compile_mode, args.ce_impl, args.sdpa_kernel,
-                       args.profile, args.model_overrides)
+                       args.profile, args.model_overrides, args.routing_efficiency)
     print(format_report(report))
     return 0
 
@@ -153,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--vocab_size", type=int, default=50257)
     bench.add_argument("--device", default="auto")
     bench.add_argument("--json", default=None, help="also write the report here")
+    bench.add_argument("--routing_efficiency", action="store_true",
+                       help="also time HYDRA with routing off: achieved speedup / FLOP-ratio speedup")
     bench.add_argument("--profile", default=None, metavar="DIR",
                        help="after timing, profile 3 steps: kernel time by category in the report, Chrome traces in DIR")
     bench.epilog = "Model config fields: --model.FIELD VALUE (e.g. --model.mod_capacity 0.5), applied to both archs."
