@@ -169,7 +169,7 @@ def bench_training(model, batch: int, seq: int, steps: int, warmup: int, compile
 def _routing_efficiency(model, routed: dict[str, Any], *timing_args) -> dict[str, Any]:
     """Time the same model with MoD and MoR switched off (the curriculum's dense mode) and compare:
     efficiency 1.0 means routing saves exactly the time its skipped FLOPs would take."""
-    batch, seq = timing_args[0], timing_args[1]
+    seq = timing_args[1]  # (batch, seq, steps, ...) as bench_training takes them
     torch._dynamo.reset()
     model.set_curriculum(mod_active=False, mor_active=False)
     try:
