@@ -36,8 +36,9 @@ def _run_layer(layer: TransformerLayer, h, pos, rope, cache, valid, doc):
     return layer(h, pos, rope, cache, valid, doc)
 
 
-# Under torch.compile, every call with the same input shapes reuses one traced and compiled layer
-# (hierarchical compilation) instead of tracing all blocks x depths again; a no-op in eager mode.
+# Under torch.compile, calls with the same input shapes share one Dynamo trace and one inductor
+# compilation of the layer (hierarchical compilation; AOT autograd still re-traces each call site,
+# benchmarks/BENCHMARKS.md); a no-op in eager mode.
 _run_layer_region = torch.compiler.nested_compile_region(_run_layer)
 
 

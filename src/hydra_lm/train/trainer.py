@@ -271,9 +271,9 @@ class Trainer:
         feats += ["bf16 autocast, TF32" if cuda else "fp32",
                  f"{'fused ' if cuda and cfg.optimizer == 'adamw' else ''}{cfg.optimizer}",
                  f"grad clip {cfg.grad_clip:g}" if cfg.grad_clip > 0 else "no grad clip"]
-        feats += [name for name, on in ((f"torch.compile ({cfg.compile_mode}{', layer regions' if cfg.compile_regions else ''})", cfg.compile), ("gradient checkpointing",
-                                         cfg.gradient_checkpointing), ("document masking", self.use_doc_ids),
-                                        ("adaptive LR", cfg.adaptive_lr)) if on]
+        compiled = f"torch.compile ({cfg.compile_mode}{', layer regions' if cfg.compile_regions else ''})"
+        feats += [name for name, on in ((compiled, cfg.compile), ("gradient checkpointing", cfg.gradient_checkpointing),
+                                        ("document masking", self.use_doc_ids), ("adaptive LR", cfg.adaptive_lr)) if on]
         if cfg.experimental_prefetch_threads:
             feats.append(f"prefetch {cfg.experimental_prefetch_threads} threads x {cfg.prefetch_buffer_size} batches")
         return feats
