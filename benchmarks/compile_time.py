@@ -3,6 +3,7 @@
     python benchmarks/compile_time.py --model_size 100M --scope model     # torch.compile(model)
     python benchmarks/compile_time.py --model_size 100M --scope regions   # HydraModel.compile_regions()
     python benchmarks/compile_time.py --model_size 100M --scope layers    # HydraModel.compile_layers()
+    python benchmarks/compile_time.py --scope regions --backend aot_eager --cprofile 40   # front end only, profiled
 
 Dynamo tracing, AOT autograd and inductor's scheduling do not depend on the device, so a CPU run
 shows the front-end cost; code generation differs (C++ on CPU, Triton on CUDA).
@@ -11,6 +12,8 @@ shows the front-end cost; code generation differs (C++ on CPU, Triton on CUDA).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -27,19 +30,30 @@ def main() -> None:
     p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--device", default="cpu")
     p.add_argument("--ce_impl", default="naive", choices=["naive", "chunked", "liger", "auto"])
+    p.add_argument("--backend", default="inductor", help="aot_eager: Dynamo + AOT autograd only, no code generation")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="profile the first (compiling) forward with cProfile; print the top N by cumulative time")
     args = p.parse_args()
 
     torch.manual_seed(0)
     model = hydra_lm.create_model(args.model_size, vocab_size=50257, max_seq_len=args.seq_len)
     model = model.to(args.device).train()
     model.ce_impl = args.ce_impl
-    step = torch.compile(model, fullgraph=True) if args.scope == "model" else getattr(model, f"compile_{args.scope}")()
+    compile_fn = getattr(model, f"compile_{args.scope}", None)
+    step = (torch.compile(model, fullgraph=True, backend=args.backend) if compile_fn is None
+            else compile_fn(backend=args.backend))
     ids = torch.randint(0, 50257, (args.batch_size, args.seq_len), device=args.device)
     cuda = ids.device.type == "cuda"
     for call in range(2):
         t0 = time.perf_counter()
+        profiler = cProfile.Profile() if args.cprofile and call == 0 else None
         with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=cuda):  # the graph training compiles
+            if profiler:
+                profiler.enable()
             loss = step(ids, targets=torch.roll(ids, -1, 1))["loss"]
+            if profiler:
+                profiler.disable()
+                pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.cprofile)
         t1 = time.perf_counter()
         loss.backward()
         if cuda:

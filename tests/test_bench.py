@@ -116,3 +116,17 @@ def test_routing_efficiency_compares_with_the_same_model_unrouted():
     assert hydra["routing_efficiency"] == pytest.approx(hydra["routing_speedup"] / hydra["routing_flop_ratio"])
     assert "routing_efficiency" not in dense  # nothing to compare for the dense baseline
     assert "routing efficiency" in format_report(report)
+
+
+def test_kernel_summary_per_step_category_and_top():
+    from hydra_lm.step_profile import format_profile, summarize_kernels
+
+    gemm, pointwise = "nvjet_sm90_tst_192x192", "triton_poi_fused_add_0"
+    launches = [(gemm, 300.0), (pointwise, 50.0)] * 2 + [(gemm, 200.0)]  # (name, us) over 2 steps
+    summary = summarize_kernels(launches, steps=2, top=1)
+    assert summary["device_ms_per_step"] == pytest.approx((800 + 100) / 1e3 / 2)
+    assert summary["kernels_per_step"] == 2.5
+    assert summary["categories_ms"] == pytest.approx({"gemm": 0.4, "fused pointwise": 0.05})
+    assert list(summary["categories_ms"]) == ["gemm", "fused pointwise"]  # largest first
+    assert summary["top_kernels"] == [{"name": gemm, "ms": pytest.approx(0.4), "calls": 1.5, "category": "gemm"}]
+    assert "gemm" in format_profile("hydra", {"trace": None, **summary})

@@ -79,19 +79,19 @@ def test_flex_forward_and_gradient_equal_the_dense_mask(doc, flex_backward_on_cp
 def test_compiled_flex_kernel_uses_the_block_tables_correctly():
     # The compiled kernel (unlike the reference) skips tiles, so a wrong table would show here.
     q, k, v = _qkv(dtype=torch.float32, n=260)
+    compiled = torch.compile(da._flex_doc_attention, fullgraph=True)
     for seed in (0, 1):  # new document ids, no recompilation needed
         doc = _loader_docs(2, 260, seed=seed)
-        torch.testing.assert_close(da._flex_doc_attention_compiled(q, k, v, doc), _dense(q, k, v, doc),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(compiled(q, k, v, doc), _dense(q, k, v, doc), rtol=1e-5, atol=1e-5)
 
 
 def test_backend_switch_and_environment(doc_backend, monkeypatch):
     assert da.resolve_doc_mask_backend("cpu") == "sdpa"
-    assert da.resolve_doc_mask_backend("cuda", torch.bfloat16) == "sdpa"
+    assert da.resolve_doc_mask_backend("cuda") == "sdpa"
     doc_backend("flex")
     assert da.get_doc_mask_backend() == "flex" and da.resolve_doc_mask_backend("cpu") == "flex"
     with pytest.raises(ValueError, match="disabled on CUDA.*--doc_mask_backend sdpa"):  # wrong there (torch 2.11)
-        da.resolve_doc_mask_backend("cuda", torch.bfloat16)
+        da.resolve_doc_mask_backend("cuda")
     with pytest.raises(ValueError, match="choose one of"):
         doc_backend("dense")
     monkeypatch.setenv("HYDRA_DOC_MASK_BACKEND", "sdpa")

@@ -166,10 +166,10 @@ def bench_training(model, batch: int, seq: int, steps: int, warmup: int, compile
     return result
 
 
-def _routing_efficiency(model, routed: dict[str, Any], *timing_args) -> dict[str, Any]:
-    """Time the same model with MoD and MoR switched off (the curriculum's dense mode) and compare:
-    efficiency 1.0 means routing saves exactly the time its skipped FLOPs would take."""
-    seq = timing_args[1]  # (batch, seq, steps, ...) as bench_training takes them
+def _routing_efficiency(model, routed: dict[str, Any], seq: int, timing_args: tuple) -> dict[str, Any]:
+    """Time the same model (``bench_training(model, *timing_args)``) with MoD and MoR switched off,
+    the curriculum's dense mode, and compare: efficiency 1.0 means routing saves exactly the time
+    its skipped FLOPs would take."""
     torch._dynamo.reset()
     model.set_curriculum(mod_active=False, mor_active=False)
     try:
@@ -234,12 +234,12 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
         model.set_conv_impl(conv_impl)
         model.ce_impl = ce_impl
         row: dict[str, Any] = {"arch": arch, "params_m": model.num_parameters() / 1e6, "ce_impl": model.ce_impl}
-        row.update(bench_training(model, batch, seq, steps, warmup, compile_model, dev, document_masking,
-                                  compile_scope, compile_mode, sdpa_kernel, profile_dir))
+        timing = (batch, seq, steps, warmup, compile_model, dev, document_masking, compile_scope, compile_mode,
+                  sdpa_kernel)
+        row.update(bench_training(model, *timing, profile_dir))
         row["mfu"] = row["executed_tflops"] / peak if peak else None
         if routing_efficiency and arch == "hydra":
-            row.update(_routing_efficiency(model, row, batch, seq, steps, warmup, compile_model, dev, document_masking,
-                                           compile_scope, compile_mode, sdpa_kernel))
+            row.update(_routing_efficiency(model, row, seq, timing))
         if inference:
             row.update(bench_inference(model, seq, new_tokens, dev))
         report["rows"].append(row)

@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--vocab_size", type=int, default=None, help="override the preset's vocabulary size")
     info.set_defaults(func=_cmd_info)
 
+    from .bench import COMPILE_SCOPES
+    from .model.attention_backend import SDPA_KERNELS
     from .train.options import COMPILE_MODES as compile_modes
 
     bench = sub.add_parser("bench", help="time training steps (and inference) of a preset and its dense baseline")
@@ -131,13 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps after the first")
     bench.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                        help="torch.compile(fullgraph=True) the model")
-    bench.add_argument("--sdpa_kernel", default="auto", choices=["auto", "flash", "cudnn", "efficient", "math"],
+    bench.add_argument("--sdpa_kernel", default="auto", choices=list(SDPA_KERNELS),
                        help="allow SDPA only this kernel (auto: SDPA's own choice)")
     bench.add_argument("--ce_impl", default="naive", choices=["naive", "chunked", "liger", "auto"],
                        help="loss path: materialised logits, or head + cross-entropy fused (chunked; Liger on CUDA)")
     bench.add_argument("--compile_mode", default="default", choices=list(compile_modes),
                        help="torch.compile mode; reduce-overhead captures forward and backward as CUDA graphs")
-    bench.add_argument("--compile_scope", default="model", choices=["model", "regions", "blocks", "layers"],
+    bench.add_argument("--compile_scope", default="model", choices=list(COMPILE_SCOPES),
                        help="compile the whole model as one graph, the same with layers as shared nested regions "
                             "(HydraModel.compile_regions), each block (HydraModel.compile_blocks), or each "
                             "layer with dynamic token counts (HydraModel.compile_layers)")

@@ -54,20 +54,26 @@ def profile_steps(step: Callable[[], None], steps: int, device: torch.device, ou
         return {"trace": trace, "device_ms_per_step": None, "categories_ms": {}, "top_kernels": []}
     # Device-side events only (the kernels themselves; not the ranges user annotations such as
     # the optimizer's step draw on the GPU timeline), so nothing counts twice.
-    kernels: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
-            entry = kernels.setdefault(event.name, [0.0, 0])
-            entry[0] += event.device_time_total / 1e3 / steps  # kernel duration, us -> ms per step
-            entry[1] += 1
+    kernels = [(e.name, e.device_time_total) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
+    return {"trace": trace, **summarize_kernels(kernels, steps, top)}
+
+
+def summarize_kernels(kernels: list[tuple[str, float]], steps: int, top: int = 15) -> dict[str, Any]:
+    """(kernel name, duration in us) of every launch over ``steps`` steps -> ms per step in total, per
+    category and for the ``top`` kernels (summed over their launches)."""
+    by_name: dict[str, list[float]] = {}
+    for name, us in kernels:
+        entry = by_name.setdefault(name, [0.0, 0])
+        entry[0] += us / 1e3 / steps
+        entry[1] += 1
     categories: dict[str, float] = {}
-    for name, (ms, _) in kernels.items():
+    for name, (ms, _) in by_name.items():
         categories[kernel_category(name)] = categories.get(kernel_category(name), 0.0) + ms
-    ranked = sorted(kernels.items(), key=lambda kv: kv[1][0], reverse=True)[:top]
+    ranked = sorted(by_name.items(), key=lambda kv: kv[1][0], reverse=True)[:top]
     return {
-        "trace": trace,
         "device_ms_per_step": sum(categories.values()),
-        "kernels_per_step": sum(n for _, n in kernels.values()) / steps,
+        "kernels_per_step": len(kernels) / steps,
         "categories_ms": dict(sorted(categories.items(), key=lambda kv: kv[1], reverse=True)),
         "top_kernels": [{"name": n[:160], "ms": ms, "calls": calls / steps, "category": kernel_category(n)}
                         for n, (ms, calls) in ranked],

@@ -7,8 +7,8 @@ variable ``HYDRA_DOC_MASK_BACKEND`` (read at import):
   SDPA's flash kernel and costs O(N^2) memory per row;
 * ``"flex"``: FlexAttention with a block-sparse mask derived from the document ids: blocks above
   the diagonal or between different documents are skipped, blocks inside one document run without
-  a mask. Fast only when compiled: inside a torch.compile'd model it is traced with the model; in
-  eager code it goes through a module-level compiled function.
+  a mask. Fused only when compiled (traced with the model); eager code runs flex unfused, which
+  materialises the scores.
 * ``"auto"`` (default): the dense mask. On CUDA the flex path is refused: with torch 2.11 on an
   H100 the compiled flex kernel whose mask reads the document ids gave wrong outputs (errors of
   order 1, also with torch's own ``create_block_mask``) or crashed ("operation not supported on
@@ -52,8 +52,8 @@ def get_doc_mask_backend() -> str:
     return _doc_backend
 
 
-def resolve_doc_mask_backend(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str:
-    """The path a document-masked attention call on ``device`` / ``dtype`` takes: "flex" or "sdpa"."""
+def resolve_doc_mask_backend(device: torch.device | str) -> str:
+    """The path a document-masked attention call on ``device`` takes: "flex" or "sdpa"."""
     if _doc_backend == "flex" and torch.device(device).type == "cuda":
         raise ValueError("FlexAttention document masks are disabled on CUDA: with torch 2.11 the compiled flex "
                          "kernel reading document ids gave wrong results on an H100 (see model/doc_attention.py); "
@@ -118,14 +118,9 @@ def _flex_doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: 
     return flex_attention(q, k, v, block_mask=doc_block_mask(doc), enable_gqa=q.shape[1] != k.shape[1])
 
 
-# Eager callers on CUDA go through this: uncompiled flex_attention materialises the scores.
-# Built from the mask to the kernel in one graph, so only tensors cross the compiled boundary.
-_flex_doc_attention_compiled = torch.compile(_flex_doc_attention, fullgraph=True)
-
-
 def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
     """Causal attention within documents. q [B, h_q, N, d]; k, v [B, h_k, N, d]; doc [B, N]."""
-    if resolve_doc_mask_backend(q.device, q.dtype) == "sdpa":
+    if resolve_doc_mask_backend(q.device) == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_doc_mask(doc),
                                               enable_gqa=q.shape[1] != k.shape[1])
     device = q.device.type
@@ -133,6 +128,4 @@ def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc:
         # SDPA casts to the autocast dtype itself; flex does not, and q/k leave the fp32 norms in fp32.
         dtype = torch.get_autocast_dtype(device)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if q.is_cuda and not torch.compiler.is_compiling():
-        return _flex_doc_attention_compiled(q, k, v, doc)
     return _flex_doc_attention(q, k, v, doc)
