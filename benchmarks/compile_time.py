@@ -2,7 +2,7 @@
 
     python benchmarks/compile_time.py --model_size 100M --scope model     # torch.compile(model)
     python benchmarks/compile_time.py --model_size 100M --scope regions   # HydraModel.compile_regions()
-    python benchmarks/compile_time.py --model_size 100M --scope layers    # HydraModel.compile_layers()
+    python benchmarks/compile_time.py --model_size 100M --scope units     # HydraModel.compile_units()
     python benchmarks/compile_time.py --scope regions --backend aot_eager --cprofile 40   # front end only, profiled
 
 Dynamo tracing, AOT autograd and inductor's scheduling do not depend on the device, so a CPU run
@@ -25,7 +25,7 @@ import hydra_lm
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model_size", default="100M")
-    p.add_argument("--scope", default="model", choices=["model", "regions", "blocks", "layers"])
+    p.add_argument("--scope", default="model", choices=["model", "regions", "blocks", "units"])
     p.add_argument("--batch_size", type=int, default=1)
     p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--device", default="cpu")

@@ -43,9 +43,9 @@ def test_causal_eval_with_document_masks_compiles_fullgraph():
 
 
 # blocks: three blocks of one structure share one graph, reused for every block and batch.
-# layers: routed units of three sizes (16, 11, 5 tokens) run through the layers; after the first
-# size specialises, one dynamic graph takes every other size and batch (static shapes would need 3).
-@pytest.mark.parametrize("scope,max_graphs", [("blocks", 1), ("layers", 2)])
+# units: routed units of three sizes (16, 11, 5 tokens); one dynamic unit graph takes every size,
+# block and batch (a second for the ungated full-row depth), plus one for the routers' selection.
+@pytest.mark.parametrize("scope,max_graphs", [("blocks", 1), ("units", 3)])
 def test_regional_compile_reuses_graphs_and_keeps_the_state_dict(scope, max_graphs):
     torch._dynamo.reset()
     model, reference = tiny_model().train(), tiny_model().train()
@@ -82,3 +82,28 @@ def test_compile_regions_traces_each_unit_size_once_and_matches_eager():
     sizes = set(model.tokens_per_unit(ids.shape[1]).values())
     assert counter.frame_count == 1 and len(sizes) == 3
     assert len(regions) == 9 and len(set(regions)) == len(sizes), "one traced layer per routed-unit size"
+
+
+def test_compile_units_matches_eager_with_few_graphs():
+    """Units, routers and the fused loss's chunks compiled (loss chunks of 24 rows: two sizes);
+    loss and every gradient equal eager's, and a second batch compiles nothing new."""
+    torch._dynamo.reset()
+    model, reference = tiny_model().train(), tiny_model().train()
+    for m in (model, reference):
+        m.ce_impl, m.ce_chunk_size = "chunked", 24
+    counter = CompileCounterWithBackend("aot_eager")
+    model.compile_units(backend=counter)
+    for seed in (1, 2):
+        ids, targets = _batch(seed)
+        out, ref = model(ids, targets=targets), reference(ids, targets=targets)
+        out["loss"].backward()
+        ref["loss"].backward()
+        torch.testing.assert_close(out["loss"], ref["loss"])
+        if seed == 1:
+            first = counter.frame_count
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    # <= 2 unit graphs (gated / ungated depth), 1 selection, 2 loss-chunk sizes (64 rows = 24 + 24 + 16)
+    assert 3 <= first <= 5 and counter.frame_count == first

@@ -24,10 +24,11 @@ from .model.accounting import dense_flops_per_token, executed_flops_per_token, k
 from .model.attention_backend import get_attention_backend, sdpa_kernel_only
 from .model.doc_attention import get_doc_mask_backend, resolve_doc_mask_backend
 from .step_profile import format_profile, profile_steps
+from .train.graphed_step import GraphedStep
 
 # model: one graph; regions: one graph with layers as shared nested regions (HydraModel.compile_regions);
-# blocks: HydraModel.compile_blocks; layers: HydraModel.compile_layers (dynamic token counts).
-COMPILE_SCOPES = ("model", "regions", "blocks", "layers")
+# blocks: HydraModel.compile_blocks; units: HydraModel.compile_units (routing eager, dynamic token counts).
+COMPILE_SCOPES = ("model", "regions", "blocks", "units")
 # Dense bf16 tensor-core peaks from the vendor datasheets (TFLOP/s), keyed by a device-name fragment.
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
@@ -118,11 +119,19 @@ def doc_mask_path(doc: torch.Tensor | None, device: torch.device) -> str:
 def bench_training(model, batch: int, seq: int, steps: int, warmup: int, compile_model: bool,
                    device: torch.device, document_masking: bool = False,
                    compile_scope: str = "model", compile_mode: str = "default",
-                   sdpa_kernel: str = "auto", profile_dir: str | None = None) -> dict[str, Any]:
-    """``compile_mode`` "reduce-overhead" captures the compiled forward and backward as CUDA graphs.
-    ``profile_dir``: afterwards profile 3 more steps (kernel time by category, Chrome trace there)."""
+                   sdpa_kernel: str = "auto", cuda_graph: bool = False,
+                   profile_dir: str | None = None) -> dict[str, Any]:
+    """``compile_mode`` "reduce-overhead" captures the compiled forward and backward as CUDA graphs;
+    ``cuda_graph`` captures the whole step (forward, backward, optimizer; compiled or not) as one
+    CUDA graph (``GraphedStep``). ``profile_dir``: afterwards profile 3 more steps (kernel time by
+    category, Chrome trace there)."""
+    if cuda_graph and device.type != "cuda":
+        raise ValueError("cuda_graph needs a CUDA device; drop --cuda_graph on the CPU")
+    if cuda_graph and compile_model and compile_mode == "reduce-overhead":
+        raise ValueError("cuda_graph already graphs the whole step: use it with --compile_mode default, "
+                         "not reduce-overhead (whose graphs cannot nest inside another capture)")
     model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda", capturable=cuda_graph)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
     doc = random_doc_ids(batch, seq, device=device) if document_masking else None
     with sdpa_kernel_only(sdpa_kernel):
@@ -133,33 +142,37 @@ def bench_training(model, batch: int, seq: int, steps: int, warmup: int, compile
         fwd = model.compile_regions(mode=compile_mode)
     elif compile_scope == "blocks":
         fwd = model.compile_blocks(mode=compile_mode)
-    elif compile_scope == "layers":
-        fwd = model.compile_layers(mode=compile_mode)
+    elif compile_scope == "units":
+        fwd = model.compile_units(mode=compile_mode)
     else:
         fwd = torch.compile(model, fullgraph=True, mode=compile_mode)
     targets = torch.roll(ids, -1, 1)
     use_bf16 = device.type == "cuda"
     graphs = compile_model and compile_mode == "reduce-overhead"
 
-    def step():
+    def eager_step():
         if graphs:  # a new iteration: the previous step's graph outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16), sdpa_kernel_only(sdpa_kernel):
+        # Autocast's cast cache would hold tensors across a capture boundary: off under cuda_graph.
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16, cache_enabled=not cuda_graph), \
+                sdpa_kernel_only(sdpa_kernel):
             loss = fwd(ids, targets=targets, doc_ids=doc)["loss"]
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss.detach()
 
+    step = GraphedStep(eager_step, warmup=2) if cuda_graph else eager_step
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     first = _timed(step, device)  # includes compilation
-    for _ in range(warmup):
+    for _ in range(max(warmup, 2 if cuda_graph else 0)):  # the graph is captured during these
         step()
     median = statistics.median(_timed(step, device) for _ in range(steps))
     flops = executed_flops_per_token(model.config, seq) * batch * seq
     result = {"tokens_per_s": batch * seq / median, "step_ms": median * 1e3, "executed_tflops": flops / median / 1e12,
               "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
-              "first_step_s": first, "attention_kernels": kernels, "doc_mask_path": doc_mask_path(doc, device),
+              "first_step_s": first, "cuda_graph": cuda_graph, "attention_kernels": kernels, "doc_mask_path": doc_mask_path(doc, device),
               "docs_per_row": None if doc is None else float(doc[:, -1].float().mean() + 1)}
     if profile_dir is not None:
         result["profile"] = profile_steps(step, 3, device, profile_dir, tag=model.config.arch)
@@ -205,11 +218,12 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
               conv_impl: str = "taps", on_row: Callable[[dict[str, Any]], None] | None = None,
               compile_mode: str = "default", ce_impl: str = "naive", sdpa_kernel: str = "auto",
               profile_dir: str | None = None, model_overrides: dict[str, Any] | None = None,
-              routing_efficiency: bool = False) -> dict[str, Any]:
+              routing_efficiency: bool = False, cuda_graph: bool = False) -> dict[str, Any]:
     """Time each arch in turn; ``on_row(report)`` is called after every finished row, so a caller can
     show and save partial results of a long (compiling) run. ``model_overrides``: config fields
     replacing the preset's (both archs). ``routing_efficiency``: also time the HYDRA model with
-    routing off (every token runs every unit) and report achieved speedup / FLOP-ratio speedup."""
+    routing off (every token runs every unit) and report achieved speedup / FLOP-ratio speedup.
+    ``cuda_graph``: capture each whole training step as one CUDA graph (``GraphedStep``)."""
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"compile_scope={compile_scope!r}: choose one of {list(COMPILE_SCOPES)}")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
@@ -223,7 +237,8 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
         "attention_backend": get_attention_backend(), "doc_mask_backend": get_doc_mask_backend(),
         "batch": batch, "seq_len": seq, "compiled": compile_model,
         "compile_scope": compile_scope if compile_model else None,
-        "compile_mode": compile_mode if compile_model else None, "document_masking": document_masking,
+        "compile_mode": compile_mode if compile_model else None, "cuda_graph": cuda_graph,
+        "document_masking": document_masking,
         "ce_impl": ce_impl, "sdpa_kernel": sdpa_kernel,
         "conv_impl": conv_impl, "model_overrides": dict(model_overrides or {}), "rows": [],
     }
@@ -235,7 +250,7 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
         model.ce_impl = ce_impl
         row: dict[str, Any] = {"arch": arch, "params_m": model.num_parameters() / 1e6, "ce_impl": model.ce_impl}
         timing = (batch, seq, steps, warmup, compile_model, dev, document_masking, compile_scope, compile_mode,
-                  sdpa_kernel)
+                  sdpa_kernel, cuda_graph)
         row.update(bench_training(model, *timing, profile_dir))
         row["mfu"] = row["executed_tflops"] / peak if peak else None
         if routing_efficiency and arch == "hydra":
@@ -258,6 +273,8 @@ def format_report(report: dict[str, Any]) -> str:
 
     r0 = report
     compiled = f"compiled ({r0['compile_scope']}, {r0['compile_mode']})" if r0["compiled"] else "eager"
+    if r0.get("cuda_graph"):
+        compiled += ", whole step as one CUDA graph"
     header = [f"device {r0['device']}", f"torch {r0['torch']}",
               f"bf16 peak measured {num(r0['measured_bf16_peak_tflops'])} / datasheet "
               f"{num(r0['datasheet_bf16_peak_tflops'])} TFLOP/s",

@@ -33,7 +33,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     report = run_bench(args.model_size, archs, args.batch_size, args.seq_len, args.steps, args.warmup, args.compile,
                        args.inference, args.device, args.vocab_size, args.new_tokens, args.document_masking,
                        args.compile_scope, args.conv_impl, on_row, args.compile_mode, args.ce_impl, args.sdpa_kernel,
-                       args.profile, args.model_overrides, args.routing_efficiency)
+                       args.profile, args.model_overrides, args.routing_efficiency, args.cuda_graph)
     print(format_report(report))
     return 0
 
@@ -139,10 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="loss path: materialised logits, or head + cross-entropy fused (chunked; Liger on CUDA)")
     bench.add_argument("--compile_mode", default="default", choices=list(compile_modes),
                        help="torch.compile mode; reduce-overhead captures forward and backward as CUDA graphs")
+    bench.add_argument("--cuda_graph", action="store_true",
+                       help="capture each whole training step (forward, backward, optimizer; compiled or eager) as "
+                            "one CUDA graph; use with --compile_mode default")
     bench.add_argument("--compile_scope", default="model", choices=list(COMPILE_SCOPES),
                        help="compile the whole model as one graph, the same with layers as shared nested regions "
-                            "(HydraModel.compile_regions), each block (HydraModel.compile_blocks), or each "
-                            "layer with dynamic token counts (HydraModel.compile_layers)")
+                            "(HydraModel.compile_regions), each block (HydraModel.compile_blocks), or one graph "
+                            "for every routed unit plus the head, routing eager (HydraModel.compile_units; pair "
+                            "with --cuda_graph)")
     bench.add_argument("--document_masking", action="store_true",
                        help="pass doc_ids like the trainer (documents of geometric length, mean 400 tokens)")
     bench.add_argument("--doc_mask_backend", default=None, choices=["auto", "flex", "sdpa"],

@@ -42,6 +42,23 @@ def _run_layer(layer: TransformerLayer, h, pos, rope, cache, valid, doc):
 _run_layer_region = torch.compiler.nested_compile_region(_run_layer)
 
 
+def run_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, doc, weight, regions: bool = False):
+    """One routed unit: the layer stack on the unit's tokens ``xc`` (plus the recursion embedding
+    ``rec``), written back as ``xc + weight * (stack(u) - u)`` for valid entries. A free function
+    of its inputs, so ``HydraModel.compile_units`` compiles it once for every block and depth."""
+    u = xc if rec is None else xc + rec.to(xc.dtype)
+    h = u
+    run = _run_layer_region if regions and caches is None else _run_layer
+    for i, layer in enumerate(layers):
+        h = run(layer, h, pos, rope, None if caches is None else caches[i], valid, doc)
+    delta = h - u
+    if weight is not None:
+        delta = delta * weight[..., None].to(delta.dtype)
+    if valid is not None:
+        delta = torch.where(valid[..., None], delta, torch.zeros_like(delta))
+    return xc + delta
+
+
 def _gather_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2:
         return x.gather(1, order)
@@ -80,6 +97,7 @@ class RecursiveBlock(nn.Module):
         self.mod_active = True
         self.mor_active = True
         self.layer_regions = False  # HydraModel.compile_regions: layers as nested compile regions
+        self.compiled_unit = None  # HydraModel.compile_units: a compiled run_unit, shared by all blocks
 
     # ------------------------------------------------------------------ static bookkeeping
     def tokens_per_depth(self, seq_len: int) -> list[int]:
@@ -136,17 +154,15 @@ class RecursiveBlock(nn.Module):
                 losses["mor"].append(loss)
                 choice = torch.stack([depth.float(), *weights], dim=-1)
 
-            u = xc if self.rec_emb is None else xc + self.rec_emb[j].to(xc.dtype)
-            h = u
-            run = _run_layer_region if self.layer_regions and caches is None else _run_layer
-            for i, layer in enumerate(self.layers):
-                h = run(layer, h, pc, rope, None if caches is None else caches[j][i], vc, doc)
-            delta = h - u
-            if sel is not None and sel.weight is not None:
-                delta = delta * sel.weight[..., None].to(delta.dtype)
-            if vc is not None:
-                delta = torch.where(vc[..., None], delta, torch.zeros_like(delta))
-            xc = xc + delta
+            rec = None if self.rec_emb is None else self.rec_emb[j]
+            weight = None if sel is None else sel.weight
+            unit = run_unit
+            if self.compiled_unit is not None and caches is None:
+                unit = self.compiled_unit
+                if weight is None:  # weight 1, exactly, and like a gate's: every unit shares one graph
+                    weight = xc.new_ones(xc.shape[:2], dtype=torch.float32, requires_grad=torch.is_grad_enabled())
+            xc = unit(self.layers, xc, rec, pc, rope, None if caches is None else caches[j], vc, doc, weight,
+                      self.layer_regions)
 
         for parent, order in reversed(parents):
             xc = parent.scatter(1, order[..., None].expand(-1, -1, dim), xc)

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import HydraConfig
 from .attention import CCGQAttention, GQAttention
-from .block import RecursiveBlock, TransformerLayer
+from .block import RecursiveBlock, TransformerLayer, run_unit
 from .loss import linear_cross_entropy
 from .layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
 from .moe import MoEFeedForward
@@ -68,6 +68,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         # over tokens), "liger" (Liger's fused kernel, CUDA) or "auto" (liger on CUDA when usable).
         self.ce_impl = "naive"
         self.ce_chunk_size = 4096
+        self.ce_compile: dict | None = None  # compile_units: torch.compile backend/mode of the loss's chunks
         self._init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -151,23 +152,30 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         if t > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.config.max_seq_len}; "
                              "raise HydraConfig.max_seq_len or feed shorter sequences")
-        pos = torch.arange(t, device=input_ids.device).expand(b, t)
+        # A tensor of its own, not a view: routed units pass gathered positions (not views) to the
+        # same compiled unit, and a view would make its guards differ (compile_units).
+        pos = torch.arange(t, device=input_ids.device).repeat(b, 1)
         x, out = self._trunk(self.embed(input_ids), pos, self.routing_mode(routing), None, doc_ids)
-        h = self.norm(x)
-        if targets is not None and self.ce_impl != "naive":
-            # Fused head + loss: the [B, T, V] logits are never materialised (no "logits" key).
-            ce = linear_cross_entropy(h, self.lm_head.weight, targets, ignore_index=-100, impl=self.ce_impl,
-                                      chunk_size=self.ce_chunk_size)
-        else:
-            logits = self.lm_head(h)
+        ce, logits = self._head(x, targets)
+        if logits is not None:
             out["logits"] = logits
-            if targets is not None:
-                ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                     ignore_index=-100)
         if targets is not None:
             out["ce_loss"] = ce
             out["loss"] = self.total_loss(ce, out)
         return out
+
+    def _head(self, x: torch.Tensor, targets: torch.Tensor | None):
+        """Final norm, LM head and (with targets) the cross-entropy: (ce or None, logits or None)."""
+        h = self.norm(x)
+        if targets is not None and self.ce_impl != "naive":
+            # Fused head + loss: the [B, T, V] logits are never materialised.
+            return linear_cross_entropy(h, self.lm_head.weight, targets, ignore_index=-100, impl=self.ce_impl,
+                                        chunk_size=self.ce_chunk_size, compile_chunks=self.ce_compile), None
+        logits = self.lm_head(h)
+        if targets is None:
+            return None, logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               ignore_index=-100), logits
 
     def total_loss(self, ce: torch.Tensor, out: dict[str, torch.Tensor]) -> torch.Tensor:
         cfg = self.config
@@ -271,19 +279,29 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             moe.compile(**kwargs)
         return self
 
-    def compile_layers(self, **kwargs) -> "HydraModel":
-        """Compile only the transformer layers, with dynamic token counts (default ``dynamic=True,
-        fullgraph=True``): every layer at every recursion depth reuses one graph, whatever number of
-        tokens its routed unit holds, while routing (router, top-k, gather, scatter) runs eager. Cold
-        compile of the 100M step on a 2-core CPU: 73 s against 490 s for ``torch.compile(model)``
-        (benchmarks/BENCHMARKS.md); its GPU throughput is not measured yet."""
-        kwargs.setdefault("fullgraph", True)
-        kwargs.setdefault("dynamic", True)
+    def compile_units(self, **kwargs) -> "HydraModel":
+        """Compile what every routed unit repeats, once: ``block.run_unit`` (recursion embedding, the
+        layer stack, the gated residual update) with dynamic token counts (default ``dynamic=True,
+        fullgraph=True``), so all 32 units of the 100M preset share one graph, and the fused chunked
+        loss's per-chunk work (``ce_impl`` other than "naive"). Routing (routers, top-k, gathers,
+        scatters) runs eager. Cold compile is short; pair it with a whole-step CUDA graph
+        (``train.graphed_step.GraphedStep``) so the eager kernels cost no launch time
+        (benchmarks/BENCHMARKS.md). Returns the model; parameter names and the state dict are unchanged."""
+        kwargs = {"fullgraph": True, "dynamic": True, **kwargs}
+        if kwargs.get("mode") == "default":
+            del kwargs["mode"]  # torch.compile takes options or a mode, not both
+        if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
+            # Inductor's mixed-order reduction fusion (norm backward) guards on the unit's token
+            # count against a size threshold, which compiles the unit a second time (~25 s, H100).
+            kwargs["options"] = {"triton.mix_order_reduction": False, **kwargs.get("options", {})}
+        # Python floats (norm eps) as constants: traced as symbols they make Dynamo restart the
+        # whole analysis of the unit (about 20 s of a cold compile on an H100).
+        unit = torch._dynamo.config.patch(specialize_float=True)(torch.compile(run_unit, **kwargs))
         for block in self.blocks:
-            for layer in block.layers:
-                layer.compile(**kwargs)
+            block.compiled_unit = unit
         for moe in self.moe_blocks.values():
             moe.compile(**kwargs)
+        self.ce_compile = {"backend": kwargs.get("backend", "inductor"), "mode": kwargs.get("mode")}
         return self
 
     def compile_regions(self, **kwargs):

@@ -101,12 +101,57 @@ def _compute_dtypes(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.d
     return mm, torch.promote_types(mm, torch.float32)
 
 
-def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction, need_gh, need_gw):
+# Vocabulary padding of the fused loss's matmuls: with V = 50257 (GPT-2) the [chunk, V] operands are
+# not 16-byte aligned and cuBLAS falls back to kernels several times slower (measured on an H100).
+_VOCAB_ALIGN = 64
+
+
+def _chunk_loss_and_grad(h, w, t, valid, row_scale, vocab: int, need_grad: bool):
+    """One block of rows: (summed loss, d loss / d logits in ``h``'s dtype or None). ``w`` may have
+    padding rows past ``vocab``; their logits are masked out, so their gradient is exactly 0."""
+    acc_dtype = row_scale.dtype
+    safe_t = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
+    logits = (h @ w.t()).to(acc_dtype)
+    if logits.shape[1] != vocab:
+        logits[:, vocab:] = float("-inf")
+    lse = torch.logsumexp(logits, dim=1)
+    picked = logits.gather(1, safe_t).squeeze(1)
+    part = torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
+    if not need_grad:
+        return part, None
+    # d loss / d logits = (softmax - onehot) * scale on valid rows, 0 on ignored ones.
+    if torch.compiler.is_compiling():
+        # Out of place, Inductor fuses the whole chain (cast, exp, one-hot, scale, downcast) into
+        # one kernel that writes g in the matmul dtype; in-place ops and scatter would split it
+        # into kernels passing fp32 [chunk, V] buffers between them.
+        hit = torch.arange(logits.shape[1], device=logits.device) == safe_t
+        g = ((logits - lse.unsqueeze(1)).exp() - hit.to(acc_dtype)) * row_scale
+    else:
+        # Eager runs op by op: reusing the logits buffer keeps a chunk at one fp32 [chunk, V].
+        g = logits.sub_(lse.unsqueeze(1)).exp_()
+        g.scatter_add_(1, safe_t, -valid.to(acc_dtype).unsqueeze(1))
+        g.mul_(row_scale)
+    return part, g.to(h.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_chunk_fn(backend, mode):
+    # Static shapes: every full chunk reuses one graph (a shorter last chunk adds a second).
+    return torch.compile(_chunk_loss_and_grad, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+
+
+def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction, need_gh, need_gw,
+                  compile_chunks=None):
     """Loss, and when asked the gradients of that loss w.r.t. ``hidden`` and ``weight``, one
-    [chunk, V] block of logits at a time."""
-    n = hidden.shape[0]
+    [chunk, V] block of logits at a time. ``compile_chunks`` ({"backend", "mode"} for
+    ``torch.compile``, or None): run each chunk's logits, loss and logit gradient as one compiled
+    graph (ignored inside an enclosing ``torch.compile``, which compiles them anyway)."""
+    n, vocab = hidden.shape[0], weight.shape[0]
     mm_dtype, acc_dtype = _compute_dtypes(hidden, weight)
+    padded = -(-vocab // _VOCAB_ALIGN) * _VOCAB_ALIGN
     w = weight.to(mm_dtype)
+    if padded != vocab:
+        w = torch.cat((w, w.new_zeros(padded - vocab, w.shape[1])))
     valid_all = targets != ignore_index
     if reduction == "mean":
         # Stays a tensor: dividing by a host number would sync the device every step. Clamping makes
@@ -114,37 +159,21 @@ def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction, 
         scale = 1.0 / valid_all.sum().clamp(min=1).to(acc_dtype)
     else:
         scale = torch.ones((), dtype=acc_dtype, device=hidden.device)
+    chunk_fn = _chunk_loss_and_grad
+    if compile_chunks is not None and not torch.compiler.is_compiling():
+        chunk_fn = _compiled_chunk_fn(compile_chunks.get("backend", "inductor"), compile_chunks.get("mode"))
     total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
     grad_h = torch.empty_like(hidden) if need_gh else None
     # Summing per-chunk products of a low-precision matmul needs a wider accumulator.
-    grad_w = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, acc_dtype),
+    grad_w = torch.zeros((padded, weight.shape[1]), dtype=torch.promote_types(weight.dtype, acc_dtype),
                          device=weight.device) if need_gw else None
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
         h = hidden[start:end].to(mm_dtype)
-        t = targets[start:end]
         valid = valid_all[start:end]
-        safe_t = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
-        logits = (h @ w.t()).to(acc_dtype)
-        lse = torch.logsumexp(logits, dim=1)
-        picked = logits.gather(1, safe_t).squeeze(1)
-        total = total + torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
-        if not (need_gh or need_gw):
-            continue
-        # d loss / d logits = (softmax - onehot) * scale on valid rows, 0 on ignored ones.
         row_scale = (valid.to(acc_dtype) * scale).unsqueeze(1)
-        if torch.compiler.is_compiling():
-            # Out of place, Inductor fuses the whole chain (cast, exp, one-hot, scale, downcast) into
-            # one kernel that writes g in the matmul dtype; in-place ops and scatter would split it
-            # into kernels passing fp32 [chunk, V] buffers between them.
-            hit = torch.arange(logits.shape[1], device=logits.device) == safe_t
-            g = ((logits - lse.unsqueeze(1)).exp() - hit.to(acc_dtype)) * row_scale
-        else:
-            # Eager runs op by op: reusing the logits buffer keeps a chunk at one fp32 [chunk, V].
-            g = logits.sub_(lse.unsqueeze(1)).exp_()
-            g.scatter_add_(1, safe_t, -valid.to(acc_dtype).unsqueeze(1))
-            g.mul_(row_scale)
-        g = g.to(mm_dtype)
+        part, g = chunk_fn(h, w, targets[start:end], valid, row_scale, vocab, need_gh or need_gw)
+        total = total + part
         if need_gh:
             grad_h[start:end] = g @ w
         if need_gw:
@@ -153,7 +182,7 @@ def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction, 
             else:
                 grad_w.add_(g.t() @ h)
     loss = total * scale
-    return loss, grad_h, None if grad_w is None else grad_w.to(weight.dtype)
+    return loss, grad_h, None if grad_w is None else grad_w[:vocab].to(weight.dtype)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -161,9 +190,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     there and backward only scales it: no logits are kept or recomputed between the two."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, reduction, need_gh, need_gw):
+    def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, reduction, need_gh, need_gw, compile_chunks):
         loss, grad_h, grad_w = _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction,
-                                             need_gh, need_gw)
+                                             need_gh, need_gw, compile_chunks)
         ctx.need_gh, ctx.need_gw = need_gh, need_gw
         ctx.save_for_backward(*[g for g in (grad_h, grad_w) if g is not None])
         return loss
@@ -173,7 +202,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         saved = iter(ctx.saved_tensors)
         grad_h = next(saved) * grad_loss if ctx.need_gh else None
         grad_w = next(saved) * grad_loss if ctx.need_gw else None
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def _check(hidden, weight, targets, chunk_size, reduction):
@@ -190,19 +219,22 @@ def _check(hidden, weight, targets, chunk_size, reduction):
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                  ignore_index: int = -100, chunk_size: int = 4096,
-                                 reduction: str = "mean") -> torch.Tensor:
+                                 reduction: str = "mean", compile_chunks: dict | None = None) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` (hidden [..., E], weight [V, E], targets [...]) over
     the targets that are not ``ignore_index``; at most ``chunk_size`` rows of logits exist at once.
-    ``mean`` over zero valid targets is 0 (``F.cross_entropy`` gives NaN)."""
+    ``mean`` over zero valid targets is 0 (``F.cross_entropy`` gives NaN). ``compile_chunks``
+    ({"backend", "mode"}): each chunk's work as one compiled graph, for callers that do not compile
+    the loss themselves."""
     _check(hidden, weight, targets, chunk_size, reduction)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1)
     need_gh = hidden.requires_grad and torch.is_grad_enabled()
     need_gw = weight.requires_grad and torch.is_grad_enabled()
     if not (need_gh or need_gw):
-        return _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction, False, False)[0]
+        return _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction, False, False,
+                             compile_chunks)[0]
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, ignore_index, chunk_size, reduction,
-                                            need_gh, need_gw)
+                                            need_gh, need_gw, compile_chunks)
 
 
 def naive_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -221,15 +253,17 @@ def naive_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          ignore_index: int = -100, impl: str = "auto", chunk_size: int = 4096,
-                         reduction: str = "mean") -> torch.Tensor:
+                         reduction: str = "mean", compile_chunks: dict | None = None) -> torch.Tensor:
     """Cross-entropy of the LM head ``hidden @ weight.T`` against ``targets`` through the
     implementation ``impl`` picks (see the module docstring). ``auto``: Liger on CUDA when it is
-    installed and enabled, outside ``torch.compile``; otherwise ``chunked``."""
+    installed and enabled, outside ``torch.compile``; otherwise ``chunked`` (``compile_chunks``: see
+    ``chunked_linear_cross_entropy``)."""
     chosen = resolve_impl(impl, hidden.device)
     if chosen == "naive":
         return naive_linear_cross_entropy(hidden, weight, targets, ignore_index, reduction)
     if chosen == "chunked":
-        return chunked_linear_cross_entropy(hidden, weight, targets, ignore_index, chunk_size, reduction)
+        return chunked_linear_cross_entropy(hidden, weight, targets, ignore_index, chunk_size, reduction,
+                                            compile_chunks)
     _check(hidden, weight, targets, chunk_size, reduction)
     flat_h = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     return _liger_loss(ignore_index, reduction)(weight, flat_h, targets.reshape(-1).contiguous())

@@ -42,7 +42,10 @@ class Router(nn.Module):
         self.proj = nn.Linear(dim, 1)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).squeeze(-1).float()
+        # One fp32 column outside autocast: autocast would first copy the whole [B, N, E] fp32
+        # residual stream to bf16 for it, more memory traffic than the matmul itself.
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.proj.weight.float(), self.proj.bias.float()).squeeze(-1)
 
     def gate(self, r: torch.Tensor) -> torch.Tensor:
         return self.gate_scale * torch.sigmoid(r)
@@ -60,7 +63,7 @@ class Router(nn.Module):
             chosen = torch.zeros_like(r).scatter_(1, order, 1.0)
             # The router learns to predict its own top-k choice, so the causal threshold (r > 0) can
             # replace top-k at decode time. Detached input: this loss trains the router only.
-            r_aux = self.proj(x.detach()).squeeze(-1).float()
+            r_aux = self.logits(x.detach())
             aux = F.binary_cross_entropy_with_logits(r_aux, chosen)
             weight = self.gate(r.gather(1, order))
             agree = ((r > 0).float() == chosen).float().mean()

@@ -1,0 +1,77 @@
+"""A whole training step (forward, backward, optimizer update) captured as one CUDA graph.
+
+``torch.compile(mode="reduce-overhead")`` graphs only what inductor compiled: with routing left
+eager (``HydraModel.compile_units``) the step would again be bound by the host issuing thousands
+of small kernels. Capturing the step at the PyTorch level instead graphs everything the step
+launches (eager routing, compiled layers, loss, optimizer), whatever was compiled, and replays it
+with one launch. PyTorch's ``make_graphed_callables`` graphs modules, not an optimizer step, so
+this small wrapper does the documented whole-network capture.
+
+Requirements of the step (all hold for a HYDRA step in top-k mode): static shapes, no host
+synchronisation, inputs read from fixed tensors that the caller refills in place, an optimizer
+built with ``capturable=True`` (its step counter lives on the device), gradients set to None
+before the first call (the captured backward then writes, not accumulates, them), autocast with
+``cache_enabled=False``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+class GraphedStep:
+    """Call ``step()`` as often as the eager step: the first ``warmup`` calls run eagerly on a side
+    stream (compilation, optimizer state, lazy initialisation), the next one captures the step and
+    replays it, every later one only replays. Each call is exactly one step on the current contents
+    of the input tensors. Returns what the step function returned; those tensors are overwritten
+    by the next replay, so clone what must outlive it.
+
+    ``reset()`` drops the graph (and its memory), e.g. when the model's control flow changed
+    (curriculum switches); the next call captures again, after ``warmup`` eager calls.
+    """
+
+    def __init__(self, step_fn: Callable[[], Any], warmup: int = 3):
+        if not torch.cuda.is_available():
+            raise RuntimeError("GraphedStep needs a CUDA device: CUDA graphs do not exist on the CPU")
+        if warmup < 1:
+            raise ValueError(f"warmup={warmup}: at least one eager step must precede the capture")
+        self._fn = step_fn
+        self.warmup = warmup
+        self._eager_calls = 0
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._outputs: Any = None
+
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None
+
+    def reset(self) -> None:
+        self._graph, self._outputs, self._eager_calls = None, None, 0
+
+    def __call__(self) -> Any:
+        if self._graph is None:
+            if self._eager_calls < self.warmup:
+                self._eager_calls += 1
+                return self._on_side_stream()
+            self._capture()
+        self._graph.replay()
+        return self._outputs
+
+    def _on_side_stream(self) -> Any:
+        # Warm-up away from the default stream, as capture requires (lazy cuBLAS/cuDNN workspaces and
+        # autograd's stream bookkeeping must not be first created inside the capture).
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = self._fn()
+        torch.cuda.current_stream().wait_stream(side)
+        return out
+
+    def _capture(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            self._outputs = self._fn()
+        self._graph = graph
