@@ -50,7 +50,20 @@ def test_forced_sdpa_kernel_and_fused_loss_are_what_runs(tmp_path):
     report = json.loads(out.read_text())
     row = report["rows"][0]
     assert report["sdpa_kernel"] == "math" and row["attention_kernels"] == ["math"]  # CPU's default is flash/cpu
-    assert row["ce_impl"] == "chunked" and row["tokens_per_s"] > 0
+    assert row["ce_impl"] == "chunked" and row["tokens_per_s"] > 0 and report["ce_chunk_size"] == 4096
+
+
+def test_bench_passes_the_loss_chunk_size_and_refuses_cuda_graphs_on_cpu(monkeypatch):
+    from hydra_lm.bench import run_bench
+    from hydra_lm.model import loss
+
+    seen = []
+    real = loss._chunked_pass
+    monkeypatch.setattr(loss, "_chunked_pass", lambda *a, **k: seen.append(a[4]) or real(*a, **k))
+    report = run_bench("debug", ["hydra"], 2, 32, 1, 0, False, False, "cpu", 512, ce_impl="chunked", ce_chunk_size=16)
+    assert report["ce_chunk_size"] == 16 and seen and set(seen) == {16}
+    with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):
+        run_bench("debug", ["hydra"], 2, 32, 1, 0, False, False, "cpu", 512, cuda_graph=True)
 
 
 def test_random_doc_ids_look_like_the_loaders():

@@ -218,12 +218,13 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
               conv_impl: str = "taps", on_row: Callable[[dict[str, Any]], None] | None = None,
               compile_mode: str = "default", ce_impl: str = "naive", sdpa_kernel: str = "auto",
               profile_dir: str | None = None, model_overrides: dict[str, Any] | None = None,
-              routing_efficiency: bool = False, cuda_graph: bool = False) -> dict[str, Any]:
+              routing_efficiency: bool = False, cuda_graph: bool = False, ce_chunk_size: int = 4096) -> dict[str, Any]:
     """Time each arch in turn; ``on_row(report)`` is called after every finished row, so a caller can
     show and save partial results of a long (compiling) run. ``model_overrides``: config fields
     replacing the preset's (both archs). ``routing_efficiency``: also time the HYDRA model with
     routing off (every token runs every unit) and report achieved speedup / FLOP-ratio speedup.
-    ``cuda_graph``: capture each whole training step as one CUDA graph (``GraphedStep``)."""
+    ``cuda_graph``: capture each whole training step as one CUDA graph (``GraphedStep``).
+    ``ce_chunk_size``: rows per chunk of the fused loss (``ce_impl`` other than "naive")."""
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"compile_scope={compile_scope!r}: choose one of {list(COMPILE_SCOPES)}")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
@@ -239,7 +240,7 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
         "compile_scope": compile_scope if compile_model else None,
         "compile_mode": compile_mode if compile_model else None, "cuda_graph": cuda_graph,
         "document_masking": document_masking,
-        "ce_impl": ce_impl, "sdpa_kernel": sdpa_kernel,
+        "ce_impl": ce_impl, "ce_chunk_size": ce_chunk_size, "sdpa_kernel": sdpa_kernel,
         "conv_impl": conv_impl, "model_overrides": dict(model_overrides or {}), "rows": [],
     }
     for arch in archs:
@@ -247,7 +248,7 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
         model = create_model(model_size, **{"arch": arch, "vocab_size": vocab_size, "max_seq_len": max(seq, 64),
                                             **(model_overrides or {})})
         model.set_conv_impl(conv_impl)
-        model.ce_impl = ce_impl
+        model.ce_impl, model.ce_chunk_size = ce_impl, ce_chunk_size
         row: dict[str, Any] = {"arch": arch, "params_m": model.num_parameters() / 1e6, "ce_impl": model.ce_impl}
         timing = (batch, seq, steps, warmup, compile_model, dev, document_masking, compile_scope, compile_mode,
                   sdpa_kernel, cuda_graph)
@@ -281,7 +282,8 @@ def format_report(report: dict[str, Any]) -> str:
               f"attention {r0['attention_backend']} (SDPA kernel: {r0['sdpa_kernel']})",
               f"batch {r0['batch']} x {r0['seq_len']}", compiled,
               f"document masking {'on' if r0['document_masking'] else 'off'} (backend {r0['doc_mask_backend']})",
-              f"convs {r0['conv_impl']}", f"loss {r0['ce_impl']}"]
+              f"convs {r0['conv_impl']}",
+              f"loss {r0['ce_impl']}" + (f" (chunks of {r0['ce_chunk_size']})" if r0["ce_impl"] != "naive" else "")]
     if r0.get("model_overrides"):
         header.append("overrides " + ",".join(f"{k}={v}" for k, v in r0["model_overrides"].items()))
     lines = [" | ".join(header),

@@ -33,7 +33,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     report = run_bench(args.model_size, archs, args.batch_size, args.seq_len, args.steps, args.warmup, args.compile,
                        args.inference, args.device, args.vocab_size, args.new_tokens, args.document_masking,
                        args.compile_scope, args.conv_impl, on_row, args.compile_mode, args.ce_impl, args.sdpa_kernel,
-                       args.profile, args.model_overrides, args.routing_efficiency, args.cuda_graph)
+                       args.profile, args.model_overrides, args.routing_efficiency, args.cuda_graph,
+                       args.ce_chunk_size)
     print(format_report(report))
     return 0
 
@@ -137,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="allow SDPA only this kernel (auto: SDPA's own choice)")
     bench.add_argument("--ce_impl", default="naive", choices=["naive", "chunked", "liger", "auto"],
                        help="loss path: materialised logits, or head + cross-entropy fused (chunked; Liger on CUDA)")
+    bench.add_argument("--ce_chunk_size", type=int, default=4096,
+                       help="rows per chunk of the fused loss (smaller: less memory, slightly slower)")
     bench.add_argument("--compile_mode", default="default", choices=list(compile_modes),
                        help="torch.compile mode; reduce-overhead captures forward and backward as CUDA graphs")
     bench.add_argument("--cuda_graph", action="store_true",

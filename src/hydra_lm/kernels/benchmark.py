@@ -1,5 +1,5 @@
 """Forward+backward timing of every fused op: PyTorch reference, ``torch.compile`` of the reference,
-and the Triton kernel. A kernel earns its place (``set_use_triton_kernels(True)``) only by beating
+and the Triton kernel (on CUDA: device time of a CUDA-graph replay, see ``_time_ms``). A kernel earns its place (``set_use_triton_kernels(True)``) only by beating
 the compiled reference on the GPU it will train on.
 
 On CPU the Triton column times the interpreter (labelled so): it checks that the path runs, it
@@ -56,9 +56,12 @@ def _cases(b: int, t: int, e: int, head_dim: int, device, dtype, gen: torch.Gene
 
 
 def _time_ms(fn: Callable, inputs, device: torch.device, warmup: int, reps: int) -> float:
-    """Mean milliseconds of one forward+backward over ``reps`` back-to-back steps.
+    """Mean milliseconds of one forward+backward.
 
-    Back to back, as in training: launch overhead counts only where the GPU would wait for it.
+    On CUDA the step is captured once as a CUDA graph and replayed ``reps`` times, so only device
+    time counts: at these sizes the Python and launch overhead of an eager, compiled or Triton call
+    is larger than its kernels, and a training step run as a graph (``GraphedStep``, or
+    ``torch.compile`` with CUDA graphs) does not pay it either. On CPU: back-to-back wall time.
     """
     wrt = [x for x in inputs if x.requires_grad]
 
@@ -67,21 +70,31 @@ def _time_ms(fn: Callable, inputs, device: torch.device, warmup: int, reps: int)
         outs = out if isinstance(out, tuple) else (out,)
         torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs])
 
-    for _ in range(warmup):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    if device.type != "cuda":
+        for _ in range(warmup):
+            step()
+        t0 = time.perf_counter()
         for _ in range(reps):
             step()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / reps
-    t0 = time.perf_counter()
-    for _ in range(reps):
+        return (time.perf_counter() - t0) * 1e3 / reps
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compilation and lazy initialisation happen outside the capture
+        for _ in range(max(warmup, 1)):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         step()
-    return (time.perf_counter() - t0) * 1e3 / reps
+    graph.replay()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / reps
 
 
 def _triton_mode(device: torch.device) -> str:
@@ -154,7 +167,8 @@ def print_benchmark_results(results: dict) -> str:
     """Print (and return) a table of ``benchmark_kernels`` output."""
     shape = results["shape"]
     lines = [f"Kernel benchmark on {results['device_name']} ({results['dtype']}, B={shape['batch_size']} "
-             f"T={shape['seq_len']} E={shape['dim']} d={shape['head_dim']}); forward+backward, mean ms",
+             f"T={shape['seq_len']} E={shape['dim']} d={shape['head_dim']}); forward+backward, mean ms"
+             + (" (CUDA-graph replay: device time only)" if results["device"] == "cuda" else ""),
              f"Triton: {results['triton_mode']}",
              f"{'kernel':<18}{'pytorch':>10}{'compiled':>10}{'triton':>10}{'tri+comp':>10}{'vs eager':>10}"
              f"{'vs compiled':>13}"]
