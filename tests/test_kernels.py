@@ -347,6 +347,7 @@ def test_benchmark_runs_and_prints(dev, capsys):
     assert results["device"] == dev and set(results["kernels"]) == {"rms_norm", "qk_norm_rope", "scatter_add_gated"}
     for row in results["kernels"].values():
         assert row["errors"] == {} and row["pytorch_ms"] > 0 and row["triton_ms"] > 0
+        assert set(row["timing"].values()) == {"cuda-graph" if dev == "cuda" else "back-to-back"}
     if dev == "cpu":
         assert "interpreter" in results["triton_mode"]
     text = kernels.print_benchmark_results(results)

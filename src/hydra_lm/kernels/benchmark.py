@@ -19,8 +19,10 @@ from . import ops, reference, switches
 def _cases(b: int, t: int, e: int, head_dim: int, device, dtype, gen: torch.Generator):
     """name -> (reference fn, Triton fn bypassing the switches, inputs; float inputs get gradients)."""
 
-    def rand(*shape, grad=True):
-        x = torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+    def rand(*shape, grad=True, as_dtype=None):
+        # Leaves only: a tensor derived outside the step (e.g. by .float()) would have its backward
+        # run on the stream that created it, which a CUDA-graph capture cannot record.
+        x = torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=as_dtype or dtype)
         return x.requires_grad_(grad)
 
     heads = max(1, e // head_dim)
@@ -41,12 +43,12 @@ def _cases(b: int, t: int, e: int, head_dim: int, device, dtype, gen: torch.Gene
                    (rand(b, t, hidden), rand(b, t, hidden))),
         "qk_norm": (lambda x, tp: reference.qk_norm(x, tp, eps),
                     lambda x, tp: ops._Norm.apply(x, None, tp, eps, True),
-                    (rand(b, t, kv_heads, head_dim), rand(kv_heads).float())),
+                    (rand(b, t, kv_heads, head_dim), rand(kv_heads, as_dtype=torch.float32))),
         "rope": (lambda x: reference.rope(x, cos, sin), lambda x: ops._Rope.apply(x, cos, sin),
                  (rand(b, heads, t, head_dim),)),
         "qk_norm_rope": (lambda q, k, tp: reference.qk_norm_rope(q, k, tp, cos_table, sin_table, pos, eps),
                          lambda q, k, tp: ops._QKNormRope.apply(q, k, tp, cos_table, sin_table, pos, eps),
-                         (rand(b, t, heads, head_dim), rand(b, t, kv_heads, head_dim), rand(kv_heads).float())),
+                         (rand(b, t, heads, head_dim), rand(b, t, kv_heads, head_dim), rand(kv_heads, as_dtype=torch.float32))),
         "gather_rows": (lambda x: reference.gather_rows(x, idx), lambda x: ops._GatherRows.apply(x, idx),
                         (rand(b, t, e),)),
         "scatter_add_gated": (lambda x, d, g: reference.scatter_add_gated(x, idx, d, g),
@@ -55,13 +57,14 @@ def _cases(b: int, t: int, e: int, head_dim: int, device, dtype, gen: torch.Gene
     }
 
 
-def _time_ms(fn: Callable, inputs, device: torch.device, warmup: int, reps: int) -> float:
-    """Mean milliseconds of one forward+backward.
+def _time_ms(fn: Callable, inputs, device: torch.device, warmup: int, reps: int) -> tuple[float, str]:
+    """Mean milliseconds of one forward+backward, and how they were timed.
 
     On CUDA the step is captured once as a CUDA graph and replayed ``reps`` times, so only device
-    time counts: at these sizes the Python and launch overhead of an eager, compiled or Triton call
-    is larger than its kernels, and a training step run as a graph (``GraphedStep``, or
-    ``torch.compile`` with CUDA graphs) does not pay it either. On CPU: back-to-back wall time.
+    time counts ("cuda-graph"): at these sizes the Python and launch overhead of an eager, compiled
+    or Triton call is larger than its kernels, and a training step run as a graph (``GraphedStep``,
+    or ``torch.compile`` with CUDA graphs) does not pay it either. Where the capture fails, and on
+    CPU, back-to-back wall time ("back-to-back").
     """
     wrt = [x for x in inputs if x.requires_grad]
 
@@ -70,13 +73,32 @@ def _time_ms(fn: Callable, inputs, device: torch.device, warmup: int, reps: int)
         outs = out if isinstance(out, tuple) else (out,)
         torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs])
 
-    if device.type != "cuda":
-        for _ in range(warmup):
-            step()
-        t0 = time.perf_counter()
+    if device.type == "cuda":
+        try:
+            return _graph_replay_ms(step, device, warmup, reps), "cuda-graph"
+        except RuntimeError as exc:
+            how = f"back-to-back (graph capture failed: {str(exc).splitlines()[0][:80]})"
+        torch.cuda.synchronize(device)
+    else:
+        how = "back-to-back"
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         for _ in range(reps):
             step()
-        return (time.perf_counter() - t0) * 1e3 / reps
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / reps, how
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    return (time.perf_counter() - t0) * 1e3 / reps, how
+
+
+def _graph_replay_ms(step: Callable, device: torch.device, warmup: int, reps: int) -> float:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compilation and lazy initialisation happen outside the capture
@@ -115,7 +137,8 @@ def benchmark_kernels(batch_size: int = 4, seq_len: int = 512, dim: int = 768, d
     each kernel entry holds ``pytorch_ms``, ``compiled_ms``, ``triton_ms``, ``compiled_triton_ms``
     (the Triton op under ``torch.compile``, CUDA only; None when not run), ``speedup_vs_pytorch``
     (eager vs eager), ``speedup_vs_compiled`` (compiled reference vs compiled Triton where measured,
-    else vs eager Triton) and ``errors``.
+    else vs eager Triton), ``errors`` and ``timing`` (per variant: "cuda-graph", or "back-to-back"
+    on CPU and where a capture failed; compare only numbers timed the same way).
     """
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -129,7 +152,8 @@ def benchmark_kernels(batch_size: int = 4, seq_len: int = 512, dim: int = 768, d
     results = {}
     for name in kernels or cases:
         ref_fn, tri_fn, inputs = cases[name]
-        row = {"pytorch_ms": None, "compiled_ms": None, "triton_ms": None, "compiled_triton_ms": None, "errors": {}}
+        row = {"pytorch_ms": None, "compiled_ms": None, "triton_ms": None, "compiled_triton_ms": None, "errors": {},
+               "timing": {}}
         variants = [("pytorch_ms", ref_fn)]
         if compile:
             variants.append(("compiled_ms", torch.compile(ref_fn, dynamic=False)))
@@ -140,7 +164,7 @@ def benchmark_kernels(batch_size: int = 4, seq_len: int = 512, dim: int = 768, d
                 variants.append(("compiled_triton_ms", torch.compile(tri_fn, dynamic=False)))
         for key, fn in variants:
             try:
-                row[key] = _time_ms(fn, inputs, device, warmup, reps)
+                row[key], row["timing"][key] = _time_ms(fn, inputs, device, warmup, reps)
             except Exception as exc:  # one failing variant must not hide the others' numbers
                 row["errors"][key] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         tri = row["triton_ms"]
@@ -179,6 +203,9 @@ def print_benchmark_results(results: dict) -> str:
                      f"{_fmt(row['speedup_vs_compiled'], 13, 'x')}")
         for key, err in row["errors"].items():
             lines.append(f"    {key}: {err}")
+        for key, how in row["timing"].items():
+            if results["device"] == "cuda" and how != "cuda-graph":
+                lines.append(f"    {key}: timed {how}")
     text = "\n".join(lines)
     print(text)
     return text
