@@ -172,7 +172,7 @@ def bench_training(model, batch: int, seq: int, steps: int, warmup: int, compile
     flops = executed_flops_per_token(model.config, seq) * batch * seq
     result = {"tokens_per_s": batch * seq / median, "step_ms": median * 1e3, "executed_tflops": flops / median / 1e12,
               "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
-              "first_step_s": first, "cuda_graph": cuda_graph, "attention_kernels": kernels, "doc_mask_path": doc_mask_path(doc, device),
+              "first_step_s": first, "attention_kernels": kernels, "doc_mask_path": doc_mask_path(doc, device),
               "docs_per_row": None if doc is None else float(doc[:, -1].float().mean() + 1)}
     if profile_dir is not None:
         result["profile"] = profile_steps(step, 3, device, profile_dir, tag=model.config.arch)

@@ -148,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compile_scope", default="model", choices=list(COMPILE_SCOPES),
                        help="compile the whole model as one graph, the same with layers as shared nested regions "
                             "(HydraModel.compile_regions), each block (HydraModel.compile_blocks), or one graph "
-                            "for every routed unit plus the head, routing eager (HydraModel.compile_units; pair "
-                            "with --cuda_graph)")
+                            "for every routed unit plus the fused loss's chunks, routing eager "
+                            "(HydraModel.compile_units; pair with --cuda_graph)")
     bench.add_argument("--document_masking", action="store_true",
                        help="pass doc_ids like the trainer (documents of geometric length, mean 400 tokens)")
     bench.add_argument("--doc_mask_backend", default=None, choices=["auto", "flex", "sdpa"],

@@ -1,6 +1,7 @@
 """Forward+backward timing of every fused op: PyTorch reference, ``torch.compile`` of the reference,
-and the Triton kernel (on CUDA: device time of a CUDA-graph replay, see ``_time_ms``). A kernel earns its place (``set_use_triton_kernels(True)``) only by beating
-the compiled reference on the GPU it will train on.
+and the Triton kernel (on CUDA: device time of a CUDA-graph replay, see ``_time_ms``). A kernel
+earns its place (``set_use_triton_kernels(True)``) only by beating the compiled reference on the
+GPU it will train on.
 
 On CPU the Triton column times the interpreter (labelled so): it checks that the path runs, it
 says nothing about speed.
@@ -85,13 +86,7 @@ def _time_ms(fn: Callable, inputs, device: torch.device, warmup: int, reps: int)
         step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            step()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / reps, how
+        return _cuda_ms(step, device, reps), how
     t0 = time.perf_counter()
     for _ in range(reps):
         step()
@@ -110,10 +105,15 @@ def _graph_replay_ms(step: Callable, device: torch.device, warmup: int, reps: in
         step()
     graph.replay()
     torch.cuda.synchronize(device)
+    return _cuda_ms(graph.replay, device, reps)
+
+
+def _cuda_ms(run: Callable, device: torch.device, reps: int) -> float:
+    """Mean milliseconds of ``reps`` calls of ``run`` between two CUDA events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        graph.replay()
+        run()
     end.record()
     torch.cuda.synchronize(device)
     return start.elapsed_time(end) / reps
