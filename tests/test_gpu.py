@@ -71,7 +71,7 @@ def test_whole_step_cuda_graph_matches_ungraphed_steps(scope):
     one step replayed as one CUDA graph, eager or with compiled units; losses and the parameters
     after five steps on changing data equal an ungraphed twin's (same compilation), so every
     replay ran the whole update on the new data."""
-    from hydra_lm.train.graphed_step import GraphedStep
+    from hydra_lm.cuda_graphs import GraphedStep
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -115,6 +115,32 @@ def test_decode_matches_forward_on_gpu():
     for t in range(30):
         logits = model.forward_cached(ids[:, t:t + 1], t, caches)
         torch.testing.assert_close(logits, full[:, t], rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"moe": True, "moe_num_layers": 1}, {"mor_routing": "token"},
+                                       {"arch": "dense", "n_layers": 2}], ids=["hydra", "moe", "token_choice", "dense"])
+def test_graph_captured_decoding_matches_eager_decoding(overrides):
+    """generate(): the one-token steps replayed as a CUDA graph give the eager loop's tokens (greedy, in
+    float64 so no tie flips) and, sampled with the same generator, its samples."""
+    moe = overrides.get("moe", False)  # bf16: the grouped GEMM (the fp64 expert loop reads the host)
+    model = tiny_model(**overrides).to(torch.bfloat16 if moe else torch.float64).cuda().eval()
+    prompt = _ids(3, 7, TINY["vocab_size"])
+    graphed = model.generate(prompt, max_new_tokens=20, cuda_graph=True)
+    eager = model.generate(prompt, max_new_tokens=20, cuda_graph=False)
+    assert torch.equal(graphed, eager)
+    if not moe:  # and both equal repeated full forwards
+        tokens = prompt
+        for _ in range(20):
+            tokens = torch.cat((tokens, model(tokens)["logits"][:, -1].argmax(-1)[:, None]), dim=1)
+        assert torch.equal(graphed, tokens)
+    else:  # fp64 MoE decoding falls back to eager on its own and refuses an explicit graph
+        fp64 = tiny_model(**overrides).double().cuda().eval()
+        assert torch.equal(fp64.generate(prompt, 5), fp64.generate(prompt, 5, cuda_graph=False))
+        with pytest.raises(ValueError, match="with MoE, bf16"):
+            fp64.generate(prompt, 5, cuda_graph=True)
+    sampled = [model.generate(prompt, 20, temperature=1.0, top_k=20, cuda_graph=graph,
+                              generator=torch.Generator("cuda").manual_seed(1)) for graph in (True, False)]
+    assert torch.equal(sampled[0], sampled[1])
 
 
 def test_grouped_gemm_moe_matches_the_expert_loop():

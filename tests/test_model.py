@@ -105,6 +105,8 @@ def test_generate_restores_training_mode_and_checks_inputs():
         model.generate(torch.tensor([[0, TINY["vocab_size"]]]), 2)
     with pytest.raises(ValueError, match="max_seq_len"):
         model.generate(_ids(1, 100), 50)
+    with pytest.raises(ValueError, match="cuda_graph=True needs the model and the prompt on a CUDA device"):
+        model.generate(_ids(1, 5), 2, cuda_graph=True)
 
 
 def test_generate_stops_at_eos():

@@ -41,19 +41,29 @@ def test_gradient_checkpointing_and_chunked_ce_do_not_change_the_numbers(tiny_da
         assert a == pytest.approx([r["loss"] for r in records(tmp_path / other, "train")], rel=1e-5)
 
 
-def test_compiled_training_with_layer_regions_gives_the_eager_numbers(tiny_data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("scope", ["--compile_regions", "--compile_units"])
+def test_compiled_training_gives_the_eager_numbers(tiny_data, tmp_path, monkeypatch, scope):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     counter = CompileCounterWithBackend("aot_eager")  # the trainer's graph, without inductor's C++ build on CPU
     compile_fn = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model, mode=None, **kw: compile_fn(model, backend=counter, **kw))
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None, options=None, **kw:
+                        compile_fn(model, backend=counter, **kw))
     torch._dynamo.reset()
     assert train(tiny_data, tmp_path / "eager") == 0
-    assert train(tiny_data, tmp_path / "compiled", "--compile", "--compile_regions") == 0
+    assert train(tiny_data, tmp_path / "compiled", "--compile", scope) == 0
     eager = [r["loss"] for r in records(tmp_path / "eager", "train")]
     assert eager == pytest.approx([r["loss"] for r in records(tmp_path / "compiled", "train")], rel=1e-5)
-    regions = {n.target for g in counter.graphs for n in g.graph.nodes if str(n.target).startswith("subgraph")}
-    assert counter.frame_count >= 1 and regions, "the layers must reach the compiled graph as nested regions"
+    if scope == "--compile_regions":
+        regions = {n.target for g in counter.graphs for n in g.graph.nodes if str(n.target).startswith("subgraph")}
+        assert counter.frame_count >= 1 and regions, "the layers must reach the compiled graph as nested regions"
+    else:  # every unit of both blocks and depths shares one graph per autograd mode and masking:
+        # training, evaluation without gradients (top-k) and the causal evaluation's masked units
+        units = [g for g in counter.graphs if any("layers" in str(n.target) for n in g.graph.nodes)]
+        masked = [g for g in units if any(n.name == "l_valid_" for n in g.graph.nodes)]
+        assert len(units) == 3 and len(masked) == 1, [g.graph for g in counter.graphs]
+    log = (tmp_path / "compiled" / "train.log").read_text()
+    assert ("routed units" in log) == (scope == "--compile_units")
 
 
 def test_document_masking_can_be_switched_off(tmp_path):
@@ -99,3 +109,22 @@ def test_data_without_validation_split_trains_and_warns(tmp_path, capsys):
                  *TINY_RUN]) == 0
     assert "no validation split" in capsys.readouterr().err
     assert records(tmp_path / "run", "eval") == []
+
+
+def test_graph_capturable_optimizer_keeps_checkpoints_portable():
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    optim.make_capturable(opt, torch.device("cpu"))
+    lr = opt.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and all(g["lr"] is lr and g["capturable"] for g in opt.param_groups)
+    optim.set_lr(opt, 0.25)
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == 0.25  # refilled in place, where a graph reads it
+    saved = optim.portable_optimizer_state(opt.state_dict())
+    assert saved["param_groups"][0]["lr"] == 0.25 and saved["param_groups"][0]["capturable"] is False
+    assert opt.param_groups[0]["capturable"] and opt.param_groups[0]["lr"] is lr  # the live optimizer is unchanged
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
+    fresh.load_state_dict(saved)
+    fresh.step()  # a plain (non-capturable) run steps with the loaded state
+    assert fresh.param_groups[0]["lr"] == 0.25

@@ -34,6 +34,20 @@ def test_validation_errors_are_clear():
         resolve(TrainConfig(max_steps=10, stop_at_step=11), "debug", False)
 
 
+@pytest.mark.parametrize("settings, message", [
+    (dict(compile_units=True), "add --compile"),
+    (dict(compile=True, compile_units=True, compile_regions=True), "exclude each other"),
+    (dict(compile=True, compile_units=True, compile_mode="reduce-overhead"), "use --cuda_graph"),
+    (dict(compile=True, cuda_graph=True, compile_mode="reduce-overhead"), "not reduce-overhead"),
+    (dict(cuda_graph=True, optimizer="adafactor"), "needs --optimizer adamw"),
+    (dict(cuda_graph=True, gradient_checkpointing=True), "drop one of them"),
+])
+def test_compile_and_graph_combinations_that_cannot_work_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        resolve(TrainConfig(**settings), "debug", True)
+    assert resolve(TrainConfig(compile=True, compile_units=True, cuda_graph=True), "debug", True).cuda_graph
+
+
 def test_model_overrides_parse_from_argv():
     rest, overrides = split_model_overrides(["train", "--model.dim", "64", "--model.mod_capacity=0.5",
                                              "--model.moe", "true", "--lr", "1"])
@@ -97,6 +111,7 @@ def test_cli_overrides_config_file_and_resolved_config_is_written(tiny_data, tmp
     (["--triton_kernels"], "--triton_kernels is not available yet"),
     (["--8bit_adam"], "--8bit_adam"),
     (["--chunked_ce_size", "0"], "chunked_ce_size=0 must be >= 1"),
+    (["--cuda_graph"], "--cuda_graph needs a CUDA device"),
 ])
 def test_bad_settings_fail_with_one_line(tiny_data, tmp_path, capsys, extra, message):
     code = main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "run"), "--max_steps", "2", *TINY_RUN,

@@ -24,7 +24,7 @@ from .model.accounting import dense_flops_per_token, executed_flops_per_token, k
 from .model.attention_backend import get_attention_backend, sdpa_kernel_only
 from .model.doc_attention import get_doc_mask_backend, resolve_doc_mask_backend
 from .step_profile import format_profile, profile_steps
-from .train.graphed_step import GraphedStep
+from .cuda_graphs import GraphedStep
 
 # model: one graph; regions: one graph with layers as shared nested regions (HydraModel.compile_regions);
 # blocks: HydraModel.compile_blocks; units: HydraModel.compile_units (routing eager, dynamic token counts).
@@ -206,8 +206,14 @@ def bench_inference(model, seq: int, new_tokens: int, device: torch.device) -> d
         result["prefill_tokens_per_s"] = ids.numel() / _timed(lambda: model(ids), device)
         for batch in (1, 32):
             prompt = torch.randint(0, vocab, (batch, 16), device=device)
-            seconds = _timed(lambda: model.generate(prompt, new_tokens), device)
-            result[f"decode_tokens_per_s_batch{batch}"] = batch * new_tokens / seconds
+            # Steady-state decoding: the time of `new_tokens` steps minus that of half as many (the
+            # prompt, the first step and a CUDA graph's capture cancel out), median of 3 each.
+            half = max(1, new_tokens // 2)
+            full_s, half_s = (statistics.median(_timed(lambda: model.generate(prompt, n), device) for _ in range(3))
+                              for n in (new_tokens, half))
+            result[f"decode_tokens_per_s_batch{batch}"] = batch * (new_tokens - half) / max(full_s - half_s, 1e-9)
+            result[f"generate_s_batch{batch}"] = full_s
+        result["decode_cuda_graph"] = model.decode_capturable()
     result["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(model.config, seq)
     return result
 
@@ -296,7 +302,8 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{r['executed_tflops']:>9.2f}{mfu:>7}{mem:>9}{r['first_step_s']:>11.1f}"
                      f"  {r['doc_mask_path']:<11}{','.join(r['attention_kernels']) or '-'}")
         if "prefill_tokens_per_s" in r:
-            lines.append(f"{'':<7}inference: prefill {r['prefill_tokens_per_s']:,.0f} tok/s | decode batch 1 "
+            graph = " (CUDA graph)" if r["decode_cuda_graph"] else ""
+            lines.append(f"{'':<7}inference: prefill {r['prefill_tokens_per_s']:,.0f} tok/s | decode{graph} batch 1 "
                          f"{r['decode_tokens_per_s_batch1']:,.0f} tok/s, batch 32 {r['decode_tokens_per_s_batch32']:,.0f}"
                          f" tok/s | KV cache {r['kv_cache_bytes_per_token']['allocated'] / 1024:.1f} KiB/token")
         if "routing_efficiency" in r:

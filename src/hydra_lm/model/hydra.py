@@ -16,11 +16,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import HydraConfig
+from ..cuda_graphs import GraphedStep
 from .attention import CCGQAttention, GQAttention
 from .block import RecursiveBlock, TransformerLayer, run_unit
 from .loss import linear_cross_entropy
 from .layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
-from .moe import MoEFeedForward
+from .moe import MoEFeedForward, grouped_mm_dtype
 from .routing import ROUTING_MODES
 from .sampling import sample_next
 
@@ -214,23 +215,30 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         dtype = dtype or weight.dtype
         return [block.new_caches(batch, length, device, dtype) for block in self.blocks]
 
-    def forward_cached(self, input_ids: torch.Tensor, start: int, caches: list) -> torch.Tensor:
+    def forward_cached(self, input_ids: torch.Tensor, start: int | torch.Tensor, caches: list) -> torch.Tensor:
         """Run new tokens at positions start.. through the model, updating ``caches``; returns the
-        last position's logits [B, V]."""
+        last position's logits [B, V]. ``start``: an int, or a [B, 1] tensor (a graph-captured step)."""
         b, s = input_ids.shape
         pos = (start + torch.arange(s, device=input_ids.device)).expand(b, s)
         mode = "static" if self.config.static_routing_mode else "causal"
         x, _ = self._trunk(self.embed(input_ids), pos, mode, caches)
         return self.lm_head(self.norm(x[:, -1]))
 
+    def decode_capturable(self) -> bool:
+        """Whether ``generate`` can replay its steps as a CUDA graph (model on CUDA, current autocast):
+        MoE without the bf16 grouped GEMM runs an expert loop that reads offsets on the host."""
+        return self.embed.weight.is_cuda and (not self.moe_blocks or grouped_mm_dtype(self.embed.weight) is not None)
+
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, cuda_graph: bool | None = None) -> torch.Tensor:
         """Prompt [B, T] -> [B, T + max_new_tokens] (stops early once every row emitted ``eos_token_id``).
 
         ``temperature=0`` is greedy decoding; it yields exactly the tokens that repeated full
-        forwards in eval (causal routing) mode would pick.
+        forwards in eval (causal routing) mode would pick. ``cuda_graph`` (default: on CUDA): the
+        one-token steps after the prompt are replayed as one CUDA graph (the first runs eagerly, the
+        second is captured); launched one by one, the step's hundreds of small kernels leave the GPU idle.
         """
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [batch, length>0], got shape {tuple(input_ids.shape)}")
@@ -244,12 +252,18 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         if total > self.config.max_seq_len:
             raise ValueError(f"prompt ({t}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len="
                              f"{self.config.max_seq_len}")
+        capturable = input_ids.is_cuda and self.decode_capturable()
+        graphed = capturable if cuda_graph is None else cuda_graph
+        if graphed and not capturable:
+            raise ValueError("cuda_graph=True needs the model and the prompt on a CUDA device and, with MoE, bf16 "
+                             "(weights or autocast); pass cuda_graph=False")
         was_training = self.training
         self.eval()
         try:
             caches = self.init_cache(b, total)
             tokens = input_ids
             logits = self.forward_cached(input_ids, 0, caches)
+            step = _DecodeStep(self, caches, b, input_ids.device, graphed)
             done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
             for i in range(max_new_tokens):
                 nxt = sample_next(logits, temperature, top_k, top_p, generator)
@@ -259,7 +273,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
                 tokens = torch.cat((tokens, nxt[:, None]), dim=1)
                 if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
                     break
-                logits = self.forward_cached(nxt[:, None], t + i, caches)
+                logits = step(nxt[:, None], t + i)
             return tokens
         finally:
             self.train(was_training)
@@ -285,7 +299,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         fullgraph=True``), so all 32 units of the 100M preset share one graph, and the fused chunked
         loss's per-chunk work (``ce_impl`` other than "naive"). Routing (routers, top-k, gathers,
         scatters) runs eager. Cold compile is short; pair it with a whole-step CUDA graph
-        (``train.graphed_step.GraphedStep``) so the eager kernels cost no launch time
+        (``hydra_lm.cuda_graphs.GraphedStep``) so the eager kernels cost no launch time
         (benchmarks/BENCHMARKS.md). Returns the model; parameter names and the state dict are unchanged."""
         kwargs = {"fullgraph": True, "dynamic": True, **kwargs}
         if kwargs.get("mode") == "default":
@@ -339,3 +353,25 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             if not self.config.tie_embeddings:
                 n -= self.lm_head.weight.numel()
         return n
+
+
+class _DecodeStep:
+    """One-token decoding step on fixed input buffers (token, position), replayed as a CUDA graph when
+    ``graphed``. The logits it returns are overwritten by the next call."""
+
+    def __init__(self, model: HydraModel, caches: list, batch: int, device: torch.device, graphed: bool):
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        autocast, dtype = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+
+        def step() -> torch.Tensor:
+            # The caller's autocast, without its cast cache (it would hold tensors across the capture).
+            with torch.autocast(device.type, dtype=dtype, enabled=autocast, cache_enabled=False):
+                return model.forward_cached(self.ids, self.pos, caches)
+
+        self._run = GraphedStep(step, warmup=1) if graphed else step
+
+    def __call__(self, ids: torch.Tensor, position: int) -> torch.Tensor:
+        self.ids.copy_(ids)
+        self.pos.fill_(position)
+        return self._run()

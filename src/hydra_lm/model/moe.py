@@ -15,7 +15,7 @@ from torch import nn
 from .layers import RMSNorm
 
 
-def _grouped_mm_dtype(x: torch.Tensor) -> torch.dtype | None:
+def grouped_mm_dtype(x: torch.Tensor) -> torch.dtype | None:
     """bf16 when the grouped GEMM kernel can run (CUDA, bf16 inputs or bf16 autocast), else None."""
     if not (hasattr(torch, "_grouped_mm") and x.is_cuda):
         return None
@@ -25,7 +25,7 @@ def _grouped_mm_dtype(x: torch.Tensor) -> torch.dtype | None:
 
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Row slice ``offsets[e-1]:offsets[e]`` of ``x`` [M, K] times ``weight[e]`` [K, N]."""
-    dtype = _grouped_mm_dtype(x)
+    dtype = grouped_mm_dtype(x)
     if dtype is not None:
         return torch._grouped_mm(x.to(dtype), weight.to(dtype), offs=offsets.to(torch.int32))
     ends = offsets.tolist()  # host sync: eager fallback only

@@ -40,6 +40,30 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
 
 
+def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Prepare a fused AdamW for replay in a CUDA graph: a float learning rate would be baked into the
+    captured kernels, so it moves into one device tensor that ``set_lr`` refills; step counters move to
+    the device. Done after construction and any restore, so checkpoints stay portable."""
+    lr = torch.tensor(float(optimizer.param_groups[0]["lr"]), device=device)
+    for group in optimizer.param_groups:
+        group["capturable"] = True
+        group["lr"] = lr
+    for state in optimizer.state.values():
+        if "step" in state:
+            state["step"] = state["step"].to(device, torch.float32)
+
+
+def portable_optimizer_state(state: dict) -> dict:
+    """A state dict that loads anywhere: a graph-captured run's device-tensor LR saved as a float and
+    its groups saved as not capturable (``make_capturable`` redoes both on resume)."""
+    groups = [{**g, "lr": float(g["lr"]), "capturable": False} if isinstance(g.get("lr"), torch.Tensor) else g
+              for g in state["param_groups"]]
+    return {**state, "param_groups": groups}
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)  # in place: a captured optimizer step reads this tensor
+        else:
+            group["lr"] = lr

@@ -82,6 +82,12 @@ class TrainConfig:
                                        "backward as CUDA graphs (one process)", type=str, choices=COMPILE_MODES)
     compile_regions: bool = opt(False, "with --compile: trace each transformer layer once per routed-unit size "
                                        "(nested compile regions; shorter cold compile)", type=bool)
+    compile_units: bool = opt(False, "with --compile: one graph shared by every routed unit (layer stack + gated "
+                                     "residual update) and the fused loss's chunks, routing eager; the shortest "
+                                     "cold compile (one process); pair with --cuda_graph", type=bool)
+    cuda_graph: bool = opt(False, "capture the training step (forward, backward, clipping, AdamW) as CUDA graphs "
+                                  "and replay them, compiled or not (one CUDA process, adamw, --compile_mode "
+                                  "default)", type=bool)
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass", type=bool)
     checkpoint_every: int | None = opt(None, "gradient checkpointing every N blocks (implies "
                                              "--gradient_checkpointing)", type=int)
@@ -257,6 +263,19 @@ def validate(cfg: TrainConfig) -> None:
          f"mod_force_enable_pct={cfg.mod_force_enable_pct} must be >= mod_enable_pct={cfg.mod_enable_pct}")
     need(cfg.adaptive_lr_spike > 1, f"adaptive_lr_spike={cfg.adaptive_lr_spike} must be > 1")
     need(0 < cfg.adaptive_lr_factor <= 1, f"adaptive_lr_factor={cfg.adaptive_lr_factor} must lie in (0, 1]")
+    need(cfg.compile or not (cfg.compile_regions or cfg.compile_units),
+         "--compile_regions / --compile_units choose what --compile compiles: add --compile")
+    need(not (cfg.compile_regions and cfg.compile_units), "--compile_regions and --compile_units exclude each "
+         "other: pick one")
+    reduce_overhead = cfg.compile and cfg.compile_mode == "reduce-overhead"
+    need(not (cfg.compile_units and reduce_overhead), "--compile_units with --compile_mode reduce-overhead: the "
+         "units' own CUDA graphs would be overwritten within a step; use --cuda_graph (whole-step graphs) instead")
+    need(not (cfg.cuda_graph and reduce_overhead), "--cuda_graph already graphs the whole step: use it with "
+         "--compile_mode default, not reduce-overhead (whose graphs cannot nest inside another capture)")
+    need(not cfg.cuda_graph or cfg.optimizer == "adamw", f"--cuda_graph needs --optimizer adamw (fused, capturable); "
+         f"{cfg.optimizer} cannot be captured in a CUDA graph")
+    need(not (cfg.cuda_graph and cfg.gradient_checkpointing), "--cuda_graph with gradient checkpointing is not "
+         "supported (recomputation saves and restores RNG states on the host); drop one of them")
     if cfg.checkpoint_every is not None:
         need(cfg.checkpoint_every >= 1, f"checkpoint_every={cfg.checkpoint_every} must be >= 1")
     if cfg.stop_at_step is not None:

@@ -29,7 +29,8 @@ from .evaluate import evaluate
 from .distributed import (any_rank, full_tensor, gather_objects, gradient_sync, mean_across_ranks, sum_across_ranks,
                           wrap_model)
 from .metrics import MetricsWriter, NullMetrics, measure_peak_flops, memory_mb, progress_line
-from .optim import build_optimizer, set_lr
+from .graphed_train_step import GraphedTrainStep
+from .optim import build_optimizer, make_capturable, portable_optimizer_state, set_lr
 from .run import RunSetup, write_run_files
 from .schedule import AdaptiveLR, lr_at
 from .sharded_checkpoint import RANK_FILE, ShardedSaver, load_dcp, load_optimizer, load_single_into_sharded
@@ -54,6 +55,7 @@ class Trainer:
         routable = (mc.arch == "hydra" and mc.mod_enabled, mc.arch == "hydra" and mc.mor_enabled and mc.recursions > 1)
         # self.model stays the HydraModel (sharded in place by FSDP2); self.wrapped is what a step calls.
         self.wrapped = wrap_model(self.model, self.dist, self.device, find_unused=any(routable) or mc.moe)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg, self.device)
         self.curriculum = Curriculum(CurriculumPlan.from_config(cfg, routable))
         self.adaptive = AdaptiveLR(cfg.adaptive_lr_spike, cfg.adaptive_lr_factor, cfg.adaptive_lr_cooldown) \
@@ -70,9 +72,18 @@ class Trainer:
             self._restore(setup.resume_from)
         if cfg.compile and cfg.compile_regions:
             self.model.use_layer_regions(True)
-        self.step_model = torch.compile(self.wrapped, mode=cfg.compile_mode) if cfg.compile else self.wrapped
+        if cfg.compile and cfg.compile_units:
+            self.model.compile_units(mode=cfg.compile_mode)  # routing stays eager: the step calls the model
+            self.step_model = self.wrapped
+        else:
+            self.step_model = torch.compile(self.wrapped, mode=cfg.compile_mode) if cfg.compile else self.wrapped
         # CUDA graphs: each forward starts a new graph replay; outputs of the last one are consumed by then.
         self._graph_steps = cfg.compile and cfg.compile_mode == "reduce-overhead" and self.device.type == "cuda"
+        self.graphs: GraphedTrainStep | None = None
+        self._graphs_announced = False
+        if cfg.cuda_graph:
+            make_capturable(self.optimizer, self.device)
+            self.graphs = GraphedTrainStep(self._micro_step, self._update, self.device)
         self.use_doc_ids = cfg.document_masking
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world_size
         self.peak_flops = measure_peak_flops(self.device) if self.device.type == "cuda" else None
@@ -87,12 +98,22 @@ class Trainer:
         if cfg.compile and cfg.compile_mode == "reduce-overhead" and self.dist.enabled:
             raise ValueError("--compile_mode reduce-overhead (CUDA graphs) works in one process only: FSDP2/DDP "
                              "communication hooks cannot be captured; use --compile_mode default under torchrun")
+        if cfg.cuda_graph and self.device.type != "cuda":
+            raise ValueError(f"--cuda_graph needs a CUDA device (this run is on {self.device}): CUDA graphs do not "
+                             "exist there; drop --cuda_graph")
+        if cfg.cuda_graph and self.dist.enabled:
+            raise ValueError("--cuda_graph works in one process only: FSDP2/DDP communication cannot be captured; "
+                             "drop --cuda_graph under torchrun")
+        if cfg.compile_units and self.dist.enabled:
+            raise ValueError("--compile_units works in one process only; under torchrun use --compile (whole "
+                             "model) or --compile --compile_regions")
         if cfg.triton_kernels:
             raise ValueError("--triton_kernels is not available yet: no fused Triton kernels are wired into "
                              "the model; run without it")
         if cfg.chunked_ce:
-            # Liger's fused kernel on CUDA when installed (eager only), else the chunked fallback.
-            self.model.ce_impl = "auto"
+            # Liger's fused kernel on CUDA when installed (eager only), else the chunked fallback; a
+            # CUDA graph cannot hold Liger (it reads a token count on the host).
+            self.model.ce_impl = "chunked" if cfg.cuda_graph else "auto"
             self.model.ce_chunk_size = cfg.chunked_ce_size
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing = True
@@ -100,7 +121,8 @@ class Trainer:
 
     def autocast(self):
         if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+            # Autocast's cast cache would keep tensors across a graph capture's boundary.
+            return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not self.cfg.cuda_graph)
         return contextlib.nullcontext()
 
     def _restore(self, ckpt) -> None:
@@ -158,7 +180,8 @@ class Trainer:
             path = self.saver.save(self.step, self.model, self.optimizer, rng_tensors, state)
         else:
             # Optimizer state keyed by parameter name, so any number of ranks can load it.
-            trainer_tensors = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer), **rng_tensors}
+            optimizer = portable_optimizer_state(get_optimizer_state_dict(self.model, self.optimizer))
+            trainer_tensors = {"optimizer": optimizer, **rng_tensors}
             path = self.s.manager.save(self.step, self.model, trainer_tensors, state)
         self.log.info(f"saved checkpoint {path}" + (f" ({reason})" if reason else ""))
 
@@ -215,7 +238,6 @@ class Trainer:
     def _loop(self) -> int:
         cfg, s = self.cfg, self.s
         end = cfg.stop_at_step or cfg.max_steps
-        params = [p for p in self.model.parameters() if p.requires_grad]
         self.log.info(f"model {cfg.model_size} ({s.model_cfg.arch}): {self.model.num_parameters() / 1e6:.2f}M "
                       f"parameters | data {s.data.path} (vocab {s.data.vocab_size}) | batch {cfg.batch_size} x "
                       f"{cfg.seq_len} x accum {cfg.grad_accum} = {self.tokens_per_step:,} tokens/step | "
@@ -230,7 +252,7 @@ class Trainer:
         self._window = self._new_window()
         stopping = False
         while self.step < end and not stopping:
-            self._train_step(params, self._window)
+            self._train_step(self._window)
             stopping = self._stop_agreed()
             regular = self.step % cfg.log_every == 0
             if regular or self.step == end or stopping:
@@ -271,8 +293,10 @@ class Trainer:
         feats += ["bf16 autocast, TF32" if cuda else "fp32",
                  f"{'fused ' if cuda and cfg.optimizer == 'adamw' else ''}{cfg.optimizer}",
                  f"grad clip {cfg.grad_clip:g}" if cfg.grad_clip > 0 else "no grad clip"]
-        compiled = f"torch.compile ({cfg.compile_mode}{', layer regions' if cfg.compile_regions else ''})"
-        feats += [name for name, on in ((compiled, cfg.compile), ("gradient checkpointing", cfg.gradient_checkpointing),
+        scope = ", layer regions" if cfg.compile_regions else ", routed units" if cfg.compile_units else ""
+        compiled = f"torch.compile ({cfg.compile_mode}{scope})"
+        feats += [name for name, on in ((compiled, cfg.compile), ("whole-step CUDA graphs", cfg.cuda_graph),
+                                        ("gradient checkpointing", cfg.gradient_checkpointing),
                                         ("document masking", self.use_doc_ids), ("adaptive LR", cfg.adaptive_lr)) if on]
         if cfg.experimental_prefetch_threads:
             feats.append(f"prefetch {cfg.experimental_prefetch_threads} threads x {cfg.prefetch_buffer_size} batches")
@@ -304,11 +328,13 @@ class Trainer:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def _train_step(self, params, window) -> None:
+    def _train_step(self, window) -> None:
         cfg = self.cfg
         msg = self.curriculum.apply(self.step, self.model)
         if msg:
             self.log.info(msg)
+            if self.graphs is not None:  # the routing's control flow changed: capture it again
+                self.graphs.reset()
         lr = lr_at(self.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
                    schedule=cfg.schedule, wsd_decay_pct=cfg.wsd_decay_pct)
         if self.adaptive is not None:
@@ -318,24 +344,20 @@ class Trainer:
         stats = None
         for i in range(cfg.grad_accum):
             batch = self._next_batch()
-            x, y = self._to_device(batch["input_ids"]), self._to_device(batch["targets"])
-            kwargs = {"doc_ids": self._to_device(batch["doc_ids"])} if self.use_doc_ids else {}
+            inputs = {"input_ids": batch["input_ids"], "targets": batch["targets"]}
+            if self.use_doc_ids:
+                inputs["doc_ids"] = batch["doc_ids"]
             with gradient_sync(self.wrapped, self.dist, sync=i == cfg.grad_accum - 1):
-                if self._graph_steps:
-                    torch.compiler.cudagraph_mark_step_begin()
-                with self.autocast():
-                    out = self.step_model(x, targets=y, **kwargs)
-                (out["loss"] / cfg.grad_accum).backward()
-            parts += torch.stack([out[k].detach().float() for k in ("loss", "ce_loss", "aux_loss", "ponder_loss",
-                                                                    "moe_loss")])
-            stats = out["routing_stats"].detach().float().clone()  # CUDA graphs reuse output memory
-        if cfg.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        else:  # still measured for the log; clipping by inf would turn an overflowed norm into NaN grads
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        grad_norm = full_tensor(grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+                if self.graphs is not None:
+                    micro_parts, micro_stats = self.graphs.micro(inputs)
+                else:
+                    micro_parts, micro_stats = self._micro_step(**{k: self._to_device(v) for k, v in inputs.items()})
+            parts += micro_parts
+            stats = micro_stats.clone()  # CUDA graphs reuse output memory
+        grad_norm = full_tensor(self.graphs.update() if self.graphs is not None else self._update())
+        if self.graphs is not None and self.graphs.captured and not self._graphs_announced:
+            self.log.info(f"step {self.step + 1}: training step captured as CUDA graphs, replayed from now on")
+        self._graphs_announced = self.graphs is not None and self.graphs.captured
         parts = parts / cfg.grad_accum
         if self.dist.enabled:  # one small all-reduce: every rank logs and decides on the global mean
             flat = mean_across_ranks(torch.cat([parts, stats.flatten()]), self.dist)
@@ -348,6 +370,29 @@ class Trainer:
         window["lr"] = lr
         self.step += 1
         self.tokens_seen += self.tokens_per_step
+
+    def _micro_step(self, input_ids, targets, doc_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one micro-batch: (loss parts [5], routing stats)."""
+        if self._graph_steps:
+            torch.compiler.cudagraph_mark_step_begin()
+        kwargs = {"doc_ids": doc_ids} if doc_ids is not None else {}
+        with self.autocast():
+            out = self.step_model(input_ids, targets=targets, **kwargs)
+        (out["loss"] / self.cfg.grad_accum).backward()
+        parts = torch.stack([out[k].detach().float() for k in ("loss", "ce_loss", "aux_loss", "ponder_loss",
+                                                                "moe_loss")])
+        return parts, out["routing_stats"].detach().float()
+
+    def _update(self) -> torch.Tensor:
+        """Clip (or only measure) the gradient norm, step the optimizer, clear the gradients."""
+        if self.cfg.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        else:  # still measured for the log; clipping by inf would turn an overflowed norm into NaN grads
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        self.optimizer.step()
+        # A captured backward accumulates into gradients that exist: zero them in place instead.
+        self.optimizer.zero_grad(set_to_none=self.graphs is None)
+        return grad_norm
 
     def _log(self, window, regular: bool = True) -> bool:
         """Write a metrics record. Only ``regular`` records (every log_every steps) feed the loss gate

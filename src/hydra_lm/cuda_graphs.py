@@ -1,17 +1,17 @@
-"""A whole training step (forward, backward, optimizer update) captured as one CUDA graph.
+"""A step of work (a whole training step, one decoding step) captured as one CUDA graph.
 
 ``torch.compile(mode="reduce-overhead")`` graphs only what inductor compiled: with routing left
-eager (``HydraModel.compile_units``) the step would again be bound by the host issuing thousands
-of small kernels. Capturing the step at the PyTorch level instead graphs everything the step
-launches (eager routing, compiled layers, loss, optimizer), whatever was compiled, and replays it
-with one launch. PyTorch's ``make_graphed_callables`` graphs modules, not an optimizer step, so
-this small wrapper does the documented whole-network capture.
+eager (``HydraModel.compile_units``) or not compiled at all, a HYDRA step is bound by the host
+issuing thousands of small kernels. Capturing at the PyTorch level instead graphs everything the
+step launches (eager routing, compiled layers, loss, optimizer) and replays it with one launch.
+PyTorch's ``make_graphed_callables`` graphs modules, not an optimizer step or a decode loop's
+cache updates, so this small wrapper does the documented whole-network capture.
 
-Requirements of the step (all hold for a HYDRA step in top-k mode): static shapes, no host
-synchronisation, inputs read from fixed tensors that the caller refills in place, an optimizer
-built with ``capturable=True`` (its step counter lives on the device), gradients set to None
-before the first call (the captured backward then writes, not accumulates, them), autocast with
-``cache_enabled=False``.
+Requirements of the step (all hold for a HYDRA step in top-k mode and for cached decoding): static
+shapes, no host synchronisation, inputs read from fixed tensors that the caller refills in place;
+for training, an optimizer with ``capturable=True`` (step counter and learning rate on the device)
+and gradients that are None before the first call or kept allocated and zeroed in place; autocast
+with ``cache_enabled=False``.
 """
 
 from __future__ import annotations
@@ -75,3 +75,4 @@ class GraphedStep:
         with torch.cuda.graph(graph):
             self._outputs = self._fn()
         self._graph = graph
+

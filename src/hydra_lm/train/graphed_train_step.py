@@ -1,0 +1,48 @@
+"""The trainer's step as CUDA graphs (``hydra-lm train --cuda_graph``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..cuda_graphs import GraphedStep
+
+
+class GraphedTrainStep:
+    """The trainer's step as two CUDA graphs. ``micro(batch)`` copies one micro-batch into fixed device
+    buffers and replays forward + backward, which accumulate into the gradients in place (so it can
+    run ``grad_accum`` times per step); ``update()`` replays clipping, the optimizer step and the
+    in-place zeroing of the gradients. ``micro_fn(**buffers)`` and ``update_fn()`` are the eager
+    functions; each graph is captured after ``warmup`` eager calls (see ``GraphedStep``)."""
+
+    def __init__(self, micro_fn: Callable[..., Any], update_fn: Callable[[], Any], device: torch.device,
+                 warmup: int = 2):
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._micro = GraphedStep(lambda: micro_fn(**self._buffers), warmup)
+        self._update = GraphedStep(update_fn, warmup)
+
+    @property
+    def captured(self) -> bool:
+        return self._micro.captured and self._update.captured
+
+    def reset(self) -> None:
+        self._micro.reset()
+        self._update.reset()
+
+    def micro(self, batch: dict[str, torch.Tensor]) -> Any:
+        for name, value in batch.items():
+            buf = self._buffers.get(name)
+            if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+                if self._micro.captured:
+                    raise ValueError(f"CUDA-graphed training step: {name} is now {tuple(value.shape)} "
+                                     f"{value.dtype}, it was captured as {tuple(buf.shape)} {buf.dtype}; a "
+                                     "captured step needs fixed batch shapes (drop --cuda_graph)")
+                buf = self._buffers[name] = torch.empty(value.shape, dtype=value.dtype, device=self.device)
+            # From pinned memory the copy queues behind the previous replay instead of waiting for it.
+            buf.copy_(value.pin_memory() if value.device.type == "cpu" else value, non_blocking=True)
+        return self._micro()
+
+    def update(self) -> Any:
+        return self._update()

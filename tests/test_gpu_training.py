@@ -1,0 +1,70 @@
+"""The trainer on a GPU (`python -m pytest -q -m gpu tests/`; skipped elsewhere): `--cuda_graph`
+replays the whole step as CUDA graphs and gives the ungraphed trainer's numbers across grad
+accumulation, clipping, evaluation, a curriculum switch (re-capture) and an exact resume."""
+
+import pytest
+import torch
+
+from hydra_lm.cli import main
+from test_train_support import TINY_RUN, records, tiny_data  # noqa: F401
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+GPU_RUN = ["cuda" if a == "cpu" else a for a in TINY_RUN]
+# MoD from the first step, MoR switched on at step 4 of 10: the graphs are captured twice.
+COMMON = ["--max_steps", "10", "--log_every", "1", "--no-eval_at_start", "--eval_every", "5", "--save_every", "3",
+          "--grad_accum", "2", "--chunked_ce", "--mod_enable_pct", "0", "--mod_force_enable_pct", "0",
+          "--mor_enable_pct", "0.4", *GPU_RUN]
+
+
+def train(data, run, *extra):
+    return main(["train", "--data", str(data), "--out", str(run), *COMMON, *extra])
+
+
+def losses(run):
+    return [(r["step"], r["loss"], r["grad_norm"], r["mor_active"]) for r in records(run, "train")]
+
+
+def close(a, b, rel):
+    assert [r[0] for r in a] == [r[0] for r in b] and [r[3] for r in a] == [r[3] for r in b]
+    assert [r[1] for r in a] == pytest.approx([r[1] for r in b], rel=rel)
+    assert [r[2] for r in a] == pytest.approx([r[2] for r in b], rel=rel)
+
+
+@pytest.fixture(autouse=True)
+def no_liger(monkeypatch):
+    """Both twins on the same loss kernels: a graph cannot hold Liger, so --chunked_ce is the chunked path."""
+    from hydra_lm.model import loss
+
+    monkeypatch.setenv("HYDRA_DISABLE_LIGER_CE", "1")
+    loss.read_liger_ce_env()
+    yield
+    monkeypatch.delenv("HYDRA_DISABLE_LIGER_CE")
+    loss.read_liger_ce_env()
+
+
+def test_cuda_graph_trainer_matches_the_eager_trainer_and_resumes_exactly(tiny_data, tmp_path):
+    assert train(tiny_data, tmp_path / "eager") == 0
+    assert train(tiny_data, tmp_path / "graph", "--cuda_graph") == 0
+    close(losses(tmp_path / "graph"), losses(tmp_path / "eager"), rel=1e-3)
+    log = (tmp_path / "graph" / "train.log").read_text()
+    assert "whole-step CUDA graphs" in log
+    # captured after the warm-up steps, and again after the MoR switch changed the step's control flow
+    assert log.count("captured as CUDA graphs") == 2, log
+    assert [r["mor_active"] for r in records(tmp_path / "graph", "train")].count(True) == 6
+
+    pieces = tmp_path / "pieces"
+    assert train(tiny_data, pieces, "--cuda_graph", "--stop_at_step", "6") == 0
+    assert main(["train", "--out", str(pieces)]) == 0  # the saved config keeps --cuda_graph
+    close(losses(pieces), losses(tmp_path / "graph"), rel=1e-5)
+    # a graph-captured run's checkpoint also resumes without graphs (portable optimizer state)
+    assert main(["train", "--out", str(pieces), "--no-cuda_graph", "--max_steps", "12"]) == 0
+    assert [r["step"] for r in records(pieces, "train")][-2:] == [11, 12]
+
+
+def test_cuda_graph_with_compiled_units_matches_compiled_units(tiny_data, tmp_path):
+    torch._dynamo.reset()
+    assert train(tiny_data, tmp_path / "units", "--compile", "--compile_units") == 0
+    assert train(tiny_data, tmp_path / "graph", "--compile", "--compile_units", "--cuda_graph") == 0
+    close(losses(tmp_path / "graph"), losses(tmp_path / "units"), rel=1e-3)
+    assert "routed units" in (tmp_path / "graph" / "train.log").read_text()
