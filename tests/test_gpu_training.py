@@ -33,9 +33,12 @@ def close(a, b, rel):
 
 @pytest.fixture(autouse=True)
 def no_liger(monkeypatch):
-    """Both twins on the same loss kernels: a graph cannot hold Liger, so --chunked_ce is the chunked path."""
+    """Both twins on the same loss kernels: a graph cannot hold Liger, so --chunked_ce is the chunked path.
+    The trainer turns TF32 on for the process; later tests get the flags back."""
     from hydra_lm.model import loss
 
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
     monkeypatch.setenv("HYDRA_DISABLE_LIGER_CE", "1")
     loss.read_liger_ce_env()
     yield
