@@ -65,9 +65,13 @@ def test_cuda_graph_trainer_matches_the_eager_trainer_and_resumes_exactly(tiny_d
     assert [r["step"] for r in records(pieces, "train")][-2:] == [11, 12]
 
 
-def test_cuda_graph_with_compiled_units_matches_compiled_units(tiny_data, tmp_path):
+@pytest.mark.parametrize("scope", [["--compile_units"], []], ids=["units", "whole_model"])
+def test_cuda_graph_with_compilation_matches_the_same_compilation(tiny_data, tmp_path, scope):
     torch._dynamo.reset()
-    assert train(tiny_data, tmp_path / "units", "--compile", "--compile_units") == 0
-    assert train(tiny_data, tmp_path / "graph", "--compile", "--compile_units", "--cuda_graph") == 0
-    close(losses(tmp_path / "graph"), losses(tmp_path / "units"), rel=1e-3)
-    assert "routed units" in (tmp_path / "graph" / "train.log").read_text()
+    assert train(tiny_data, tmp_path / "compiled", "--compile", *scope) == 0
+    assert train(tiny_data, tmp_path / "graph", "--compile", *scope, "--cuda_graph") == 0
+    # Compiled bf16 backward kernels add with atomics, so two runs drift apart by a few 1e-4 over 10
+    # steps; stale inputs or a missing update would put them percents apart.
+    close(losses(tmp_path / "graph"), losses(tmp_path / "compiled"), rel=3e-3)
+    log = (tmp_path / "graph" / "train.log").read_text()
+    assert ("routed units" in log) == bool(scope) and log.count("captured as CUDA graphs") == 2
