@@ -75,4 +75,3 @@ class GraphedStep:
         with torch.cuda.graph(graph):
             self._outputs = self._fn()
         self._graph = graph
-
