@@ -74,6 +74,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from .train import eval_run
+    from .train.evaluate import routing_warnings
 
     result = eval_run(args.run, args.checkpoint, data=args.data, batch_size=args.batch_size, seq_len=args.seq_len,
                       max_batches=args.eval_batches, device=args.device)
@@ -85,6 +86,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                            ("topk", "top-k routing: teacher-forced, not an autoregressive number")):
             print(f"  {mode:<6} loss {result[f'val_loss_{mode}']:.4f}  perplexity {result[f'val_ppl_{mode}']:.2f}"
                   f"   ({note})")
+        print(f"  gap    {result['val_gap']:+.4f} nats (causal minus top-k)")
+        if "routing" in result:
+            print(f"  routing: {100 * result['val_agreement']:.1f}% top-k/threshold agreement; executed fraction "
+                  "per router, causal against its top-k target:")
+            for name, r in result["routing"].items():
+                print(f"    {name:<16} {r['exec_causal']:.3f} / {r['target']:.3f}   agreement {100 * r['agreement']:.1f}%")
+        for warning in routing_warnings(result):
+            print(f"  warning: {warning}")
     return 0
 
 

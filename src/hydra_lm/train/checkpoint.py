@@ -37,6 +37,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
+from ..model.routing import THRESHOLD_BUFFERS
+
+
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"
@@ -82,6 +85,7 @@ class Checkpoint:
             missing, unexpected = load_model(model, str(self.model_file), strict=False)
         except Exception as err:  # safetensors raises its own error types on a damaged header
             raise CheckpointError(f"checkpoint file {self.model_file} cannot be read: {err}") from None
+        missing = [k for k in missing if not k.endswith(THRESHOLD_BUFFERS)]
         if missing or unexpected:
             raise CheckpointError(f"checkpoint file {self.model_file} does not match the model: missing "
                                   f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")

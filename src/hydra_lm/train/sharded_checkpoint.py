@@ -27,8 +27,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from ..model.routing import THRESHOLD_BUFFERS
 from .checkpoint import DCP_DIR, MODEL_FILE, TRAINER_FILE, Checkpoint, CheckpointError, CheckpointManager
 from .distributed import DistInfo, barrier
+
 
 RANK_FILE = "rank{}.pt"
 
@@ -95,7 +97,7 @@ def load_dcp(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimize
                      no_dist=not distributed)
     except Exception as err:  # DCP raises its own error types for unreadable or mismatched entries
         raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {err}") from None
-    missing = [f"model.{k}" for k in payload["model"] if f"model.{k}" not in saved]
+    missing = [f"model.{k}" for k in payload["model"] if f"model.{k}" not in saved and not k.endswith(THRESHOLD_BUFFERS)]
     if missing:
         raise CheckpointError(f"checkpoint {path} does not match the model: missing {missing[:5]}")
     set_model_state_dict(model, payload["model"])

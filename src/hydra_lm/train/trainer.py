@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from .checkpoint import capture_rng, restore_rng
 from .curriculum import Curriculum, CurriculumPlan
 from .data_io import ValSet, train_loader
-from .evaluate import evaluate
+from .evaluate import evaluate, format_eval, routing_warnings
 from .distributed import (any_rank, full_tensor, gather_objects, gradient_sync, mean_across_ranks, sum_across_ranks,
                           wrap_model)
 from .metrics import MetricsWriter, NullMetrics, measure_peak_flops, memory_mb, progress_line
@@ -454,9 +454,9 @@ class Trainer:
             return None
         record = {"kind": "eval", "step": self.step, **result, "eval_s": time.perf_counter() - t0}
         self.metrics.write(record)
-        self.log.info(f"eval step {self.step}: val loss causal {result['val_loss_causal']:.4f} (ppl "
-                      f"{result['val_ppl_causal']:.1f}) | top-k {result['val_loss_topk']:.4f} (ppl "
-                      f"{result['val_ppl_topk']:.1f}) | {result['val_tokens']:,} tokens")
+        self.log.info(f"eval step {self.step}: {format_eval(result)}")
+        for warning in routing_warnings(result):
+            self.log.warning(f"eval step {self.step}: {warning}")
         return result
 
 
