@@ -254,7 +254,8 @@ class Trainer:
                       f"{cfg.optimizer}, lr {cfg.lr:g} -> {cfg.min_lr:g} ({cfg.schedule}, warm-up "
                       f"{cfg.warmup_steps}) | {self.curriculum.plan.describe()}")
         self.log.info("active: " + ", ".join(self._active_features()))
-        if self._clock() >= end:
+        now = self._clock()
+        if now >= end:
             self.log.info(f"nothing to do: the run is at step {self.step}, target {end}")
             return 0
         if self.step == 0 and cfg.eval_at_start:
@@ -263,8 +264,8 @@ class Trainer:
         stopping = False
         self._train_t0 = time.perf_counter()
         compiling = cfg.compile or cfg.cuda_graph
-        while self._clock() < end and not stopping:
-            before = self._clock()
+        while now < end and not stopping:  # `now` is read once per step: every decision below agrees on it
+            before = now
             self._train_step(self._window)
             if compiling:  # the first step of a start compiles or captures: its time is not training time
                 self._bank_train_time(startup=True)
