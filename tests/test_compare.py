@@ -26,7 +26,8 @@ def test_compare_trains_reports_and_skips_finished_variants(tiny_data, tmp_path,
     assert compare(tiny_data, out, "--budget", "tokens=1k", "--variants", "hydra", "dense", "--evals", "2") == 0
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("variant "))
-    assert "tok/s" in lines[header] and lines[header + 2].startswith("hydra ") and lines[header + 3].startswith("dense ")
+    assert "tok/s" in lines[header]
+    assert lines[header + 2].startswith("hydra ") and lines[header + 3].startswith("dense ")
     results = json.loads((out / "results.json").read_text())
     assert results["budget"] == {"kind": "tokens", "value": 1000.0}
     assert list(results["variants"]) == ["hydra", "dense"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from ..config import HydraConfig, preset_config
 from ..model.accounting import executed_flops_per_token
 from ..train.checkpoint import write_text_atomic
 from ..train.curriculum import CurriculumPlan
-from ..train.data_io import DataInfo, open_data
+from ..train.data_io import open_data
 from ..train.metrics import METRICS_FILE
 from ..train.options import TrainConfig, resolve
 from ..train.run import CONFIG_JSON, build_model_config, pick_device

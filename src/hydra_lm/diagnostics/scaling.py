@@ -152,7 +152,9 @@ def run_scaling(dirs: list[str], out: str | None, x: str, group: str, reference:
                                 "unreachable": len(samples) - len(finite)}
             reach = f"{point:.3g}x" if math.isfinite(point) else f"never (below {reference}'s floor c)"
             spread = f", 68% interval {row['multiplier_interval_68'][0]:.3g}-{row['multiplier_interval_68'][1]:.3g}" \
-                if finite else ""
+                if finite else ", no interval"
+            if failed:  # resamples with too few distinct compute values cannot be fitted
+                spread += f" ({failed} of {bootstrap} resamples could not be fitted)"
             line += f"\n  {'':<12} {reference} needs {reach} the compute for that loss{spread}"
         summary["groups"][name] = row
         print(line)
