@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 
 from hydra_lm.cli import main
+from hydra_lm.diagnostics.compare import parse_budget, plan_compare, planned_flops
 from hydra_lm.diagnostics.scaling import fit_power_law
+from hydra_lm.diagnostics.variants import parameter_count
+from hydra_lm.model.accounting import executed_flops_per_token
 from hydra_lm.train import eval_run, lr_at
 from test_train_support import TINY_RUN, records, tiny_data, write_corpus  # noqa: F401
 
@@ -91,6 +94,26 @@ def test_compare_refuses_bad_requests_with_one_line(tiny_data, tmp_path, capsys)
     assert compare(no_val, tmp_path / "x", "--budget", "tokens=1k") == 2
     assert "no validation split" in capsys.readouterr().err
     assert not (tmp_path / "x" / "runs").exists()  # nothing was trained
+
+
+def test_flops_budget_and_dense_depths_match_what_they_promise(tiny_data, tmp_path):
+    shared = {"model_size": "debug", "device": "cpu", "batch_size": 4, "seq_len": 32,
+              "model": {"dim": 64, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden": 128}}
+    plan = plan_compare(str(tiny_data), str(tmp_path / "cmp"), parse_budget("flops=2e10"),
+                        ["hydra", "vanilla", "dense", "dense-flops"], [], 4, shared)
+    runs = {r.variant.name: r for r in plan["runs"]}
+    for run in runs.values():  # the fewest steps whose executed FLOPs reach the budget
+        steps = run.values["max_steps"]
+        assert planned_flops(run.model_cfg, plan["base"], steps, 128) >= 2e10
+        assert planned_flops(run.model_cfg, plan["base"], steps - 1, 128) < 2e10
+    assert runs["hydra"].values["max_steps"] > runs["vanilla"].values["max_steps"]  # routing skips work
+    hydra = runs["hydra"].model_cfg
+    for name, measure in (("dense", parameter_count),
+                          ("dense-flops", lambda cfg: executed_flops_per_token(cfg, 32, training=True))):
+        dense = runs[name].model_cfg
+        assert dense.arch == "dense"
+        off = lambda n: abs(measure(dense.replace(n_layers=n)) - measure(hydra))  # noqa: E731
+        assert off(dense.n_layers) <= min(off(n) for n in (dense.n_layers - 1, dense.n_layers + 1) if n >= 1)
 
 
 def test_time_budget_stops_on_training_time_and_resumes_it(tiny_data, tmp_path, capsys):
