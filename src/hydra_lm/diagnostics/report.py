@@ -53,7 +53,7 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
         f"Validation loss is measured at the start, {spacing}, and at the end, with causal routing (what "
         "generation does) and top-k routing (teacher-forced). Executed FLOPs count the tokens each routed unit "
         "really processes, following the routing curriculum; training seconds exclude evaluation, checkpoints "
-        "and a compiling first step.",
+        "and compilation at the start of a run.",
         "",
         "## Results",
         "",

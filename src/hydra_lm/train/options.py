@@ -49,7 +49,7 @@ class TrainConfig:
     grad_accum: int | None = opt(None, "micro-batches per optimizer step", type=int)
     seq_len: int | None = opt(None, "tokens per sequence", type=int)
     time_budget_s: float | None = opt(None, "end the run after this many seconds of training steps (evaluation, "
-                                            "checkpoints and a compiling first step not counted); the schedule, "
+                                            "checkpoints and compilation at the start not counted); the schedule, "
                                             "curriculum, eval_every and save_every then count the fraction of the "
                                             "budget spent, in units of max_steps (one process only)", type=float)
 

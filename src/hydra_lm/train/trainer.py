@@ -66,7 +66,7 @@ class Trainer:
         self.saver = ShardedSaver(setup.manager, self.dist, cfg.async_checkpoint) if self.dist.enabled else None
         self.step = 0
         self.tokens_seen = 0
-        self.train_s = 0.0  # seconds of training steps only (no eval, checkpoint or compiling first step)
+        self.train_s = 0.0  # seconds of training steps only (no eval, checkpoints, compilation at a start)
         self.startup_s = 0.0
         self._train_t0: float | None = None
         self._saved_window: dict | None = None
@@ -267,9 +267,9 @@ class Trainer:
         while now < end and not stopping:  # `now` is read once per step: every decision below agrees on it
             before = now
             self._train_step(self._window)
-            if compiling:  # the first step of a start compiles or captures: its time is not training time
+            if compiling:  # compiling (first step) or capturing CUDA graphs (first steps): not training time
                 self._bank_train_time(startup=True)
-                compiling = False
+                compiling = self.graphs is not None and not self.graphs.captured
             now = self._clock()
             stopping = self._stop_agreed()
             regular = self.step % cfg.log_every == 0
