@@ -101,11 +101,11 @@ def test_flops_budget_and_dense_depths_match_what_they_promise(tiny_data, tmp_pa
               "model": {"dim": 64, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden": 128}}
     plan = plan_compare(str(tiny_data), str(tmp_path / "cmp"), parse_budget("flops=2e10"),
                         ["hydra", "vanilla", "dense", "dense-flops"], [], 4, shared)
-    runs = {r.variant.name: r for r in plan["runs"]}
+    runs = {r.variant.name: r for r in plan.runs}
     for run in runs.values():  # the fewest steps whose executed FLOPs reach the budget
         steps = run.values["max_steps"]
-        assert planned_flops(run.model_cfg, plan["base"], steps, 128) >= 2e10
-        assert planned_flops(run.model_cfg, plan["base"], steps - 1, 128) < 2e10
+        assert planned_flops(run.model_cfg, plan.base, steps, 128) >= 2e10
+        assert planned_flops(run.model_cfg, plan.base, steps - 1, 128) < 2e10
     assert runs["hydra"].values["max_steps"] > runs["vanilla"].values["max_steps"]  # routing skips work
     hydra = runs["hydra"].model_cfg
     for name, measure in (("dense", parameter_count),

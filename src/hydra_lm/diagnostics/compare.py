@@ -27,7 +27,7 @@ from ..config import HydraConfig, preset_config
 from ..model.accounting import executed_flops_per_token
 from ..train.checkpoint import write_text_atomic
 from ..train.curriculum import CurriculumPlan
-from ..train.data_io import open_data
+from ..train.data_io import DataInfo, open_data
 from ..train.metrics import METRICS_FILE
 from ..train.options import TrainConfig, resolve
 from ..train.run import CONFIG_JSON, build_model_config, pick_device
@@ -82,6 +82,17 @@ class VariantRun:
     model_cfg: HydraConfig
 
 
+@dataclass
+class ComparePlan:
+    out: Path
+    budget: Budget
+    runs: list[VariantRun]
+    data: DataInfo
+    base: TrainConfig  # the settings shared by every variant, resolved
+    evals: int
+    tokens_per_step: int
+
+
 def run_compare(data: str | None, out: str | None, budget: str, variant_names: list[str] | None,
                 custom_specs: list[str] | None, evals: int, shared: dict[str, Any]) -> int:
     """Train what is missing, then write OUT/results.json, OUT/report.md and the plots.
@@ -93,12 +104,12 @@ def run_compare(data: str | None, out: str | None, budget: str, variant_names: l
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("compare trains its variants one after another in one process: launch it without torchrun")
     plan = plan_compare(data, out, parse_budget(budget), variant_names, custom_specs, evals, shared)
-    out_dir, runs = plan["out"], plan["runs"]
+    out_dir, runs = plan.out, plan.runs
     for i, run in enumerate(runs, 1):
-        done = finished_marker(run)
-        if done is not None:
-            print(f"compare: {run.variant.name} ({i}/{len(runs)}) finished earlier in {run.run_dir}: not retrained",
-                  flush=True)
+        marker = finished_marker(run)
+        if marker is not None:
+            print(f"compare: {run.variant.name} ({i}/{len(runs)}) {marker['status']} earlier in {run.run_dir}: "
+                  "not retrained", flush=True)
             continue
         print(f"compare: training {run.variant.name} ({i}/{len(runs)}): {run.variant.description} -> {run.run_dir}",
               flush=True)
@@ -119,7 +130,7 @@ def run_compare(data: str | None, out: str | None, budget: str, variant_names: l
 
 
 def plan_compare(data: str | None, out: str | None, budget: Budget, variant_names: list[str] | None,
-                 custom_specs: list[str] | None, evals: int, shared: dict[str, Any]) -> dict[str, Any]:
+                 custom_specs: list[str] | None, evals: int, shared: dict[str, Any]) -> ComparePlan:
     """Check the request and work out every variant's trainer settings (nothing is trained here)."""
     if not data:
         raise ValueError("--data DATA_DIR is required (a directory from `hydra-lm prepare`)")
@@ -172,8 +183,7 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
         values["eval_every"] = shared.get("eval_every") or max(1, steps // evals)
         runs.append(VariantRun(v, out_dir / "runs" / v.name, values, model_cfg))
     out_dir.mkdir(parents=True, exist_ok=True)
-    return {"out": out_dir, "budget": budget, "runs": runs, "data": info, "base": base, "evals": evals,
-            "tokens_per_step": tokens_per_step}
+    return ComparePlan(out_dir, budget, runs, info, base, evals, tokens_per_step)
 
 
 # ---------------------------------------------------------------------------- FLOPs accounting
@@ -288,20 +298,19 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------- results
-def collect_results(plan: dict[str, Any]) -> dict[str, Any]:
-    base: TrainConfig = plan["base"]
-    tps = plan["tokens_per_step"]
+def collect_results(plan: ComparePlan) -> dict[str, Any]:
+    base, tps = plan.base, plan.tokens_per_step
     variants, warnings = {}, []
-    for run in plan["runs"]:
-        entry = variant_results(run, base.seq_len, tps, plan["out"])
+    for run in plan.runs:
+        entry = variant_results(run, base.seq_len, tps, plan.out)
         variants[run.variant.name] = entry
         warnings += entry["warnings"]
     return {
-        "budget": {"kind": plan["budget"].kind, "value": plan["budget"].value},
-        "data": str(plan["data"].path),
+        "budget": {"kind": plan.budget.kind, "value": plan.budget.value},
+        "data": str(plan.data.path),
         "settings": {"model_size": base.model_size, "batch_size": base.batch_size, "grad_accum": base.grad_accum,
                      "seq_len": base.seq_len, "tokens_per_step": tps, "lr": base.lr, "min_lr": base.min_lr,
-                     "schedule": base.schedule, "seed": base.seed, "evals": plan["evals"],
+                     "schedule": base.schedule, "seed": base.seed, "evals": plan.evals,
                      "model_overrides": base.model},
         "variants": variants,
         "warnings": warnings,
