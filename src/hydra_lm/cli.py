@@ -72,6 +72,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return run()
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .diagnostics.compare import run_compare
+    from .train.flags import cli_values, load_config_file
+
+    file_values = load_config_file(args.config) if args.config else {}
+    cli = cli_values(args, args.model_overrides)
+    shared = {**file_values, **cli, "model": {**file_values.get("model", {}), **cli.get("model", {})}}
+    return run_compare(shared.get("data"), shared.get("out"), args.budget, args.variants, args.custom_variants,
+                       args.evals, shared)
+
+
+def _cmd_scaling(args: argparse.Namespace) -> int:
+    from .diagnostics.scaling import run_scaling
+
+    return run_scaling(args.results, args.out, args.x, args.group, args.reference, args.predict, args.bootstrap,
+                       args.seed)
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from .train import eval_run
     from .train.evaluate import routing_warnings
@@ -195,6 +213,40 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(train)
     train.set_defaults(func=_cmd_train)
 
+    from .diagnostics.variants import BUILTIN_VARIANTS, DEFAULT_VARIANTS
+
+    compare = sub.add_parser("compare", conflict_handler="resolve",
+                             help="train model variants on the same data for the same budget; report, plots")
+    add_train_arguments(compare)  # shared by every variant
+    compare.add_argument("--out", default=None, help="output directory: runs/NAME per variant, results.json, "
+                                                     "report.md and the plots")
+    compare.add_argument("--budget", required=True, help="per variant: tokens=N, flops=N (executed training "
+                                                         "FLOPs) or seconds=N (training time); k/M/G/T/P suffixes")
+    compare.add_argument("--variants", nargs="+", default=None, metavar="NAME",
+                         help=f"built-in variants ({', '.join(BUILTIN_VARIANTS)}; default: "
+                              f"{' '.join(DEFAULT_VARIANTS)} unless --variant is given)")
+    compare.add_argument("--variant", dest="custom_variants", action="append", default=None,
+                         metavar="NAME:field=value,...", help="a custom variant: HydraConfig fields on top of the "
+                                                              "preset (repeatable; arch=dense allowed)")
+    compare.add_argument("--evals", type=int, default=8, help="evaluations spread evenly over the budget")
+    compare.set_defaults(func=_cmd_compare)
+
+    scaling = sub.add_parser("scaling", help="fit L(C) = a*C^-b + c to compare results; predict and compare "
+                                             "compute at equal loss")
+    scaling.add_argument("--results", nargs="+", required=True, metavar="DIR", help="`hydra-lm compare` output "
+                                                                                    "directories")
+    scaling.add_argument("--out", default=None, help="where scaling.png and scaling.json go (default: the first "
+                                                     "results directory)")
+    scaling.add_argument("--x", default="flops", choices=["flops", "seconds"], help="compute axis: executed "
+                                                                                      "training FLOPs or seconds")
+    scaling.add_argument("--group", default="family", choices=["family", "variant"],
+                         help="fit per family (hydra-like vs dense-like) or per variant name")
+    scaling.add_argument("--reference", default="dense", help="the group other groups' compute is compared with")
+    scaling.add_argument("--predict", type=float, default=None, metavar="C", help="predict the loss at this compute")
+    scaling.add_argument("--bootstrap", type=int, default=200, help="resamples for the uncertainty")
+    scaling.add_argument("--seed", type=int, default=0)
+    scaling.set_defaults(func=_cmd_scaling)
+
     ev = sub.add_parser("eval", help="validation loss and perplexity of a run's checkpoint (causal and top-k)")
     ev.add_argument("--run", required=True, help="run directory")
     ev.add_argument("--checkpoint", default=None, help="checkpoint directory or exported .safetensors file "
@@ -248,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     args = parser.parse_args(argv)
-    if model_overrides and args.command not in ("train", "bench"):
-        parser.error(f"--model.* overrides apply to `train` and `bench` only, not `{args.command}`")
+    if model_overrides and args.command not in ("train", "bench", "compare"):
+        parser.error(f"--model.* overrides apply to `train`, `bench` and `compare` only, not `{args.command}`")
     args.model_overrides = model_overrides
     try:
         return args.func(args)

@@ -48,6 +48,10 @@ class TrainConfig:
     batch_size: int | None = opt(None, "sequences per micro-batch", type=int)
     grad_accum: int | None = opt(None, "micro-batches per optimizer step", type=int)
     seq_len: int | None = opt(None, "tokens per sequence", type=int)
+    time_budget_s: float | None = opt(None, "end the run after this many seconds of training steps (evaluation, "
+                                            "checkpoints and compilation at the start not counted); the schedule, "
+                                            "curriculum, eval_every and save_every then count the fraction of the "
+                                            "budget spent, in units of max_steps (one process only)", type=float)
 
     # --- optimisation
     lr: float | None = opt(None, "peak learning rate", type=float)
@@ -253,6 +257,7 @@ def validate(cfg: TrainConfig) -> None:
         need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)} must be >= 0")
     need(cfg.prefetch_buffer_size >= 1, f"prefetch_buffer_size={cfg.prefetch_buffer_size} must be >= 1")
     need(cfg.lr > 0, f"lr={cfg.lr} must be > 0")
+    need(cfg.time_budget_s is None or cfg.time_budget_s > 0, f"time_budget_s={cfg.time_budget_s} must be > 0")
     need(0 <= cfg.min_lr <= cfg.lr, f"min_lr={cfg.min_lr} must lie in [0, lr={cfg.lr}]")
     need(cfg.grad_clip >= 0, f"grad_clip={cfg.grad_clip} must be >= 0 (0 disables clipping)")
     need(cfg.weight_decay >= 0, f"weight_decay={cfg.weight_decay} must be >= 0")

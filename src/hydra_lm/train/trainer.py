@@ -66,6 +66,9 @@ class Trainer:
         self.saver = ShardedSaver(setup.manager, self.dist, cfg.async_checkpoint) if self.dist.enabled else None
         self.step = 0
         self.tokens_seen = 0
+        self.train_s = 0.0  # seconds of training steps only (no eval, checkpoints, compilation at a start)
+        self.startup_s = 0.0
+        self._train_t0: float | None = None
         self._saved_window: dict | None = None
         self._window: dict | None = None
         if setup.resume_from is not None:
@@ -107,6 +110,9 @@ class Trainer:
         if cfg.compile_units and self.dist.enabled:
             raise ValueError("--compile_units works in one process only; under torchrun use --compile (whole "
                              "model) or --compile --compile_regions")
+        if cfg.time_budget_s and self.dist.enabled:
+            raise ValueError("--time_budget_s works in one process only (ranks time their steps differently and "
+                             "would disagree on the schedule); under torchrun use --max_steps")
         if cfg.triton_kernels:
             raise ValueError("--triton_kernels is not available yet: no fused Triton kernels are wired into "
                              "the model; run without it")
@@ -145,6 +151,7 @@ class Trainer:
         st = ckpt.state
         self.step = ckpt.step
         self.tokens_seen = int(st.get("tokens_seen", 0))
+        self.train_s, self.startup_s = float(st.get("train_s", 0.0)), float(st.get("startup_s", 0.0))
         self.curriculum.load_state_dict(st["curriculum"], self.device)
         if self.adaptive is not None and st.get("adaptive_lr"):
             self.adaptive.load_state_dict(st["adaptive_lr"])
@@ -162,10 +169,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, reason: str = "") -> None:
+        self._bank_train_time()
         rng_json, rng_tensors = capture_rng()
         state = {
             "model_size": self.s.cfg.model_size,
             "tokens_seen": self.tokens_seen,
+            "train_s": self.train_s,
+            "startup_s": self.startup_s,
             "curriculum": self.curriculum.state_dict(),
             "adaptive_lr": self.adaptive.state_dict() if self.adaptive is not None else None,
             "loader": self.loader.state_dict(),
@@ -244,32 +254,40 @@ class Trainer:
                       f"{cfg.optimizer}, lr {cfg.lr:g} -> {cfg.min_lr:g} ({cfg.schedule}, warm-up "
                       f"{cfg.warmup_steps}) | {self.curriculum.plan.describe()}")
         self.log.info("active: " + ", ".join(self._active_features()))
-        if self.step >= end:
+        now = self._clock()
+        if now >= end:
             self.log.info(f"nothing to do: the run is at step {self.step}, target {end}")
             return 0
         if self.step == 0 and cfg.eval_at_start:
             self._eval()
         self._window = self._new_window()
         stopping = False
-        while self.step < end and not stopping:
+        self._train_t0 = time.perf_counter()
+        compiling = cfg.compile or cfg.cuda_graph
+        while now < end and not stopping:  # `now` is read once per step: every decision below agrees on it
+            before = now
             self._train_step(self._window)
+            if compiling:  # compiling (first step) or capturing CUDA graphs (first steps): not training time
+                self._bank_train_time(startup=True)
+                compiling = self.graphs is not None and not self.graphs.captured
+            now = self._clock()
             stopping = self._stop_agreed()
             regular = self.step % cfg.log_every == 0
-            if regular or self.step == end or stopping:
+            if regular or now >= end or stopping:
                 if not self._log(self._window, regular):
                     if self.saver is not None:  # commit a pending background save (the last good state)
                         self.saver.finish()
                     return 1
                 if regular:
                     self._window = self._new_window()
-            if cfg.eval_every and self.step % cfg.eval_every == 0 or self.step == cfg.max_steps:
+            if cfg.eval_every and now // cfg.eval_every > before // cfg.eval_every or now == cfg.max_steps:
                 self._eval()
                 self._restart_timer()
                 stopping = self._stop_agreed()
             if stopping:
                 break
-            if self.step % cfg.save_every == 0 or self.step == end:
-                self.save("stop_at_step" if self.step == cfg.stop_at_step else "")
+            if now // cfg.save_every > before // cfg.save_every or now >= end:
+                self.save("stop_at_step" if cfg.stop_at_step and now >= end else "")
                 self._restart_timer()
         if stopping:
             self.save(f"interrupted by {self._stop}")
@@ -304,8 +322,33 @@ class Trainer:
 
     def _restart_timer(self) -> None:
         """Throughput counts training steps only, not evaluation or checkpoint time."""
-        self._window["t0"] = time.perf_counter()
+        self._bank_train_time()
+        self._window["t0"] = self._train_t0 = time.perf_counter()
         self._window["timed_steps"] = 0
+
+    def _bank_train_time(self, startup: bool = False) -> None:
+        """Stop the training-time clock (before eval / a checkpoint) and add what it measured to train_s."""
+        if self._train_t0 is None:
+            return
+        if self.device.type == "cuda":  # the steps queued so far belong to this interval
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        if startup:
+            self.startup_s += now - self._train_t0
+        else:
+            self.train_s += now - self._train_t0
+        self._train_t0 = now if startup else None
+
+    def _train_seconds(self) -> float:
+        return self.train_s + (time.perf_counter() - self._train_t0 if self._train_t0 is not None else 0.0)
+
+    def _clock(self) -> int:
+        """Where the run is on its schedule, in steps of max_steps: the step itself, or with a time
+        budget the fraction of it spent (so runs of any speed share one schedule family)."""
+        budget = self.cfg.time_budget_s
+        if not budget:
+            return self.step
+        return int(self.cfg.max_steps * min(1.0, self._train_seconds() / budget))
 
     def _window_state(self) -> dict | None:
         w = self._window
@@ -330,12 +373,13 @@ class Trainer:
 
     def _train_step(self, window) -> None:
         cfg = self.cfg
-        msg = self.curriculum.apply(self.step, self.model)
+        clock = self._clock()
+        msg = self.curriculum.apply(clock, self.model)
         if msg:
             self.log.info(msg)
             if self.graphs is not None:  # the routing's control flow changed: capture it again
                 self.graphs.reset()
-        lr = lr_at(self.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
+        lr = lr_at(clock, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
                    schedule=cfg.schedule, wsd_decay_pct=cfg.wsd_decay_pct)
         if self.adaptive is not None:
             lr *= self.adaptive.multiplier(self.step)
@@ -405,7 +449,8 @@ class Trainer:
         record: dict[str, Any] = {
             "kind": "train", "step": self.step, "loss": loss, "ce_loss": ce, "aux_loss": aux, "ponder_loss": ponder,
             "moe_loss": moe, "lr": window.get("lr", 0.0), "grad_norm": gnorm, "tokens_per_s": tps,
-            "tokens": self.tokens_seen, "memory_mb": memory_mb(self.device),
+            "tokens": self.tokens_seen, "memory_mb": memory_mb(self.device), "train_s": self._train_seconds(),
+            "startup_s": self.startup_s,
             "mod_active": self.curriculum.mod_active, "mor_active": self.curriculum.mor_active,
         }
         if window["stats"] is not None and window["stats"].numel():
@@ -422,7 +467,7 @@ class Trainer:
             return False
         if not regular:
             return True
-        self.curriculum.check_gate(self.step)
+        self.curriculum.check_gate(self._clock())
         if self.adaptive is not None and self.adaptive.observe(self.step, loss):
             self.log.info(f"adaptive LR: loss spike at step {self.step} ({loss:.3f}); LR "
                           f"x{self.cfg.adaptive_lr_factor:g} for {self.cfg.adaptive_lr_cooldown} steps")
@@ -444,6 +489,7 @@ class Trainer:
                 self.log.warning(f"{self.s.data.path} has no validation split: skipping evaluation")
                 self._warned_no_val = True
             return None
+        self._bank_train_time()
         t0 = time.perf_counter()
         if self._valset is None:
             self._valset = ValSet(self.s.data, self.cfg.batch_size, self.cfg.seq_len, self.dist.rank,
@@ -452,7 +498,8 @@ class Trainer:
                           self.use_doc_ids, self._stop_agreed, lambda t: sum_across_ranks(t, self.dist))
         if result is None:
             return None
-        record = {"kind": "eval", "step": self.step, **result, "eval_s": time.perf_counter() - t0}
+        record = {"kind": "eval", "step": self.step, **result, "eval_s": time.perf_counter() - t0,
+                  "train_s": self.train_s}
         self.metrics.write(record)
         self.log.info(f"eval step {self.step}: {format_eval(result)}")
         for warning in routing_warnings(result):
