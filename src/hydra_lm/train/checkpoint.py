@@ -134,6 +134,15 @@ def verify(path: Path) -> Checkpoint:
         files = state["files"]
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"checkpoint file {state_path} is corrupt: {err}") from None
+    if not isinstance(files, dict) or any(".." in Path(n).parts or Path(n).is_absolute() for n in files):
+        raise CheckpointError(f"checkpoint file {state_path} is corrupt: its file list is malformed")
+    # Only listed (hashed) files are ever read: a file slipped in later is refused, not loaded.
+    unlisted = sorted(p.relative_to(path).as_posix() for p in path.rglob("*")
+                      if not p.is_dir() and p != state_path and p.relative_to(path).as_posix() not in files)
+    if unlisted:
+        raise CheckpointError(f"checkpoint {path} holds files that {STATE_FILE} does not list: {unlisted[:5]}")
+    if state.get("layout") == "dcp" and f"{DCP_DIR}/.metadata" not in files:
+        raise CheckpointError(f"checkpoint {path} is sharded but {STATE_FILE} does not list {DCP_DIR}/.metadata")
     for name, info in files.items():
         f = path / name
         if not f.is_file():
