@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,9 @@ class TrainConfig:
     adaptive_lr_spike: float = opt(2.0, "a logged loss above this multiple of its EMA is a spike", type=float)
     adaptive_lr_factor: float = opt(0.5, "LR multiplier during a cool-down", type=float)
     adaptive_lr_cooldown: int = opt(100, "cool-down length in steps", type=int)
+    max_rollbacks: int = opt(2, "on a non-finite loss or gradient: reload the last good checkpoint with a lower LR "
+                                "at most this many times, then stop (0: stop at once)", type=int)
+    rollback_lr_factor: float = opt(0.5, "LR multiplier applied at each rollback", type=float)
 
     # --- MoD / MoR curriculum (T4)
     mod_enable_pct: float = opt(0.10, "MoD may switch on from this fraction of the run (loss gate)", type=float)
@@ -252,8 +256,12 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("eval_every", "eval_batches", "warmup_steps", "experimental_prefetch_threads"):
         need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)} must be >= 0")
     need(cfg.prefetch_buffer_size >= 1, f"prefetch_buffer_size={cfg.prefetch_buffer_size} must be >= 1")
+    for name in ("lr", "min_lr", "weight_decay", "grad_clip", "beta1", "beta2", "rollback_lr_factor"):
+        need(math.isfinite(getattr(cfg, name)), f"{name}={getattr(cfg, name)} must be a finite number")
     need(cfg.lr > 0, f"lr={cfg.lr} must be > 0")
     need(0 <= cfg.min_lr <= cfg.lr, f"min_lr={cfg.min_lr} must lie in [0, lr={cfg.lr}]")
+    need(cfg.max_rollbacks >= 0, f"max_rollbacks={cfg.max_rollbacks} must be >= 0")
+    need(0 < cfg.rollback_lr_factor <= 1, f"rollback_lr_factor={cfg.rollback_lr_factor} must lie in (0, 1]")
     need(cfg.grad_clip >= 0, f"grad_clip={cfg.grad_clip} must be >= 0 (0 disables clipping)")
     need(cfg.weight_decay >= 0, f"weight_decay={cfg.weight_decay} must be >= 0")
     need(0 < cfg.wsd_decay_pct <= 1, f"wsd_decay_pct={cfg.wsd_decay_pct} must lie in (0, 1]")

@@ -1,0 +1,83 @@
+"""Run safety under injected faults: divergence (NaN gradients), the run-directory lock, quarantined
+checkpoints, and one-line errors for bad input and a full disk."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hydra_lm.cli import main
+from hydra_lm.train.checkpoint import verify
+from hydra_lm.train.trainer import Trainer
+from test_train_support import TINY_RUN, records, tiny_data  # noqa: F401
+
+# Saves every 3 steps, logs every 5: a checkpoint falls between log points.
+FAST = [*TINY_RUN, "--max_steps", "12", "--save_every", "3", "--log_every", "5", "--eval_every", "0",
+        "--eval_batches", "1", "--no-eval_at_start", "--keep_checkpoints", "1", "--lr", "1e-3", "--warmup_steps", "1"]
+
+
+def train(data, run, *extra):
+    return main(["train", "--data", str(data), "--out", str(run), *FAST, *extra])
+
+
+def poison_gradients(monkeypatch, steps):
+    """NaN in one gradient at the given 0-based step indices (each index once, or every time if ``steps`` is a
+    callable)."""
+    original = Trainer._update
+    pending = set(steps) if not callable(steps) else None
+
+    def update(self):
+        hit = steps(self.step) if pending is None else self.step in pending
+        if hit:
+            if pending is not None:
+                pending.discard(self.step)
+            next(p for p in self.params if p.grad is not None).grad.fill_(float("nan"))
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "_update", update)
+
+
+def checkpoints(run):
+    return sorted((run / "checkpoints").glob("hydra_*_step*"), key=lambda p: int(p.name.rsplit("step", 1)[1]))
+
+
+def weights_finite(ckpt_dir) -> bool:
+    return all(torch.isfinite(t).all() for t in load_file(str(ckpt_dir / "model.safetensors")).values())
+
+
+def test_nan_gradient_rolls_back_to_the_last_good_checkpoint_with_a_lower_lr(tiny_data, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    poison_gradients(monkeypatch, {5})  # the update that ends step 6, a save point
+    assert train(tiny_data, run) == 0
+    [event] = records(run, "divergence")
+    assert event["action"] == "rollback" and event["to_step"] == 3 and event["lr_scale"] == 0.5
+    train_records = records(run, "train")
+    assert [r["step"] for r in train_records] == [5, 5, 10, 12]  # steps 4-5 again after the rollback
+    assert all(math.isfinite(r["loss"]) for r in train_records)
+    assert train_records[0]["lr"] == pytest.approx(1e-3)
+    assert train_records[2]["lr"] == pytest.approx(0.5e-3)  # stable phase of the schedule, halved
+    [last] = checkpoints(run)
+    assert last.name.endswith("step12") and weights_finite(last)
+    assert verify(last).state["rollback"] == {"rollbacks": 1, "lr_scale": 0.5}
+
+
+def test_persistent_divergence_stops_naming_a_good_checkpoint_and_keeps_it(tiny_data, tmp_path, monkeypatch,
+                                                                            capsys):
+    run = tmp_path / "run"
+    poison_gradients(monkeypatch, lambda step: step >= 5)
+    assert train(tiny_data, run) == 1
+    [good] = checkpoints(run)
+    assert good.name.endswith("step3") and weights_finite(good)  # never rotated away by a NaN state
+    actions = [r["action"] for r in records(run, "divergence")]
+    assert actions == ["rollback", "rollback", "stop"]
+    err = capsys.readouterr().err
+    assert f"last good checkpoint is {good} (step 3)" in err and "--lr 0.000125" in err
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_non_finite_or_negative_lr_is_refused(tiny_data, tmp_path, capsys, value):
+    assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "run"), *TINY_RUN, "--lr", value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hydra-lm train: error: lr=") and "\n" not in err
