@@ -3,6 +3,10 @@ checkpoints, and one-line errors for bad input and a full disk."""
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -40,7 +44,8 @@ def poison_gradients(monkeypatch, steps):
 
 
 def checkpoints(run):
-    return sorted((run / "checkpoints").glob("hydra_*_step*"), key=lambda p: int(p.name.rsplit("step", 1)[1]))
+    found = [p for p in (run / "checkpoints").glob("hydra_*_step*") if p.name.rsplit("step", 1)[1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.rsplit("step", 1)[1]))
 
 
 def weights_finite(ckpt_dir) -> bool:
@@ -81,3 +86,63 @@ def test_non_finite_or_negative_lr_is_refused(tiny_data, tmp_path, capsys, value
     assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "run"), *TINY_RUN, "--lr", value]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("hydra-lm train: error: lr=") and "\n" not in err
+
+
+def test_a_second_trainer_on_the_same_directory_is_refused_until_the_first_dies(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hydra_lm", "train", "--data", str(tiny_data), "--out", str(run), *TINY_RUN,
+           "--max_steps", "100000", "--save_every", "100000", "--log_every", "1", "--eval_every", "0",
+           "--no-eval_at_start"]
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").is_file() or '"kind": "train"' not in (run / "metrics.jsonl").read_text():
+            assert first.poll() is None, first.stderr.read().decode()
+            assert time.monotonic() < deadline, "the first trainer did not start"
+            time.sleep(0.2)
+        in_progress = run / "checkpoints" / ".tmp-hydra_debug_step100000-4242"  # the first trainer's half-written save
+        in_progress.mkdir(parents=True)
+        assert train(tiny_data, run, "--max_steps", "2") == 2
+        err = capsys.readouterr().err.strip()
+        assert f"is in use by another trainer (pid {first.pid} on host " in err and "\n" not in err
+        assert in_progress.is_dir()
+    finally:
+        first.kill()
+        first.wait()
+    # SIGKILL leaves the lock file behind, but not the lock: the next trainer takes it over.
+    assert train(tiny_data, run, "--max_steps", "2", "--save_every", "2") == 0
+    assert json.loads((run / ".lock").read_text())["pid"] == os.getpid()
+
+
+def test_all_checkpoints_corrupt_needs_restart_to_start_over(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "3") == 0
+    [ckpt] = checkpoints(run)
+    model_file = ckpt / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[:100])
+    for _ in range(2):  # the first attempt quarantines it; a later one must not quietly start over either
+        capsys.readouterr()
+        assert train(tiny_data, run, "--max_steps", "6") == 2
+        err = capsys.readouterr().err
+        assert "Pass --restart to start this run again from step 0" in err
+        assert not (run / "checkpoints" / "hydra_debug_step6").exists()
+    assert (run / "checkpoints" / f"{ckpt.name}.corrupt").is_dir()
+    assert train(tiny_data, run, "--max_steps", "6", "--restart") == 0
+    assert "--restart: starting over from step 0" in capsys.readouterr().err
+    assert [p.name for p in checkpoints(run)] == ["hydra_debug_step6"]
+    assert (run / "checkpoints" / f"{ckpt.name}.corrupt").is_dir()
+
+
+def test_corrupt_config_json_advice_works(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "6", "--stop_at_step", "3") == 0
+    (run / "config.json").write_text("{not json")
+    capsys.readouterr()
+    assert train(tiny_data, run, "--max_steps", "6") == 2
+    err = capsys.readouterr().err.strip()
+    assert "config.json is corrupt" in err and "move it away" in err and "\n" not in err
+    (run / "config.json").rename(run / "config.json.bad")  # what the message says to do
+    assert train(tiny_data, run, "--max_steps", "6") == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert [p.name for p in checkpoints(run)] == ["hydra_debug_step6"]

@@ -266,6 +266,12 @@ class CheckpointManager:
             raise CheckpointError(f"no readable checkpoint in {self.dir}: " + "; ".join(errors))
         return None
 
+    def quarantined(self) -> list[Path]:
+        """Checkpoints ``latest_good`` set aside as ``*.corrupt``."""
+        if not self.dir.is_dir():
+            return []
+        return sorted(p for p in self.dir.glob("hydra_*.corrupt") if p.is_dir())
+
     def cleanup_temp(self) -> None:
         """Remove half-written checkpoints left by a crash (never complete ones)."""
         if self.dir.is_dir():

@@ -121,6 +121,8 @@ class TrainConfig:
     wandb_project: str = opt("hydra-lm", "W&B project name", type=str)
     resume: bool = opt(False, "continue from RUN_DIR's newest good checkpoint (automatic when it has one)",
                        type=bool)
+    restart: bool = opt(False, "start again from step 0 when every checkpoint of RUN_DIR was found corrupt (they "
+                               "stay as *.corrupt)", type=bool)
 
     # --- model config overrides: `--model.KEY VALUE` or a [model] table
     model: dict = field(default_factory=dict, metadata=dict(help="HydraConfig overrides", type=None))

@@ -537,4 +537,4 @@ def train(setup: RunSetup) -> int:
             write_run_files(setup, sys.argv)
         return trainer.run()
     finally:
-        setup.log.close()
+        setup.close()
