@@ -1,6 +1,7 @@
 """Run safety under injected faults: divergence (NaN gradients), the run-directory lock, quarantined
 checkpoints, and one-line errors for bad input and a full disk."""
 
+import errno
 import json
 import math
 import os
@@ -146,3 +147,93 @@ def test_corrupt_config_json_advice_works(tiny_data, tmp_path, capsys):
     assert train(tiny_data, run, "--max_steps", "6") == 0
     assert "resumed from" in capsys.readouterr().out
     assert [p.name for p in checkpoints(run)] == ["hydra_debug_step6"]
+
+
+def test_disk_full_while_saving_is_one_line_naming_the_path_and_space(tiny_data, tmp_path, monkeypatch, capsys):
+    import hydra_lm.train.checkpoint as checkpoint
+
+    real_save, calls = checkpoint.save_model, []
+
+    def save_model(model, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:  # the second checkpoint does not fit
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        return real_save(model, filename, metadata=metadata)
+
+    monkeypatch.setattr(checkpoint, "save_model", save_model)
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "6", "--keep_checkpoints", "2") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"hydra-lm train: error: no space left on the device while writing a checkpoint to "
+                          f"{run / 'checkpoints'} (")
+    assert "MiB free, a checkpoint needs about" in err
+    [kept] = checkpoints(run)
+    assert kept.name.endswith("step3") and verify(kept).step == 3
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_data, tmp_path_factory):
+    run = tmp_path_factory.mktemp("finished") / "run"
+    assert train(tiny_data, run, "--max_steps", "6", "--keep_checkpoints", "2") == 0
+    return run
+
+
+def one_line_error(capsys, command: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"hydra-lm {command}: error: ") and "\n" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("where", ["cli", "config_file"])
+@pytest.mark.parametrize("field,value,kind", [("n_blocks", "abc", "an integer"), ("mod_capacity", "[1]", "a number"),
+                                              ("static_routing_mode", "3", "true or false")])
+def test_wrong_typed_model_value_is_one_line(tiny_data, tmp_path, capsys, where, field, value, kind):
+    if where == "cli":
+        extra = [f"--model.{field}", value]
+    else:
+        toml_value = {"abc": '"abc"'}.get(value, value)
+        (tmp_path / "cfg.toml").write_text(f"[model]\n{field} = {toml_value}\n")
+        extra = ["--config", str(tmp_path / "cfg.toml")]
+    assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "run"), *FAST, *extra]) == 2
+    err = one_line_error(capsys, "train")
+    assert f"HydraConfig.{field}=" in err and err.endswith(f"must be {kind}")
+
+
+def test_bad_device_and_info_seq_len_are_one_line(tiny_data, tmp_path, capsys):
+    assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "run"), *TINY_RUN, "--device",
+                 "foo"]) == 2
+    assert "--device foo: not a device" in one_line_error(capsys, "train")
+    assert main(["info", "--model_size", "debug", "--seq_len", "0"]) == 2
+    assert "--seq_len 0" in one_line_error(capsys, "info")
+
+
+def test_generate_on_a_nan_model_is_one_line(finished_run, tmp_path, capsys):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    exported = tmp_path / "model.safetensors"
+    assert main(["export", "--run", str(finished_run), "--out", str(exported)]) == 0
+    with safe_open(str(exported), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    name = sorted(tensors)[0]
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, str(exported), metadata=meta)
+    capsys.readouterr()
+    assert main(["generate", "--run", str(finished_run), "--checkpoint", str(exported), "--prompt", "the",
+                 "--device", "cpu"]) == 2
+    assert "holds non-finite weights" in one_line_error(capsys, "generate")
+
+
+def test_eval_says_when_it_falls_back_to_an_older_checkpoint(finished_run, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    newest = checkpoints(run)[-1]
+    (newest / "model.safetensors").write_bytes(b"garbage")
+    assert main(["eval", "--run", str(run), "--eval_batches", "1", "--device", "cpu", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["step"] == 3
+    assert f"warning: using the older checkpoint {checkpoints(run)[0]} (step 3): newer ones are unusable" in err
+    assert str(newest / "model.safetensors") in err

@@ -21,6 +21,7 @@ renamed ``*.corrupt`` (kept for inspection) and the previous one is used.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -49,6 +50,20 @@ _NAME = re.compile(r"^hydra_(?P<size>.+)_step(?P<step>\d+)$")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the offending file."""
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full_error(directory: Path, err: OSError, needed_bytes: int) -> ValueError:
+    """One line for a checkpoint that did not fit: where, how much is free, how much it needs."""
+    try:
+        free = f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return ValueError(f"no space left on the device while writing a checkpoint to {directory} ({free}, a checkpoint "
+                      f"needs about {needed_bytes / 2**20:.1f} MiB): free some space and run again to resume; the "
+                      f"earlier checkpoints are intact")
 
 
 @dataclass
@@ -279,8 +294,10 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def resolve_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None) -> Checkpoint:
-    """The checkpoint to evaluate or sample from: an explicit path, else the run's newest good one."""
+def resolve_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None,
+                       warn: Callable[[str], None] | None = None) -> Checkpoint:
+    """The checkpoint to evaluate or sample from: an explicit path, else the run's newest good one
+    (``warn`` hears about every newer one skipped, and why)."""
     if checkpoint is not None:
         return verify(Path(checkpoint))
     ckdir = Path(run_dir) / "checkpoints"
@@ -288,9 +305,13 @@ def resolve_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
     errors = []
     for _, path in reversed(found):
         try:
-            return verify(path)
+            ckpt = verify(path)
         except CheckpointError as err:
             errors.append(str(err))
+            continue
+        if errors and warn is not None:
+            warn(f"using the older checkpoint {path} (step {ckpt.step}): newer ones are unusable: " + "; ".join(errors))
+        return ckpt
     if errors:
         raise CheckpointError(f"no readable checkpoint in {ckdir}: " + "; ".join(errors))
     raise CheckpointError(f"run {run_dir} has no checkpoint in {ckdir}")

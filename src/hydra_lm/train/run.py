@@ -52,7 +52,12 @@ class RunSetup:
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: not a device this trainer runs on (use auto, cpu, cuda or cuda:N)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available on this machine (use cpu or auto)")
     return device
@@ -148,6 +153,7 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
         if cfg.data is None:
             raise ValueError("no data: pass --data DATA_DIR (from `hydra-lm prepare`) or --dataset default")
         data = open_data(cfg.data)
+        pick_device(cfg.device)  # a bad --device fails here, before any process group forms
         info, device = init_distributed(cfg.device, cfg.parallel)
         device = device or pick_device(cfg.device)
         preset = preset_config(cfg.model_size).preset  # validates the name early, with suggestions

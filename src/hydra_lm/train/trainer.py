@@ -21,7 +21,7 @@ import torch
 from .. import create_model
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from .checkpoint import CheckpointError, capture_rng, restore_rng, verify
+from .checkpoint import DISK_FULL, CheckpointError, capture_rng, disk_full_error, restore_rng, verify
 from .curriculum import Curriculum, CurriculumPlan
 from .data_io import ValSet, train_loader
 from .evaluate import evaluate
@@ -184,16 +184,27 @@ class Trainer:
             "model_config": self.s.model_cfg.to_dict(),
             "data": self.s.data.to_dict(),
         }
-        if self.saver is not None:
-            state["loader_ranks"] = gather_objects(self.loader.state_dict(), self.dist)
-            path = self.saver.save(self.step, self.model, self.optimizer, rng_tensors, state)
-        else:
-            # Optimizer state keyed by parameter name, so any number of ranks can load it.
-            optimizer = portable_optimizer_state(get_optimizer_state_dict(self.model, self.optimizer))
-            trainer_tensors = {"optimizer": optimizer, **rng_tensors}
-            path = self.s.manager.save(self.step, self.model, trainer_tensors, state)
+        try:
+            if self.saver is not None:
+                state["loader_ranks"] = gather_objects(self.loader.state_dict(), self.dist)
+                path = self.saver.save(self.step, self.model, self.optimizer, rng_tensors, state)
+            else:
+                # Optimizer state keyed by parameter name, so any number of ranks can load it.
+                optimizer = portable_optimizer_state(get_optimizer_state_dict(self.model, self.optimizer))
+                trainer_tensors = {"optimizer": optimizer, **rng_tensors}
+                path = self.s.manager.save(self.step, self.model, trainer_tensors, state)
+        except OSError as err:
+            if err.errno not in DISK_FULL:
+                raise
+            raise disk_full_error(self.s.manager.dir, err, self._state_bytes()) from None
         self.log.info(f"saved checkpoint {path}" + (f" ({reason})" if reason else ""))
         return True
+
+    def _state_bytes(self) -> int:
+        """This process's weights and optimizer state: about what one checkpoint takes on disk."""
+        tensors = [*self.params, *(v for st in self.optimizer.state.values() for v in st.values()
+                                   if isinstance(v, torch.Tensor))]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def _healthy(self, check_params: bool = False) -> bool:
         """Host sync (log, eval and save points only): every loss and grad norm since the last
