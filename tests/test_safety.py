@@ -237,3 +237,39 @@ def test_eval_says_when_it_falls_back_to_an_older_checkpoint(finished_run, tmp_p
     assert json.loads(out)["step"] == 3
     assert f"warning: using the older checkpoint {checkpoints(run)[0]} (step 3): newer ones are unusable" in err
     assert str(newest / "model.safetensors") in err
+
+
+def test_adaptive_lr_average_follows_a_lasting_new_level():
+    from hydra_lm.train import AdaptiveLR
+
+    a = AdaptiveLR(spike=2.0, factor=0.5, cooldown=1)
+    for step in range(10):
+        assert not a.observe(step, 1.0)
+    assert a.observe(10, 3.0)  # a spike...
+    spikes = [a.observe(step, 3.0) for step in range(11, 60)]
+    assert not any(spikes[-20:])  # ...but a level that lasts becomes the new normal
+
+
+def test_repeated_loss_spikes_switch_the_chunked_loss_off_and_back_on(tiny_data, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    original, seen, pending = Trainer._micro_step, [], {4, 5, 6}
+
+    def micro_step(self, *args, **kwargs):
+        seen.append((self.step + 1, self.model.ce_impl))
+        parts, stats = original(self, *args, **kwargs)
+        if self.step in pending:  # the logged loss of steps 5-7 spikes (the update itself is normal)
+            pending.discard(self.step)
+            parts = parts * 1000
+        return parts, stats
+
+    monkeypatch.setattr(Trainer, "_micro_step", micro_step)
+    assert train(tiny_data, run, "--max_steps", "16", "--log_every", "1", "--chunked_ce",
+                 "--experimental_safety_window", "6", "--experimental_throughput_drop_threshold", "0.01") == 0
+    assert [r["step"] for r in records(run, "anomaly")] == [5, 6, 7]
+    switches = [(r["step"], r["action"], r["optimization"]) for r in records(run, "safety")]
+    assert switches == [(7, "off", "the fused chunked loss (--chunked_ce)"),
+                        (12, "on", "the fused chunked loss (--chunked_ce)")]
+    # Steps 1-7 fused; back at the step-6 checkpoint, steps 7-12 on the plain loss; fused again from 13.
+    assert seen[:7] == [(s, "auto") for s in range(1, 8)]
+    assert seen[7:13] == [(s, "naive") for s in range(7, 13)]
+    assert seen[13:] == [(s, "auto") for s in range(13, 17)]

@@ -69,6 +69,13 @@ class TrainConfig:
     max_rollbacks: int = opt(2, "on a non-finite loss or gradient: reload the last good checkpoint with a lower LR "
                                 "at most this many times, then stop (0: stop at once)", type=int)
     rollback_lr_factor: float = opt(0.5, "LR multiplier applied at each rollback", type=float)
+    experimental_safety_window: int = opt(100, "steps within which 3 anomalies (loss spike, non-finite gradients, "
+                                               "throughput drop) switch an optimization off; also the clean "
+                                               "stretch after which it is switched on again", type=int)
+    experimental_loss_spike_threshold: float = opt(2.0, "a logged loss above this multiple of its average is an "
+                                                        "anomaly", type=float)
+    experimental_throughput_drop_threshold: float = opt(0.5, "throughput below this fraction of its average is an "
+                                                             "anomaly", type=float)
 
     # --- MoD / MoR curriculum (T4)
     mod_enable_pct: float = opt(0.10, "MoD may switch on from this fraction of the run (loss gate)", type=float)
@@ -264,6 +271,12 @@ def validate(cfg: TrainConfig) -> None:
     need(0 <= cfg.min_lr <= cfg.lr, f"min_lr={cfg.min_lr} must lie in [0, lr={cfg.lr}]")
     need(cfg.max_rollbacks >= 0, f"max_rollbacks={cfg.max_rollbacks} must be >= 0")
     need(0 < cfg.rollback_lr_factor <= 1, f"rollback_lr_factor={cfg.rollback_lr_factor} must lie in (0, 1]")
+    need(cfg.experimental_safety_window >= 1,
+         f"experimental_safety_window={cfg.experimental_safety_window} must be >= 1")
+    need(cfg.experimental_loss_spike_threshold > 1,
+         f"experimental_loss_spike_threshold={cfg.experimental_loss_spike_threshold} must be > 1")
+    need(0 < cfg.experimental_throughput_drop_threshold < 1,
+         f"experimental_throughput_drop_threshold={cfg.experimental_throughput_drop_threshold} must lie in (0, 1)")
     need(cfg.grad_clip >= 0, f"grad_clip={cfg.grad_clip} must be >= 0 (0 disables clipping)")
     need(cfg.weight_decay >= 0, f"weight_decay={cfg.weight_decay} must be >= 0")
     need(0 < cfg.wsd_decay_pct <= 1, f"wsd_decay_pct={cfg.wsd_decay_pct} must lie in (0, 1]")

@@ -32,6 +32,7 @@ from .metrics import MetricsWriter, NullMetrics, measure_peak_flops, memory_mb, 
 from .graphed_train_step import GraphedTrainStep
 from .optim import build_optimizer, make_capturable, portable_optimizer_state, set_lr
 from .run import RunSetup, write_run_files
+from .safe_optimizations import AnomalyMonitor, SafeOptimizations, Switch
 from .schedule import AdaptiveLR, lr_at
 from .sharded_checkpoint import RANK_FILE, ShardedSaver, load_dcp, load_optimizer, load_single_into_sharded
 
@@ -93,6 +94,10 @@ class Trainer:
         self._signal_at: float | None = None
         self._valset: ValSet | None = None
         self._iter = None
+        monitor = AnomalyMonitor(cfg.experimental_safety_window, cfg.experimental_loss_spike_threshold,
+                                 cfg.experimental_throughput_drop_threshold)
+        self.safe_opts = SafeOptimizations(self._optimization_switches(), monitor, self.log.warning,
+                                           lambda record: self.metrics.write(record))
 
     # ------------------------------------------------------------------ setup helpers
     def _check_features(self) -> None:
@@ -120,6 +125,28 @@ class Trainer:
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing = True
             self.model.checkpoint_every = cfg.checkpoint_every or 1
+
+    def _optimization_switches(self) -> list[Switch]:
+        """What the anomaly monitor may switch off while running, most invasive first."""
+        switches = []
+        if self.graphs is not None:
+            graphs = self.graphs
+
+            def graphs_on() -> None:
+                graphs.reset()
+                self.graphs = graphs
+
+            switches.append(Switch("CUDA graphs (--cuda_graph)", lambda: setattr(self, "graphs", None), graphs_on))
+        if self.step_model is not self.wrapped:
+            compiled = self.step_model
+            switches.append(Switch("torch.compile (--compile)", lambda: setattr(self, "step_model", self.wrapped),
+                                   lambda: setattr(self, "step_model", compiled)))
+        if self.cfg.chunked_ce:
+            impl = self.model.ce_impl
+            switches.append(Switch("the fused chunked loss (--chunked_ce)",
+                                   lambda: setattr(self.model, "ce_impl", "naive"),
+                                   lambda: setattr(self.model, "ce_impl", impl)))
+        return switches
 
     def autocast(self):
         if self.device.type == "cuda":
@@ -224,6 +251,26 @@ class Trainer:
         path = broadcast_object(path, self.dist)
         return None if path is None else verify(path)
 
+    def _roll_back_to(self, good) -> None:
+        """Continue from checkpoint ``good``, keeping the rollback count and switched-off optimizations."""
+        policy = self.rollback.state_dict()
+        self._restore(good)
+        self.rollback.load_state_dict(policy)  # the checkpoint's own (older) count would allow endless retries
+        self.finite.reset()
+        self._iter = None
+        if self.graphs is not None:
+            self.graphs.reset()
+        self._window = self._new_window()
+        self.safe_opts.restarted_at(self.step)
+
+    def _continue_after_switch(self) -> None:
+        """An optimization was switched off: go on from the last good checkpoint (or from here without one)."""
+        good = self._last_good_checkpoint()
+        if good is not None:
+            self._roll_back_to(good)
+        else:
+            self._window = self._new_window()
+
     def _handle_divergence(self) -> bool:
         """Roll back to the last good checkpoint with a lower LR (True), or explain and stop (False)."""
         cfg, w = self.cfg, self._window
@@ -248,15 +295,9 @@ class Trainer:
                            f"saved. The last good checkpoint is {good.path} (step {good.step}): resume from it with a "
                            f"lower learning rate: hydra-lm train --out {self.s.run_dir} --lr {lower:.3g}")
             return False
-        policy = self.rollback.state_dict()
-        self._restore(good)
-        self.rollback.load_state_dict(policy)  # the checkpoint's own (older) count would allow endless retries
+        self.safe_opts.note_divergence(self.step)
+        self._roll_back_to(good)
         self.rollback.record_rollback()
-        self.finite.reset()
-        self._iter = None
-        if self.graphs is not None:
-            self.graphs.reset()
-        self._window = self._new_window()
         self.metrics.write({**record, "action": "rollback", "to_step": good.step, "checkpoint": str(good.path),
                             "lr_scale": self.rollback.lr_scale})
         self.log.warning(f"{where}: rolled back to {good.path} (step {good.step}) with the learning rate "
@@ -341,7 +382,9 @@ class Trainer:
                     continue
                 return 1
             if log_due:
-                self._log(self._window, regular)
+                if self._log(self._window, regular):  # an optimization was switched off
+                    self._continue_after_switch()
+                    continue
                 if regular:
                     self._window = self._new_window()
             if eval_due:
@@ -478,10 +521,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=self.graphs is None)
         return grad_norm
 
-    def _log(self, window, regular: bool = True) -> None:
+    def _log(self, window, regular: bool = True) -> bool:
         """Write a metrics record (of a window known to be finite). Only ``regular`` records (every
-        log_every steps) feed the loss gate and the adaptive LR, so interrupting a run cannot change
-        their decisions."""
+        log_every steps) feed the loss gate, the adaptive LR and the anomaly monitor, so interrupting
+        a run cannot change their decisions. True when the monitor switched an optimization off."""
         n = max(1, window["steps"])
         values = (window["sums"] / n).tolist()  # the one host sync per log interval
         elapsed = time.perf_counter() - window["t0"]
@@ -502,11 +545,13 @@ class Trainer:
         self.metrics.write(record)
         self.log.info(progress_line(record, self.cfg.max_steps))
         if not regular:
-            return
+            return False
         self.curriculum.check_gate(self.step)
         if self.adaptive is not None and self.adaptive.observe(self.step, loss):
             self.log.info(f"adaptive LR: loss spike at step {self.step} ({loss:.3f}); LR "
                           f"x{self.cfg.adaptive_lr_factor:g} for {self.cfg.adaptive_lr_cooldown} steps")
+        tps = broadcast_object(tps, self.dist)  # rank 0's throughput: every rank takes the same decision
+        return self.safe_opts.observe(self.step, loss, gnorm, tps) is not None
 
     def _flops_per_token(self) -> float:
         try:
