@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -308,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:  # bad user input: one clear line, no traceback
         rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
         print(f"hydra-lm {args.command}: {rank}error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"hydra-lm {args.command}: error: no space left on the device writing {err.filename or 'a file'}: free "
+              "some space and run again", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"hydra-lm {args.command}: interrupted", file=sys.stderr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,16 @@ class TrainConfig:
     adaptive_lr_spike: float = opt(2.0, "a logged loss above this multiple of its EMA is a spike", type=float)
     adaptive_lr_factor: float = opt(0.5, "LR multiplier during a cool-down", type=float)
     adaptive_lr_cooldown: int = opt(100, "cool-down length in steps", type=int)
+    max_rollbacks: int = opt(2, "on a non-finite loss or gradient: reload the last good checkpoint with a lower LR "
+                                "at most this many times, then stop (0: stop at once)", type=int)
+    rollback_lr_factor: float = opt(0.5, "LR multiplier applied at each rollback", type=float)
+    experimental_safety_window: int = opt(100, "steps within which 3 anomalies (loss spike, non-finite gradients, "
+                                               "throughput drop) switch an optimization off; also the clean "
+                                               "stretch after which it is switched on again", type=int)
+    experimental_loss_spike_threshold: float = opt(2.0, "a logged loss above this multiple of its average is an "
+                                                        "anomaly", type=float)
+    experimental_throughput_drop_threshold: float = opt(0.5, "throughput below this fraction of its average is an "
+                                                             "anomaly", type=float)
 
     # --- MoD / MoR curriculum (T4)
     mod_enable_pct: float = opt(0.10, "MoD may switch on from this fraction of the run (loss gate)", type=float)
@@ -121,6 +132,8 @@ class TrainConfig:
     wandb_project: str = opt("hydra-lm", "W&B project name", type=str)
     resume: bool = opt(False, "continue from RUN_DIR's newest good checkpoint (automatic when it has one)",
                        type=bool)
+    restart: bool = opt(False, "start again from step 0 when every checkpoint of RUN_DIR was found corrupt (they "
+                               "stay as *.corrupt)", type=bool)
 
     # --- model config overrides: `--model.KEY VALUE` or a [model] table
     model: dict = field(default_factory=dict, metadata=dict(help="HydraConfig overrides", type=None))
@@ -256,9 +269,19 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("eval_every", "eval_batches", "warmup_steps", "experimental_prefetch_threads"):
         need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)} must be >= 0")
     need(cfg.prefetch_buffer_size >= 1, f"prefetch_buffer_size={cfg.prefetch_buffer_size} must be >= 1")
+    for name in ("lr", "min_lr", "weight_decay", "grad_clip", "beta1", "beta2", "rollback_lr_factor"):
+        need(math.isfinite(getattr(cfg, name)), f"{name}={getattr(cfg, name)} must be a finite number")
     need(cfg.lr > 0, f"lr={cfg.lr} must be > 0")
     need(cfg.time_budget_s is None or cfg.time_budget_s > 0, f"time_budget_s={cfg.time_budget_s} must be > 0")
     need(0 <= cfg.min_lr <= cfg.lr, f"min_lr={cfg.min_lr} must lie in [0, lr={cfg.lr}]")
+    need(cfg.max_rollbacks >= 0, f"max_rollbacks={cfg.max_rollbacks} must be >= 0")
+    need(0 < cfg.rollback_lr_factor <= 1, f"rollback_lr_factor={cfg.rollback_lr_factor} must lie in (0, 1]")
+    need(cfg.experimental_safety_window >= 1,
+         f"experimental_safety_window={cfg.experimental_safety_window} must be >= 1")
+    need(cfg.experimental_loss_spike_threshold > 1,
+         f"experimental_loss_spike_threshold={cfg.experimental_loss_spike_threshold} must be > 1")
+    need(0 < cfg.experimental_throughput_drop_threshold < 1,
+         f"experimental_throughput_drop_threshold={cfg.experimental_throughput_drop_threshold} must lie in (0, 1)")
     need(cfg.grad_clip >= 0, f"grad_clip={cfg.grad_clip} must be >= 0 (0 disables clipping)")
     need(cfg.weight_decay >= 0, f"weight_decay={cfg.weight_decay} must be >= 0")
     need(0 < cfg.wsd_decay_pct <= 1, f"wsd_decay_pct={cfg.wsd_decay_pct} must lie in (0, 1]")

@@ -9,7 +9,6 @@ statistics are averaged over ranks each step, so every rank takes the same decis
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import signal
 import sys
@@ -22,16 +21,18 @@ import torch
 from .. import create_model
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from .checkpoint import capture_rng, restore_rng
+from .checkpoint import DISK_FULL, CheckpointError, capture_rng, disk_full_error, restore_rng, verify
 from .curriculum import Curriculum, CurriculumPlan
 from .data_io import ValSet, train_loader
 from .evaluate import evaluate, format_eval, routing_warnings
-from .distributed import (any_rank, full_tensor, gather_objects, gradient_sync, mean_across_ranks, sum_across_ranks,
-                          wrap_model)
+from .distributed import (any_rank, broadcast_object, full_tensor, gather_objects, gradient_sync, mean_across_ranks,
+                          sum_across_ranks, wrap_model)
+from .divergence import FiniteFlag, RollbackPolicy, parameters_finite
 from .metrics import MetricsWriter, NullMetrics, measure_peak_flops, memory_mb, progress_line
 from .graphed_train_step import GraphedTrainStep
 from .optim import build_optimizer, make_capturable, portable_optimizer_state, set_lr
 from .run import RunSetup, write_run_files
+from .safe_optimizations import AnomalyMonitor, SafeOptimizations, Switch
 from .schedule import AdaptiveLR, lr_at
 from .sharded_checkpoint import RANK_FILE, ShardedSaver, load_dcp, load_optimizer, load_single_into_sharded
 
@@ -69,6 +70,8 @@ class Trainer:
         self.train_s = 0.0  # seconds of training steps only (no eval, checkpoints, compilation at a start)
         self.startup_s = 0.0
         self._train_t0: float | None = None
+        self.finite = FiniteFlag(self.device)
+        self.rollback = RollbackPolicy(cfg.max_rollbacks, cfg.rollback_lr_factor)
         self._saved_window: dict | None = None
         self._window: dict | None = None
         if setup.resume_from is not None:
@@ -94,6 +97,10 @@ class Trainer:
         self._signal_at: float | None = None
         self._valset: ValSet | None = None
         self._iter = None
+        monitor = AnomalyMonitor(cfg.experimental_safety_window, cfg.experimental_loss_spike_threshold,
+                                 cfg.experimental_throughput_drop_threshold)
+        self.safe_opts = SafeOptimizations(self._optimization_switches(), monitor, self.log.warning,
+                                           lambda record: self.metrics.write(record))
 
     # ------------------------------------------------------------------ setup helpers
     def _check_features(self) -> None:
@@ -125,6 +132,28 @@ class Trainer:
             self.model.gradient_checkpointing = True
             self.model.checkpoint_every = cfg.checkpoint_every or 1
 
+    def _optimization_switches(self) -> list[Switch]:
+        """What the anomaly monitor may switch off while running, most invasive first."""
+        switches = []
+        if self.graphs is not None:
+            graphs = self.graphs
+
+            def graphs_on() -> None:
+                graphs.reset()
+                self.graphs = graphs
+
+            switches.append(Switch("CUDA graphs (--cuda_graph)", lambda: setattr(self, "graphs", None), graphs_on))
+        if self.step_model is not self.wrapped:
+            compiled = self.step_model
+            switches.append(Switch("torch.compile (--compile)", lambda: setattr(self, "step_model", self.wrapped),
+                                   lambda: setattr(self, "step_model", compiled)))
+        if self.cfg.chunked_ce:
+            impl = self.model.ce_impl
+            switches.append(Switch("the fused chunked loss (--chunked_ce)",
+                                   lambda: setattr(self.model, "ce_impl", "naive"),
+                                   lambda: setattr(self.model, "ce_impl", impl)))
+        return switches
+
     def autocast(self):
         if self.device.type == "cuda":
             # Autocast's cast cache would keep tensors across a graph capture's boundary.
@@ -155,6 +184,8 @@ class Trainer:
         self.curriculum.load_state_dict(st["curriculum"], self.device)
         if self.adaptive is not None and st.get("adaptive_lr"):
             self.adaptive.load_state_dict(st["adaptive_lr"])
+        if st.get("rollback"):
+            self.rollback.load_state_dict(st["rollback"])
         self.loader.load_state_dict(st["loader"])
         self._saved_window = st.get("log_window")
         if same_world:
@@ -168,7 +199,11 @@ class Trainer:
         self.log.info(f"resumed from {ckpt.path} at step {self.step}")
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, reason: str = "") -> None:
+    def save(self, reason: str = "") -> bool:
+        """Write a checkpoint unless anything since the last check (loss, gradients, weights) is non-finite."""
+        if not self._healthy(check_params=True):
+            self.log.warning(f"not saving step {self.step}: the loss, gradients or weights are not finite")
+            return False
         self._bank_train_time()
         rng_json, rng_tensors = capture_rng()
         state = {
@@ -178,6 +213,7 @@ class Trainer:
             "startup_s": self.startup_s,
             "curriculum": self.curriculum.state_dict(),
             "adaptive_lr": self.adaptive.state_dict() if self.adaptive is not None else None,
+            "rollback": self.rollback.state_dict(),
             "loader": self.loader.state_dict(),
             "rng": rng_json,
             "log_window": self._window_state(),
@@ -185,15 +221,100 @@ class Trainer:
             "model_config": self.s.model_cfg.to_dict(),
             "data": self.s.data.to_dict(),
         }
-        if self.saver is not None:
-            state["loader_ranks"] = gather_objects(self.loader.state_dict(), self.dist)
-            path = self.saver.save(self.step, self.model, self.optimizer, rng_tensors, state)
-        else:
-            # Optimizer state keyed by parameter name, so any number of ranks can load it.
-            optimizer = portable_optimizer_state(get_optimizer_state_dict(self.model, self.optimizer))
-            trainer_tensors = {"optimizer": optimizer, **rng_tensors}
-            path = self.s.manager.save(self.step, self.model, trainer_tensors, state)
+        try:
+            if self.saver is not None:
+                state["loader_ranks"] = gather_objects(self.loader.state_dict(), self.dist)
+                path = self.saver.save(self.step, self.model, self.optimizer, rng_tensors, state)
+            else:
+                # Optimizer state keyed by parameter name, so any number of ranks can load it.
+                optimizer = portable_optimizer_state(get_optimizer_state_dict(self.model, self.optimizer))
+                trainer_tensors = {"optimizer": optimizer, **rng_tensors}
+                path = self.s.manager.save(self.step, self.model, trainer_tensors, state)
+        except OSError as err:
+            if err.errno not in DISK_FULL:
+                raise
+            raise disk_full_error(self.s.manager.dir, err, self._state_bytes()) from None
         self.log.info(f"saved checkpoint {path}" + (f" ({reason})" if reason else ""))
+        return True
+
+    def _state_bytes(self) -> int:
+        """This process's weights and optimizer state: about what one checkpoint takes on disk."""
+        tensors = [*self.params, *(v for st in self.optimizer.state.values() for v in st.values()
+                                   if isinstance(v, torch.Tensor))]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _healthy(self, check_params: bool = False) -> bool:
+        """Host sync (log, eval and save points only): every loss and grad norm since the last
+        rollback finite, and with ``check_params`` every weight too (on every rank)."""
+        ok = self.finite.read() and (not check_params or parameters_finite(self.params))
+        return not any_rank(not ok, self.dist)
+
+    def _last_good_checkpoint(self):
+        """The newest checkpoint that verifies (rank 0 decides), or None."""
+        path = None
+        if self.dist.is_main:
+            try:
+                ckpt = self.s.manager.latest_good()
+            except CheckpointError:
+                ckpt = None
+            path = None if ckpt is None else str(ckpt.path)
+        path = broadcast_object(path, self.dist)
+        return None if path is None else verify(path)
+
+    def _roll_back_to(self, good) -> None:
+        """Continue from checkpoint ``good``, keeping the rollback count and switched-off optimizations."""
+        policy = self.rollback.state_dict()
+        self._restore(good)
+        if self._train_t0 is not None:  # training time restarts from the checkpoint's count
+            self._train_t0 = time.perf_counter()
+        self.rollback.load_state_dict(policy)  # the checkpoint's own (older) count would allow endless retries
+        self.finite.reset()
+        self._iter = None
+        if self.graphs is not None:
+            self.graphs.reset()
+        self._window = self._new_window()
+        self.safe_opts.restarted_at(self.step)
+
+    def _continue_after_switch(self) -> None:
+        """An optimization was switched off: go on from the last good checkpoint (or from here without one)."""
+        good = self._last_good_checkpoint()
+        if good is not None:
+            self._roll_back_to(good)
+        else:
+            self._window = self._new_window()
+
+    def _handle_divergence(self) -> bool:
+        """Roll back to the last good checkpoint with a lower LR (True), or explain and stop (False)."""
+        cfg, w = self.cfg, self._window
+        n = max(1, w["steps"])
+        values = (w["sums"] / n).tolist()
+        where = (f"training diverged by step {self.step} (last {w['steps']} steps: mean loss {values[0]:.4g}, grad "
+                 f"norm {values[5]:.4g})")
+        if self.saver is not None:
+            self.saver.finish()  # a pending save was checked before it started: it is good
+        good = self._last_good_checkpoint()
+        record = {"kind": "divergence", "step": self.step, "loss": values[0], "grad_norm": values[5],
+                  "rollbacks": self.rollback.rollbacks}
+        if good is None:
+            self.metrics.write({**record, "action": "stop"})
+            self.log.warning(f"{where}; no checkpoint was saved before it, so there is nothing to roll back to: "
+                           f"start again with a lower --lr (this run used {cfg.lr:g})")
+            return False
+        if not self.rollback.may_roll_back():
+            self.metrics.write({**record, "action": "stop", "good_checkpoint": str(good.path)})
+            lower = cfg.lr * self.rollback.lr_scale * cfg.rollback_lr_factor
+            self.log.warning(f"{where} after {self.rollback.rollbacks} rollback(s); nothing from the diverged state was "
+                           f"saved. The last good checkpoint is {good.path} (step {good.step}): resume from it with a "
+                           f"lower learning rate: hydra-lm train --out {self.s.run_dir} --lr {lower:.3g}")
+            return False
+        self.safe_opts.note_divergence(self.step)
+        self._roll_back_to(good)
+        self.rollback.record_rollback()
+        self.metrics.write({**record, "action": "rollback", "to_step": good.step, "checkpoint": str(good.path),
+                            "lr_scale": self.rollback.lr_scale})
+        self.log.warning(f"{where}: rolled back to {good.path} (step {good.step}) with the learning rate "
+                         f"x{self.rollback.lr_scale:g} (rollback {self.rollback.rollbacks} of {cfg.max_rollbacks})")
+        return True
 
     # ------------------------------------------------------------------ data
     def _next_batch(self) -> dict[str, torch.Tensor]:
@@ -273,20 +394,28 @@ class Trainer:
             now = self._clock()
             stopping = self._stop_agreed()
             regular = self.step % cfg.log_every == 0
-            if regular or now >= end or stopping:
-                if not self._log(self._window, regular):
-                    if self.saver is not None:  # commit a pending background save (the last good state)
-                        self.saver.finish()
-                    return 1
+            log_due = regular or now >= end or stopping
+            eval_due = cfg.eval_every and now // cfg.eval_every > before // cfg.eval_every or now == cfg.max_steps
+            save_due = now // cfg.save_every > before // cfg.save_every or now >= end
+            if (log_due or eval_due or save_due) and not self._healthy(check_params=save_due):
+                if not stopping and self._handle_divergence():
+                    now = self._clock()
+                    continue
+                return 1
+            if log_due:
+                if self._log(self._window, regular):  # an optimization was switched off
+                    self._continue_after_switch()
+                    now = self._clock()
+                    continue
                 if regular:
                     self._window = self._new_window()
-            if cfg.eval_every and now // cfg.eval_every > before // cfg.eval_every or now == cfg.max_steps:
+            if eval_due:
                 self._eval()
                 self._restart_timer()
                 stopping = self._stop_agreed()
             if stopping:
                 break
-            if now // cfg.save_every > before // cfg.save_every or now >= end:
+            if save_due:
                 self.save("stop_at_step" if cfg.stop_at_step and now >= end else "")
                 self._restart_timer()
         if stopping:
@@ -383,6 +512,7 @@ class Trainer:
                    schedule=cfg.schedule, wsd_decay_pct=cfg.wsd_decay_pct)
         if self.adaptive is not None:
             lr *= self.adaptive.multiplier(self.step)
+        lr *= self.rollback.lr_scale
         set_lr(self.optimizer, lr)
         parts = torch.zeros(5, device=self.device)  # loss, ce, aux, ponder, moe (summed over micro-batches)
         stats = None
@@ -406,6 +536,7 @@ class Trainer:
         if self.dist.enabled:  # one small all-reduce: every rank logs and decides on the global mean
             flat = mean_across_ranks(torch.cat([parts, stats.flatten()]), self.dist)
             parts, stats = flat[:5], flat[5:].reshape(stats.shape)
+        self.finite.fold(parts[0], grad_norm)
         self.curriculum.observe(parts[1])
         window["sums"] += torch.cat([parts, grad_norm.detach().float().reshape(1)])
         window["stats"] = stats
@@ -439,8 +570,9 @@ class Trainer:
         return grad_norm
 
     def _log(self, window, regular: bool = True) -> bool:
-        """Write a metrics record. Only ``regular`` records (every log_every steps) feed the loss gate
-        and the adaptive LR, so interrupting a run cannot change their decisions."""
+        """Write a metrics record (of a window known to be finite). Only ``regular`` records (every
+        log_every steps) feed the loss gate, the adaptive LR and the anomaly monitor, so interrupting
+        a run cannot change their decisions. True when the monitor switched an optimization off."""
         n = max(1, window["steps"])
         values = (window["sums"] / n).tolist()  # the one host sync per log interval
         elapsed = time.perf_counter() - window["t0"]
@@ -461,17 +593,14 @@ class Trainer:
             record["mfu"] = self._flops_per_token() * tps / (self.peak_flops * self.dist.world_size)
         self.metrics.write(record)
         self.log.info(progress_line(record, self.cfg.max_steps))
-        if not math.isfinite(loss):
-            self.log.warning(f"loss is {loss} at step {self.step}: training diverged; not saving this state. "
-                             f"Resume from the last checkpoint with a lower --lr (or --adaptive_lr)")
-            return False
         if not regular:
-            return True
+            return False
         self.curriculum.check_gate(self._clock())
         if self.adaptive is not None and self.adaptive.observe(self.step, loss):
             self.log.info(f"adaptive LR: loss spike at step {self.step} ({loss:.3f}); LR "
                           f"x{self.cfg.adaptive_lr_factor:g} for {self.cfg.adaptive_lr_cooldown} steps")
-        return True
+        tps = broadcast_object(tps, self.dist)  # rank 0's throughput: every rank takes the same decision
+        return self.safe_opts.observe(self.step, loss, gnorm, tps) is not None
 
     def _flops_per_token(self) -> float:
         try:
@@ -515,4 +644,4 @@ def train(setup: RunSetup) -> int:
             write_run_files(setup, sys.argv)
         return trainer.run()
     finally:
-        setup.log.close()
+        setup.close()
