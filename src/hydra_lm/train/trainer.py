@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import create_model
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -30,7 +31,7 @@ from .distributed import (any_rank, full_tensor, gather_objects, gradient_sync, 
                           wrap_model)
 from .metrics import MetricsWriter, NullMetrics, measure_peak_flops, memory_mb, progress_line
 from .graphed_train_step import GraphedTrainStep
-from .optim import build_optimizer, make_capturable, portable_optimizer_state, set_lr
+from .optim import build_optimizer, check_optimizer_features, make_capturable, portable_optimizer_state, set_lr
 from .run import RunSetup, write_run_files
 from .schedule import AdaptiveLR, lr_at
 from .sharded_checkpoint import RANK_FILE, ShardedSaver, load_dcp, load_optimizer, load_single_into_sharded
@@ -69,7 +70,11 @@ class Trainer:
         self._saved_window: dict | None = None
         self._window: dict | None = None
         if setup.resume_from is not None:
+            # Keep this run's LR ratios and LR holders (torchao keeps the LR in a tensor) over the saved ones.
+            lrs = [(g["lr"], g["lr_ratio"]) for g in self.optimizer.param_groups]
             self._restore(setup.resume_from)
+            for group, (lr, ratio) in zip(self.optimizer.param_groups, lrs):
+                group["lr"], group["lr_ratio"] = lr, ratio
         if cfg.compile and cfg.compile_regions:
             self.model.use_layer_regions(True)
         if cfg.compile and cfg.compile_units:
@@ -87,6 +92,7 @@ class Trainer:
         self.use_doc_ids = cfg.document_masking
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world_size
         self.peak_flops = measure_peak_flops(self.device) if self.device.type == "cuda" else None
+        self._create_graph = False
         self._stop: str | None = None
         self._signal_at: float | None = None
         self._valset: ValSet | None = None
@@ -107,6 +113,7 @@ class Trainer:
         if cfg.compile_units and self.dist.enabled:
             raise ValueError("--compile_units works in one process only; under torchrun use --compile (whole "
                              "model) or --compile --compile_regions")
+        check_optimizer_features(cfg, self.dist)
         if cfg.triton_kernels:
             raise ValueError("--triton_kernels is not available yet: no fused Triton kernels are wired into "
                              "the model; run without it")
@@ -340,6 +347,8 @@ class Trainer:
         if self.adaptive is not None:
             lr *= self.adaptive.multiplier(self.step)
         set_lr(self.optimizer, lr)
+        hessian_due = getattr(self.optimizer, "hessian_due", None)  # Sophia: this step's backward keeps its graph
+        self._create_graph = hessian_due is not None and hessian_due()
         parts = torch.zeros(5, device=self.device)  # loss, ce, aux, ponder, moe (summed over micro-batches)
         stats = None
         for i in range(cfg.grad_accum):
@@ -376,9 +385,11 @@ class Trainer:
         if self._graph_steps:
             torch.compiler.cudagraph_mark_step_begin()
         kwargs = {"doc_ids": doc_ids} if doc_ids is not None else {}
-        with self.autocast():
+        # Only SDPA's math kernel has a second derivative (Sophia's Hessian steps).
+        math_only = sdpa_kernel(SDPBackend.MATH) if self._create_graph else contextlib.nullcontext()
+        with self.autocast(), math_only:
             out = self.step_model(input_ids, targets=targets, **kwargs)
-        (out["loss"] / self.cfg.grad_accum).backward()
+        (out["loss"] / self.cfg.grad_accum).backward(create_graph=self._create_graph)
         parts = torch.stack([out[k].detach().float() for k in ("loss", "ce_loss", "aux_loss", "ponder_loss",
                                                                 "moe_loss")])
         return parts, out["routing_stats"].detach().float()
