@@ -72,6 +72,11 @@ class TrainConfig:
     adaptive_lr_factor: float = opt(0.5, "LR multiplier during a cool-down", type=float)
     adaptive_lr_cooldown: int = opt(100, "cool-down length in steps", type=int)
 
+    batch_filter: bool = opt(False, "skip the update of a batch whose loss is an outlier (> mean + k std of the "
+                                    "recent losses; decided on the device, counted in the log)", type=bool)
+    batch_filter_k: float = opt(4.0, "--batch_filter: outlier threshold in standard deviations", type=float)
+    batch_filter_warmup: int = opt(20, "--batch_filter: steps that only gather statistics", type=int)
+
     # --- MoD / MoR curriculum (T4)
     mod_enable_pct: float = opt(0.10, "MoD may switch on from this fraction of the run (loss gate)", type=float)
     mod_force_enable_pct: float = opt(0.15, "MoD switches on here whatever the loss", type=float)
@@ -261,7 +266,7 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "log_every", "keep_checkpoints", "save_every",
                  "chunked_ce_size", "sophia_update_period"):
         need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be >= 1")
-    for name in ("eval_every", "eval_batches", "warmup_steps", "experimental_prefetch_threads"):
+    for name in ("eval_every", "eval_batches", "warmup_steps", "experimental_prefetch_threads", "batch_filter_warmup"):
         need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)} must be >= 0")
     need(cfg.prefetch_buffer_size >= 1, f"prefetch_buffer_size={cfg.prefetch_buffer_size} must be >= 1")
     need(cfg.lr > 0, f"lr={cfg.lr} must be > 0")
@@ -276,6 +281,7 @@ def validate(cfg: TrainConfig) -> None:
         need(0 <= getattr(cfg, name) <= 1, f"{name}={getattr(cfg, name)} must lie in [0, 1]")
     need(cfg.mod_force_enable_pct >= cfg.mod_enable_pct,
          f"mod_force_enable_pct={cfg.mod_force_enable_pct} must be >= mod_enable_pct={cfg.mod_enable_pct}")
+    need(cfg.batch_filter_k > 0, f"batch_filter_k={cfg.batch_filter_k} must be > 0")
     need(cfg.adaptive_lr_spike > 1, f"adaptive_lr_spike={cfg.adaptive_lr_spike} must be > 1")
     need(0 < cfg.adaptive_lr_factor <= 1, f"adaptive_lr_factor={cfg.adaptive_lr_factor} must lie in (0, 1]")
     need(cfg.compile or not (cfg.compile_regions or cfg.compile_units),

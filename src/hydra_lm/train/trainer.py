@@ -23,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .. import create_model
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+from .batch_filter import BatchFilter
 from .checkpoint import capture_rng, restore_rng
 from .curriculum import Curriculum, CurriculumPlan
 from .data_io import ValSet, train_loader
@@ -61,6 +62,7 @@ class Trainer:
         self.curriculum = Curriculum(CurriculumPlan.from_config(cfg, routable))
         self.adaptive = AdaptiveLR(cfg.adaptive_lr_spike, cfg.adaptive_lr_factor, cfg.adaptive_lr_cooldown) \
             if cfg.adaptive_lr else None
+        self.batch_filter = BatchFilter(cfg.batch_filter_k, self.device, warmup=cfg.batch_filter_warmup) if cfg.batch_filter else None
         self.loader = train_loader(setup.data, cfg.batch_size, cfg.seq_len, cfg.seed,
                                    cfg.experimental_prefetch_threads, cfg.prefetch_buffer_size, self.dist.rank,
                                    self.dist.world_size)
@@ -155,6 +157,8 @@ class Trainer:
         self.curriculum.load_state_dict(st["curriculum"], self.device)
         if self.adaptive is not None and st.get("adaptive_lr"):
             self.adaptive.load_state_dict(st["adaptive_lr"])
+        if self.batch_filter is not None and st.get("batch_filter"):
+            self.batch_filter.load_state_dict(st["batch_filter"])
         self.loader.load_state_dict(st["loader"])
         self._saved_window = st.get("log_window")
         if same_world:
@@ -176,6 +180,7 @@ class Trainer:
             "curriculum": self.curriculum.state_dict(),
             "adaptive_lr": self.adaptive.state_dict() if self.adaptive is not None else None,
             "loader": self.loader.state_dict(),
+            "batch_filter": self.batch_filter.state_dict() if self.batch_filter is not None else None,
             "rng": rng_json,
             "log_window": self._window_state(),
             "train_config": self.cfg.to_dict(),
@@ -304,7 +309,8 @@ class Trainer:
         compiled = f"torch.compile ({cfg.compile_mode}{scope})"
         feats += [name for name, on in ((compiled, cfg.compile), ("whole-step CUDA graphs", cfg.cuda_graph),
                                         ("gradient checkpointing", cfg.gradient_checkpointing),
-                                        ("document masking", self.use_doc_ids), ("adaptive LR", cfg.adaptive_lr)) if on]
+                                        ("document masking", self.use_doc_ids), ("adaptive LR", cfg.adaptive_lr),
+                                        (f"batch filter (k={cfg.batch_filter_k:g})", cfg.batch_filter)) if on]
         if cfg.experimental_prefetch_threads:
             feats.append(f"prefetch {cfg.experimental_prefetch_threads} threads x {cfg.prefetch_buffer_size} batches")
         return feats
@@ -363,6 +369,9 @@ class Trainer:
                     micro_parts, micro_stats = self._micro_step(**{k: self._to_device(v) for k, v in inputs.items()})
             parts += micro_parts
             stats = micro_stats.clone()  # CUDA graphs reuse output memory
+        if self.batch_filter is not None:  # every rank decides on the same (global mean) loss
+            keep = self.batch_filter.keep(mean_across_ranks(parts[0] / cfg.grad_accum, self.dist))
+            self.batch_filter.mask(self.params, keep)
         grad_norm = full_tensor(self.graphs.update() if self.graphs is not None else self._update())
         if self.graphs is not None and self.graphs.captured and not self._graphs_announced:
             self.log.info(f"step {self.step + 1}: training step captured as CUDA graphs, replayed from now on")
@@ -423,6 +432,8 @@ class Trainer:
             fracs = window["stats"][:, 0].tolist()
             record["routing_exec_frac"] = dict(zip(self.model.router_names(), fracs))
             record["exec_frac_mean"] = sum(fracs) / len(fracs)
+        if self.batch_filter is not None:
+            record["skipped_batches"] = int(self.batch_filter.skipped)
         if self.peak_flops:
             record["mfu"] = self._flops_per_token() * tps / (self.peak_flops * self.dist.world_size)
         self.metrics.write(record)
