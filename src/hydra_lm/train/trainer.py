@@ -17,10 +17,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import create_model
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+from .batch_filter import BatchFilter
 from .checkpoint import DISK_FULL, CheckpointError, capture_rng, disk_full_error, restore_rng, verify
 from .curriculum import Curriculum, CurriculumPlan
 from .data_io import ValSet, train_loader
@@ -30,7 +32,7 @@ from .distributed import (any_rank, broadcast_object, full_tensor, gather_object
 from .divergence import FiniteFlag, RollbackPolicy, parameters_finite
 from .metrics import MetricsWriter, NullMetrics, measure_peak_flops, memory_mb, progress_line
 from .graphed_train_step import GraphedTrainStep
-from .optim import build_optimizer, make_capturable, portable_optimizer_state, set_lr
+from .optim import build_optimizer, check_optimizer_features, make_capturable, portable_optimizer_state, set_lr
 from .run import RunSetup, write_run_files
 from .safe_optimizations import AnomalyMonitor, SafeOptimizations, Switch
 from .schedule import AdaptiveLR, lr_at
@@ -61,6 +63,7 @@ class Trainer:
         self.curriculum = Curriculum(CurriculumPlan.from_config(cfg, routable))
         self.adaptive = AdaptiveLR(cfg.adaptive_lr_spike, cfg.adaptive_lr_factor, cfg.adaptive_lr_cooldown) \
             if cfg.adaptive_lr else None
+        self.batch_filter = BatchFilter(cfg.batch_filter_k, self.device, warmup=cfg.batch_filter_warmup) if cfg.batch_filter else None
         self.loader = train_loader(setup.data, cfg.batch_size, cfg.seq_len, cfg.seed,
                                    cfg.experimental_prefetch_threads, cfg.prefetch_buffer_size, self.dist.rank,
                                    self.dist.world_size)
@@ -75,7 +78,11 @@ class Trainer:
         self._saved_window: dict | None = None
         self._window: dict | None = None
         if setup.resume_from is not None:
+            # Keep this run's LR ratios and LR holders (torchao keeps the LR in a tensor) over the saved ones.
+            lrs = [(g["lr"], g["lr_ratio"]) for g in self.optimizer.param_groups]
             self._restore(setup.resume_from)
+            for group, (lr, ratio) in zip(self.optimizer.param_groups, lrs):
+                group["lr"], group["lr_ratio"] = lr, ratio
         if cfg.compile and cfg.compile_regions:
             self.model.use_layer_regions(True)
         if cfg.compile and cfg.compile_units:
@@ -93,6 +100,7 @@ class Trainer:
         self.use_doc_ids = cfg.document_masking
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world_size
         self.peak_flops = measure_peak_flops(self.device) if self.device.type == "cuda" else None
+        self._create_graph = False
         self._stop: str | None = None
         self._signal_at: float | None = None
         self._valset: ValSet | None = None
@@ -120,6 +128,7 @@ class Trainer:
         if cfg.time_budget_s and self.dist.enabled:
             raise ValueError("--time_budget_s works in one process only (ranks time their steps differently and "
                              "would disagree on the schedule); under torchrun use --max_steps")
+        check_optimizer_features(cfg, self.dist)
         if cfg.triton_kernels:
             raise ValueError("--triton_kernels is not available yet: no fused Triton kernels are wired into "
                              "the model; run without it")
@@ -186,6 +195,8 @@ class Trainer:
             self.adaptive.load_state_dict(st["adaptive_lr"])
         if st.get("rollback"):
             self.rollback.load_state_dict(st["rollback"])
+        if self.batch_filter is not None and st.get("batch_filter"):
+            self.batch_filter.load_state_dict(st["batch_filter"])
         self.loader.load_state_dict(st["loader"])
         self._saved_window = st.get("log_window")
         if same_world:
@@ -215,6 +226,7 @@ class Trainer:
             "adaptive_lr": self.adaptive.state_dict() if self.adaptive is not None else None,
             "rollback": self.rollback.state_dict(),
             "loader": self.loader.state_dict(),
+            "batch_filter": self.batch_filter.state_dict() if self.batch_filter is not None else None,
             "rng": rng_json,
             "log_window": self._window_state(),
             "train_config": self.cfg.to_dict(),
@@ -444,7 +456,8 @@ class Trainer:
         compiled = f"torch.compile ({cfg.compile_mode}{scope})"
         feats += [name for name, on in ((compiled, cfg.compile), ("whole-step CUDA graphs", cfg.cuda_graph),
                                         ("gradient checkpointing", cfg.gradient_checkpointing),
-                                        ("document masking", self.use_doc_ids), ("adaptive LR", cfg.adaptive_lr)) if on]
+                                        ("document masking", self.use_doc_ids), ("adaptive LR", cfg.adaptive_lr),
+                                        (f"batch filter (k={cfg.batch_filter_k:g})", cfg.batch_filter)) if on]
         if cfg.experimental_prefetch_threads:
             feats.append(f"prefetch {cfg.experimental_prefetch_threads} threads x {cfg.prefetch_buffer_size} batches")
         return feats
@@ -514,6 +527,8 @@ class Trainer:
             lr *= self.adaptive.multiplier(self.step)
         lr *= self.rollback.lr_scale
         set_lr(self.optimizer, lr)
+        hessian_due = getattr(self.optimizer, "hessian_due", None)  # Sophia: this step's backward keeps its graph
+        self._create_graph = hessian_due is not None and hessian_due()
         parts = torch.zeros(5, device=self.device)  # loss, ce, aux, ponder, moe (summed over micro-batches)
         stats = None
         for i in range(cfg.grad_accum):
@@ -528,6 +543,9 @@ class Trainer:
                     micro_parts, micro_stats = self._micro_step(**{k: self._to_device(v) for k, v in inputs.items()})
             parts += micro_parts
             stats = micro_stats.clone()  # CUDA graphs reuse output memory
+        if self.batch_filter is not None:  # every rank decides on the same (global mean) loss
+            keep = self.batch_filter.keep(mean_across_ranks(parts[0] / cfg.grad_accum, self.dist))
+            self.batch_filter.mask(self.params, keep)
         grad_norm = full_tensor(self.graphs.update() if self.graphs is not None else self._update())
         if self.graphs is not None and self.graphs.captured and not self._graphs_announced:
             self.log.info(f"step {self.step + 1}: training step captured as CUDA graphs, replayed from now on")
@@ -551,9 +569,11 @@ class Trainer:
         if self._graph_steps:
             torch.compiler.cudagraph_mark_step_begin()
         kwargs = {"doc_ids": doc_ids} if doc_ids is not None else {}
-        with self.autocast():
+        # Only SDPA's math kernel has a second derivative (Sophia's Hessian steps).
+        math_only = sdpa_kernel(SDPBackend.MATH) if self._create_graph else contextlib.nullcontext()
+        with self.autocast(), math_only:
             out = self.step_model(input_ids, targets=targets, **kwargs)
-        (out["loss"] / self.cfg.grad_accum).backward()
+        (out["loss"] / self.cfg.grad_accum).backward(create_graph=self._create_graph)
         parts = torch.stack([out[k].detach().float() for k in ("loss", "ce_loss", "aux_loss", "ponder_loss",
                                                                 "moe_loss")])
         return parts, out["routing_stats"].detach().float()
@@ -589,6 +609,8 @@ class Trainer:
             fracs = window["stats"][:, 0].tolist()
             record["routing_exec_frac"] = dict(zip(self.model.router_names(), fracs))
             record["exec_frac_mean"] = sum(fracs) / len(fracs)
+        if self.batch_filter is not None:
+            record["skipped_batches"] = int(self.batch_filter.skipped)
         if self.peak_flops:
             record["mfu"] = self._flops_per_token() * tps / (self.peak_flops * self.dist.world_size)
         self.metrics.write(record)
