@@ -71,10 +71,11 @@ class Router(nn.Module):
         self.threshold_weight.mul_(THRESHOLD_DECAY).add_(1 - THRESHOLD_DECAY)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        # One fp32 column outside autocast: autocast would first copy the whole [B, N, E] fp32
-        # residual stream to bf16 for it, more memory traffic than the matmul itself.
+        # One fp32 (or wider) column outside autocast: autocast would first copy the whole [B, N, E]
+        # fp32 residual stream to bf16 for it, more memory traffic than the matmul itself.
+        dtype = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.float(), self.proj.weight.float(), self.proj.bias.float()).squeeze(-1)
+            return F.linear(x.to(dtype), self.proj.weight.to(dtype), self.proj.bias.to(dtype)).squeeze(-1)
 
     def gate(self, r: torch.Tensor) -> torch.Tensor:
         return self.gate_scale * torch.sigmoid(r)
