@@ -117,7 +117,7 @@ def test_flops_budget_and_dense_depths_match_what_they_promise(tiny_data, tmp_pa
 
 
 def test_time_budget_stops_on_training_time_and_resumes_it(tiny_data, tmp_path, capsys):
-    run, budget = tmp_path / "run", 1.5
+    run, budget = tmp_path / "run", 3.0
     args = ["train", "--data", str(tiny_data), "--out", str(run), *TINY_RUN, "--time_budget_s", str(budget),
             "--max_steps", "1000", "--log_every", "1", "--eval_every", "0", "--save_every", "1000",
             "--no-eval_at_start"]
@@ -127,7 +127,7 @@ def test_time_budget_stops_on_training_time_and_resumes_it(tiny_data, tmp_path, 
     assert times == sorted(times) and train_rs[-1]["step"] < 1000
     # It stops at the first step that reaches the budget (a record's time is read just after the
     # step's own check, hence the small allowance on the one before).
-    assert times[-2] < budget + 0.1 and times[-1] >= budget
+    assert times[-1] >= budget and (len(times) < 2 or times[-2] < budget + 0.1)  # one slow step on a busy machine
     final_eval = records(run, "eval")[-1]
     assert final_eval["step"] == train_rs[-1]["step"] and times[-1] <= final_eval["train_s"] < times[-1] + 0.5
     # The schedule follows the fraction of the budget spent, in thousandths here (max_steps 1000): a
