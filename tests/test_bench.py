@@ -174,20 +174,21 @@ def test_kernel_summary_per_step_category_and_top():
 
 
 def test_decode_rate_counts_only_the_steady_one_token_steps(monkeypatch):
-    """A forward that sleeps 2 ms per one-token step and 2 s per prefill: the rate is about batch / 2 ms,
-    whatever the prefill costs (counted, it would pull the rate below 32 tokens / 2 s = 16 tok/s)."""
+    """A model whose one-token step takes 10 ms and whose prefill takes 300 ms: the rate is batch /
+    10 ms, whatever the prefill costs (counted, it would pull the rate below 32 tokens / 0.38 s)."""
     import time
 
     from hydra_lm.bench import decode_tokens_per_s
 
     model = hydra_lm.create_model("debug", vocab_size=512, max_seq_len=64).eval()
-    real = model.forward_cached
+    steps = []
 
-    def slow(ids, start, caches):
-        time.sleep(2.0 if ids.shape[1] > 1 else 0.002)
-        return real(ids, start, caches)
+    def forward_cached(ids, start, caches):
+        steps.append(ids.shape[1])
+        time.sleep(0.3 if ids.shape[1] > 1 else 0.01)
+        return torch.zeros(ids.shape[0], 512)
 
-    monkeypatch.setattr(model, "forward_cached", slow)
-    rate = decode_tokens_per_s(model, batch=4, length=8, device=torch.device("cpu"), repeats=1)
-    # each step also runs the model (a few ms on a busy CPU): the rate lies below batch / 2 ms
-    assert 4 / 0.1 < rate < 4 / 0.002
+    monkeypatch.setattr(model, "forward_cached", forward_cached)
+    rate = decode_tokens_per_s(model, batch=4, length=8, device=torch.device("cpu"), repeats=2)
+    assert 4 / 0.02 < rate <= 4 / 0.01
+    assert steps == [8] + [1] * (2 + 2 * 8)  # prefill, two warm-up steps, two timed runs of 8 steps

@@ -54,6 +54,7 @@ def test_speed_defaults_follow_the_device_and_process_count(device, distributed,
      SpeedPlan("regions", "reduce-overhead", False, "auto", 4096)),
     (dict(optimizer="lion"), SpeedPlan("units", "default", False, "auto", 4096)),  # not capturable: no graphs
     (dict(gradient_checkpointing=True, chunked_ce_size=512), SpeedPlan("units", "default", False, "auto", 512)),
+    (dict(optimizer="sophia"), SpeedPlan(None, "default", False, "naive", 4096)),  # second derivatives: eager
 ])
 def test_speed_opt_outs_and_automatic_fallbacks_on_cuda(settings, expected):
     assert resolve_speed_options(TrainConfig(**settings), CUDA, False) == expected
@@ -61,6 +62,7 @@ def test_speed_opt_outs_and_automatic_fallbacks_on_cuda(settings, expected):
 
 @pytest.mark.parametrize("settings, device, distributed, message", [
     (dict(compile_regions=True), CPU, False, "add --compile"),
+    (dict(compile=True, optimizer="sophia"), CPU, False, "drop --compile"),
     (dict(compile=True, compile_mode="reduce-overhead"), CUDA, False, "needs --compile_regions"),
     (dict(compile_regions=True, compile_mode="reduce-overhead", cuda_graph=True), CUDA, False, "not reduce-overhead"),
     (dict(cuda_graph=True, optimizer="adafactor"), CUDA, False, "needs --optimizer adamw"),

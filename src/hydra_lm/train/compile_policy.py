@@ -7,9 +7,11 @@ The settings ``compile``, ``cuda_graph`` and ``chunked_ce`` are None for "automa
   every unit, routing eager), capture the whole step as CUDA graphs, fuse head and loss in chunks.
   On an H100 (100M preset) this starts in about 36 s and is within a few percent of the fastest
   steady state (benchmarks/BENCHMARKS.md).
-- CUDA under torchrun: compile the whole model (FSDP2/DDP hooks rule out the units' eager routing
-  between compiled pieces and CUDA-graph capture), fused loss.
+- CUDA under torchrun: compile the whole model, fused loss; no CUDA graphs (FSDP2/DDP communication
+  cannot be captured) and no unit compilation (one process only).
 - CPU: eager, plain loss.
+- Sophia: eager, plain loss (its Hessian estimate needs second derivatives); other optimizers than
+  AdamW and gradient checkpointing: no CUDA graphs.
 
 ``compile_regions`` instead compiles the whole model with the layers as shared nested regions; with
 ``compile_mode reduce-overhead`` (no whole-step graphs) it has the fastest steady state measured at
@@ -54,13 +56,16 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
     cuda = device.type == "cuda"
     optimizer = getattr(cfg, "optimizer", "adamw")
     checkpointing = getattr(cfg, "gradient_checkpointing", False)
-    compile_on = cuda if cfg.compile is None else cfg.compile
+    # Sophia differentiates the gradients (Hessian estimate), which compiled graphs cannot.
+    compile_on = cuda and optimizer != "sophia" if cfg.compile is None else cfg.compile
     reduce_overhead = compile_on and cfg.compile_mode == "reduce-overhead"
 
     def refuse(ok: bool, msg: str) -> None:
         if not ok:
             raise ValueError(msg)
 
+    refuse(not (compile_on and optimizer == "sophia"), "--optimizer sophia differentiates the gradients (Hessian "
+           "estimate), which compiled graphs cannot: drop --compile or pick another optimizer")
     refuse(compile_on or not cfg.compile_regions, "--compile_regions chooses what --compile compiles, and "
            "compilation is off (--no-compile, or the CPU's default): add --compile")
     refuse(not (reduce_overhead and distributed), "--compile_mode reduce-overhead (CUDA graphs) works in one "
@@ -83,12 +88,13 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
         graphs = cuda and not distributed and not reduce_overhead and optimizer == "adamw" and not checkpointing
     else:
         graphs = False
-    chunked = cuda if cfg.chunked_ce is None else cfg.chunked_ce
+    # The fused loss's hand-written backward gives Sophia's Hessian estimate no second derivative.
+    chunked = cuda and optimizer != "sophia" if cfg.chunked_ce is None else cfg.chunked_ce
     if not compile_on:
         scope = None
     elif cfg.compile_regions:
         scope = "regions"
-    else:  # units under torchrun would leave routing eager between pieces FSDP2/DDP wrap: whole model there
+    else:  # the units' compilation works in one process only; torchrun compiles the whole model
         scope = "model" if distributed else "units"
     # A CUDA graph cannot hold Liger's kernel (it reads a token count on the host): the chunked fallback.
     ce_impl = ("chunked" if graphs else "auto") if chunked else "naive"
