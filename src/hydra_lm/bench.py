@@ -31,6 +31,7 @@ from .step_profile import format_profile, profile_steps
 from .train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
 from .train.optim import build_optimizer
 from .train.options import TrainConfig
+from .train.run import pick_device
 from .train.step import TrainStep
 
 # AdamW's learning rate in a timed step (the value does not change the time).
@@ -209,12 +210,6 @@ def bench_inference(model, cfg: BenchConfig, device: torch.device) -> dict[str, 
         result["decode_cuda_graph"] = model.decode_capturable()
     result["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(model.config, 2 * cfg.new_tokens)
     return result
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def run_bench(cfg: BenchConfig, on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:

@@ -81,8 +81,6 @@ FIELDS = {f.name: f for f in dataclasses.fields(BenchConfig)}
 
 
 def bench_config(args: argparse.Namespace, model_overrides: dict[str, Any]) -> BenchConfig:
-    """The flags typed (None: not typed) over the field defaults."""
+    """The flags typed (None: not typed) over the field defaults; ``run_bench`` validates."""
     typed = {name: getattr(args, name) for name in FIELDS if name != "model" and getattr(args, name) is not None}
-    cfg = BenchConfig(**typed, model=dict(model_overrides))
-    cfg.validate()
-    return cfg
+    return BenchConfig(**typed, model=dict(model_overrides))

@@ -2,6 +2,8 @@
 
 ``None`` on a field means "automatic": ``resolve`` fills it from the per-size table (T11), the
 run mode and the device, after the layers (defaults < saved run < config file < CLI) are merged.
+The speed settings (compile, cuda_graph, chunked_ce) stay None in the saved config, so a resumed run
+follows the device it resumes on; ``compile_policy.resolve_speed_options`` decides them.
 """
 
 from __future__ import annotations
