@@ -1,7 +1,7 @@
 """Cold compile time of one training step (forward + backward), and where it goes.
 
     python benchmarks/compile_time.py --model_size 100M --scope model     # torch.compile(model)
-    python benchmarks/compile_time.py --model_size 100M --scope regions   # HydraModel.compile_regions()
+    python benchmarks/compile_time.py --model_size 100M --scope regions   # layers as nested regions (use_layer_regions)
     python benchmarks/compile_time.py --model_size 100M --scope units     # HydraModel.compile_units()
     python benchmarks/compile_time.py --scope regions --backend aot_eager --cprofile 40   # front end only, profiled
 
@@ -25,7 +25,7 @@ import hydra_lm
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model_size", default="100M")
-    p.add_argument("--scope", default="model", choices=["model", "regions", "blocks", "units"])
+    p.add_argument("--scope", default="model", choices=["model", "regions", "units"])
     p.add_argument("--batch_size", type=int, default=1)
     p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--device", default="cpu")
@@ -39,9 +39,11 @@ def main() -> None:
     model = hydra_lm.create_model(args.model_size, vocab_size=50257, max_seq_len=args.seq_len)
     model = model.to(args.device).train()
     model.ce_impl = args.ce_impl
-    compile_fn = getattr(model, f"compile_{args.scope}", None)
-    step = (torch.compile(model, fullgraph=True, backend=args.backend) if compile_fn is None
-            else compile_fn(backend=args.backend))
+    if args.scope == "units":
+        step = model.compile_units(backend=args.backend)
+    else:
+        model.use_layer_regions(args.scope == "regions")
+        step = torch.compile(model, fullgraph=True, backend=args.backend)
     ids = torch.randint(0, 50257, (args.batch_size, args.seq_len), device=args.device)
     cuda = ids.device.type == "cuda"
     for call in range(2):

@@ -1,6 +1,6 @@
 """Data-parallel scaling: training-step throughput and peak memory per GPU, FSDP2 vs DDP.
 
-Runs the trainer's own wrapping (``hydra_lm.train.distributed``) on random tokens, bf16, fused
+Runs the trainer's own wrapping (``hydra_lm.train.distributed``) and step (``hydra_lm.train.step``) on random tokens, bf16, fused
 AdamW, gradient clipping; one step = forward + backward + optimizer step; the median of the timed
 steps is reported. Launch with torchrun (one process = one GPU; nproc 1 is the single-GPU baseline):
 
@@ -19,7 +19,9 @@ import torch.distributed as dist
 
 import hydra_lm
 from hydra_lm.model.accounting import executed_flops_per_token
+from hydra_lm.train.compile_policy import SpeedPlan, apply_speed_plan
 from hydra_lm.train.distributed import gradient_sync, init_distributed, shutdown, wrap_model
+from hydra_lm.train.step import TrainStep
 
 
 def main() -> None:
@@ -45,20 +47,19 @@ def main() -> None:
     routed = cfg.arch == "hydra" and (cfg.mod_enabled or cfg.mor_enabled)
     wrapped = wrap_model(model, info, device, find_unused=routed or cfg.moe)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    step_fn = torch.compile(wrapped) if args.compile else wrapped
+    # The trainer's step (compiled as `hydra-lm train` does under torchrun; materialised logits).
+    plan = SpeedPlan("model" if args.compile else None, "default", cuda_graph=False, ce_impl="naive",
+                     ce_chunk_size=4096)
+    train_step = TrainStep(model, apply_speed_plan(model, wrapped, plan), opt, device, plan, args.grad_accum)
     gen = torch.Generator(device=device).manual_seed(1 + info.rank)
     ids = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), device=device, generator=gen)
-    targets = torch.roll(ids, -1, 1)
+    inputs = {"input_ids": ids, "targets": torch.roll(ids, -1, 1)}
 
     def step() -> None:
         for i in range(args.grad_accum):
             with gradient_sync(wrapped, info, sync=i == args.grad_accum - 1):
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = step_fn(ids, targets=targets)["loss"]
-                (loss / args.grad_accum).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+                train_step.micro(inputs)
+        train_step.update()
 
     times = []
     for i in range(1 + args.warmup + args.steps):

@@ -8,22 +8,31 @@ import torch
 import hydra_lm
 import hydra_lm.bench
 import hydra_lm.cli
+from hydra_lm.bench import run_bench
+from hydra_lm.bench_options import BenchConfig
+
+
+def tiny(**changes) -> BenchConfig:
+    """A debug-preset bench on the CPU that takes seconds."""
+    return BenchConfig(**{"model_size": "debug", "arch": "hydra", "batch_size": 1, "seq_len": 32, "steps": 1,
+                          "warmup": 0, "vocab_size": 512, "device": "cpu", **changes})
 
 
 def test_bench_reports_training_and_inference_for_both_archs(tmp_path, capsys):
     out = tmp_path / "bench.json"
     code = hydra_lm.cli.main(["bench", "--model_size", "debug", "--vocab_size", "512", "--batch_size", "2",
                               "--seq_len", "32", "--steps", "2", "--warmup", "1", "--no-compile", "--inference",
-                              "--new_tokens", "3", "--device", "cpu", "--json", str(out)])
+                              "--new_tokens", "3", "--decode_batches", "1,32", "--device", "cpu", "--json", str(out)])
     assert code == 0
     text = capsys.readouterr().out
-    assert "hydra" in text and "dense" in text and "decode batch 1" in text
+    assert "hydra" in text and "dense" in text and "decode 3 after 3 prompt tokens, tok/s: batch 1 " in text
     report = json.loads(out.read_text())
     assert [r["arch"] for r in report["rows"]] == ["hydra", "dense"]
     for row in report["rows"]:
         assert row["tokens_per_s"] > 0 and row["executed_tflops"] > 0 and row["mfu"] is None  # no MFU on CPU
         assert row["decode_tokens_per_s_batch32"] > 0 and row["kv_cache_bytes_per_token"]["allocated"] > 0
-        assert row["decode_cuda_graph"] is False and row["generate_s_batch1"] > 0
+        assert row["decode_cuda_graph"] is False and row["decode_tokens_per_s_batch1"] > 0 and row["decode_len"] == 3
+        assert "decode_tokens_per_s_batch8" not in row
     assert report["rows"][0]["ce_impl"] == "naive" and report["measured_bf16_peak_tflops"] is None
 
 
@@ -35,7 +44,7 @@ def test_bench_document_masking_reports_the_mask_path_and_kernels(tmp_path, caps
     assert code == 0
     report = json.loads(out.read_text())
     row = report["rows"][0]
-    assert report["document_masking"] and report["conv_impl"] == "conv1d" and report["compile_scope"] is None
+    assert report["document_masking"] and report["conv_impl"] == "conv1d" and report["compile"] is None
     assert row["doc_mask_path"] == "dense-mask"  # CPU: the dense SDPA mask
     assert row["attention_kernels"] and all(k in ("math", "flash/cpu") for k in row["attention_kernels"])
     assert row["docs_per_row"] >= 1
@@ -46,25 +55,43 @@ def test_forced_sdpa_kernel_and_fused_loss_are_what_runs(tmp_path):
     out = tmp_path / "bench.json"
     code = hydra_lm.cli.main(["bench", "--model_size", "debug", "--arch", "hydra", "--vocab_size", "512",
                               "--batch_size", "2", "--seq_len", "64", "--steps", "1", "--warmup", "0", "--no-compile",
-                              "--sdpa_kernel", "math", "--ce_impl", "chunked", "--device", "cpu", "--json", str(out)])
+                              "--sdpa_kernel", "math", "--chunked_ce", "--device", "cpu", "--json", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
     row = report["rows"][0]
     assert report["sdpa_kernel"] == "math" and row["attention_kernels"] == ["math"]  # CPU's default is flash/cpu
-    assert row["ce_impl"] == "chunked" and row["tokens_per_s"] > 0 and report["ce_chunk_size"] == 4096
+    # No CUDA graph: "auto" (Liger where installed on CUDA, the chunked path here)
+    assert row["ce_impl"] == "auto" and row["tokens_per_s"] > 0 and report["chunked_ce_size"] == 4096
 
 
 def test_bench_passes_the_loss_chunk_size_and_refuses_cuda_graphs_on_cpu(monkeypatch):
-    from hydra_lm.bench import run_bench
     from hydra_lm.model import loss
 
     seen = []
     real = loss._chunked_pass
     monkeypatch.setattr(loss, "_chunked_pass", lambda *a, **k: seen.append(a[4]) or real(*a, **k))
-    report = run_bench("debug", ["hydra"], 2, 32, 1, 0, False, False, "cpu", 512, ce_impl="chunked", ce_chunk_size=16)
-    assert report["ce_chunk_size"] == 16 and seen and set(seen) == {16}
-    with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):
-        run_bench("debug", ["hydra"], 2, 32, 1, 0, False, False, "cpu", 512, cuda_graph=True)
+    report = run_bench(tiny(batch_size=2, chunked_ce=True, chunked_ce_size=16))
+    assert report["chunked_ce_size"] == 16 and seen and set(seen) == {16}
+    with pytest.raises(ValueError, match="--cuda_graph needs a CUDA device"):
+        run_bench(tiny(cuda_graph=True))
+
+
+def test_bench_on_the_cpu_defaults_to_eager_and_times_the_trainers_step(monkeypatch):
+    """First step + warm-up + timed steps, each one micro-batch and one clipped update of TrainStep."""
+    from hydra_lm.train.step import TrainStep
+
+    calls = []
+    micro, update = TrainStep.micro_step, TrainStep.update_step
+    monkeypatch.setattr(TrainStep, "micro_step", lambda self, **kw: calls.append("micro") or micro(self, **kw))
+    monkeypatch.setattr(TrainStep, "update_step", lambda self: calls.append("update") or update(self))
+    clips = []
+    clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: clips.append(max_norm) or
+                        clip(params, max_norm))
+    report = run_bench(tiny(steps=2, warmup=1))
+    assert (report["compile"], report["cuda_graph"], report["ce_impl"]) == (None, False, "naive")
+    assert report["speed"] == ["eager"]
+    assert calls == ["micro", "update"] * 4 and clips == [1.0] * 4
 
 
 def test_random_doc_ids_look_like_the_loaders():
@@ -77,13 +104,13 @@ def test_random_doc_ids_look_like_the_loaders():
     assert 250 < mean_length < 600
 
 
-def test_bench_without_documents_reports_none_and_checks_the_compile_scope():
-    from hydra_lm.bench import run_bench
-
-    report = run_bench("debug", ["dense"], 1, 32, 1, 0, False, False, "cpu", 512)
+def test_bench_without_documents_reports_none_and_refuses_what_cannot_run():
+    report = run_bench(tiny(arch="dense"))
     assert report["rows"][0]["doc_mask_path"] == "none" and report["rows"][0]["docs_per_row"] is None
-    with pytest.raises(ValueError, match="compile_scope"):
-        run_bench("debug", ["dense"], 1, 32, 1, 0, True, False, "cpu", 512, compile_scope="everything")
+    with pytest.raises(ValueError, match="needs --compile_regions"):
+        run_bench(tiny(compile=True, compile_mode="reduce-overhead"))
+    with pytest.raises(ValueError, match="--decode_batches"):
+        run_bench(tiny(inference=True, decode_batches="1,x"))
 
 
 def test_bench_applies_model_overrides_and_writes_a_profile(tmp_path, capsys):
@@ -97,7 +124,7 @@ def test_bench_applies_model_overrides_and_writes_a_profile(tmp_path, capsys):
     assert report["model_overrides"] == {"mod_capacity": 0.5, "mod_every": 1}
     row = report["rows"][0]
     # Half of every row enters each block: fewer executed FLOPs than the preset's 0.75 every 2nd block.
-    preset = hydra_lm.bench.run_bench("debug", ["hydra"], 1, 32, 1, 0, False, False, "cpu", 512)["rows"][0]
+    preset = run_bench(tiny())["rows"][0]
     assert row["executed_tflops"] * row["step_ms"] < preset["executed_tflops"] * preset["step_ms"]
     assert (tmp_path / "prof" / "trace_hydra.json").stat().st_size > 0 and row["profile"]["trace"]
     assert "overrides mod_capacity=0.5,mod_every=1" in capsys.readouterr().out
@@ -118,10 +145,10 @@ def test_kernel_categories():
 
 
 def test_routing_efficiency_compares_with_the_same_model_unrouted():
-    from hydra_lm.bench import format_report, run_bench
+    from hydra_lm.bench import format_report
     from hydra_lm.model.accounting import dense_flops_per_token, executed_flops_per_token
 
-    report = run_bench("debug", ["hydra", "dense"], 1, 32, 1, 0, False, False, "cpu", 512, routing_efficiency=True)
+    report = run_bench(tiny(arch="both", routing_efficiency=True))
     hydra, dense = report["rows"]
     cfg = hydra_lm.create_model("debug", vocab_size=512, max_seq_len=64).config
     assert hydra["routing_flop_ratio"] == pytest.approx(dense_flops_per_token(cfg, 32) / executed_flops_per_token(cfg, 32))
@@ -144,3 +171,24 @@ def test_kernel_summary_per_step_category_and_top():
     assert list(summary["categories_ms"]) == ["gemm", "fused pointwise"]  # largest first
     assert summary["top_kernels"] == [{"name": gemm, "ms": pytest.approx(0.4), "calls": 1.5, "category": "gemm"}]
     assert "gemm" in format_profile("hydra", {"trace": None, **summary})
+
+
+def test_decode_rate_counts_only_the_steady_one_token_steps(monkeypatch):
+    """A model whose one-token step takes 10 ms and whose prefill takes 300 ms: the rate is batch /
+    10 ms, whatever the prefill costs (counted, it would pull the rate below 32 tokens / 0.38 s)."""
+    import time
+
+    from hydra_lm.bench import decode_tokens_per_s
+
+    model = hydra_lm.create_model("debug", vocab_size=512, max_seq_len=64).eval()
+    steps = []
+
+    def forward_cached(ids, start, caches):
+        steps.append(ids.shape[1])
+        time.sleep(0.3 if ids.shape[1] > 1 else 0.01)
+        return torch.zeros(ids.shape[0], 512)
+
+    monkeypatch.setattr(model, "forward_cached", forward_cached)
+    rate = decode_tokens_per_s(model, batch=4, length=8, device=torch.device("cpu"), repeats=2)
+    assert 4 / 0.02 < rate <= 4 / 0.01
+    assert steps == [8] + [1] * (2 + 2 * 8)  # prefill, two warm-up steps, two timed runs of 8 steps

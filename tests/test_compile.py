@@ -42,31 +42,30 @@ def test_causal_eval_with_document_masks_compiles_fullgraph():
     assert counter.frame_count == 1
 
 
-# blocks: three blocks of one structure share one graph, reused for every block and batch.
-# units: routed units of three sizes (16, 11, 5 tokens); one dynamic unit graph takes every size,
-# block and batch (routers run eager; the naive loss is not compiled).
-@pytest.mark.parametrize("scope,max_graphs", [("blocks", 1), ("units", 1)])
-def test_regional_compile_reuses_graphs_and_keeps_the_state_dict(scope, max_graphs):
+# Routed units of three sizes (16, 11, 5 tokens); one dynamic unit graph takes every size, block and
+# batch (routers run eager; the naive loss is not compiled).
+def test_unit_compile_reuses_one_graph_and_keeps_the_state_dict():
     torch._dynamo.reset()
     model, reference = tiny_model().train(), tiny_model().train()
     keys = list(model.state_dict())
     counter = CompileCounterWithBackend("aot_eager")
-    assert getattr(model, f"compile_{scope}")(backend=counter) is model
+    assert model.compile_units(backend=counter) is model
     doc = torch.tensor([[0] * 20 + [1] * 12] * 2)
     for seed in (1, 2):
         ids, targets = _batch(seed)
         out = model(ids, targets=targets, doc_ids=doc)
         out["loss"].backward()
         torch.testing.assert_close(out["loss"], reference(ids, targets=targets, doc_ids=doc)["loss"])
-    assert counter.frame_count == max_graphs
+    assert counter.frame_count == 1
     assert list(model.state_dict()) == keys
 
 
-def test_compile_regions_traces_each_unit_size_once_and_matches_eager():
+def test_layer_regions_trace_each_unit_size_once_and_match_eager():
     torch._dynamo.reset()
     model, reference = tiny_model().train(), tiny_model().train()
     counter = CompileCounterWithBackend("aot_eager")
-    compiled = model.compile_regions(backend=counter)
+    model.use_layer_regions(True)
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
     ids, targets = _batch(1)
     out = compiled(ids, targets=targets)
     out["loss"].backward()

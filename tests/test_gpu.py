@@ -47,8 +47,8 @@ def test_cuda_graph_training_steps_match_eager(scope, ce_impl):
     twin = hydra_lm.create_model("debug", vocab_size=1024, max_seq_len=512).cuda().train()
     twin.load_state_dict(model.state_dict())
     model.ce_impl = twin.ce_impl = ce_impl
-    graphed = (torch.compile(model, fullgraph=True, mode="reduce-overhead") if scope == "model"
-               else model.compile_regions(mode="reduce-overhead"))
+    model.use_layer_regions(scope == "regions")
+    graphed = torch.compile(model, fullgraph=True, mode="reduce-overhead")
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (model, twin)]
     ids = _ids(4, 256, 1024)  # one input buffer, refilled in place like a data pipeline's
     for seed in range(4):
@@ -196,3 +196,23 @@ def test_flex_document_masks_are_refused_on_cuda_with_a_clear_error():
     finally:
         da.set_doc_mask_backend("auto")
     assert torch.isfinite(model(ids, targets=torch.roll(ids, -1, 1), doc_ids=doc)["loss"])  # auto: dense mask
+
+
+def test_bench_defaults_run_the_fast_path(tmp_path):
+    """`hydra-lm bench` without speed flags on CUDA: compiled units, whole-step CUDA graphs and the
+    chunked loss; decoding timed at every default batch size with graph-captured steps."""
+    import json
+
+    from hydra_lm.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model_size", "debug", "--arch", "both", "--vocab_size", "1024", "--batch_size", "2",
+                 "--seq_len", "256", "--steps", "3", "--warmup", "1", "--inference", "--new_tokens", "16",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["compile"], report["compile_mode"], report["cuda_graph"]) == ("units", "default", True)
+    for row in report["rows"]:
+        assert row["ce_impl"] == "chunked" and row["tokens_per_s"] > 0 and row["decode_cuda_graph"]
+        rates = [row[f"decode_tokens_per_s_batch{b}"] for b in (1, 8, 32, 128)]
+        # a steady decode step of this model takes well over 10 microseconds: no division by ~0
+        assert all(0 < r < b / 1e-5 for r, b in zip(rates, (1, 8, 32, 128))), rates

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from hydra_lm.cli import main
 from hydra_lm.train.checkpoint import verify
 from hydra_lm.train.trainer import Trainer
+from hydra_lm.train.step import TrainStep
 from test_train_support import TINY_RUN, records, tiny_data  # noqa: F401
 
 # Saves every 3 steps, logs every 5: a checkpoint falls between log points.
@@ -27,21 +28,36 @@ def train(data, run, *extra):
     return main(["train", "--data", str(data), "--out", str(run), *FAST, *extra])
 
 
+def trainer_step_in_progress(monkeypatch) -> list[int]:
+    """A one-element list holding the 0-based index of the trainer's step being run."""
+    current = [0]
+    original = Trainer._train_step
+
+    def train_step(self, window):
+        current[0] = self.step
+        return original(self, window)
+
+    monkeypatch.setattr(Trainer, "_train_step", train_step)
+    return current
+
+
 def poison_gradients(monkeypatch, steps):
     """NaN in one gradient at the given 0-based step indices (each index once, or every time if ``steps`` is a
     callable)."""
-    original = Trainer._update
+    original = TrainStep.update_step
     pending = set(steps) if not callable(steps) else None
+    current = trainer_step_in_progress(monkeypatch)
 
     def update(self):
-        hit = steps(self.step) if pending is None else self.step in pending
+        step = current[0]
+        hit = steps(step) if pending is None else step in pending
         if hit:
             if pending is not None:
-                pending.discard(self.step)
+                pending.discard(step)
             next(p for p in self.params if p.grad is not None).grad.fill_(float("nan"))
         return original(self)
 
-    monkeypatch.setattr(Trainer, "_update", update)
+    monkeypatch.setattr(TrainStep, "update_step", update)
 
 
 def checkpoints(run):
@@ -252,17 +268,19 @@ def test_adaptive_lr_average_follows_a_lasting_new_level():
 
 def test_repeated_loss_spikes_switch_the_chunked_loss_off_and_back_on(tiny_data, tmp_path, monkeypatch):
     run = tmp_path / "run"
-    original, seen, pending = Trainer._micro_step, [], {4, 5, 6}
+    original, seen, pending = TrainStep.micro_step, [], {4, 5, 6}
+    current = trainer_step_in_progress(monkeypatch)
 
     def micro_step(self, *args, **kwargs):
-        seen.append((self.step + 1, self.model.ce_impl))
+        step = current[0]
+        seen.append((step + 1, self.model.ce_impl))
         parts, stats = original(self, *args, **kwargs)
-        if self.step in pending:  # the logged loss of steps 5-7 spikes (the update itself is normal)
-            pending.discard(self.step)
+        if step in pending:  # the logged loss of steps 5-7 spikes (the update itself is normal)
+            pending.discard(step)
             parts = parts * 1000
         return parts, stats
 
-    monkeypatch.setattr(Trainer, "_micro_step", micro_step)
+    monkeypatch.setattr(TrainStep, "micro_step", micro_step)
     assert train(tiny_data, run, "--max_steps", "16", "--log_every", "1", "--chunked_ce",
                  "--experimental_safety_window", "6", "--experimental_throughput_drop_threshold", "0.01") == 0
     assert [r["step"] for r in records(run, "anomaly")] == [5, 6, 7]

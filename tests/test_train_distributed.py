@@ -179,17 +179,15 @@ def test_ctrl_c_under_torchrun_saves_one_sharded_checkpoint(tiny_data, tmp_path)
     assert ckpt.layout == "dcp" and ckpt.step == train_losses(run)[-1][0] >= 3
 
 
-@pytest.mark.parametrize("settings", [dict(compile=True, compile_mode="reduce-overhead"), dict(cuda_graph=True),
-                                      dict(compile=True, compile_units=True)],
-                         ids=["reduce_overhead", "cuda_graph", "compile_units"])
-def test_cuda_graphs_and_compiled_units_are_refused_under_torchrun(settings):
-    from types import SimpleNamespace
-
-    from hydra_lm.train.distributed import DistInfo
+@pytest.mark.parametrize("settings", [dict(compile_regions=True, compile_mode="reduce-overhead"),
+                                      dict(cuda_graph=True)], ids=["reduce_overhead", "cuda_graph"])
+def test_cuda_graphs_are_refused_under_torchrun(settings):
+    from hydra_lm.train.compile_policy import resolve_speed_options
     from hydra_lm.train.options import TrainConfig
 
     cfg, cuda = TrainConfig(**settings), torch.device("cuda")
-    two_ranks = SimpleNamespace(cfg=cfg, device=cuda, dist=DistInfo(rank=0, world_size=2, parallel="fsdp"))
     with pytest.raises(ValueError, match="one process only"):
-        Trainer._check_features(two_ranks)
-    Trainer._check_features(SimpleNamespace(cfg=cfg, device=cuda, dist=DistInfo()))  # one process: allowed
+        resolve_speed_options(cfg, cuda, distributed=True)
+    assert resolve_speed_options(cfg, cuda, distributed=False).compile is not None  # one process: allowed
+    # By default torchrun compiles the whole model (the routed units are for one process).
+    assert resolve_speed_options(TrainConfig(), cuda, distributed=True).compile == "model"

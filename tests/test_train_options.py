@@ -3,10 +3,12 @@
 import json
 
 import pytest
+import torch
 
 from hydra_lm.cli import main
 from hydra_lm.train.flags import load_config_file, parse_value, split_model_overrides, to_toml
-from hydra_lm.train.options import TrainConfig, resolve
+from hydra_lm.train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
+from hydra_lm.train.options import TrainConfig, normalize, resolve
 from test_train_support import TINY_RUN, tiny_data  # noqa: F401 (fixture)
 
 
@@ -34,18 +36,66 @@ def test_validation_errors_are_clear():
         resolve(TrainConfig(max_steps=10, stop_at_step=11), "debug", False)
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(compile_units=True), "add --compile"),
-    (dict(compile=True, compile_units=True, compile_regions=True), "exclude each other"),
-    (dict(compile=True, compile_units=True, compile_mode="reduce-overhead"), "use --cuda_graph"),
-    (dict(compile=True, cuda_graph=True, compile_mode="reduce-overhead"), "not reduce-overhead"),
-    (dict(cuda_graph=True, optimizer="adafactor"), "needs --optimizer adamw"),
-    (dict(cuda_graph=True, gradient_checkpointing=True), "drop one of them"),
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+@pytest.mark.parametrize("device, distributed, expected", [
+    (CUDA, False, SpeedPlan("units", "default", True, "chunked", 4096)),  # the fast path
+    (CUDA, True, SpeedPlan("model", "default", False, "auto", 4096)),  # torchrun: whole model, no graphs
+    (CPU, False, SpeedPlan(None, "default", False, "naive", 4096)),  # the CPU stays eager
+], ids=["cuda", "torchrun", "cpu"])
+def test_speed_defaults_follow_the_device_and_process_count(device, distributed, expected):
+    assert resolve_speed_options(TrainConfig(), device, distributed) == expected
+
+
+@pytest.mark.parametrize("settings, expected", [
+    (dict(compile=False, cuda_graph=False, chunked_ce=False), SpeedPlan(None, "default", False, "naive", 4096)),
+    (dict(compile_regions=True, compile_mode="reduce-overhead"),  # its own graphs: no whole-step capture
+     SpeedPlan("regions", "reduce-overhead", False, "auto", 4096)),
+    (dict(optimizer="lion"), SpeedPlan("units", "default", False, "auto", 4096)),  # not capturable: no graphs
+    (dict(gradient_checkpointing=True, chunked_ce_size=512), SpeedPlan("units", "default", False, "auto", 512)),
+    (dict(optimizer="sophia"), SpeedPlan(None, "default", False, "naive", 4096)),  # second derivatives: eager
 ])
-def test_compile_and_graph_combinations_that_cannot_work_are_refused(settings, message):
+def test_speed_opt_outs_and_automatic_fallbacks_on_cuda(settings, expected):
+    assert resolve_speed_options(TrainConfig(**settings), CUDA, False) == expected
+
+
+@pytest.mark.parametrize("settings, device, distributed, message", [
+    (dict(compile_regions=True), CPU, False, "add --compile"),
+    (dict(compile=True, optimizer="sophia"), CPU, False, "drop --compile"),
+    (dict(compile=True, compile_mode="reduce-overhead"), CUDA, False, "needs --compile_regions"),
+    (dict(compile_regions=True, compile_mode="reduce-overhead", cuda_graph=True), CUDA, False, "not reduce-overhead"),
+    (dict(cuda_graph=True, optimizer="adafactor"), CUDA, False, "needs --optimizer adamw"),
+    (dict(cuda_graph=True, gradient_checkpointing=True), CUDA, False, "drop one of them"),
+    (dict(cuda_graph=True), CPU, False, "needs a CUDA device"),
+    (dict(cuda_graph=True), CUDA, True, "one process only"),
+    (dict(compile_regions=True, compile_mode="reduce-overhead"), CUDA, True, "one process only"),
+])
+def test_speed_combinations_that_cannot_work_are_refused(settings, device, distributed, message):
     with pytest.raises(ValueError, match=message):
-        resolve(TrainConfig(**settings), "debug", True)
-    assert resolve(TrainConfig(compile=True, compile_units=True, cuda_graph=True), "debug", True).cuda_graph
+        resolve_speed_options(TrainConfig(**settings), device, distributed)
+
+
+def test_the_speed_plan_is_applied_to_the_model():
+    from conftest import tiny_model
+
+    model = tiny_model()
+    units = SpeedPlan("units", "default", False, "chunked", 64)
+    assert apply_speed_plan(model, model, units) is model  # compiled in place, the step calls the model
+    assert all(b.compiled_unit is not None for b in model.blocks)
+    assert (model.ce_impl, model.ce_chunk_size) == ("chunked", 64)
+    regions = tiny_model()
+    compiled = apply_speed_plan(regions, regions, SpeedPlan("regions", "default", False, "naive", 4096))
+    assert compiled is not regions and compiled._orig_mod is regions
+    assert all(b.layer_regions and b.compiled_unit is None for b in regions.blocks)
+    eager = tiny_model()
+    assert apply_speed_plan(eager, eager, SpeedPlan(None, "default", False, "naive", 4096)) is eager
+    assert all(not b.layer_regions and b.compiled_unit is None for b in eager.blocks)
+
+
+def test_old_runs_saved_with_compile_units_still_load():
+    assert normalize({"compile_units": True, "lr": 1e-3}, "config.json") == {"compile": True, "lr": 1e-3}
+    assert normalize({"compile_units": False}, "config.json") == {}
 
 
 def test_model_overrides_parse_from_argv():

@@ -1,7 +1,8 @@
 """``hydra-lm bench``: time training steps (and optionally inference) for HYDRA and its dense baseline.
 
-One training step = forward + backward + optimizer step on random tokens. Warm-up steps are
-excluded; on CUDA each step is timed with CUDA events and the median is reported. MFU uses the
+One training step = the trainer's own step (``train.step.TrainStep``: forward + backward, gradient
+clipping, AdamW; compiled, CUDA-graphed and with the fused loss as ``hydra-lm train`` would run it
+on this device, see ``train.compile_policy``) on random tokens. Warm-up steps are excluded; on CUDA each step is timed with CUDA events and the median is reported. MFU uses the
 FLOPs each routed unit really executed (``executed_flops_per_token``) against a bf16 peak measured
 on the device with a large matmul; the datasheet value is shown beside it.
 
@@ -12,6 +13,7 @@ which document-mask path the attention took ("flex", "dense-mask" or "none").
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -20,15 +22,20 @@ from typing import Any, Callable
 import torch
 
 from . import create_model
+from .bench_options import BenchConfig
 from .model.accounting import dense_flops_per_token, executed_flops_per_token, kv_cache_bytes_per_token
 from .model.attention_backend import get_attention_backend, sdpa_kernel_only
 from .model.doc_attention import get_doc_mask_backend, resolve_doc_mask_backend
+from .model.hydra import DecodeStep
 from .step_profile import format_profile, profile_steps
-from .cuda_graphs import GraphedStep
+from .train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
+from .train.optim import build_optimizer
+from .train.options import TrainConfig
+from .train.run import pick_device
+from .train.step import TrainStep
 
-# model: one graph; regions: one graph with layers as shared nested regions (HydraModel.compile_regions);
-# blocks: HydraModel.compile_blocks; units: HydraModel.compile_units (routing eager, dynamic token counts).
-COMPILE_SCOPES = ("model", "regions", "blocks", "units")
+# AdamW's learning rate in a timed step (the value does not change the time).
+BENCH_LR = 3e-4
 # Dense bf16 tensor-core peaks from the vendor datasheets (TFLOP/s), keyed by a device-name fragment.
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
@@ -116,125 +123,101 @@ def doc_mask_path(doc: torch.Tensor | None, device: torch.device) -> str:
     return "flex" if resolve_doc_mask_backend(device) == "flex" else "dense-mask"
 
 
-def bench_training(model, batch: int, seq: int, steps: int, warmup: int, compile_model: bool,
-                   device: torch.device, document_masking: bool = False,
-                   compile_scope: str = "model", compile_mode: str = "default",
-                   sdpa_kernel: str = "auto", cuda_graph: bool = False,
-                   profile_dir: str | None = None) -> dict[str, Any]:
-    """``compile_mode`` "reduce-overhead" captures the compiled forward and backward as CUDA graphs;
-    ``cuda_graph`` captures the whole step (forward, backward, optimizer; compiled or not) as one
-    CUDA graph (``GraphedStep``). ``profile_dir``: afterwards profile 3 more steps (kernel time by
-    category, Chrome trace there)."""
-    if cuda_graph and device.type != "cuda":
-        raise ValueError("cuda_graph needs a CUDA device; drop --cuda_graph on the CPU")
-    if cuda_graph and compile_model and compile_mode == "reduce-overhead":
-        raise ValueError("cuda_graph already graphs the whole step: use it with --compile_mode default, "
-                         "not reduce-overhead (whose graphs cannot nest inside another capture)")
+def bench_training(model, cfg: BenchConfig, plan: SpeedPlan, device: torch.device) -> dict[str, Any]:
+    """Time the trainer's step (``TrainStep``: forward + backward, clipping, AdamW with the trainer's
+    parameter groups; graphed and compiled as ``plan`` says) on random tokens. With ``cfg.profile``,
+    profile 3 more steps afterwards (kernel time by category, Chrome trace there)."""
+    batch, seq = cfg.batch_size, cfg.seq_len
     model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda", capturable=cuda_graph)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
-    doc = random_doc_ids(batch, seq, device=device) if document_masking else None
-    with sdpa_kernel_only(sdpa_kernel):
+    doc = random_doc_ids(batch, seq, device=device) if cfg.document_masking else None
+    with sdpa_kernel_only(cfg.sdpa_kernel):
         kernels = attention_kernels(model, ids, doc, device)  # before compiling: eager dispatch
-    if not compile_model:
-        fwd = model
-    elif compile_scope == "regions":
-        fwd = model.compile_regions(mode=compile_mode)
-    elif compile_scope == "blocks":
-        fwd = model.compile_blocks(mode=compile_mode)
-    elif compile_scope == "units":
-        fwd = model.compile_units(mode=compile_mode)
-    else:
-        fwd = torch.compile(model, fullgraph=True, mode=compile_mode)
-    targets = torch.roll(ids, -1, 1)
-    use_bf16 = device.type == "cuda"
-    graphs = compile_model and compile_mode == "reduce-overhead"
+    optimizer = build_optimizer(model, TrainConfig(lr=BENCH_LR), device)
+    train_step = TrainStep(model, apply_speed_plan(model, model, plan), optimizer, device, plan)
+    inputs = {"input_ids": ids, "targets": torch.roll(ids, -1, 1), **({"doc_ids": doc} if doc is not None else {})}
 
-    def eager_step():
-        if graphs:  # a new iteration: the previous step's graph outputs may be overwritten
-            torch.compiler.cudagraph_mark_step_begin()
-        # Autocast's cast cache would hold tensors across a capture boundary: off under cuda_graph.
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16, cache_enabled=not cuda_graph), \
-                sdpa_kernel_only(sdpa_kernel):
-            loss = fwd(ids, targets=targets, doc_ids=doc)["loss"]
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
+    def step() -> None:
+        with sdpa_kernel_only(cfg.sdpa_kernel):
+            train_step.micro(inputs)
+            train_step.update()
 
-    step = GraphedStep(eager_step, warmup=2) if cuda_graph else eager_step
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     first = _timed(step, device)  # includes compilation
-    for _ in range(max(warmup, 2 if cuda_graph else 0)):  # the graph is captured during these
+    for _ in range(max(cfg.warmup, 2 if plan.cuda_graph else 0)):  # the graphs are captured during these
         step()
-    median = statistics.median(_timed(step, device) for _ in range(steps))
+    median = statistics.median(_timed(step, device) for _ in range(cfg.steps))
     flops = executed_flops_per_token(model.config, seq) * batch * seq
     result = {"tokens_per_s": batch * seq / median, "step_ms": median * 1e3, "executed_tflops": flops / median / 1e12,
               "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
               "first_step_s": first, "attention_kernels": kernels, "doc_mask_path": doc_mask_path(doc, device),
               "docs_per_row": None if doc is None else float(doc[:, -1].float().mean() + 1)}
-    if profile_dir is not None:
-        result["profile"] = profile_steps(step, 3, device, profile_dir, tag=model.config.arch)
+    if cfg.profile is not None:
+        result["profile"] = profile_steps(step, 3, device, cfg.profile, tag=model.config.arch)
     return result
 
 
-def _routing_efficiency(model, routed: dict[str, Any], seq: int, timing_args: tuple) -> dict[str, Any]:
-    """Time the same model (``bench_training(model, *timing_args)``) with MoD and MoR switched off,
-    the curriculum's dense mode, and compare: efficiency 1.0 means routing saves exactly the time
-    its skipped FLOPs would take."""
+def _routing_efficiency(model, routed: dict[str, Any], cfg: BenchConfig, plan: SpeedPlan,
+                        device: torch.device) -> dict[str, Any]:
+    """Time the same model with MoD and MoR switched off, the curriculum's dense mode, and compare:
+    efficiency 1.0 means routing saves exactly the time its skipped FLOPs would take."""
     torch._dynamo.reset()
     model.set_curriculum(mod_active=False, mor_active=False)
     try:
-        unrouted = bench_training(model, *timing_args)
+        unrouted = bench_training(model, dataclasses.replace(cfg, profile=None), plan, device)
     finally:
         model.set_curriculum(mod_active=True, mor_active=True)
     speedup = routed["tokens_per_s"] / unrouted["tokens_per_s"]
-    flop_ratio = dense_flops_per_token(model.config, seq) / executed_flops_per_token(model.config, seq)
+    flop_ratio = dense_flops_per_token(model.config, cfg.seq_len) / executed_flops_per_token(model.config, cfg.seq_len)
     return {"unrouted_tokens_per_s": unrouted["tokens_per_s"], "routing_speedup": speedup,
             "routing_flop_ratio": flop_ratio, "routing_efficiency": speedup / flop_ratio}
 
 
 @torch.no_grad()
-def bench_inference(model, seq: int, new_tokens: int, device: torch.device) -> dict[str, Any]:
+def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, repeats: int = 3) -> float:
+    """Steady-state decoding of ``batch`` rows: a prompt of ``length`` tokens is prefilled, then
+    ``length`` one-token steps (greedy, CUDA-graphed where ``generate`` graphs them) are timed on
+    their own, median of ``repeats``. Prefill, the first eager step and the graph's capture happen
+    before the clock starts: timing whole ``generate`` calls would fold them (and their noise,
+    larger than a short decode at batch 1) into the per-token cost."""
+    prompt = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
+    caches = model.init_cache(batch, 2 * length)
+    first = model.forward_cached(prompt, 0, caches).argmax(-1)
+    step = DecodeStep(model, caches, batch, device, graphed=model.decode_capturable())
+    for position in (length, length + 1):  # eager warm-up, then the capture; rewritten by the timed steps
+        step(first[:, None], position)
+
+    def decode() -> None:
+        token = first
+        for position in range(length, 2 * length):
+            token = step(token[:, None], position).argmax(-1)
+
+    seconds = statistics.median(_timed(decode, device) for _ in range(repeats))
+    return batch * length / seconds
+
+
+@torch.no_grad()
+def bench_inference(model, cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
     model.to(device).eval()
-    vocab = model.config.vocab_size
-    result: dict[str, Any] = {}
-    ids = torch.randint(0, vocab, (8, seq), device=device)
+    result: dict[str, Any] = {"decode_len": cfg.new_tokens}
+    ids = torch.randint(0, model.config.vocab_size, (8, cfg.seq_len), device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         model(ids)  # warm-up
         result["prefill_tokens_per_s"] = ids.numel() / _timed(lambda: model(ids), device)
-        for batch in (1, 32):
-            prompt = torch.randint(0, vocab, (batch, 16), device=device)
-            # Steady-state decoding: the time of `new_tokens` steps minus that of half as many (the
-            # prompt, the first step and a CUDA graph's capture cancel out), median of 3 each.
-            half = max(1, new_tokens // 2)
-            full_s, half_s = (statistics.median(_timed(lambda: model.generate(prompt, n), device) for _ in range(3))
-                              for n in (new_tokens, half))
-            result[f"decode_tokens_per_s_batch{batch}"] = batch * (new_tokens - half) / max(full_s - half_s, 1e-9)
-            result[f"generate_s_batch{batch}"] = full_s
+        for batch in cfg.decode_batch_sizes():
+            result[f"decode_tokens_per_s_batch{batch}"] = decode_tokens_per_s(model, batch, cfg.new_tokens, device)
         result["decode_cuda_graph"] = model.decode_capturable()
-    result["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(model.config, seq)
+    result["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(model.config, 2 * cfg.new_tokens)
     return result
 
 
-def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: int, warmup: int,
-              compile_model: bool, inference: bool, device: str = "auto", vocab_size: int = 50257,
-              new_tokens: int = 32, document_masking: bool = False, compile_scope: str = "model",
-              conv_impl: str = "taps", on_row: Callable[[dict[str, Any]], None] | None = None,
-              compile_mode: str = "default", ce_impl: str = "naive", sdpa_kernel: str = "auto",
-              profile_dir: str | None = None, model_overrides: dict[str, Any] | None = None,
-              routing_efficiency: bool = False, cuda_graph: bool = False, ce_chunk_size: int = 4096) -> dict[str, Any]:
+def run_bench(cfg: BenchConfig, on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Time each arch in turn; ``on_row(report)`` is called after every finished row, so a caller can
-    show and save partial results of a long (compiling) run. ``model_overrides``: config fields
-    replacing the preset's (both archs). ``routing_efficiency``: also time the HYDRA model with
-    routing off (every token runs every unit) and report achieved speedup / FLOP-ratio speedup.
-    ``cuda_graph``: capture each whole training step as one CUDA graph (``GraphedStep``).
-    ``ce_chunk_size``: rows per chunk of the fused loss (``ce_impl`` other than "naive")."""
-    if compile_scope not in COMPILE_SCOPES:
-        raise ValueError(f"compile_scope={compile_scope!r}: choose one of {list(COMPILE_SCOPES)}")
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    show and save partial results of a long (compiling) run."""
+    cfg.validate()
+    dev = pick_device(cfg.device)
+    plan = resolve_speed_options(cfg, dev, distributed=False)
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     peak = measure_peak_tflops(dev)
@@ -242,28 +225,26 @@ def run_bench(model_size: str, archs: list[str], batch: int, seq: int, steps: in
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
         "measured_bf16_peak_tflops": peak, "datasheet_bf16_peak_tflops": datasheet_peak(dev),
         "attention_backend": get_attention_backend(), "doc_mask_backend": get_doc_mask_backend(),
-        "batch": batch, "seq_len": seq, "compiled": compile_model,
-        "compile_scope": compile_scope if compile_model else None,
-        "compile_mode": compile_mode if compile_model else None, "cuda_graph": cuda_graph,
-        "document_masking": document_masking,
-        "ce_impl": ce_impl, "ce_chunk_size": ce_chunk_size, "sdpa_kernel": sdpa_kernel,
-        "conv_impl": conv_impl, "model_overrides": dict(model_overrides or {}), "rows": [],
+        "batch": cfg.batch_size, "seq_len": cfg.seq_len, "compile": plan.compile,
+        "compile_mode": plan.compile_mode if plan.compile else None, "cuda_graph": plan.cuda_graph,
+        "document_masking": cfg.document_masking, "ce_impl": plan.ce_impl, "chunked_ce_size": plan.ce_chunk_size,
+        "sdpa_kernel": cfg.sdpa_kernel, "conv_impl": cfg.conv_impl, "model_overrides": dict(cfg.model),
+        "speed": plan.describe(), "rows": [],
     }
-    for arch in archs:
+    max_len = max(cfg.seq_len, 2 * cfg.new_tokens if cfg.inference else 0, 64)
+    for arch in cfg.archs:
         torch.manual_seed(0)
-        model = create_model(model_size, **{"arch": arch, "vocab_size": vocab_size, "max_seq_len": max(seq, 64),
-                                            **(model_overrides or {})})
-        model.set_conv_impl(conv_impl)
-        model.ce_impl, model.ce_chunk_size = ce_impl, ce_chunk_size
-        row: dict[str, Any] = {"arch": arch, "params_m": model.num_parameters() / 1e6, "ce_impl": model.ce_impl}
-        timing = (batch, seq, steps, warmup, compile_model, dev, document_masking, compile_scope, compile_mode,
-                  sdpa_kernel, cuda_graph)
-        row.update(bench_training(model, *timing, profile_dir))
+        model = create_model(cfg.model_size, **{"arch": arch, "vocab_size": cfg.vocab_size, "max_seq_len": max_len,
+                                                **cfg.model})
+        model.set_conv_impl(cfg.conv_impl)
+        row: dict[str, Any] = {"arch": arch, "params_m": model.num_parameters() / 1e6}
+        row.update(bench_training(model, cfg, plan, dev))
+        row["ce_impl"] = model.ce_impl
         row["mfu"] = row["executed_tflops"] / peak if peak else None
-        if routing_efficiency and arch == "hydra":
-            row.update(_routing_efficiency(model, row, seq, timing))
-        if inference:
-            row.update(bench_inference(model, seq, new_tokens, dev))
+        if cfg.routing_efficiency and arch == "hydra":
+            row.update(_routing_efficiency(model, row, cfg, plan, dev))
+        if cfg.inference:
+            row.update(bench_inference(model, cfg, dev))
         report["rows"].append(row)
         if on_row is not None:
             on_row(report)
@@ -279,17 +260,13 @@ def format_report(report: dict[str, Any]) -> str:
         return "-" if v is None else f"{v:.0f}"
 
     r0 = report
-    compiled = f"compiled ({r0['compile_scope']}, {r0['compile_mode']})" if r0["compiled"] else "eager"
-    if r0.get("cuda_graph"):
-        compiled += ", whole step as one CUDA graph"
     header = [f"device {r0['device']}", f"torch {r0['torch']}",
               f"bf16 peak measured {num(r0['measured_bf16_peak_tflops'])} / datasheet "
               f"{num(r0['datasheet_bf16_peak_tflops'])} TFLOP/s",
               f"attention {r0['attention_backend']} (SDPA kernel: {r0['sdpa_kernel']})",
-              f"batch {r0['batch']} x {r0['seq_len']}", compiled,
+              f"batch {r0['batch']} x {r0['seq_len']}", ", ".join(r0["speed"]),
               f"document masking {'on' if r0['document_masking'] else 'off'} (backend {r0['doc_mask_backend']})",
-              f"convs {r0['conv_impl']}",
-              f"loss {r0['ce_impl']}" + (f" (chunks of {r0['ce_chunk_size']})" if r0["ce_impl"] != "naive" else "")]
+              f"convs {r0['conv_impl']}"]
     if r0.get("model_overrides"):
         header.append("overrides " + ",".join(f"{k}={v}" for k, v in r0["model_overrides"].items()))
     lines = [" | ".join(header),
@@ -303,9 +280,11 @@ def format_report(report: dict[str, Any]) -> str:
                      f"  {r['doc_mask_path']:<11}{','.join(r['attention_kernels']) or '-'}")
         if "prefill_tokens_per_s" in r:
             graph = " (CUDA graph)" if r["decode_cuda_graph"] else ""
-            lines.append(f"{'':<7}inference: prefill {r['prefill_tokens_per_s']:,.0f} tok/s | decode{graph} batch 1 "
-                         f"{r['decode_tokens_per_s_batch1']:,.0f} tok/s, batch 32 {r['decode_tokens_per_s_batch32']:,.0f}"
-                         f" tok/s | KV cache {r['kv_cache_bytes_per_token']['allocated'] / 1024:.1f} KiB/token")
+            decode = ", ".join(f"batch {k.removeprefix('decode_tokens_per_s_batch')} {v:,.0f}" for k, v in r.items()
+                               if k.startswith("decode_tokens_per_s_batch"))
+            lines.append(f"{'':<7}inference: prefill {r['prefill_tokens_per_s']:,.0f} tok/s | decode{graph} "
+                         f"{r['decode_len']} after {r['decode_len']} prompt tokens, tok/s: {decode} | KV cache "
+                         f"{r['kv_cache_bytes_per_token']['allocated'] / 1024:.1f} KiB/token")
         if "routing_efficiency" in r:
             lines.append(f"{'':<7}routing: {r['routing_speedup']:.2f}x the tokens/s of the same model unrouted "
                          f"({r['unrouted_tokens_per_s']:,.0f}); FLOP ratio {r['routing_flop_ratio']:.2f}x -> routing "

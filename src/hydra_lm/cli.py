@@ -18,25 +18,22 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import format_report, run_bench, write_json
+    from .bench_options import bench_config
 
-    archs = ["hydra", "dense"] if args.arch == "both" else [args.arch]
-    if args.doc_mask_backend:
+    cfg = bench_config(args, args.model_overrides)
+    if cfg.doc_mask_backend:
         from .model.doc_attention import set_doc_mask_backend
 
-        set_doc_mask_backend(args.doc_mask_backend)
+        set_doc_mask_backend(cfg.doc_mask_backend)
+
     def on_row(partial: dict) -> None:  # a run killed later still leaves the rows it finished
         r = partial["rows"][-1]
         print(f"bench: {r['arch']} done: {r['tokens_per_s']:,.0f} tok/s, first step {r['first_step_s']:.1f} s",
               file=sys.stderr, flush=True)
-        if args.json:
-            write_json(partial, args.json)
+        if cfg.json:
+            write_json(partial, cfg.json)
 
-    report = run_bench(args.model_size, archs, args.batch_size, args.seq_len, args.steps, args.warmup, args.compile,
-                       args.inference, args.device, args.vocab_size, args.new_tokens, args.document_masking,
-                       args.compile_scope, args.conv_impl, on_row, args.compile_mode, args.ce_impl, args.sdpa_kernel,
-                       args.profile, args.model_overrides, args.routing_efficiency, args.cuda_graph,
-                       args.ce_chunk_size)
-    print(format_report(report))
+    print(format_report(run_bench(cfg, on_row)))
     return 0
 
 
@@ -149,51 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--vocab_size", type=int, default=None, help="override the preset's vocabulary size")
     info.set_defaults(func=_cmd_info)
 
-    from .bench import COMPILE_SCOPES
-    from .model.attention_backend import SDPA_KERNELS
-    from .train.options import COMPILE_MODES as compile_modes
+    from .bench_options import FIELDS as bench_fields
+    from .train.flags import add_field_arguments
 
-    bench = sub.add_parser("bench", help="time training steps (and inference) of a preset and its dense baseline")
-    bench.add_argument("--model_size", default="100M")
-    bench.add_argument("--arch", default="both", choices=["both", "hydra", "dense"])
-    bench.add_argument("--batch_size", type=int, default=16)
-    bench.add_argument("--seq_len", type=int, default=1024)
-    bench.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
-    bench.add_argument("--warmup", type=int, default=5, help="untimed steps after the first")
-    bench.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                       help="torch.compile(fullgraph=True) the model")
-    bench.add_argument("--sdpa_kernel", default="auto", choices=list(SDPA_KERNELS),
-                       help="allow SDPA only this kernel (auto: SDPA's own choice)")
-    bench.add_argument("--ce_impl", default="naive", choices=["naive", "chunked", "liger", "auto"],
-                       help="loss path: materialised logits, or head + cross-entropy fused (chunked; Liger on CUDA)")
-    bench.add_argument("--ce_chunk_size", type=int, default=4096,
-                       help="rows per chunk of the fused loss (smaller: less memory, slightly slower)")
-    bench.add_argument("--compile_mode", default="default", choices=list(compile_modes),
-                       help="torch.compile mode; reduce-overhead captures forward and backward as CUDA graphs")
-    bench.add_argument("--cuda_graph", action="store_true",
-                       help="capture each whole training step (forward, backward, optimizer; compiled or eager) as "
-                            "one CUDA graph; use with --compile_mode default")
-    bench.add_argument("--compile_scope", default="model", choices=list(COMPILE_SCOPES),
-                       help="compile the whole model as one graph, the same with layers as shared nested regions "
-                            "(HydraModel.compile_regions), each block (HydraModel.compile_blocks), or one graph "
-                            "for every routed unit plus the fused loss's chunks, routing eager "
-                            "(HydraModel.compile_units; pair with --cuda_graph)")
-    bench.add_argument("--document_masking", action="store_true",
-                       help="pass doc_ids like the trainer (documents of geometric length, mean 400 tokens)")
-    bench.add_argument("--doc_mask_backend", default=None, choices=["auto", "flex", "sdpa"],
-                       help="document-masked attention: FlexAttention or a dense SDPA mask (default: "
-                            "HYDRA_DOC_MASK_BACKEND, else auto = the dense mask; flex is refused on CUDA)")
-    bench.add_argument("--conv_impl", default="taps", choices=["taps", "conv1d"],
-                       help="CCGQA convs as fused shifted taps, or F.conv1d (cuDNN) for comparison")
-    bench.add_argument("--inference", action="store_true", help="also time prefill and decode (batch 1 and 32)")
-    bench.add_argument("--new_tokens", type=int, default=32, help="decode steps timed per batch size")
-    bench.add_argument("--vocab_size", type=int, default=50257)
-    bench.add_argument("--device", default="auto")
-    bench.add_argument("--json", default=None, help="also write the report here")
-    bench.add_argument("--routing_efficiency", action="store_true",
-                       help="also time HYDRA with routing off: achieved speedup / FLOP-ratio speedup")
-    bench.add_argument("--profile", default=None, metavar="DIR",
-                       help="after timing, profile 3 steps: kernel time by category in the report, Chrome traces in DIR")
+    bench = sub.add_parser("bench", help="time training steps (and inference) of a preset and its dense baseline; "
+                                         "compiled, CUDA-graphed and with the fused loss as `train` runs by default")
+    add_field_arguments(bench, bench_fields)
     bench.epilog = "Model config fields: --model.FIELD VALUE (e.g. --model.mod_capacity 0.5), applied to both archs."
     bench.set_defaults(func=_cmd_bench)
 

@@ -263,7 +263,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             caches = self.init_cache(b, total)
             tokens = input_ids
             logits = self.forward_cached(input_ids, 0, caches)
-            step = _DecodeStep(self, caches, b, input_ids.device, graphed)
+            step = DecodeStep(self, caches, b, input_ids.device, graphed)
             done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
             for i in range(max_new_tokens):
                 nxt = sample_next(logits, temperature, top_k, top_p, generator)
@@ -279,20 +279,6 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             self.train(was_training)
 
     # ------------------------------------------------------------------ compilation and kernels
-    def compile_blocks(self, **kwargs) -> "HydraModel":
-        """Compile each recursive block and MoE block in place (``nn.Module.compile``), instead of
-        the whole model: blocks of the same structure can share compiled code (parameters are graph
-        inputs). Measured on an H100 for the 100M preset (benchmarks/BENCHMARKS.md): 167 s cold
-        compile against 207 s for the whole model, but 28% fewer tokens/s, so it is not the default.
-        Keyword arguments go to torch.compile (default ``fullgraph=True``). Returns the model;
-        parameter names and the state dict are unchanged."""
-        kwargs.setdefault("fullgraph", True)
-        for block in self.blocks:
-            block.compile(**kwargs)
-        for moe in self.moe_blocks.values():
-            moe.compile(**kwargs)
-        return self
-
     def compile_units(self, **kwargs) -> "HydraModel":
         """Compile what every routed unit repeats, once: ``block.run_unit`` (recursion embedding, the
         layer stack, the gated residual update) with dynamic token counts (default ``dynamic=True,
@@ -318,21 +304,11 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         self.ce_compile = {"backend": kwargs.get("backend", "inductor"), "mode": kwargs.get("mode")}
         return self
 
-    def compile_regions(self, **kwargs):
-        """``torch.compile`` the whole model (default ``fullgraph=True``) with every transformer layer
-        marked as a nested compile region: layers called with the same token count share one Dynamo
-        trace and one inductor compilation (7 layer graphs instead of 32 for the 100M preset; AOT
-        autograd still re-traces every call). Routing stays inside the one graph. H100, 100M, with
-        CUDA graphs: 187 s first step (with the chunked loss) against 229 s for the
-        whole model (materialised logits), same tokens/s (benchmarks/BENCHMARKS.md).
-        Returns the compiled module (parameters shared with this model)."""
-        kwargs.setdefault("fullgraph", True)
-        self.use_layer_regions(True)
-        return torch.compile(self, **kwargs)
-
     def use_layer_regions(self, on: bool = True) -> None:
         """Mark (or unmark) the transformer layers as nested compile regions for a later
-        ``torch.compile`` of this model or of a wrapper around it (no effect in eager mode)."""
+        ``torch.compile`` of this model or of a wrapper around it (no effect in eager mode): layers
+        called with the same token count share one Dynamo trace and one inductor compilation (7 layer
+        graphs instead of 32 for the 100M preset; routing stays inside the one graph)."""
         for block in self.blocks:
             block.layer_regions = bool(on)
 
@@ -355,7 +331,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         return n
 
 
-class _DecodeStep:
+class DecodeStep:
     """One-token decoding step on fixed input buffers (token, position), replayed as a CUDA graph when
     ``graphed``. The logits it returns are overwritten by the next call."""
 

@@ -19,7 +19,19 @@ MODEL_PREFIX = "--model."
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="TOML (or YAML, with pyyaml) file whose keys mirror these "
                                                        "flags; a [model] table overrides model config fields")
-    for name, f in FIELDS.items():
+    add_field_arguments(parser, FIELDS)
+    parser.add_argument("--8bit_adam", dest="alias_8bit_adam", action="store_true", default=None,
+                        help="same as --optimizer adam8bit (needs bitsandbytes and CUDA)")
+    parser.add_argument("--adafactor", dest="alias_adafactor", action="store_true", default=None,
+                        help="same as --optimizer adafactor")
+    parser.epilog = ("Model config fields: --model.FIELD VALUE (e.g. --model.mod_capacity 0.5); values are "
+                     "parsed as JSON where possible (numbers, true/false, null, lists), else as text.")
+
+
+def add_field_arguments(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> None:
+    """One flag per dataclass field (``opt`` metadata), default None (= not typed); booleans also get
+    their ``--no-NAME`` form. The ``model`` field is the ``--model.FIELD`` overrides, not a flag."""
+    for name, f in fields.items():
         meta = f.metadata
         if name == "model":
             continue
@@ -30,12 +42,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             parser.add_argument(*flags, dest=name, default=None, type=meta["type"], choices=meta.get("choices"),
                                 help=meta["help"])
-    parser.add_argument("--8bit_adam", dest="alias_8bit_adam", action="store_true", default=None,
-                        help="same as --optimizer adam8bit (needs bitsandbytes and CUDA)")
-    parser.add_argument("--adafactor", dest="alias_adafactor", action="store_true", default=None,
-                        help="same as --optimizer adafactor")
-    parser.epilog = ("Model config fields: --model.FIELD VALUE (e.g. --model.mod_capacity 0.5); values are "
-                     "parsed as JSON where possible (numbers, true/false, null, lists), else as text.")
 
 
 def split_model_overrides(argv: list[str]) -> tuple[list[str], dict[str, Any]]:

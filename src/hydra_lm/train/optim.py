@@ -82,9 +82,6 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
 def check_optimizer_features(cfg: TrainConfig, dist) -> None:
     """Refuse combinations an optimizer cannot run (one line naming what to change)."""
     kind = cfg.optimizer
-    if kind == "sophia" and cfg.compile:
-        raise ValueError("--optimizer sophia differentiates the gradients (Hessian estimate), which compiled "
-                         "graphs cannot: drop --compile or pick another optimizer")
     if kind == "sophia" and dist.enabled:
         raise ValueError("--optimizer sophia works in one process only (DDP/FSDP2 cannot differentiate the "
                          "gradients): pick another optimizer under torchrun")

@@ -2,6 +2,8 @@
 
 ``None`` on a field means "automatic": ``resolve`` fills it from the per-size table (T11), the
 run mode and the device, after the layers (defaults < saved run < config file < CLI) are merged.
+The speed settings (compile, cuda_graph, chunked_ce) stay None in the saved config, so a resumed run
+follows the device it resumes on; ``compile_policy.resolve_speed_options`` decides them.
 """
 
 from __future__ import annotations
@@ -103,23 +105,27 @@ class TrainConfig:
                                       type=bool)
 
     # --- speed and memory
-    compile: bool = opt(False, "torch.compile the model", type=bool)
-    compile_mode: str = opt("default", "torch.compile mode with --compile; reduce-overhead captures forward and "
-                                       "backward as CUDA graphs (one process)", type=str, choices=COMPILE_MODES)
-    compile_regions: bool = opt(False, "with --compile: trace each transformer layer once per routed-unit size "
-                                       "(nested compile regions; shorter cold compile)", type=bool)
-    compile_units: bool = opt(False, "with --compile: one graph shared by every routed unit (layer stack + gated "
-                                     "residual update) and the fused loss's chunks, routing eager; the shortest "
-                                     "cold compile (one process); pair with --cuda_graph", type=bool)
-    cuda_graph: bool = opt(False, "capture the training step (forward, backward, clipping, AdamW) as CUDA graphs "
-                                  "and replay them, compiled or not (one CUDA process, adamw, --compile_mode "
-                                  "default)", type=bool)
+    # None: automatic, by device and process count (compile_policy.py): on CUDA the routed units are
+    # compiled, the step replayed as CUDA graphs and the loss fused; under torchrun the whole model is
+    # compiled (no graphs); on the CPU everything runs eager.
+    compile: bool | None = opt(None, "torch.compile the model (default: on CUDA; the routed units in one process, "
+                                     "the whole model under torchrun; --no-compile: eager)", type=bool)
+    compile_mode: str = opt("default", "torch.compile mode; reduce-overhead (CUDA graphs inside the compiled "
+                                       "code) needs --compile_regions and turns the whole-step graphs off", type=str,
+                            choices=COMPILE_MODES)
+    compile_regions: bool = opt(False, "compile the whole model with each transformer layer traced once per "
+                                       "routed-unit size (nested compile regions) instead of the routed units; "
+                                       "with --compile_mode reduce-overhead the fastest steady state at low MoD "
+                                       "capacity, but minutes of cold compile", type=bool)
+    cuda_graph: bool | None = opt(None, "capture the training step (forward, backward, clipping, AdamW) as CUDA "
+                                        "graphs and replay them (default: on CUDA in one process with adamw, "
+                                        "without gradient checkpointing or reduce-overhead)", type=bool)
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass", type=bool)
     checkpoint_every: int | None = opt(None, "gradient checkpointing every N blocks (implies "
                                              "--gradient_checkpointing)", type=int)
     triton_kernels: bool = opt(False, "fused Triton kernels", type=bool)
-    chunked_ce: bool = opt(False, "fused head + cross-entropy without [B,T,V] logits (Liger on CUDA if "
-                                  "installed, else chunked)", type=bool)
+    chunked_ce: bool | None = opt(None, "fused head + cross-entropy without [B,T,V] logits (default: on CUDA; "
+                                        "Liger if installed and no CUDA graphs, else chunked)", type=bool)
     chunked_ce_size: int = opt(4096, "tokens per chunk of the chunked cross-entropy", type=int)
     document_masking: bool = opt(True, "keep attention, convs and value shift inside each packed document "
                                        "(--no-document_masking: attend across documents, plain causal kernels)",
@@ -162,6 +168,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 KEY_ALIASES: dict[str, tuple[str, Any]] = {
     "8bit_adam": ("optimizer", "adam8bit"),
     "adafactor": ("optimizer", "adafactor"),
+    "compile_units": ("compile", True),  # runs saved before the routed units became what --compile compiles
 }
 
 # Changing these on resume would either not load (model) or not reproduce the data order.
@@ -312,19 +319,6 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.batch_filter_k > 0, f"batch_filter_k={cfg.batch_filter_k} must be > 0")
     need(cfg.adaptive_lr_spike > 1, f"adaptive_lr_spike={cfg.adaptive_lr_spike} must be > 1")
     need(0 < cfg.adaptive_lr_factor <= 1, f"adaptive_lr_factor={cfg.adaptive_lr_factor} must lie in (0, 1]")
-    need(cfg.compile or not (cfg.compile_regions or cfg.compile_units),
-         "--compile_regions / --compile_units choose what --compile compiles: add --compile")
-    need(not (cfg.compile_regions and cfg.compile_units), "--compile_regions and --compile_units exclude each "
-         "other: pick one")
-    reduce_overhead = cfg.compile and cfg.compile_mode == "reduce-overhead"
-    need(not (cfg.compile_units and reduce_overhead), "--compile_units with --compile_mode reduce-overhead: the "
-         "units' own CUDA graphs would be overwritten within a step; use --cuda_graph (whole-step graphs) instead")
-    need(not (cfg.cuda_graph and reduce_overhead), "--cuda_graph already graphs the whole step: use it with "
-         "--compile_mode default, not reduce-overhead (whose graphs cannot nest inside another capture)")
-    need(not cfg.cuda_graph or cfg.optimizer == "adamw", f"--cuda_graph needs --optimizer adamw (fused, capturable); "
-         f"{cfg.optimizer} cannot be captured in a CUDA graph")
-    need(not (cfg.cuda_graph and cfg.gradient_checkpointing), "--cuda_graph with gradient checkpointing is not "
-         "supported (recomputation saves and restores RNG states on the host); drop one of them")
     if cfg.checkpoint_every is not None:
         need(cfg.checkpoint_every >= 1, f"checkpoint_every={cfg.checkpoint_every} must be >= 1")
     if cfg.stop_at_step is not None:

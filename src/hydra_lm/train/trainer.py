@@ -8,7 +8,6 @@ statistics are averaged over ranks each step, so every rank takes the same decis
 
 from __future__ import annotations
 
-import contextlib
 import random
 import signal
 import sys
@@ -17,12 +16,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import create_model
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from .batch_filter import BatchFilter
+from .compile_policy import apply_speed_plan, resolve_speed_options
 from .checkpoint import DISK_FULL, CheckpointError, capture_rng, disk_full_error, restore_rng, verify
 from .curriculum import Curriculum, CurriculumPlan
 from .data_io import ValSet, train_loader
@@ -31,12 +30,12 @@ from .distributed import (any_rank, broadcast_object, full_tensor, gather_object
                           sum_across_ranks, wrap_model)
 from .divergence import FiniteFlag, RollbackPolicy, parameters_finite
 from .metrics import MetricsWriter, NullMetrics, measure_peak_flops, memory_mb, progress_line
-from .graphed_train_step import GraphedTrainStep
-from .optim import build_optimizer, check_optimizer_features, make_capturable, portable_optimizer_state, set_lr
+from .optim import build_optimizer, check_optimizer_features, portable_optimizer_state, set_lr
 from .run import RunSetup, write_run_files
 from .safe_optimizations import AnomalyMonitor, SafeOptimizations, Switch
 from .schedule import AdaptiveLR, lr_at
 from .sharded_checkpoint import RANK_FILE, ShardedSaver, load_dcp, load_optimizer, load_single_into_sharded
+from .step import TrainStep
 
 EXIT_INTERRUPTED = 130
 REPEATED_SIGNAL_S = 2.0  # signals closer together than this count as one request
@@ -52,6 +51,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
+        self.plan = resolve_speed_options(cfg, self.device, self.dist.enabled)
         self.model = create_model(setup.model_cfg).to(self.device)
         self._check_features()
         mc = setup.model_cfg
@@ -83,24 +83,13 @@ class Trainer:
             self._restore(setup.resume_from)
             for group, (lr, ratio) in zip(self.optimizer.param_groups, lrs):
                 group["lr"], group["lr_ratio"] = lr, ratio
-        if cfg.compile and cfg.compile_regions:
-            self.model.use_layer_regions(True)
-        if cfg.compile and cfg.compile_units:
-            self.model.compile_units(mode=cfg.compile_mode)  # routing stays eager: the step calls the model
-            self.step_model = self.wrapped
-        else:
-            self.step_model = torch.compile(self.wrapped, mode=cfg.compile_mode) if cfg.compile else self.wrapped
-        # CUDA graphs: each forward starts a new graph replay; outputs of the last one are consumed by then.
-        self._graph_steps = cfg.compile and cfg.compile_mode == "reduce-overhead" and self.device.type == "cuda"
-        self.graphs: GraphedTrainStep | None = None
+        # After any restore: a captured step needs a capturable optimizer (learning rate on the device).
+        self.train_step = TrainStep(self.model, apply_speed_plan(self.model, self.wrapped, self.plan), self.optimizer,
+                                    self.device, self.plan, cfg.grad_accum, cfg.grad_clip)
         self._graphs_announced = False
-        if cfg.cuda_graph:
-            make_capturable(self.optimizer, self.device)
-            self.graphs = GraphedTrainStep(self._micro_step, self._update, self.device)
         self.use_doc_ids = cfg.document_masking
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world_size
         self.peak_flops = measure_peak_flops(self.device) if self.device.type == "cuda" else None
-        self._create_graph = False
         self._stop: str | None = None
         self._signal_at: float | None = None
         self._valset: ValSet | None = None
@@ -113,18 +102,6 @@ class Trainer:
     # ------------------------------------------------------------------ setup helpers
     def _check_features(self) -> None:
         cfg = self.cfg
-        if cfg.compile and cfg.compile_mode == "reduce-overhead" and self.dist.enabled:
-            raise ValueError("--compile_mode reduce-overhead (CUDA graphs) works in one process only: FSDP2/DDP "
-                             "communication hooks cannot be captured; use --compile_mode default under torchrun")
-        if cfg.cuda_graph and self.device.type != "cuda":
-            raise ValueError(f"--cuda_graph needs a CUDA device (this run is on {self.device}): CUDA graphs do not "
-                             "exist there; drop --cuda_graph")
-        if cfg.cuda_graph and self.dist.enabled:
-            raise ValueError("--cuda_graph works in one process only: FSDP2/DDP communication cannot be captured; "
-                             "drop --cuda_graph under torchrun")
-        if cfg.compile_units and self.dist.enabled:
-            raise ValueError("--compile_units works in one process only; under torchrun use --compile (whole "
-                             "model) or --compile --compile_regions")
         if cfg.time_budget_s and self.dist.enabled:
             raise ValueError("--time_budget_s works in one process only (ranks time their steps differently and "
                              "would disagree on the schedule); under torchrun use --max_steps")
@@ -132,31 +109,26 @@ class Trainer:
         if cfg.triton_kernels:
             raise ValueError("--triton_kernels is not available yet: no fused Triton kernels are wired into "
                              "the model; run without it")
-        if cfg.chunked_ce:
-            # Liger's fused kernel on CUDA when installed (eager only), else the chunked fallback; a
-            # CUDA graph cannot hold Liger (it reads a token count on the host).
-            self.model.ce_impl = "chunked" if cfg.cuda_graph else "auto"
-            self.model.ce_chunk_size = cfg.chunked_ce_size
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing = True
             self.model.checkpoint_every = cfg.checkpoint_every or 1
 
     def _optimization_switches(self) -> list[Switch]:
         """What the anomaly monitor may switch off while running, most invasive first."""
-        switches = []
-        if self.graphs is not None:
-            graphs = self.graphs
+        switches, step = [], self.train_step
+        if step.graphs is not None:
+            graphs = step.graphs
 
             def graphs_on() -> None:
                 graphs.reset()
-                self.graphs = graphs
+                step.graphs = graphs
 
-            switches.append(Switch("CUDA graphs (--cuda_graph)", lambda: setattr(self, "graphs", None), graphs_on))
-        if self.step_model is not self.wrapped:
-            compiled = self.step_model
-            switches.append(Switch("torch.compile (--compile)", lambda: setattr(self, "step_model", self.wrapped),
-                                   lambda: setattr(self, "step_model", compiled)))
-        if self.cfg.chunked_ce:
+            switches.append(Switch("CUDA graphs (--cuda_graph)", lambda: setattr(step, "graphs", None), graphs_on))
+        if step.step_model is not self.wrapped:
+            compiled = step.step_model
+            switches.append(Switch("torch.compile (--compile)", lambda: setattr(step, "step_model", self.wrapped),
+                                   lambda: setattr(step, "step_model", compiled)))
+        if self.plan.ce_impl != "naive":
             impl = self.model.ce_impl
             switches.append(Switch("the fused chunked loss (--chunked_ce)",
                                    lambda: setattr(self.model, "ce_impl", "naive"),
@@ -164,10 +136,7 @@ class Trainer:
         return switches
 
     def autocast(self):
-        if self.device.type == "cuda":
-            # Autocast's cast cache would keep tensors across a graph capture's boundary.
-            return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not self.cfg.cuda_graph)
-        return contextlib.nullcontext()
+        return self.train_step.autocast()
 
     def _restore(self, ckpt) -> None:
         # On the CPU: RNG states must stay there; the optimizer moves its state to the parameters' device.
@@ -282,8 +251,8 @@ class Trainer:
         self.rollback.load_state_dict(policy)  # the checkpoint's own (older) count would allow endless retries
         self.finite.reset()
         self._iter = None
-        if self.graphs is not None:
-            self.graphs.reset()
+        if self.train_step.graphs is not None:
+            self.train_step.graphs.reset()
         self._window = self._new_window()
         self.safe_opts.restarted_at(self.step)
 
@@ -396,13 +365,13 @@ class Trainer:
         self._window = self._new_window()
         stopping = False
         self._train_t0 = time.perf_counter()
-        compiling = cfg.compile or cfg.cuda_graph
+        compiling = self.plan.compile is not None or self.plan.cuda_graph
         while now < end and not stopping:  # `now` is read once per step: every decision below agrees on it
             before = now
             self._train_step(self._window)
             if compiling:  # compiling (first step) or capturing CUDA graphs (first steps): not training time
                 self._bank_train_time(startup=True)
-                compiling = self.graphs is not None and not self.graphs.captured
+                compiling = self.train_step.graphs is not None and not self.train_step.graphs.captured
             now = self._clock()
             stopping = self._stop_agreed()
             regular = self.step % cfg.log_every == 0
@@ -452,10 +421,8 @@ class Trainer:
         feats += ["bf16 autocast, TF32" if cuda else "fp32",
                  f"{'fused ' if cuda and cfg.optimizer == 'adamw' else ''}{cfg.optimizer}",
                  f"grad clip {cfg.grad_clip:g}" if cfg.grad_clip > 0 else "no grad clip"]
-        scope = ", layer regions" if cfg.compile_regions else ", routed units" if cfg.compile_units else ""
-        compiled = f"torch.compile ({cfg.compile_mode}{scope})"
-        feats += [name for name, on in ((compiled, cfg.compile), ("whole-step CUDA graphs", cfg.cuda_graph),
-                                        ("gradient checkpointing", cfg.gradient_checkpointing),
+        feats += [part for part in self.plan.describe() if part != "eager"]
+        feats += [name for name, on in (("gradient checkpointing", cfg.gradient_checkpointing),
                                         ("document masking", self.use_doc_ids), ("adaptive LR", cfg.adaptive_lr),
                                         (f"batch filter (k={cfg.batch_filter_k:g})", cfg.batch_filter)) if on]
         if cfg.experimental_prefetch_threads:
@@ -507,20 +474,14 @@ class Trainer:
             self._saved_window = None
         return window
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        # A copy from pageable memory would wait for the GPU to drain; from pinned memory it queues.
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
-
     def _train_step(self, window) -> None:
         cfg = self.cfg
         clock = self._clock()
         msg = self.curriculum.apply(clock, self.model)
         if msg:
             self.log.info(msg)
-            if self.graphs is not None:  # the routing's control flow changed: capture it again
-                self.graphs.reset()
+            if self.train_step.graphs is not None:  # the routing's control flow changed: capture it again
+                self.train_step.graphs.reset()
         lr = lr_at(clock, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
                    schedule=cfg.schedule, wsd_decay_pct=cfg.wsd_decay_pct)
         if self.adaptive is not None:
@@ -528,7 +489,7 @@ class Trainer:
         lr *= self.rollback.lr_scale
         set_lr(self.optimizer, lr)
         hessian_due = getattr(self.optimizer, "hessian_due", None)  # Sophia: this step's backward keeps its graph
-        self._create_graph = hessian_due is not None and hessian_due()
+        self.train_step.create_graph = hessian_due is not None and hessian_due()
         parts = torch.zeros(5, device=self.device)  # loss, ce, aux, ponder, moe (summed over micro-batches)
         stats = None
         for i in range(cfg.grad_accum):
@@ -537,19 +498,17 @@ class Trainer:
             if self.use_doc_ids:
                 inputs["doc_ids"] = batch["doc_ids"]
             with gradient_sync(self.wrapped, self.dist, sync=i == cfg.grad_accum - 1):
-                if self.graphs is not None:
-                    micro_parts, micro_stats = self.graphs.micro(inputs)
-                else:
-                    micro_parts, micro_stats = self._micro_step(**{k: self._to_device(v) for k, v in inputs.items()})
+                micro_parts, micro_stats = self.train_step.micro(inputs)
             parts += micro_parts
             stats = micro_stats.clone()  # CUDA graphs reuse output memory
         if self.batch_filter is not None:  # every rank decides on the same (global mean) loss
             keep = self.batch_filter.keep(mean_across_ranks(parts[0] / cfg.grad_accum, self.dist))
             self.batch_filter.mask(self.params, keep)
-        grad_norm = full_tensor(self.graphs.update() if self.graphs is not None else self._update())
-        if self.graphs is not None and self.graphs.captured and not self._graphs_announced:
+        grad_norm = full_tensor(self.train_step.update())
+        graphs = self.train_step.graphs
+        if graphs is not None and graphs.captured and not self._graphs_announced:
             self.log.info(f"step {self.step + 1}: training step captured as CUDA graphs, replayed from now on")
-        self._graphs_announced = self.graphs is not None and self.graphs.captured
+        self._graphs_announced = graphs is not None and graphs.captured
         parts = parts / cfg.grad_accum
         if self.dist.enabled:  # one small all-reduce: every rank logs and decides on the global mean
             flat = mean_across_ranks(torch.cat([parts, stats.flatten()]), self.dist)
@@ -563,31 +522,6 @@ class Trainer:
         window["lr"] = lr
         self.step += 1
         self.tokens_seen += self.tokens_per_step
-
-    def _micro_step(self, input_ids, targets, doc_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and backward of one micro-batch: (loss parts [5], routing stats)."""
-        if self._graph_steps:
-            torch.compiler.cudagraph_mark_step_begin()
-        kwargs = {"doc_ids": doc_ids} if doc_ids is not None else {}
-        # Only SDPA's math kernel has a second derivative (Sophia's Hessian steps).
-        math_only = sdpa_kernel(SDPBackend.MATH) if self._create_graph else contextlib.nullcontext()
-        with self.autocast(), math_only:
-            out = self.step_model(input_ids, targets=targets, **kwargs)
-        (out["loss"] / self.cfg.grad_accum).backward(create_graph=self._create_graph)
-        parts = torch.stack([out[k].detach().float() for k in ("loss", "ce_loss", "aux_loss", "ponder_loss",
-                                                                "moe_loss")])
-        return parts, out["routing_stats"].detach().float()
-
-    def _update(self) -> torch.Tensor:
-        """Clip (or only measure) the gradient norm, step the optimizer, clear the gradients."""
-        if self.cfg.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        else:  # still measured for the log; clipping by inf would turn an overflowed norm into NaN grads
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
-        self.optimizer.step()
-        # A captured backward accumulates into gradients that exist: zero them in place instead.
-        self.optimizer.zero_grad(set_to_none=self.graphs is None)
-        return grad_norm
 
     def _log(self, window, regular: bool = True) -> bool:
         """Write a metrics record (of a window known to be finite). Only ``regular`` records (every

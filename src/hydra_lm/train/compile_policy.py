@@ -1,0 +1,115 @@
+"""Which speed options a training step runs with (``hydra-lm train`` and ``hydra-lm bench``): the
+defaults per device and process count, and the one place that refuses combinations that cannot work.
+
+The settings ``compile``, ``cuda_graph`` and ``chunked_ce`` are None for "automatic":
+
+- CUDA, one process: compile the routed units (``HydraModel.compile_units``: one dynamic graph for
+  every unit, routing eager), capture the whole step as CUDA graphs, fuse head and loss in chunks.
+  On an H100 (100M preset) this starts in about 36 s and is within a few percent of the fastest
+  steady state (benchmarks/BENCHMARKS.md).
+- CUDA under torchrun: compile the whole model, fused loss; no CUDA graphs (FSDP2/DDP communication
+  cannot be captured) and no unit compilation (one process only).
+- CPU: eager, plain loss.
+- Sophia: eager, plain loss (its Hessian estimate needs second derivatives); other optimizers than
+  AdamW and gradient checkpointing: no CUDA graphs.
+
+``compile_regions`` instead compiles the whole model with the layers as shared nested regions; with
+``compile_mode reduce-overhead`` (no whole-step graphs) it has the fastest steady state measured at
+low MoD capacity, at the cost of a cold compile of two to three minutes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class SpeedPlan:
+    compile: str | None  # "units", "regions", "model" (whole model) or None (eager)
+    compile_mode: str  # torch.compile mode
+    cuda_graph: bool  # the whole step (micro-batch forward + backward, update) as CUDA graphs
+    ce_impl: str  # the model's loss path: "naive", "chunked" or "auto" (Liger when installed)
+    ce_chunk_size: int
+
+    @property
+    def graphs_inside_compile(self) -> bool:
+        """reduce-overhead: the compiled code replays its own CUDA graphs (a step must mark its start)."""
+        return self.compile is not None and self.compile_mode == "reduce-overhead"
+
+    def describe(self) -> list[str]:
+        names = {"units": "routed units", "regions": "layer regions", "model": "whole model"}
+        parts = [f"torch.compile ({self.compile_mode}, {names[self.compile]})"] if self.compile else ["eager"]
+        if self.cuda_graph:
+            parts.append("whole-step CUDA graphs")
+        if self.ce_impl != "naive":
+            parts.append(f"fused chunked loss ({self.ce_chunk_size} tokens per chunk)")
+        return parts
+
+
+def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> SpeedPlan:
+    """``cfg``: a TrainConfig or BenchConfig (fields compile, compile_mode, compile_regions, cuda_graph,
+    chunked_ce, chunked_ce_size; a bench has no optimizer or gradient_checkpointing field and runs
+    fused AdamW without checkpointing). Raises ValueError for what cannot run."""
+    cuda = device.type == "cuda"
+    optimizer = getattr(cfg, "optimizer", "adamw")
+    checkpointing = getattr(cfg, "gradient_checkpointing", False)
+    # Sophia differentiates the gradients (Hessian estimate), which compiled graphs cannot.
+    compile_on = cuda and optimizer != "sophia" if cfg.compile is None else cfg.compile
+    reduce_overhead = compile_on and cfg.compile_mode == "reduce-overhead"
+
+    def refuse(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ValueError(msg)
+
+    refuse(not (compile_on and optimizer == "sophia"), "--optimizer sophia differentiates the gradients (Hessian "
+           "estimate), which compiled graphs cannot: drop --compile or pick another optimizer")
+    refuse(compile_on or not cfg.compile_regions, "--compile_regions chooses what --compile compiles, and "
+           "compilation is off (--no-compile, or the CPU's default): add --compile")
+    refuse(not (reduce_overhead and distributed), "--compile_mode reduce-overhead (CUDA graphs) works in one "
+           "process only: FSDP2/DDP communication hooks cannot be captured; use --compile_mode default under torchrun")
+    refuse(not (reduce_overhead and not cfg.compile_regions), "--compile_mode reduce-overhead "
+           "needs --compile_regions: the routed units' graphs would be overwritten within a step (the default "
+           "whole-step CUDA graphs already remove the launch overhead)")
+    if cfg.cuda_graph:  # asked for explicitly
+        refuse(not reduce_overhead, "--cuda_graph already graphs the whole step: use it with --compile_mode "
+               "default, not reduce-overhead (whose graphs cannot nest inside another capture)")
+        refuse(optimizer == "adamw", f"--cuda_graph needs --optimizer adamw (fused, capturable); {optimizer} "
+               "cannot be captured in a CUDA graph")
+        refuse(not checkpointing, "--cuda_graph with gradient checkpointing is not supported (recomputation saves "
+               "and restores RNG states on the host); drop one of them")
+        refuse(cuda, f"--cuda_graph needs a CUDA device (this run is on {device}): drop --cuda_graph")
+        refuse(not distributed, "--cuda_graph works in one process only: FSDP2/DDP communication cannot be "
+               "captured; drop --cuda_graph under torchrun")
+        graphs = True
+    elif cfg.cuda_graph is None:  # automatic: wherever it can run
+        graphs = cuda and not distributed and not reduce_overhead and optimizer == "adamw" and not checkpointing
+    else:
+        graphs = False
+    # The fused loss's hand-written backward gives Sophia's Hessian estimate no second derivative.
+    chunked = cuda and optimizer != "sophia" if cfg.chunked_ce is None else cfg.chunked_ce
+    if not compile_on:
+        scope = None
+    elif cfg.compile_regions:
+        scope = "regions"
+    else:  # the units' compilation works in one process only; torchrun compiles the whole model
+        scope = "model" if distributed else "units"
+    # A CUDA graph cannot hold Liger's kernel (it reads a token count on the host): the chunked fallback.
+    ce_impl = ("chunked" if graphs else "auto") if chunked else "naive"
+    return SpeedPlan(scope, cfg.compile_mode, graphs, ce_impl, cfg.chunked_ce_size)
+
+
+def apply_speed_plan(model, wrapped: torch.nn.Module, plan: SpeedPlan):
+    """Set the model's loss path and compile what ``plan`` says; returns what a step calls: ``wrapped``
+    (the model, or its FSDP2/DDP wrapper) itself, or a compiled module around it."""
+    model.ce_impl, model.ce_chunk_size = plan.ce_impl, plan.ce_chunk_size
+    if plan.compile == "units":
+        model.compile_units(mode=plan.compile_mode)  # compiled in place; routing stays eager
+        return wrapped
+    if plan.compile == "regions":
+        model.use_layer_regions(True)
+    if plan.compile is not None:
+        return torch.compile(wrapped, mode=plan.compile_mode)
+    return wrapped

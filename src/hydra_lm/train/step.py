@@ -1,0 +1,77 @@
+"""One training step, the same code for ``hydra-lm train`` and ``hydra-lm bench``: forward and
+backward of each micro-batch, then clipping and the optimizer update; replayed as CUDA graphs when
+the speed plan says so. The trainer adds what lies around a step (data, schedule, logging)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .compile_policy import SpeedPlan
+from .graphed_train_step import GraphedTrainStep
+from .optim import make_capturable
+
+
+class TrainStep:
+    """``micro(inputs)`` runs one micro-batch (gradients accumulate), ``update()`` clips and steps the
+    optimizer: (loss parts [5], routing stats) and the gradient norm, device tensors. ``step_model``
+    is what a forward calls (the model, its wrapper or a compiled module); ``graphs`` and
+    ``step_model`` may be switched at run time (the trainer's anomaly monitor does)."""
+
+    def __init__(self, model, step_model, optimizer: torch.optim.Optimizer, device: torch.device, plan: SpeedPlan,
+                 grad_accum: int = 1, grad_clip: float = 1.0):
+        self.model, self.step_model, self.optimizer, self.device, self.plan = model, step_model, optimizer, device, plan
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.grad_accum, self.grad_clip = grad_accum, grad_clip
+        self.create_graph = False  # Sophia's Hessian steps: the backward keeps its graph
+        self.graphs: GraphedTrainStep | None = None
+        if plan.cuda_graph:
+            make_capturable(optimizer, device)
+            self.graphs = GraphedTrainStep(self.micro_step, self.update_step, device)
+
+    def autocast(self):
+        if self.device.type == "cuda":
+            # Autocast's cast cache would keep tensors across a graph capture's boundary.
+            return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not self.plan.cuda_graph)
+        return contextlib.nullcontext()
+
+    def micro(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.graphs is not None:
+            return self.graphs.micro(inputs)
+        return self.micro_step(**{k: self._to_device(v) for k, v in inputs.items()})
+
+    def update(self) -> torch.Tensor:
+        return self.graphs.update() if self.graphs is not None else self.update_step()
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        # A copy from pageable memory would wait for the GPU to drain; from pinned memory it queues.
+        if self.device.type == "cuda" and t.device.type == "cpu":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def micro_step(self, input_ids, targets, doc_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one micro-batch: (loss parts [5], routing stats)."""
+        if self.plan.graphs_inside_compile and self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are consumed
+        kwargs = {"doc_ids": doc_ids} if doc_ids is not None else {}
+        # Only SDPA's math kernel has a second derivative (Sophia's Hessian steps).
+        math_only = sdpa_kernel(SDPBackend.MATH) if self.create_graph else contextlib.nullcontext()
+        with self.autocast(), math_only:
+            out = self.step_model(input_ids, targets=targets, **kwargs)
+        (out["loss"] / self.grad_accum).backward(create_graph=self.create_graph)
+        parts = torch.stack([out[k].detach().float() for k in ("loss", "ce_loss", "aux_loss", "ponder_loss",
+                                                                "moe_loss")])
+        return parts, out["routing_stats"].detach().float()
+
+    def update_step(self) -> torch.Tensor:
+        """Clip (or only measure) the gradient norm, step the optimizer, clear the gradients."""
+        if self.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        else:  # still measured for the log; clipping by inf would turn an overflowed norm into NaN grads
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        self.optimizer.step()
+        # A captured backward accumulates into gradients that exist: zero them in place instead.
+        self.optimizer.zero_grad(set_to_none=self.graphs is None)
+        return grad_norm
