@@ -6,7 +6,8 @@ below ``throughput_drop_threshold`` x its average. Each anomaly is logged and re
 ``window`` steps switch off the most invasive optimization still on (CUDA graphs, then
 torch.compile, then the fused chunked loss); the trainer then continues from its last good
 checkpoint. An optimization that has been off for ``window`` steps without a new anomaly is
-switched on again ("graduates").
+switched on again ("graduates"). One that failed its pretest (see ``pretest``) stays off for the rest of
+the invocation.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ class Switch:
     """One optimization the trainer can turn off and on while running."""
 
     name: str
+    key: str  # the TrainConfig flag it stands for: names it in checkpoints and pretests
     turn_off: Callable[[], None]
     turn_on: Callable[[], None]
     on: bool = True
     off_since: int = -1
+    failed_pretest: bool = False  # off until the next start, which tests it again
 
 
 class AnomalyMonitor:
@@ -96,6 +99,19 @@ class SafeOptimizations:
         self.monitor.recent = deque(x for x in self.monitor.recent if x <= step)
         self.monitor.last_anomaly = min(self.monitor.last_anomaly, step)
 
+    def disable(self, key: str, step: int, reason: str) -> Switch | None:
+        """Switch an optimization off for the rest of this invocation (it failed its pretest)."""
+        switch = next((s for s in self.switches if s.key == key and s.on), None)
+        if switch is None:
+            return None
+        switch.turn_off()
+        switch.on, switch.off_since, switch.failed_pretest = False, step, True
+        self.warn(f"pretest failed for {switch.name}: {reason}; switched it off for this run (it is tested again at "
+                  "the next start)")
+        self.record({"kind": "safety", "step": step, "optimization": switch.name, "action": "off",
+                     "reason": f"pretest: {reason}"})
+        return switch
+
     def _switch_off_if_needed(self, step: int) -> Switch | None:
         if not self.monitor.too_many():
             return None
@@ -112,7 +128,8 @@ class SafeOptimizations:
 
     def _graduate(self, step: int) -> None:
         for s in self.switches:
-            if not s.on and step - s.off_since >= self.monitor.window and self.monitor.last_anomaly <= s.off_since:
+            clean = step - s.off_since >= self.monitor.window and self.monitor.last_anomaly <= s.off_since
+            if not s.on and not s.failed_pretest and clean:
                 s.turn_on()
                 s.on = True
                 self.warn(f"{s.name} switched on again at step {step}: {step - s.off_since} steps without an anomaly")

@@ -32,6 +32,7 @@ from .distributed import (any_rank, broadcast_object, full_tensor, gather_object
 from .divergence import FiniteFlag, RollbackPolicy, parameters_finite
 from .metrics import MetricsWriter, NullMetrics, measure_peak_flops, memory_mb, progress_line
 from .graphed_train_step import GraphedTrainStep
+from .pretest import PretestHook
 from .optim import build_optimizer, check_optimizer_features, make_capturable, portable_optimizer_state, set_lr
 from .run import RunSetup, write_run_files
 from .safe_optimizations import AnomalyMonitor, SafeOptimizations, Switch
@@ -151,14 +152,16 @@ class Trainer:
                 graphs.reset()
                 self.graphs = graphs
 
-            switches.append(Switch("CUDA graphs (--cuda_graph)", lambda: setattr(self, "graphs", None), graphs_on))
+            switches.append(Switch("CUDA graphs (--cuda_graph)", "cuda_graph", lambda: setattr(self, "graphs", None),
+                                   graphs_on))
         if self.step_model is not self.wrapped:
             compiled = self.step_model
-            switches.append(Switch("torch.compile (--compile)", lambda: setattr(self, "step_model", self.wrapped),
+            switches.append(Switch("torch.compile (--compile)", "compile",
+                                   lambda: setattr(self, "step_model", self.wrapped),
                                    lambda: setattr(self, "step_model", compiled)))
         if self.cfg.chunked_ce:
             impl = self.model.ce_impl
-            switches.append(Switch("the fused chunked loss (--chunked_ce)",
+            switches.append(Switch("the fused chunked loss (--chunked_ce)", "chunked_ce",
                                    lambda: setattr(self.model, "ce_impl", "naive"),
                                    lambda: setattr(self.model, "ce_impl", impl)))
         return switches
@@ -391,6 +394,7 @@ class Trainer:
         if now >= end:
             self.log.info(f"nothing to do: the run is at step {self.step}, target {end}")
             return 0
+        PretestHook(self).before_training()
         if self.step == 0 and cfg.eval_at_start:
             self._eval()
         self._window = self._new_window()
