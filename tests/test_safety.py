@@ -273,3 +273,28 @@ def test_repeated_loss_spikes_switch_the_chunked_loss_off_and_back_on(tiny_data,
     assert seen[:7] == [(s, "auto") for s in range(1, 8)]
     assert seen[7:13] == [(s, "naive") for s in range(7, 13)]
     assert seen[13:] == [(s, "auto") for s in range(13, 17)]
+
+
+def test_a_switched_off_optimization_stays_off_across_a_resume_until_it_graduates(tiny_data, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    original, seen, pending = Trainer._micro_step, [], {4, 5, 6}
+
+    def micro_step(self, *args, **kwargs):
+        seen.append((self.step + 1, self.model.ce_impl))
+        parts, stats = original(self, *args, **kwargs)
+        if self.step in pending:  # the logged loss of steps 5-7 spikes, as above
+            pending.discard(self.step)
+            parts = parts * 1000
+        return parts, stats
+
+    monkeypatch.setattr(Trainer, "_micro_step", micro_step)
+    flags = ["--max_steps", "16", "--log_every", "1", "--chunked_ce", "--experimental_safety_window", "6",
+             "--experimental_throughput_drop_threshold", "0.01"]
+    assert train(tiny_data, run, *flags, "--stop_at_step", "9") == 0
+    assert verify(checkpoints(run)[-1]).state["safe_optimizations"]["off"] == {"chunked_ce": 6}
+    seen.clear()
+    assert train(tiny_data, run, *flags) == 0
+    # The same decisions as the uninterrupted run above: plain loss up to step 12, fused again from 13.
+    assert seen == [(s, "naive") for s in range(10, 13)] + [(s, "auto") for s in range(13, 17)]
+    switches = [(r["step"], r["action"]) for r in records(run, "safety")]
+    assert switches == [(7, "off"), (12, "on")]

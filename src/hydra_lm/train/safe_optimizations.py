@@ -7,7 +7,8 @@ below ``throughput_drop_threshold`` x its average. Each anomaly is logged and re
 torch.compile, then the fused chunked loss); the trainer then continues from its last good
 checkpoint. An optimization that has been off for ``window`` steps without a new anomaly is
 switched on again ("graduates"). One that failed its pretest (see ``pretest``) stays off for the rest of
-the invocation.
+the invocation. What is off and the monitor's averages are saved in checkpoints, so a resumed run
+takes the decisions an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -70,6 +71,15 @@ class AnomalyMonitor:
     def too_many(self) -> bool:
         return len(self.recent) >= ANOMALIES_TO_SWITCH
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_ema": self.loss_ema, "tps_ema": self.tps_ema, "recent": list(self.recent),
+                "last_anomaly": self.last_anomaly}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loss_ema, self.tps_ema = state["loss_ema"], state["tps_ema"]
+        self.recent = deque(state["recent"])
+        self.last_anomaly = state["last_anomaly"]
+
 
 class SafeOptimizations:
     def __init__(self, switches: list[Switch], monitor: AnomalyMonitor, warn: Callable[[str], None],
@@ -111,6 +121,20 @@ class SafeOptimizations:
         self.record({"kind": "safety", "step": step, "optimization": switch.name, "action": "off",
                      "reason": f"pretest: {reason}"})
         return switch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Switched-off optimizations (a failed pretest is not kept: the next start tests it again) and the monitor."""
+        off = {s.key: s.off_since for s in self.switches if not s.on and not s.failed_pretest}
+        return {"off": off, "monitor": self.monitor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.monitor.load_state_dict(state["monitor"])
+        for s in self.switches:
+            if s.key in state["off"] and s.on:
+                s.turn_off()
+                s.on, s.off_since = False, int(state["off"][s.key])
+                self.warn(f"{s.name} stays off as the checkpoint recorded (switched off at step {s.off_since}); it "
+                          f"is tried again after {self.monitor.window} clean steps")
 
     def _switch_off_if_needed(self, step: int) -> Switch | None:
         if not self.monitor.too_many():

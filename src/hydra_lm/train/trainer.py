@@ -110,6 +110,8 @@ class Trainer:
                                  cfg.experimental_throughput_drop_threshold)
         self.safe_opts = SafeOptimizations(self._optimization_switches(), monitor, self.log.warning,
                                            lambda record: self.metrics.write(record))
+        if setup.resume_from is not None and setup.resume_from.state.get("safe_optimizations"):
+            self.safe_opts.load_state_dict(setup.resume_from.state["safe_optimizations"])
 
     # ------------------------------------------------------------------ setup helpers
     def _check_features(self) -> None:
@@ -228,6 +230,7 @@ class Trainer:
             "curriculum": self.curriculum.state_dict(),
             "adaptive_lr": self.adaptive.state_dict() if self.adaptive is not None else None,
             "rollback": self.rollback.state_dict(),
+            "safe_optimizations": self.safe_opts.state_dict(),
             "loader": self.loader.state_dict(),
             "batch_filter": self.batch_filter.state_dict() if self.batch_filter is not None else None,
             "rng": rng_json,
