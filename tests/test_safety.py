@@ -5,6 +5,7 @@ import errno
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -298,3 +299,36 @@ def test_a_switched_off_optimization_stays_off_across_a_resume_until_it_graduate
     assert seen == [(s, "naive") for s in range(10, 13)] + [(s, "auto") for s in range(13, 17)]
     switches = [(r["step"], r["action"]) for r in records(run, "safety")]
     assert switches == [(7, "off"), (12, "on")]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_under_torchrun_rank_0_holds_the_lock_and_a_second_launch_is_refused(tiny_data, tmp_path):
+    run = tmp_path / "run"
+
+    def launch(max_steps: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                "hydra_lm", "train", "--data", str(tiny_data), "--out", str(run), *TINY_RUN, "--parallel", "ddp",
+                "--max_steps", max_steps, "--save_every", max_steps, "--log_every", "1", "--eval_every", "0",
+                "--no-eval_at_start"]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # A session of its own: the launcher and its workers are stopped together at the end.
+    first = subprocess.Popen(launch("100000"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (run / "metrics.jsonl").is_file() or '"kind": "train"' not in (run / "metrics.jsonl").read_text():
+            assert first.poll() is None, first.stderr.read().decode()
+            assert time.monotonic() < deadline, "the first launch did not start training"
+            time.sleep(0.5)
+        holder = json.loads((run / ".lock").read_text())["pid"]
+        worker_env = open(f"/proc/{holder}/environ", "rb").read().split(b"\0")
+        assert b"RANK=0" in worker_env and holder != first.pid  # rank 0's worker, not the launcher
+        second = subprocess.run(launch("2"), capture_output=True, text=True, timeout=300, env=env)
+        assert second.returncode != 0
+        assert f"is in use by another trainer (pid {holder} on host " in second.stderr, second.stderr[-3000:]
+        assert first.poll() is None  # the first launch trains on, undisturbed
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
