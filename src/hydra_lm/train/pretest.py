@@ -90,14 +90,15 @@ def pretest_batch(vocab_size: int, batch_size: int, seq_len: int, device: torch.
 
 
 class _Path:
-    """One side of a comparison: a model, what to call, and the last repeat's loss and gradients."""
+    """One side of a comparison: what to call on the shared model copy, and its last repeat's results."""
 
-    def __init__(self, model: torch.nn.Module, call: Callable, mark_step: bool = False):
-        self.model, self.call, self.mark_step = model, call, mark_step
+    def __init__(self, model: torch.nn.Module, call: Callable, ce_impl: str, mark_step: bool = False):
+        self.model, self.call, self.ce_impl, self.mark_step = model, call, ce_impl, mark_step
         self.best_s, self.loss, self.grads = math.inf, math.nan, []
 
     def step(self, batch, autocast, timed: bool) -> None:
         inputs, targets = batch
+        self.model.ce_impl = self.ce_impl
         self.model.zero_grad(set_to_none=True)
         if inputs.is_cuda:
             torch.cuda.synchronize(inputs.device)
@@ -112,7 +113,7 @@ class _Path:
         if timed:
             self.best_s = min(self.best_s, time.perf_counter() - t0)
         self.loss = float(out["loss"].detach().float())
-        self.grads = [p.grad.detach().float().clone() if p.grad is not None else None for p in self.model.parameters()]
+        self.grads = [None if p.grad is None else p.grad.detach().float().clone() for p in self.model.parameters()]
 
 
 def _grad_difference(got: list, want: list) -> float:
@@ -130,22 +131,23 @@ def _grad_difference(got: list, want: list) -> float:
 def compare(key: str, model: torch.nn.Module, batch, autocast, device_type: str, compile_mode: str = "default",
             ce_impl: str = "auto") -> dict[str, Any]:
     """Pretest one optimization (``key``: a TrainConfig flag in PRETESTED) against the plain path."""
-    plain, fast = copy.deepcopy(model), copy.deepcopy(model)
-    for m in (plain, fast):
-        m.ce_impl = "naive"
-    call, mark_step = fast, False
+    work = copy.deepcopy(model)  # both sides share its weights: the run's model and buffers stay untouched
+    want = _Path(work, work, "naive")
     if key == "chunked_ce":
-        fast.ce_impl = ce_impl
+        got = _Path(work, work, ce_impl)
     elif key == "compile":
-        call = torch.compile(fast, mode=compile_mode)
-        mark_step = compile_mode == "reduce-overhead" and device_type == "cuda"
+        got = _Path(work, torch.compile(work, mode=compile_mode), "naive",
+                    mark_step=compile_mode == "reduce-overhead" and device_type == "cuda")
     else:
         raise ValueError(f"no pretest for --{key} (pretested: {', '.join(PRETESTED)})")
-    want, got = _Path(plain, plain), _Path(fast, call, mark_step)
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device_type == "cuda" else []):
         for i in range(REPEATS):  # alternating, so a busy machine slows both sides alike
             want.step(batch, autocast, timed=i > 0)
-            got.step(batch, autocast, timed=i > 0)
+            try:
+                got.step(batch, autocast, timed=i > 0)
+            except Exception as err:  # a crashing optimization fails its pretest instead of stopping the run
+                first_line = (str(err).strip().splitlines() or [""])[0]
+                return {"optimization": key, "passed": False, "reason": f"raised {type(err).__name__}: {first_line}"}
     want_loss, got_loss = want.loss, got.loss
     loss_tol, grad_tol = TOLERANCE.get(device_type, TOLERANCE["cpu"])
     loss_diff = abs(got_loss - want_loss) / max(abs(want_loss), 1e-12)
