@@ -110,3 +110,14 @@ def test_a_resume_with_a_changed_flag_pretests_again(tiny_data, tmp_path):
     assert [(e["trigger"], e["step"]) for e in history] == [
         ("optimization flags changed (chunked_ce: False -> True)", 2), ("checkpoint load", 4)]
     assert all(e["results"][0]["passed"] for e in history)
+
+
+def test_the_trigger_names_what_changed_since_the_checkpoint():
+    from hydra_lm.train.pretest import trigger_of
+
+    saved = {"model_size": "debug", "train_config": {"chunked_ce": True, "compile": False}}
+    assert trigger_of({"chunked_ce": True}, "debug", None) == "new run"
+    assert trigger_of({"chunked_ce": True, "compile": False}, "debug", saved) == "checkpoint load"
+    assert trigger_of({"chunked_ce": True, "compile": True}, "debug", saved) == \
+        "optimization flags changed (compile: False -> True)"
+    assert trigger_of({"chunked_ce": True}, "100M", saved) == "model size changed (debug -> 100M)"

@@ -35,7 +35,6 @@ MIN_SLOWDOWN_S = 0.02  # a step slower by less than this is timing noise, whatev
 # (loss, gradient) relative tolerances: fp32 on the CPU, bf16 autocast on CUDA.
 TOLERANCE = {"cpu": (1e-4, 1e-3), "cuda": (2e-2, 5e-2)}
 PRETESTED = ("compile", "chunked_ce")
-MAX_BATCH_TOKENS = 4096  # the pretest batch: a few rows of --seq_len, enough to exercise every path
 
 
 def pretest_dir(run_dir: str | Path) -> Path:
@@ -82,10 +81,10 @@ def record_pretest(run_dir: str | Path, entry: dict[str, Any]) -> Path:
 
 
 def pretest_batch(vocab_size: int, batch_size: int, seq_len: int, device: torch.device, seed: int):
-    """Random tokens from a generator of their own: the run's random streams and data order are untouched."""
-    rows = max(1, min(batch_size, MAX_BATCH_TOKENS // seq_len))
+    """One micro-batch of random tokens, in the run's shape (a compiled step is specialised to it), from a
+    generator of its own: the run's random streams and data order are untouched."""
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab_size, (rows, seq_len + 1), generator=gen)
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=gen)
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
@@ -140,14 +139,19 @@ def compare(key: str, model: torch.nn.Module, batch, autocast, device_type: str,
                     mark_step=compile_mode == "reduce-overhead" and device_type == "cuda")
     else:
         raise ValueError(f"no pretest for --{key} (pretested: {', '.join(PRETESTED)})")
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device_type == "cuda" else []):
-        for i in range(REPEATS):  # alternating, so a busy machine slows both sides alike
-            want.step(batch, autocast, timed=i > 0)
-            try:
-                got.step(batch, autocast, timed=i > 0)
-            except Exception as err:  # a crashing optimization fails its pretest instead of stopping the run
-                first_line = (str(err).strip().splitlines() or [""])[0]
-                return {"optimization": key, "passed": False, "reason": f"raised {type(err).__name__}: {first_line}"}
+    try:
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device_type == "cuda" else []):
+            for i in range(REPEATS):  # alternating, so a busy machine slows both sides alike
+                want.step(batch, autocast, timed=i > 0)
+                try:
+                    got.step(batch, autocast, timed=i > 0)
+                except Exception as err:  # a crashing optimization fails its pretest instead of stopping the run
+                    first_line = (str(err).strip().splitlines() or [""])[0]
+                    return {"optimization": key, "passed": False,
+                            "reason": f"raised {type(err).__name__}: {first_line}"}
+    finally:
+        if key == "compile":  # the copy's graphs must neither hold memory nor shape how the run compiles
+            torch._dynamo.reset()
     want_loss, got_loss = want.loss, got.loss
     loss_tol, grad_tol = TOLERANCE.get(device_type, TOLERANCE["cpu"])
     loss_diff = abs(got_loss - want_loss) / max(abs(want_loss), 1e-12)
