@@ -87,7 +87,8 @@ def test_a_broken_fused_loss_is_switched_off_and_training_goes_on(tiny_data, tmp
     assert f"pretest failed for {CHUNKED}: {complaint}" in err
     assert used == ["naive"] * 3  # every step on the plain loss
     [off] = records(run, "safety")
-    assert off["action"] == "off" and off["optimization"] == CHUNKED and off["reason"].startswith(f"pretest: {complaint}")
+    assert (off["action"], off["optimization"]) == ("off", CHUNKED)
+    assert off["reason"].startswith(f"pretest: {complaint}")
     assert [r["step"] for r in records(run, "train")] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) for r in records(run, "train"))
     assert get_summary(run)["optimizations"]["chunked_ce"]["failed"] == 1

@@ -2,8 +2,9 @@
 
 On a copy of the model and one synthetic batch, the optimized forward + backward must give the
 plain path's loss and gradients (within a tolerance), nothing non-finite, and a step time at most
-``MAX_SLOWDOWN`` x the plain one (fastest of the timed repeats, after a warm-up repeat that also
-compiles; the two sides alternate, and differences under ``MIN_SLOWDOWN_S`` count as noise). A
+``MAX_SLOWDOWN`` x the plain one (the two sides alternate; slower means slower in every pair of
+timed repeats, after a warm-up repeat that also compiles; differences under ``MIN_SLOWDOWN_S``
+count as noise). A
 failure switches that optimization off through the anomaly monitor's switches (see
 ``safe_optimizations``) and the run goes on without it. Every start of a run pretests (a new run, a
 checkpoint load, changed optimization flags or model size are named as the trigger); results are
@@ -25,7 +26,9 @@ from typing import Any
 
 import torch
 
-from .checkpoint import write_text_atomic
+from .. import create_model
+from ..config import HydraConfig, preset_config
+from .checkpoint import verify, write_text_atomic
 
 PRETEST_DIR = "pretest_logs"
 HISTORY_FILE = "pretest_history.json"
@@ -93,7 +96,7 @@ class _Path:
 
     def __init__(self, model: torch.nn.Module, call: Callable, ce_impl: str, mark_step: bool = False):
         self.model, self.call, self.ce_impl, self.mark_step = model, call, ce_impl, mark_step
-        self.best_s, self.loss, self.grads = math.inf, math.nan, []
+        self.times, self.loss, self.grads = [], math.nan, []
 
     def step(self, batch, autocast, timed: bool) -> None:
         inputs, targets = batch
@@ -110,7 +113,7 @@ class _Path:
         if inputs.is_cuda:
             torch.cuda.synchronize(inputs.device)
         if timed:
-            self.best_s = min(self.best_s, time.perf_counter() - t0)
+            self.times.append(time.perf_counter() - t0)
         self.loss = float(out["loss"].detach().float())
         self.grads = [None if p.grad is None else p.grad.detach().float().clone() for p in self.model.parameters()]
 
@@ -156,7 +159,9 @@ def compare(key: str, model: torch.nn.Module, batch, autocast, device_type: str,
     loss_tol, grad_tol = TOLERANCE.get(device_type, TOLERANCE["cpu"])
     loss_diff = abs(got_loss - want_loss) / max(abs(want_loss), 1e-12)
     grad_diff = _grad_difference(got.grads, want.grads)
-    slowdown = got.best_s / max(want.best_s, 1e-12)
+    # Slower only if slower in every (plain, optimized) pair of repeats: a busy machine rarely slows all of them.
+    slowdown = min(g / max(w, 1e-12) for g, w in zip(got.times, want.times))
+    extra_s = min(g - w for g, w in zip(got.times, want.times))
     if not (math.isfinite(got_loss) and math.isfinite(grad_diff)):
         reason = f"non-finite loss or gradients (loss {got_loss:.6g})"
     elif loss_diff > loss_tol:
@@ -164,9 +169,9 @@ def compare(key: str, model: torch.nn.Module, batch, autocast, device_type: str,
                  f"{loss_tol:g})"
     elif grad_diff > grad_tol:
         reason = f"gradients differ from the plain path's by {grad_diff:.2e} (relative, > {grad_tol:g})"
-    elif slowdown > MAX_SLOWDOWN and got.best_s - want.best_s > MIN_SLOWDOWN_S:
-        reason = f"a step takes {slowdown:.2f}x the plain path's time ({got.best_s * 1e3:.1f} ms against " \
-                 f"{want.best_s * 1e3:.1f} ms; > {MAX_SLOWDOWN:g}x)"
+    elif slowdown > MAX_SLOWDOWN and extra_s > MIN_SLOWDOWN_S:
+        reason = f"a step takes at least {slowdown:.2f}x the plain path's time (> {MAX_SLOWDOWN:g}x; " \
+                 f"{min(got.times) * 1e3:.1f} ms against {min(want.times) * 1e3:.1f} ms at best)"
     else:
         reason = None
     return {"optimization": key, "passed": reason is None, "reason": reason, "loss": got_loss,
@@ -237,10 +242,6 @@ class PretestHook:
 def run_pretests_for_checkpoint(path: str | Path, size: str | None = None, device: str = "cpu") -> dict[str, Any]:
     """Pretest the optimizations a checkpoint's run enabled, on its weights (or, with another model
     ``size``, on a fresh model of that size), and record the result in its run directory."""
-    from .. import create_model
-    from ..config import HydraConfig, preset_config
-    from .checkpoint import verify
-
     ckpt = verify(Path(path))
     state = ckpt.state
     train_config, dev = state["train_config"], torch.device(device)
