@@ -5,6 +5,7 @@ import errno
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -291,3 +292,61 @@ def test_repeated_loss_spikes_switch_the_chunked_loss_off_and_back_on(tiny_data,
     assert seen[:7] == [(s, "auto") for s in range(1, 8)]
     assert seen[7:13] == [(s, "naive") for s in range(7, 13)]
     assert seen[13:] == [(s, "auto") for s in range(13, 17)]
+
+
+def test_a_switched_off_optimization_stays_off_across_a_resume_until_it_graduates(tiny_data, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    original, seen, pending = Trainer._micro_step, [], {4, 5, 6}
+
+    def micro_step(self, *args, **kwargs):
+        seen.append((self.step + 1, self.model.ce_impl))
+        parts, stats = original(self, *args, **kwargs)
+        if self.step in pending:  # the logged loss of steps 5-7 spikes, as above
+            pending.discard(self.step)
+            parts = parts * 1000
+        return parts, stats
+
+    monkeypatch.setattr(Trainer, "_micro_step", micro_step)
+    flags = ["--max_steps", "16", "--log_every", "1", "--chunked_ce", "--experimental_safety_window", "6",
+             "--experimental_throughput_drop_threshold", "0.01"]
+    assert train(tiny_data, run, *flags, "--stop_at_step", "9") == 0
+    assert verify(checkpoints(run)[-1]).state["safe_optimizations"]["off"] == {"chunked_ce": 6}
+    seen.clear()
+    assert train(tiny_data, run, *flags) == 0
+    # The same decisions as the uninterrupted run above: plain loss up to step 12, fused again from 13.
+    assert seen == [(s, "naive") for s in range(10, 13)] + [(s, "auto") for s in range(13, 17)]
+    switches = [(r["step"], r["action"]) for r in records(run, "safety")]
+    assert switches == [(7, "off"), (12, "on")]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_under_torchrun_rank_0_holds_the_lock_and_a_second_launch_is_refused(tiny_data, tmp_path):
+    run = tmp_path / "run"
+
+    def launch(max_steps: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                "hydra_lm", "train", "--data", str(tiny_data), "--out", str(run), *TINY_RUN, "--parallel", "ddp",
+                "--max_steps", max_steps, "--save_every", max_steps, "--log_every", "1", "--eval_every", "0",
+                "--no-eval_at_start"]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # A session of its own: the launcher and its workers are stopped together at the end.
+    first = subprocess.Popen(launch("100000"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (run / "metrics.jsonl").is_file() or '"kind": "train"' not in (run / "metrics.jsonl").read_text():
+            assert first.poll() is None, first.stderr.read().decode()
+            assert time.monotonic() < deadline, "the first launch did not start training"
+            time.sleep(0.5)
+        holder = json.loads((run / ".lock").read_text())["pid"]
+        worker_env = open(f"/proc/{holder}/environ", "rb").read().split(b"\0")
+        assert b"RANK=0" in worker_env and holder != first.pid  # rank 0's worker, not the launcher
+        second = subprocess.run(launch("2"), capture_output=True, text=True, timeout=300, env=env)
+        assert second.returncode != 0
+        assert f"is in use by another trainer (pid {holder} on host " in second.stderr, second.stderr[-3000:]
+        assert first.poll() is None  # the first launch trains on, undisturbed
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()

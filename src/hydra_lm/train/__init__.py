@@ -7,6 +7,7 @@ from .curriculum import Curriculum, CurriculumPlan
 from .evaluate import evaluate
 from .inference import eval_run, export_model, generate_text, load_run
 from .options import TrainConfig
+from .pretest import get_history, get_summary, print_summary, run_pretests_for_checkpoint
 from .run import setup_run
 from .schedule import AdaptiveLR, lr_at
 from .trainer import Trainer, train
@@ -23,8 +24,12 @@ __all__ = [
     "evaluate",
     "export_model",
     "generate_text",
+    "get_history",
+    "get_summary",
     "load_run",
     "lr_at",
+    "print_summary",
+    "run_pretests_for_checkpoint",
     "resolve_checkpoint",
     "setup_run",
     "train",

@@ -88,6 +88,8 @@ class TrainConfig:
                                                         "anomaly", type=float)
     experimental_throughput_drop_threshold: float = opt(0.5, "throughput below this fraction of its average is an "
                                                              "anomaly", type=float)
+    experimental_skip_pretest: bool = opt(False, "do not pretest the enabled optimizations (--compile, --chunked_ce) "
+                                                 "against the plain path before training", type=bool)
 
     batch_filter: bool = opt(False, "skip the update of a batch whose loss is an outlier (> mean + k std of the "
                                     "recent losses; decided on the device, counted in the log)", type=bool)

@@ -6,7 +6,9 @@ below ``throughput_drop_threshold`` x its average. Each anomaly is logged and re
 ``window`` steps switch off the most invasive optimization still on (CUDA graphs, then
 torch.compile, then the fused chunked loss); the trainer then continues from its last good
 checkpoint. An optimization that has been off for ``window`` steps without a new anomaly is
-switched on again ("graduates").
+switched on again ("graduates"). One that failed its pretest (see ``pretest``) stays off for the rest of
+the invocation. What is off and the monitor's averages are saved in checkpoints, so a resumed run
+takes the decisions an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ class Switch:
     """One optimization the trainer can turn off and on while running."""
 
     name: str
+    key: str  # the TrainConfig flag it stands for: names it in checkpoints and pretests
     turn_off: Callable[[], None]
     turn_on: Callable[[], None]
     on: bool = True
     off_since: int = -1
+    failed_pretest: bool = False  # off until the next start, which tests it again
 
 
 class AnomalyMonitor:
@@ -67,6 +71,15 @@ class AnomalyMonitor:
     def too_many(self) -> bool:
         return len(self.recent) >= ANOMALIES_TO_SWITCH
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_ema": self.loss_ema, "tps_ema": self.tps_ema, "recent": list(self.recent),
+                "last_anomaly": self.last_anomaly}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loss_ema, self.tps_ema = state["loss_ema"], state["tps_ema"]
+        self.recent = deque(state["recent"])
+        self.last_anomaly = state["last_anomaly"]
+
 
 class SafeOptimizations:
     def __init__(self, switches: list[Switch], monitor: AnomalyMonitor, warn: Callable[[str], None],
@@ -96,6 +109,33 @@ class SafeOptimizations:
         self.monitor.recent = deque(x for x in self.monitor.recent if x <= step)
         self.monitor.last_anomaly = min(self.monitor.last_anomaly, step)
 
+    def disable(self, key: str, step: int, reason: str) -> Switch | None:
+        """Switch an optimization off for the rest of this invocation (it failed its pretest)."""
+        switch = next((s for s in self.switches if s.key == key and s.on), None)
+        if switch is None:
+            return None
+        switch.turn_off()
+        switch.on, switch.off_since, switch.failed_pretest = False, step, True
+        self.warn(f"pretest failed for {switch.name}: {reason}; switched it off for this run (it is tested again at "
+                  "the next start)")
+        self.record({"kind": "safety", "step": step, "optimization": switch.name, "action": "off",
+                     "reason": f"pretest: {reason}"})
+        return switch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Switched-off optimizations (a failed pretest is not kept: the next start tests it again) and the monitor."""
+        off = {s.key: s.off_since for s in self.switches if not s.on and not s.failed_pretest}
+        return {"off": off, "monitor": self.monitor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.monitor.load_state_dict(state["monitor"])
+        for s in self.switches:
+            if s.key in state["off"] and s.on:
+                s.turn_off()
+                s.on, s.off_since = False, int(state["off"][s.key])
+                self.warn(f"{s.name} stays off as the checkpoint recorded (switched off at step {s.off_since}); it "
+                          f"is tried again after {self.monitor.window} clean steps")
+
     def _switch_off_if_needed(self, step: int) -> Switch | None:
         if not self.monitor.too_many():
             return None
@@ -112,7 +152,8 @@ class SafeOptimizations:
 
     def _graduate(self, step: int) -> None:
         for s in self.switches:
-            if not s.on and step - s.off_since >= self.monitor.window and self.monitor.last_anomaly <= s.off_since:
+            clean = step - s.off_since >= self.monitor.window and self.monitor.last_anomaly <= s.off_since
+            if not s.on and not s.failed_pretest and clean:
                 s.turn_on()
                 s.on = True
                 self.warn(f"{s.name} switched on again at step {step}: {step - s.off_since} steps without an anomaly")

@@ -31,6 +31,7 @@ from .distributed import (any_rank, broadcast_object, full_tensor, gather_object
 from .divergence import FiniteFlag, RollbackPolicy, parameters_finite
 from .metrics import MetricsWriter, NullMetrics, measure_peak_flops, memory_mb, progress_line
 from .optim import build_optimizer, check_optimizer_features, portable_optimizer_state, set_lr
+from .pretest import PretestHook
 from .run import RunSetup, write_run_files
 from .safe_optimizations import AnomalyMonitor, SafeOptimizations, Switch
 from .schedule import AdaptiveLR, lr_at
@@ -98,6 +99,8 @@ class Trainer:
                                  cfg.experimental_throughput_drop_threshold)
         self.safe_opts = SafeOptimizations(self._optimization_switches(), monitor, self.log.warning,
                                            lambda record: self.metrics.write(record))
+        if setup.resume_from is not None and setup.resume_from.state.get("safe_optimizations"):
+            self.safe_opts.load_state_dict(setup.resume_from.state["safe_optimizations"])
 
     # ------------------------------------------------------------------ setup helpers
     def _check_features(self) -> None:
@@ -123,14 +126,16 @@ class Trainer:
                 graphs.reset()
                 step.graphs = graphs
 
-            switches.append(Switch("CUDA graphs (--cuda_graph)", lambda: setattr(step, "graphs", None), graphs_on))
+            switches.append(Switch("CUDA graphs (--cuda_graph)", "cuda_graph", lambda: setattr(step, "graphs", None),
+                                   graphs_on))
         if step.step_model is not self.wrapped:
             compiled = step.step_model
-            switches.append(Switch("torch.compile (--compile)", lambda: setattr(step, "step_model", self.wrapped),
+            switches.append(Switch("torch.compile (--compile)", "compile",
+                                   lambda: setattr(step, "step_model", self.wrapped),
                                    lambda: setattr(step, "step_model", compiled)))
         if self.plan.ce_impl != "naive":
             impl = self.model.ce_impl
-            switches.append(Switch("the fused chunked loss (--chunked_ce)",
+            switches.append(Switch("the fused chunked loss (--chunked_ce)", "chunked_ce",
                                    lambda: setattr(self.model, "ce_impl", "naive"),
                                    lambda: setattr(self.model, "ce_impl", impl)))
         return switches
@@ -194,6 +199,7 @@ class Trainer:
             "curriculum": self.curriculum.state_dict(),
             "adaptive_lr": self.adaptive.state_dict() if self.adaptive is not None else None,
             "rollback": self.rollback.state_dict(),
+            "safe_optimizations": self.safe_opts.state_dict(),
             "loader": self.loader.state_dict(),
             "batch_filter": self.batch_filter.state_dict() if self.batch_filter is not None else None,
             "rng": rng_json,
@@ -360,6 +366,7 @@ class Trainer:
         if now >= end:
             self.log.info(f"nothing to do: the run is at step {self.step}, target {end}")
             return 0
+        PretestHook(self).before_training()
         if self.step == 0 and cfg.eval_at_start:
             self._eval()
         self._window = self._new_window()

@@ -1,0 +1,124 @@
+"""Pretests of the enabled optimizations against the plain path before training: history, a broken
+optimization switched off while the run goes on, skipping, and re-running on a resume."""
+
+import json
+import math
+import time
+
+import pytest
+
+import hydra_lm.model.hydra as hydra_module
+from hydra_lm.cli import main
+from hydra_lm.train import get_history, get_summary, print_summary, run_pretests_for_checkpoint
+from hydra_lm.train.trainer import Trainer
+from test_train_support import TINY_RUN, records, tiny_data  # noqa: F401
+
+RUN = [*TINY_RUN, "--max_steps", "3", "--save_every", "3", "--log_every", "1", "--eval_every", "0",
+       "--no-eval_at_start", "--warmup_steps", "1"]
+CHUNKED = "the fused chunked loss (--chunked_ce)"
+
+
+def train(data, run, *extra):
+    return main(["train", "--data", str(data), "--out", str(run), *RUN, *extra])
+
+
+def test_a_correct_optimization_passes_and_is_recorded(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--chunked_ce") == 0
+    [entry] = get_history(run)
+    assert entry["trigger"] == "new run" and entry["flags"]["chunked_ce"] is True
+    [result] = entry["results"]
+    assert result["optimization"] == "chunked_ce" and result["passed"], result
+    assert result["loss_diff"] < 1e-4 and result["grad_diff"] < 1e-3
+    [own_file] = (run / "pretest_logs").glob("pretest_2*.json")  # named by the time; the history is beside it
+    assert json.loads(own_file.read_text()) == entry
+    assert "pretest passed for --chunked_ce (new run)" in capsys.readouterr().out
+    summary = get_summary(run)
+    assert summary["pretests"] == 1 and summary["optimizations"]["chunked_ce"]["passed"] == 1
+    print_summary(run)
+    assert "--chunked_ce: passed 1, failed 0; last passed" in capsys.readouterr().out
+    assert records(run, "safety") == []
+    # Pretesting a checkpoint of the run appends to the same history.
+    checked = run_pretests_for_checkpoint(run / "checkpoints" / "hydra_debug_step3")
+    assert checked["trigger"] == "checkpoint load" and checked["results"][0]["passed"]
+    assert len(get_history(run)) == 2
+
+
+def wrong(real, monkeypatch):
+    return lambda *a, **kw: real(*a, **kw) * 1.5
+
+
+def slow(real, monkeypatch):
+    """Each fused loss costs 10 s on the pretest's clock: a machine's load cannot hide it."""
+    import hydra_lm.train.pretest as pretest
+
+    lost = [0.0]
+    monkeypatch.setattr(pretest.time, "perf_counter", lambda clock=time.perf_counter: clock() + lost[0])
+
+    def loss(*a, **kw):
+        lost[0] += 10.0
+        return real(*a, **kw)
+
+    return loss
+
+
+def crash(real, monkeypatch):
+    def loss(*a, **kw):
+        raise RuntimeError("fused kernel exploded")
+
+    return loss
+
+
+@pytest.mark.parametrize("break_it,complaint", [(wrong, "loss "), (slow, "a step takes "),
+                                                (crash, "raised RuntimeError: fused kernel exploded")])
+def test_a_broken_fused_loss_is_switched_off_and_training_goes_on(tiny_data, tmp_path, monkeypatch, capsys,
+                                                                    break_it, complaint):
+    monkeypatch.setattr(hydra_module, "linear_cross_entropy", break_it(hydra_module.linear_cross_entropy, monkeypatch))
+    original, used = Trainer._micro_step, []
+
+    def micro_step(self, *args, **kwargs):
+        used.append(self.model.ce_impl)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "_micro_step", micro_step)
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--chunked_ce") == 0
+    err = capsys.readouterr().err
+    assert f"pretest failed for {CHUNKED}: {complaint}" in err
+    assert used == ["naive"] * 3  # every step on the plain loss
+    [off] = records(run, "safety")
+    assert (off["action"], off["optimization"]) == ("off", CHUNKED)
+    assert off["reason"].startswith(f"pretest: {complaint}")
+    assert [r["step"] for r in records(run, "train")] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) for r in records(run, "train"))
+    assert get_summary(run)["optimizations"]["chunked_ce"]["failed"] == 1
+
+
+def test_skip_pretest_flag(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--chunked_ce", "--experimental_skip_pretest") == 0
+    assert "--experimental_skip_pretest: not pretesting --chunked_ce" in capsys.readouterr().out
+    assert not (run / "pretest_logs").exists()
+
+
+def test_a_resume_with_a_changed_flag_pretests_again(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "6", "--stop_at_step", "2", "--save_every", "2") == 0
+    assert get_history(run) == []  # nothing enabled, nothing to pretest
+    assert train(tiny_data, run, "--max_steps", "6", "--stop_at_step", "4", "--save_every", "2", "--chunked_ce") == 0
+    assert train(tiny_data, run, "--max_steps", "6", "--save_every", "2") == 0  # --chunked_ce comes from config.json
+    history = get_history(run)
+    assert [(e["trigger"], e["step"]) for e in history] == [
+        ("optimization flags changed (chunked_ce: False -> True)", 2), ("checkpoint load", 4)]
+    assert all(e["results"][0]["passed"] for e in history)
+
+
+def test_the_trigger_names_what_changed_since_the_checkpoint():
+    from hydra_lm.train.pretest import trigger_of
+
+    saved = {"model_size": "debug", "train_config": {"chunked_ce": True, "compile": False}}
+    assert trigger_of({"chunked_ce": True}, "debug", None) == "new run"
+    assert trigger_of({"chunked_ce": True, "compile": False}, "debug", saved) == "checkpoint load"
+    assert trigger_of({"chunked_ce": True, "compile": True}, "debug", saved) == \
+        "optimization flags changed (compile: False -> True)"
+    assert trigger_of({"chunked_ce": True}, "100M", saved) == "model size changed (debug -> 100M)"
