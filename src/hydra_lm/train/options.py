@@ -92,6 +92,13 @@ class TrainConfig:
     batch_filter_k: float = opt(4.0, "--batch_filter: outlier threshold in standard deviations", type=float)
     batch_filter_warmup: int = opt(20, "--batch_filter: steps that only gather statistics", type=int)
 
+    # --- weight averaging
+    swa: bool = opt(False, "also keep an equal-weight average of the weights over the end of the run (saved as "
+                           "swa.safetensors in each checkpoint, evaluated beside the trained weights at the end)",
+                    type=bool)
+    swa_start_pct: float = opt(0.75, "--swa: fraction of the run after which every step's weights join the average",
+                               type=float)
+
     # --- MoD / MoR curriculum (T4)
     mod_enable_pct: float = opt(0.10, "MoD may switch on from this fraction of the run (loss gate)", type=float)
     mod_force_enable_pct: float = opt(0.15, "MoD switches on here whatever the loss", type=float)
@@ -309,6 +316,7 @@ def validate(cfg: TrainConfig) -> None:
         need(0 <= getattr(cfg, name) <= 1, f"{name}={getattr(cfg, name)} must lie in [0, 1]")
     need(cfg.mod_force_enable_pct >= cfg.mod_enable_pct,
          f"mod_force_enable_pct={cfg.mod_force_enable_pct} must be >= mod_enable_pct={cfg.mod_enable_pct}")
+    need(0 <= cfg.swa_start_pct < 1, f"swa_start_pct={cfg.swa_start_pct} must lie in [0, 1)")
     need(cfg.batch_filter_k > 0, f"batch_filter_k={cfg.batch_filter_k} must be > 0")
     need(cfg.adaptive_lr_spike > 1, f"adaptive_lr_spike={cfg.adaptive_lr_spike} must be > 1")
     need(0 < cfg.adaptive_lr_factor <= 1, f"adaptive_lr_factor={cfg.adaptive_lr_factor} must lie in (0, 1]")

@@ -36,6 +36,7 @@ from .optim import build_optimizer, check_optimizer_features, make_capturable, p
 from .run import RunSetup, write_run_files
 from .safe_optimizations import AnomalyMonitor, SafeOptimizations, Switch
 from .schedule import AdaptiveLR, lr_at
+from .swa import WeightAverage
 from .sharded_checkpoint import RANK_FILE, ShardedSaver, load_dcp, load_optimizer, load_single_into_sharded
 
 EXIT_INTERRUPTED = 130
@@ -61,6 +62,7 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg, self.device)
         self.curriculum = Curriculum(CurriculumPlan.from_config(cfg, routable))
+        self.swa = WeightAverage(self.model, int(cfg.swa_start_pct * cfg.max_steps)) if cfg.swa else None
         self.adaptive = AdaptiveLR(cfg.adaptive_lr_spike, cfg.adaptive_lr_factor, cfg.adaptive_lr_cooldown) \
             if cfg.adaptive_lr else None
         self.batch_filter = BatchFilter(cfg.batch_filter_k, self.device, warmup=cfg.batch_filter_warmup) if cfg.batch_filter else None
@@ -129,6 +131,9 @@ class Trainer:
             raise ValueError("--time_budget_s works in one process only (ranks time their steps differently and "
                              "would disagree on the schedule); under torchrun use --max_steps")
         check_optimizer_features(cfg, self.dist)
+        if cfg.swa and self.dist.enabled:
+            raise ValueError("--swa works in one process only (the average is an unsharded copy of the model); "
+                             "drop --swa under torchrun")
         if cfg.triton_kernels:
             raise ValueError("--triton_kernels is not available yet: no fused Triton kernels are wired into "
                              "the model; run without it")
@@ -191,6 +196,8 @@ class Trainer:
         self.tokens_seen = int(st.get("tokens_seen", 0))
         self.train_s, self.startup_s = float(st.get("train_s", 0.0)), float(st.get("startup_s", 0.0))
         self.curriculum.load_state_dict(st["curriculum"], self.device)
+        if self.swa is not None:
+            self.swa.load(ckpt.path, st.get("swa"))
         if self.adaptive is not None and st.get("adaptive_lr"):
             self.adaptive.load_state_dict(st["adaptive_lr"])
         if st.get("rollback"):
@@ -227,6 +234,7 @@ class Trainer:
             "rollback": self.rollback.state_dict(),
             "loader": self.loader.state_dict(),
             "batch_filter": self.batch_filter.state_dict() if self.batch_filter is not None else None,
+            "swa": self.swa.state_dict() if self.swa is not None else None,
             "rng": rng_json,
             "log_window": self._window_state(),
             "train_config": self.cfg.to_dict(),
@@ -241,7 +249,8 @@ class Trainer:
                 # Optimizer state keyed by parameter name, so any number of ranks can load it.
                 optimizer = portable_optimizer_state(get_optimizer_state_dict(self.model, self.optimizer))
                 trainer_tensors = {"optimizer": optimizer, **rng_tensors}
-                path = self.s.manager.save(self.step, self.model, trainer_tensors, state)
+                path = self.s.manager.save(self.step, self.model, trainer_tensors, state,
+                                           self.swa.save if self.swa is not None else None)
         except OSError as err:
             if err.errno not in DISK_FULL:
                 raise
@@ -563,6 +572,8 @@ class Trainer:
         window["lr"] = lr
         self.step += 1
         self.tokens_seen += self.tokens_per_step
+        if self.swa is not None:
+            self.swa.update(self.model, self._clock())
 
     def _micro_step(self, input_ids, targets, doc_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of one micro-batch: (loss parts [5], routing stats)."""
@@ -649,13 +660,28 @@ class Trainer:
                           self.use_doc_ids, self._stop_agreed, lambda t: sum_across_ranks(t, self.dist))
         if result is None:
             return None
-        record = {"kind": "eval", "step": self.step, **result, "eval_s": time.perf_counter() - t0,
-                  "train_s": self.train_s}
+        record = {"kind": "eval", "step": self.step, **result}
+        swa = self._eval_swa() if self._clock() >= self.cfg.max_steps else None
+        if swa is not None:
+            record.update({f"swa_{k}": v for k, v in swa.items() if k.startswith(("val_loss", "val_ppl", "val_gap"))})
+        record.update(eval_s=time.perf_counter() - t0, train_s=self.train_s)
         self.metrics.write(record)
         self.log.info(f"eval step {self.step}: {format_eval(result)}")
+        if swa is not None:
+            self.log.info(f"eval step {self.step} of the weight average ({self.swa.steps_averaged} steps): "
+                          f"{format_eval(swa)}")
         for warning in routing_warnings(result):
             self.log.warning(f"eval step {self.step}: {warning}")
         return result
+
+
+    def _eval_swa(self) -> dict | None:
+        """The end-of-run evaluation of the weight average, with the curriculum's routing switches."""
+        if self.swa is None or self.swa.steps_averaged == 0:
+            return None
+        self.swa.module.set_curriculum(self.curriculum.mod_active, self.curriculum.mor_active)
+        return evaluate(self.swa.module, self._valset, self.device, self.cfg.eval_batches, self.autocast,
+                        self.use_doc_ids, self._stop_agreed)
 
 
 def train(setup: RunSetup) -> int:
