@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .seq_len_schedule import SeqLenSchedule
+
 MODES = ("testing", "production")
 SCHEDULES = ("cosine", "wsd")
 OPTIMIZERS = ("adamw", "adam8bit", "adafactor", "lion", "clion", "muon", "sophia")
@@ -99,6 +101,11 @@ class TrainConfig:
     swa_start_pct: float = opt(0.75, "--swa: fraction of the run after which every step's weights join the average",
                                type=float)
 
+    # --- sequence-length curriculum
+    seq_len_schedule: str | None = opt(None, "LENGTH:START,... e.g. 512:0,1024:0.3,2048:0.7: row length from each "
+                                             "fraction of the run on, tokens per step kept at batch_size x seq_len "
+                                             "(rows scale inversely); --seq_len defaults to the longest", type=str)
+
     # --- MoD / MoR curriculum (T4)
     mod_enable_pct: float = opt(0.10, "MoD may switch on from this fraction of the run (loss gate)", type=float)
     mod_force_enable_pct: float = opt(0.15, "MoD switches on here whatever the loss", type=float)
@@ -172,7 +179,7 @@ KEY_ALIASES: dict[str, tuple[str, Any]] = {
 }
 
 # Changing these on resume would either not load (model) or not reproduce the data order.
-FROZEN_ON_RESUME = ("model_size", "arch", "model", "seq_len", "batch_size", "seed")
+FROZEN_ON_RESUME = ("model_size", "arch", "model", "seq_len", "batch_size", "seed", "seq_len_schedule")
 
 
 def check_train_keys(values: dict[str, Any], where: str) -> None:
@@ -263,6 +270,8 @@ def resolve(cfg: TrainConfig, preset: str, on_cuda: bool) -> TrainConfig:
             auto["lr"] = CPU_DEFAULTS["lr"]
     auto["lr"] *= OPTIMIZER_LR_SCALE[cfg.optimizer]
     auto.update(MODE_DEFAULTS[cfg.mode])
+    if cfg.seq_len_schedule:
+        auto["seq_len"] = SeqLenSchedule.parse(cfg.seq_len_schedule).longest
     changes = {k: v for k, v in auto.items() if getattr(cfg, k) is None}
     cfg = cfg.replace(**changes)
     steps = cfg.max_steps
@@ -316,6 +325,8 @@ def validate(cfg: TrainConfig) -> None:
         need(0 <= getattr(cfg, name) <= 1, f"{name}={getattr(cfg, name)} must lie in [0, 1]")
     need(cfg.mod_force_enable_pct >= cfg.mod_enable_pct,
          f"mod_force_enable_pct={cfg.mod_force_enable_pct} must be >= mod_enable_pct={cfg.mod_enable_pct}")
+    if cfg.seq_len_schedule:
+        SeqLenSchedule.parse(cfg.seq_len_schedule).check(cfg.batch_size, cfg.seq_len)
     need(0 <= cfg.swa_start_pct < 1, f"swa_start_pct={cfg.swa_start_pct} must lie in [0, 1)")
     need(cfg.batch_filter_k > 0, f"batch_filter_k={cfg.batch_filter_k} must be > 0")
     need(cfg.adaptive_lr_spike > 1, f"adaptive_lr_spike={cfg.adaptive_lr_spike} must be > 1")

@@ -37,6 +37,7 @@ from .run import RunSetup, write_run_files
 from .safe_optimizations import AnomalyMonitor, SafeOptimizations, Switch
 from .schedule import AdaptiveLR, lr_at
 from .swa import WeightAverage
+from .seq_len_schedule import SeqLenSchedule, carry_over
 from .sharded_checkpoint import RANK_FILE, ShardedSaver, load_dcp, load_optimizer, load_single_into_sharded
 
 EXIT_INTERRUPTED = 130
@@ -66,9 +67,9 @@ class Trainer:
         self.adaptive = AdaptiveLR(cfg.adaptive_lr_spike, cfg.adaptive_lr_factor, cfg.adaptive_lr_cooldown) \
             if cfg.adaptive_lr else None
         self.batch_filter = BatchFilter(cfg.batch_filter_k, self.device, warmup=cfg.batch_filter_warmup) if cfg.batch_filter else None
-        self.loader = train_loader(setup.data, cfg.batch_size, cfg.seq_len, cfg.seed,
-                                   cfg.experimental_prefetch_threads, cfg.prefetch_buffer_size, self.dist.rank,
-                                   self.dist.world_size)
+        self.seq_schedule = SeqLenSchedule.parse(cfg.seq_len_schedule) if cfg.seq_len_schedule else None
+        self.seq_stage = 0
+        self.loader = self._stage_loader(0)
         self.saver = ShardedSaver(setup.manager, self.dist, cfg.async_checkpoint) if self.dist.enabled else None
         self.step = 0
         self.tokens_seen = 0
@@ -204,6 +205,8 @@ class Trainer:
             self.rollback.load_state_dict(st["rollback"])
         if self.batch_filter is not None and st.get("batch_filter"):
             self.batch_filter.load_state_dict(st["batch_filter"])
+        if self.seq_schedule is not None:  # the loader of the stage the checkpoint was in
+            self._replace_loader(self.seq_schedule.stage_of_length(st["loader"]["seq_len"]))
         self.loader.load_state_dict(st["loader"])
         self._saved_window = st.get("log_window")
         if same_world:
@@ -338,6 +341,33 @@ class Trainer:
         return True
 
     # ------------------------------------------------------------------ data
+    def _stage_loader(self, stage: int):
+        cfg = self.cfg
+        rows, length = (self.seq_schedule.shape(stage, cfg.batch_size, cfg.seq_len) if self.seq_schedule is not None
+                        else (cfg.batch_size, cfg.seq_len))
+        return train_loader(self.s.data, rows, length, cfg.seed, cfg.experimental_prefetch_threads,
+                            cfg.prefetch_buffer_size, self.dist.rank, self.dist.world_size)
+
+    def _replace_loader(self, stage: int) -> None:
+        if stage != self.seq_stage:
+            self.loader.close()
+            self.loader, self.seq_stage, self._iter = self._stage_loader(stage), stage, None
+
+    def _follow_seq_len_schedule(self, clock: int) -> None:
+        """Switch to the row length of the schedule's stage at ``clock``, continuing the epoch."""
+        stage = self.seq_schedule.stage_at(clock, self.cfg.max_steps)
+        if stage == self.seq_stage:
+            return
+        old = self.loader.state_dict()
+        self._replace_loader(stage)
+        rows, length = self.loader.batch_size, self.loader.seq_len
+        self.loader.load_state_dict(carry_over(old, rows * self.dist.world_size, length))
+        if self.graphs is not None:  # new shapes: capture again
+            self.graphs.reset()
+        recompile = " (a compiled model recompiles once for it)" if self.cfg.compile else ""
+        self.log.info(f"step {self.step}: sequence length {old['seq_len']} -> {length}, {rows} rows per "
+                      f"micro-batch{recompile}")
+
     def _next_batch(self) -> dict[str, torch.Tensor]:
         if self._iter is None:
             self._iter = iter(self.loader)
@@ -525,6 +555,8 @@ class Trainer:
     def _train_step(self, window) -> None:
         cfg = self.cfg
         clock = self._clock()
+        if self.seq_schedule is not None:
+            self._follow_seq_len_schedule(clock)
         msg = self.curriculum.apply(clock, self.model)
         if msg:
             self.log.info(msg)
