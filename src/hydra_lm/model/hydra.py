@@ -125,12 +125,15 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         return {f"{block.name}.depth{j}": k for block in self.blocks
                 for j, k in enumerate(block.tokens_per_depth(seq_len))}
 
-    def set_curriculum(self, mod_active: bool = True, mor_active: bool = True) -> None:
+    def set_curriculum(self, mod_active: bool = True, mor_active: bool = True, mor_ramp: float = 1.0) -> None:
         """Switch MoD / MoR routing on or off (the training curriculum). Off: every token runs
-        every block (MoD) / every recursion (MoR) with weight 1. Changing it retraces a compiled model once."""
+        every block (MoD) / every recursion (MoR) with weight 1. ``mor_ramp`` in [0, 1] moves the
+        MoR depth capacities from full depth (0) to the configured ones (1). Changing any of them
+        retraces a compiled model once."""
         for block in self.blocks:
             block.mod_active = bool(mod_active)
             block.mor_active = bool(mor_active)
+            block.mor_ramp = float(mor_ramp)
 
     def routing_mode(self, routing: str | None = None) -> str:
         if self.config.static_routing_mode:

@@ -111,6 +111,9 @@ class TrainConfig:
     mod_force_enable_pct: float = opt(0.15, "MoD switches on here whatever the loss", type=float)
     mod_loss_gate: float = opt(5.0, "MoD switches on early once the CE loss EMA is below this", type=float)
     mor_enable_pct: float = opt(0.30, "MoR adaptive depth switches on from this fraction of the run", type=float)
+    mor_ramp: bool = opt(False, "after mor_enable_pct, move the MoR depth capacities from full depth to the "
+                                "configured ones in 4 equal levels over mor_ramp_pct of the run", type=bool)
+    mor_ramp_pct: float = opt(0.2, "--mor_ramp: fraction of the run the ramp spans", type=float)
     mod_off: bool = opt(False, "never route with MoD (dense blocks)", type=bool)
     mor_off: bool = opt(False, "never route with MoR (fixed full depth)", type=bool)
     no_short_run_override: bool = opt(False, f"keep the MoD loss gate in runs under {SHORT_RUN_STEPS} steps",
@@ -323,6 +326,9 @@ def validate(cfg: TrainConfig) -> None:
     need(0 < cfg.wsd_decay_pct <= 1, f"wsd_decay_pct={cfg.wsd_decay_pct} must lie in (0, 1]")
     for name in ("mod_enable_pct", "mod_force_enable_pct", "mor_enable_pct"):
         need(0 <= getattr(cfg, name) <= 1, f"{name}={getattr(cfg, name)} must lie in [0, 1]")
+    need(not cfg.mor_ramp or 0 < cfg.mor_ramp_pct and cfg.mor_enable_pct + cfg.mor_ramp_pct <= 1,
+         f"mor_ramp_pct={cfg.mor_ramp_pct} must be > 0 and end the ramp within the run (mor_enable_pct + "
+         f"mor_ramp_pct <= 1)")
     need(cfg.mod_force_enable_pct >= cfg.mod_enable_pct,
          f"mod_force_enable_pct={cfg.mod_force_enable_pct} must be >= mod_enable_pct={cfg.mod_enable_pct}")
     if cfg.seq_len_schedule:

@@ -132,6 +132,9 @@ class Trainer:
             raise ValueError("--time_budget_s works in one process only (ranks time their steps differently and "
                              "would disagree on the schedule); under torchrun use --max_steps")
         check_optimizer_features(cfg, self.dist)
+        if cfg.mor_ramp and self.s.model_cfg.mor_routing != "expert":
+            raise ValueError("--mor_ramp sets the capacities of expert-choice MoR; with --model.mor_routing token "
+                             "each token picks its own depth: drop --mor_ramp")
         if cfg.swa and self.dist.enabled:
             raise ValueError("--swa works in one process only (the average is an unsharded copy of the model); "
                              "drop --swa under torchrun")
@@ -711,7 +714,7 @@ class Trainer:
         """The end-of-run evaluation of the weight average, with the curriculum's routing switches."""
         if self.swa is None or self.swa.steps_averaged == 0:
             return None
-        self.swa.module.set_curriculum(self.curriculum.mod_active, self.curriculum.mor_active)
+        self.swa.module.set_curriculum(self.curriculum.mod_active, self.curriculum.mor_active, self.curriculum.mor_ramp)
         return evaluate(self.swa.module, self._valset, self.device, self.cfg.eval_batches, self.autocast,
                         self.use_doc_ids, self._stop_agreed)
 
