@@ -187,7 +187,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
                 + cfg.moe_aux_weight * out["moe_loss"])
 
     def _trunk(self, x, pos, mode, caches, doc=None):
-        mod, mor, moe, stats = [], [], [], []
+        mod, mor, moe, stats, loads = [], [], [], [], []
         for i, block in enumerate(self.blocks):
             block_caches = None if caches is None else caches[i]
             if self.gradient_checkpointing and self.training and caches is None and i % self.checkpoint_every == 0:
@@ -199,8 +199,9 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             mor += losses["mor"]
             stats += block_stats
             if str(i) in self.moe_blocks:
-                x, loss, _ = self.moe_blocks[str(i)](x)
+                x, loss, load = self.moe_blocks[str(i)](x)
                 moe.append(loss)
+                loads.append(load)
         zero = x.new_zeros((), dtype=torch.float32)
         out = {
             "aux_loss": torch.stack(mod).mean() if mod else zero,
@@ -208,6 +209,8 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             "moe_loss": torch.stack(moe).mean() if moe else zero,
             "routing_stats": torch.stack(stats) if stats else x.new_zeros((0, 3), dtype=torch.float32),
         }
+        if loads:
+            out["moe_load"] = torch.stack(loads)  # [n_moe_layers, n_experts]: share of each expert's assignments
         return x, out
 
     # ------------------------------------------------------------------ incremental decoding

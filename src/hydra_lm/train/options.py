@@ -106,6 +106,19 @@ class TrainConfig:
                                              "fraction of the run on, tokens per step kept at batch_size x seq_len "
                                              "(rows scale inversely); --seq_len defaults to the longest", type=str)
 
+    # --- mixture of experts (the layers themselves: --moe, --moe_num_experts, ... below)
+    moe_warmup_steps: int = opt(0, "MoE routers keep their initial routing (LR 0) for this many steps while the "
+                                   "experts learn", type=int)
+    moe_expert_lr_scale: float = opt(1.0, "LR multiplier of the MoE experts' weights", type=float)
+    moe_router_lr_scale: float = opt(1.0, "LR multiplier of the MoE routers", type=float)
+    moe_expert_wd_scale: float = opt(1.0, "weight-decay multiplier of the MoE experts' weights", type=float)
+
+    # --- experimental
+    cuda_graphs_warmup: int = opt(2, "--cuda_graph: eager steps before each capture", type=int)
+    experimental_fa3: bool = opt(False, "use PyTorch's FlashAttention-3 kernel for SDPA where the installed torch "
+                                        "registers one (CUDA, Hopper); logs which flash kernels torch offers",
+                                 type=bool)
+
     # --- MoD / MoR curriculum (T4)
     mod_enable_pct: float = opt(0.10, "MoD may switch on from this fraction of the run (loss gate)", type=float)
     mod_force_enable_pct: float = opt(0.15, "MoD switches on here whatever the loss", type=float)
@@ -175,11 +188,15 @@ class TrainConfig:
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
-# Seed flag names that are not valid identifiers, as (field, value) pairs.
+# Flags that set a field to a fixed value, as (field, value) pairs.
 KEY_ALIASES: dict[str, tuple[str, Any]] = {
     "8bit_adam": ("optimizer", "adam8bit"),
     "adafactor": ("optimizer", "adafactor"),
+    "experimental_cuda_graphs": ("cuda_graph", True),
 }
+# Train keys that set a model config field of the same name (as --model.NAME does), with their types.
+MODEL_ALIASES: dict[str, type] = {"moe": bool, "moe_num_experts": int, "moe_top_k": int, "moe_num_layers": int,
+                                  "static_routing_mode": bool}
 
 # Changing these on resume would either not load (model) or not reproduce the data order.
 FROZEN_ON_RESUME = ("model_size", "arch", "model", "seq_len", "batch_size", "seed", "seq_len_schedule")
@@ -187,8 +204,8 @@ FROZEN_ON_RESUME = ("model_size", "arch", "model", "seq_len", "batch_size", "see
 
 def check_train_keys(values: dict[str, Any], where: str) -> None:
     for key in values:
-        if key not in FIELDS and key not in KEY_ALIASES:
-            close = difflib.get_close_matches(key, sorted([*FIELDS, *KEY_ALIASES]), n=3)
+        if key not in FIELDS and key not in KEY_ALIASES and key not in MODEL_ALIASES:
+            close = difflib.get_close_matches(key, sorted([*FIELDS, *KEY_ALIASES, *MODEL_ALIASES]), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"unknown training key {key!r} in {where}{hint}")
 
@@ -197,13 +214,26 @@ def normalize(values: dict[str, Any], where: str) -> dict[str, Any]:
     """Map seed aliases onto fields and coerce value types; unknown keys raise ValueError."""
     check_train_keys(values, where)
     out: dict[str, Any] = {}
+    model_fields: dict[str, Any] = {}
     for key, value in values.items():
         if key in KEY_ALIASES:
             name, target = KEY_ALIASES[key]
             if value:
                 out[name] = target
             continue
+        if key in MODEL_ALIASES:
+            kind = MODEL_ALIASES[key]
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"{where}: {key}={value!r} must be of type {kind.__name__}")
+            model_fields[key] = value
+            continue
         out[key] = _coerce(key, value, where)
+    if model_fields:
+        model = out.setdefault("model", {})
+        clash = sorted(k for k, v in model_fields.items() if k in model and model[k] != v)
+        if clash:
+            raise ValueError(f"{where}: {clash[0]} is given both as --{clash[0]} and as model.{clash[0]}: keep one")
+        model.update(model_fields)
     return out
 
 
@@ -333,6 +363,13 @@ def validate(cfg: TrainConfig) -> None:
          f"mod_force_enable_pct={cfg.mod_force_enable_pct} must be >= mod_enable_pct={cfg.mod_enable_pct}")
     if cfg.seq_len_schedule:
         SeqLenSchedule.parse(cfg.seq_len_schedule).check(cfg.batch_size, cfg.seq_len)
+    need(cfg.moe_warmup_steps >= 0, f"moe_warmup_steps={cfg.moe_warmup_steps} must be >= 0")
+    for name in ("moe_expert_lr_scale", "moe_router_lr_scale", "moe_expert_wd_scale"):
+        need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)} must be >= 0")
+    need(cfg.cuda_graphs_warmup >= 1, f"cuda_graphs_warmup={cfg.cuda_graphs_warmup} must be >= 1")
+    need(cfg.cuda_graph or cfg.cuda_graphs_warmup == 2, "--cuda_graphs_warmup sets the eager steps before a "
+         "--cuda_graph capture: add --cuda_graph (or --experimental_cuda_graphs)")
+    need(not (cfg.data and cfg.dataset), "--data and --dataset both name the training data: keep one")
     need(0 <= cfg.swa_start_pct < 1, f"swa_start_pct={cfg.swa_start_pct} must lie in [0, 1)")
     need(cfg.batch_filter_k > 0, f"batch_filter_k={cfg.batch_filter_k} must be > 0")
     need(cfg.adaptive_lr_spike > 1, f"adaptive_lr_spike={cfg.adaptive_lr_spike} must be > 1")

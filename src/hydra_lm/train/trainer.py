@@ -37,6 +37,8 @@ from .run import RunSetup, write_run_files
 from .safe_optimizations import AnomalyMonitor, SafeOptimizations, Switch
 from .schedule import AdaptiveLR, lr_at
 from .swa import WeightAverage
+from .attention_kernels import enable_fa3
+from .moe_training import check_moe_options, expert_load_record, hold_routers
 from .seq_len_schedule import SeqLenSchedule, carry_over
 from .sharded_checkpoint import RANK_FILE, ShardedSaver, load_dcp, load_optimizer, load_single_into_sharded
 
@@ -99,7 +101,7 @@ class Trainer:
         self._graphs_announced = False
         if cfg.cuda_graph:
             make_capturable(self.optimizer, self.device)
-            self.graphs = GraphedTrainStep(self._micro_step, self._update, self.device)
+            self.graphs = GraphedTrainStep(self._micro_step, self._update, self.device, cfg.cuda_graphs_warmup)
         self.use_doc_ids = cfg.document_masking
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world_size
         self.peak_flops = measure_peak_flops(self.device) if self.device.type == "cuda" else None
@@ -132,6 +134,11 @@ class Trainer:
             raise ValueError("--time_budget_s works in one process only (ranks time their steps differently and "
                              "would disagree on the schedule); under torchrun use --max_steps")
         check_optimizer_features(cfg, self.dist)
+        check_moe_options(cfg, self.s.model_cfg.arch, self.s.model_cfg.moe)
+        self._moe_load: torch.Tensor | None = None
+        self._starving: set[str] = set()
+        if cfg.experimental_fa3:
+            self.log.info(enable_fa3(self.device))
         if cfg.mor_ramp and self.s.model_cfg.mor_routing != "expert":
             raise ValueError("--mor_ramp sets the capacities of expert-choice MoR; with --model.mor_routing token "
                              "each token picks its own depth: drop --mor_ramp")
@@ -571,6 +578,8 @@ class Trainer:
             lr *= self.adaptive.multiplier(self.step)
         lr *= self.rollback.lr_scale
         set_lr(self.optimizer, lr)
+        if self.step < cfg.moe_warmup_steps:
+            hold_routers(self.optimizer)
         hessian_due = getattr(self.optimizer, "hessian_due", None)  # Sophia: this step's backward keeps its graph
         self._create_graph = hessian_due is not None and hessian_due()
         parts = torch.zeros(5, device=self.device)  # loss, ce, aux, ponder, moe (summed over micro-batches)
@@ -591,6 +600,9 @@ class Trainer:
             keep = self.batch_filter.keep(mean_across_ranks(parts[0] / cfg.grad_accum, self.dist))
             self.batch_filter.mask(self.params, keep)
         grad_norm = full_tensor(self.graphs.update() if self.graphs is not None else self._update())
+        if self._moe_load is not None:  # the last micro-batch's expert shares, summed over the window
+            window["moe_load"] = window.get("moe_load", 0) + self._moe_load
+            window["moe_steps"] = window.get("moe_steps", 0) + 1
         if self.graphs is not None and self.graphs.captured and not self._graphs_announced:
             self.log.info(f"step {self.step + 1}: training step captured as CUDA graphs, replayed from now on")
         self._graphs_announced = self.graphs is not None and self.graphs.captured
@@ -622,6 +634,7 @@ class Trainer:
         (out["loss"] / self.cfg.grad_accum).backward(create_graph=self._create_graph)
         parts = torch.stack([out[k].detach().float() for k in ("loss", "ce_loss", "aux_loss", "ponder_loss",
                                                                 "moe_loss")])
+        self._moe_load = out["moe_load"].detach() if "moe_load" in out else None
         return parts, out["routing_stats"].detach().float()
 
     def _update(self) -> torch.Tensor:
@@ -655,6 +668,13 @@ class Trainer:
             fracs = window["stats"][:, 0].tolist()
             record["routing_exec_frac"] = dict(zip(self.model.router_names(), fracs))
             record["exec_frac_mean"] = sum(fracs) / len(fracs)
+        if "moe_load" in window:
+            names = [f"after_block{i}" for i in self.model.moe_blocks]
+            record["moe_expert_load"], warnings = expert_load_record(window["moe_load"] / window["moe_steps"], names)
+            for expert, warning in warnings.items():
+                if expert not in self._starving:  # once per expert and run
+                    self._starving.add(expert)
+                    self.log.warning(f"step {self.step}: {warning}")
         if self.batch_filter is not None:
             record["skipped_batches"] = int(self.batch_filter.skipped)
         if self.peak_flops:
