@@ -119,6 +119,11 @@ class TrainConfig:
                                         "registers one (CUDA, Hopper); logs which flash kernels torch offers",
                                  type=bool)
 
+    experimental_fp8: bool = opt(False, "float8 matmuls (torchao) for the transformer layers' Linear weights; CUDA "
+                                        "compute capability 9.0+ only", type=bool)
+    fp8_format: str = opt("e4m3", "--experimental_fp8: e4m3 everywhere, or e5m2 for the output gradients (e4m3 "
+                                  "forward)", type=str, choices=("e4m3", "e5m2"))
+
     # --- MoD / MoR curriculum (T4)
     mod_enable_pct: float = opt(0.10, "MoD may switch on from this fraction of the run (loss gate)", type=float)
     mod_force_enable_pct: float = opt(0.15, "MoD switches on here whatever the loss", type=float)

@@ -38,6 +38,7 @@ from .safe_optimizations import AnomalyMonitor, SafeOptimizations, Switch
 from .schedule import AdaptiveLR, lr_at
 from .swa import WeightAverage
 from .attention_kernels import enable_fa3
+from .fp8 import convert_to_fp8
 from .moe_training import check_moe_options, expert_load_record, hold_routers
 from .seq_len_schedule import SeqLenSchedule, carry_over
 from .sharded_checkpoint import RANK_FILE, ShardedSaver, load_dcp, load_optimizer, load_single_into_sharded
@@ -139,6 +140,10 @@ class Trainer:
         self._starving: set[str] = set()
         if cfg.experimental_fa3:
             self.log.info(enable_fa3(self.device))
+        if cfg.experimental_fp8:
+            n = convert_to_fp8(self.model, cfg.fp8_format, self.device)
+            self.log.info(f"--experimental_fp8: {n} Linear layers of the transformer layers now train in float8 "
+                          f"({cfg.fp8_format})")
         if cfg.mor_ramp and self.s.model_cfg.mor_routing != "expert":
             raise ValueError("--mor_ramp sets the capacities of expert-choice MoR; with --model.mor_routing token "
                              "each token picks its own depth: drop --mor_ramp")
