@@ -107,7 +107,7 @@ class RecursiveBlock(nn.Module):
         counts, previous = [], seq_len
         entry = self.depth_fractions[0]
         for j, frac in enumerate(self.depth_fractions):
-            if j > 0:
+            if j > 0 and self.mor_ramp != 1.0:
                 frac = entry + self.mor_ramp * (frac - entry)
             if str(j) in self.routers:
                 previous = min(previous, max(1, round(frac * seq_len)))
