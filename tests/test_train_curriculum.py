@@ -12,7 +12,7 @@ class FakeModel:
     def __init__(self):
         self.calls = []
 
-    def set_curriculum(self, mod_active, mor_active):
+    def set_curriculum(self, mod_active, mor_active, mor_ramp=1.0):
         self.calls.append((mod_active, mor_active))
 
 

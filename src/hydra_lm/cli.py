@@ -8,11 +8,18 @@ import json
 import os
 import sys
 
+from .train.options import OPTIMIZERS
+
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from .info import print_info
 
     print_info(args.model_size, seq_len=args.seq_len, arch=args.arch, vocab_size=args.vocab_size)
+    if args.memory:
+        from .memory_estimate import describe_memory
+
+        print("\n".join(describe_memory(args.model_size, args.batch_size, args.seq_len, args.optimizer, args.arch,
+                                        args.vocab_size)))
     return 0
 
 
@@ -144,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--arch", default="hydra", choices=["hydra", "dense"])
     info.add_argument("--seq_len", type=int, default=1024, help="sequence length for the FLOP count")
     info.add_argument("--vocab_size", type=int, default=None, help="override the preset's vocabulary size")
+    info.add_argument("--memory", action="store_true", help="also estimate peak training memory (fp32) for "
+                                                            "--batch_size x --seq_len and --optimizer")
+    info.add_argument("--batch_size", type=int, default=8, help="sequences per micro-batch for --memory")
+    info.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS), help="optimizer for --memory")
     info.set_defaults(func=_cmd_info)
 
     from .bench_options import FIELDS as bench_fields

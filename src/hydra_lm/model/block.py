@@ -96,6 +96,8 @@ class RecursiveBlock(nn.Module):
         # with weight 1, so MoD-off is a dense block and MoR-off is fixed full depth.
         self.mod_active = True
         self.mor_active = True
+        # The MoR ramp: 0 runs every block-entering token at every depth, 1 the configured fractions.
+        self.mor_ramp = 1.0
         self.layer_regions = False  # HydraModel.compile_regions: layers as nested compile regions
         self.compiled_unit = None  # HydraModel.compile_units: a compiled run_unit, shared by all blocks
 
@@ -103,7 +105,10 @@ class RecursiveBlock(nn.Module):
     def tokens_per_depth(self, seq_len: int) -> list[int]:
         """Tokens per row that each depth runs on in top-k mode (token-choice depths: an upper bound)."""
         counts, previous = [], seq_len
+        entry = self.depth_fractions[0]
         for j, frac in enumerate(self.depth_fractions):
+            if j > 0 and self.mor_ramp != 1.0:
+                frac = entry + self.mor_ramp * (frac - entry)
             if str(j) in self.routers:
                 previous = min(previous, max(1, round(frac * seq_len)))
             counts.append(previous)

@@ -125,12 +125,15 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         return {f"{block.name}.depth{j}": k for block in self.blocks
                 for j, k in enumerate(block.tokens_per_depth(seq_len))}
 
-    def set_curriculum(self, mod_active: bool = True, mor_active: bool = True) -> None:
+    def set_curriculum(self, mod_active: bool = True, mor_active: bool = True, mor_ramp: float = 1.0) -> None:
         """Switch MoD / MoR routing on or off (the training curriculum). Off: every token runs
-        every block (MoD) / every recursion (MoR) with weight 1. Changing it retraces a compiled model once."""
+        every block (MoD) / every recursion (MoR) with weight 1. ``mor_ramp`` in [0, 1] moves the
+        MoR depth capacities from full depth (0) to the configured ones (1). Changing any of them
+        retraces a compiled model once."""
         for block in self.blocks:
             block.mod_active = bool(mod_active)
             block.mor_active = bool(mor_active)
+            block.mor_ramp = float(mor_ramp)
 
     def routing_mode(self, routing: str | None = None) -> str:
         if self.config.static_routing_mode:
@@ -184,7 +187,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
                 + cfg.moe_aux_weight * out["moe_loss"])
 
     def _trunk(self, x, pos, mode, caches, doc=None):
-        mod, mor, moe, stats = [], [], [], []
+        mod, mor, moe, stats, loads = [], [], [], [], []
         for i, block in enumerate(self.blocks):
             block_caches = None if caches is None else caches[i]
             if self.gradient_checkpointing and self.training and caches is None and i % self.checkpoint_every == 0:
@@ -196,8 +199,9 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             mor += losses["mor"]
             stats += block_stats
             if str(i) in self.moe_blocks:
-                x, loss, _ = self.moe_blocks[str(i)](x)
+                x, loss, load = self.moe_blocks[str(i)](x)
                 moe.append(loss)
+                loads.append(load)
         zero = x.new_zeros((), dtype=torch.float32)
         out = {
             "aux_loss": torch.stack(mod).mean() if mod else zero,
@@ -205,6 +209,8 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             "moe_loss": torch.stack(moe).mean() if moe else zero,
             "routing_stats": torch.stack(stats) if stats else x.new_zeros((0, 3), dtype=torch.float32),
         }
+        if loads:
+            out["moe_load"] = torch.stack(loads)  # [n_moe_layers, n_experts]: share of each expert's assignments
         return x, out
 
     # ------------------------------------------------------------------ incremental decoding

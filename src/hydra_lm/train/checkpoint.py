@@ -214,12 +214,16 @@ class CheckpointManager:
                 found.append((int(m["step"]), p))
         return sorted(found)
 
-    def save(self, step: int, model: torch.nn.Module, trainer_tensors: dict[str, Any], state: dict[str, Any]) -> Path:
-        """One process: weights as safetensors, ``trainer_tensors`` (optimizer, RNG) as trainer.pt."""
+    def save(self, step: int, model: torch.nn.Module, trainer_tensors: dict[str, Any], state: dict[str, Any],
+             write_extra: Callable[[Path], None] | None = None) -> Path:
+        """One process: weights as safetensors, ``trainer_tensors`` (optimizer, RNG) as trainer.pt;
+        ``write_extra`` adds files of its own to the directory (listed and hashed like the rest)."""
         tmp = self.begin(step, f"{os.getpid()}")
         try:
             save_model(model, str(tmp / MODEL_FILE), metadata={"format": "hydra-lm", "step": str(step)})
             torch.save(trainer_tensors, tmp / TRAINER_FILE)
+            if write_extra is not None:
+                write_extra(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

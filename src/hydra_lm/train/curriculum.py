@@ -16,16 +16,22 @@ steps when the gate opens, so whether MoD switches at ``mod_enable_pct`` or at t
 depend on noise. By default such runs skip the gate and switch MoD on exactly at ``mod_enable_pct``;
 ``--no_short_run_override`` keeps the gate as in a long run. The phase fractions are never changed.
 
-The model's switch is on/off; the seed's gradual MoR "ramp" is not expressible with it.
+With ``--mor_ramp`` MoR does not jump from full depth to its configured capacities: over the
+next ``mor_ramp_pct`` of the run the capacities move there in MOR_RAMP_LEVELS steps (1/4, 2/4
+and 3/4 of the way, each for a third of the span, then all of the way at its end), so a compiled
+model sees a few fixed shapes rather than a new one every step.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .options import SHORT_RUN_STEPS, TrainConfig
+
+MOR_RAMP_LEVELS = 4
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class CurriculumPlan:
     mod_force_step: int | None
     mor_step: int | None  # None: MoR never on
     loss_gate: float | None  # None: no loss gate (MoD on at mod_gate_step)
+    mor_ramp_end: int | None = None  # None: MoR at its configured capacities as soon as it is on
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, routable: tuple[bool, bool] = (True, True)) -> "CurriculumPlan":
@@ -47,6 +54,7 @@ class CurriculumPlan:
             mod_force_step=round(cfg.mod_force_enable_pct * steps) if mod_on else None,
             mor_step=round(cfg.mor_enable_pct * steps) if mor_on else None,
             loss_gate=None if short else cfg.mod_loss_gate,
+            mor_ramp_end=round((cfg.mor_enable_pct + cfg.mor_ramp_pct) * steps) if mor_on and cfg.mor_ramp else None,
         )
 
     def describe(self) -> str:
@@ -58,6 +66,8 @@ class CurriculumPlan:
             mod = (f"MoD on from step {self.mod_gate_step} once CE EMA < {self.loss_gate:g}, forced at step "
                    f"{self.mod_force_step}")
         mor = "MoR off" if self.mor_step is None else f"MoR on at step {self.mor_step}"
+        if self.mor_step is not None and self.mor_ramp_end is not None:
+            mor += f", capacity ramped in {MOR_RAMP_LEVELS} levels until step {self.mor_ramp_end}"
         return f"{mod}; {mor}"
 
 
@@ -70,7 +80,17 @@ class Curriculum:
         self.gate_open = False
         self._ema: torch.Tensor | None = None  # biased EMA of the CE loss, on the training device
         self._ema_count = 0
-        self._applied: tuple[bool, bool] | None = None
+        self._applied: tuple[bool, bool, float] | None = None
+        self.mor_ramp = 1.0
+
+    def ramp_level(self, step: int) -> float:
+        """Quantised MoR ramp at ``step``: k / MOR_RAMP_LEVELS in the k-th of the span's
+        MOR_RAMP_LEVELS - 1 equal parts, 1 from its end on."""
+        p = self.plan
+        if p.mor_ramp_end is None or p.mor_step is None or step >= p.mor_ramp_end:
+            return 1.0
+        progress = (step - p.mor_step) / max(1, p.mor_ramp_end - p.mor_step)
+        return (math.floor(progress * (MOR_RAMP_LEVELS - 1)) + 1) / MOR_RAMP_LEVELS
 
     # ------------------------------------------------------------------ per step
     def apply(self, step: int, model) -> str | None:
@@ -81,16 +101,18 @@ class Curriculum:
                 self.mod_active = True
         if not self.mor_active and p.mor_step is not None and step >= p.mor_step:
             self.mor_active = True
-        state = (self.mod_active, self.mor_active)
+        self.mor_ramp = self.ramp_level(step) if self.mor_active else 1.0
+        state = (self.mod_active, self.mor_active, self.mor_ramp)
         if state == self._applied:
             return None
         previous = self._applied
-        model.set_curriculum(mod_active=self.mod_active, mor_active=self.mor_active)
+        model.set_curriculum(mod_active=self.mod_active, mor_active=self.mor_active, mor_ramp=self.mor_ramp)
         self._applied = state
         if previous is None:
             return None
         on = {True: "on", False: "off"}
-        return f"curriculum: step {step}: MoD {on[self.mod_active]}, MoR {on[self.mor_active]}"
+        ramp = f" (capacity ramp {self.mor_ramp:g})" if self.mor_active and p.mor_ramp_end is not None else ""
+        return f"curriculum: step {step}: MoD {on[self.mod_active]}, MoR {on[self.mor_active]}{ramp}"
 
     def observe(self, ce_loss: torch.Tensor) -> None:
         """Fold one step's CE loss into the EMA without leaving the device."""
@@ -116,7 +138,8 @@ class Curriculum:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
-        return {"mod_active": self.mod_active, "mor_active": self.mor_active, "gate_open": self.gate_open,
+        return {"mod_active": self.mod_active, "mor_active": self.mor_active, "mor_ramp": self.mor_ramp,
+                "gate_open": self.gate_open,
                 "ema_biased": None if self._ema is None else float(self._ema), "ema_count": self._ema_count}
 
     def load_state_dict(self, state: dict, device: torch.device | str = "cpu") -> None:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .options import FIELDS, KEY_ALIASES, normalize
+from .options import FIELDS, KEY_ALIASES, MODEL_ALIASES, normalize
 
 MODEL_PREFIX = "--model."
 
@@ -24,6 +24,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="same as --optimizer adam8bit (needs bitsandbytes and CUDA)")
     parser.add_argument("--adafactor", dest="alias_adafactor", action="store_true", default=None,
                         help="same as --optimizer adafactor")
+    parser.add_argument("--experimental_cuda_graphs", dest="alias_experimental_cuda_graphs", action="store_true",
+                        default=None, help="same as --cuda_graph")
+    for name, kind in MODEL_ALIASES.items():
+        extra = dict(action=argparse.BooleanOptionalAction) if kind is bool else dict(type=kind)
+        parser.add_argument(f"--{name}", dest=f"model_alias_{name}", default=None,
+                            help=f"same as --model.{name}", **extra)
     parser.epilog = ("Model config fields: --model.FIELD VALUE (e.g. --model.mod_capacity 0.5); values are "
                      "parsed as JSON where possible (numbers, true/false, null, lists), else as text.")
 
@@ -84,11 +90,14 @@ def parse_value(raw: str) -> Any:
 def cli_values(args: argparse.Namespace, model_overrides: dict[str, Any]) -> dict[str, Any]:
     """The train settings the user typed, as TrainConfig keys."""
     values = {name: getattr(args, name) for name in FIELDS if name != "model" and getattr(args, name, None) is not None}
-    for alias in KEY_ALIASES:
+    for alias, (field, target) in KEY_ALIASES.items():
         if getattr(args, f"alias_{alias}", None):
-            if "optimizer" in values and values["optimizer"] != KEY_ALIASES[alias][1]:
-                raise ValueError(f"--{alias} contradicts --optimizer {values['optimizer']}")
-            values["optimizer"] = KEY_ALIASES[alias][1]
+            if field in values and values[field] != target:
+                raise ValueError(f"--{alias} contradicts --{field} {values[field]}")
+            values[field] = target
+    for name in MODEL_ALIASES:
+        if getattr(args, f"model_alias_{name}", None) is not None:
+            values[name] = getattr(args, f"model_alias_{name}")
     if getattr(args, "alias_8bit_adam", None) and getattr(args, "alias_adafactor", None):
         raise ValueError("--8bit_adam and --adafactor are mutually exclusive")
     if model_overrides:

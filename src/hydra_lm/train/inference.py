@@ -57,7 +57,8 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
     model.to(dev).eval()
     curriculum = ckpt.state.get("curriculum")
     if curriculum is not None:  # evaluate the network as it was training at that step
-        model.set_curriculum(mod_active=curriculum["mod_active"], mor_active=curriculum["mor_active"])
+        model.set_curriculum(mod_active=curriculum["mod_active"], mor_active=curriculum["mor_active"],
+                            mor_ramp=curriculum.get("mor_ramp", 1.0))
     return LoadedRun(run_dir, model, ckpt, config, dev)
 
 

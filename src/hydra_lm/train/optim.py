@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .moe_training import MOE_ROUTER, moe_placement
 from .options import TrainConfig
 
 # Parameters that stay with AdamW under --optimizer muon: the embedding (tied to the LM head), routers,
@@ -43,13 +44,18 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
     def place(name: str, p: torch.Tensor) -> tuple[str, float, float]:
         if kind == "muon" and p.dim() == 2 and not NOT_MUON.search(name):
             return "muon", 1.0, 1.0
+        moe = moe_placement(name, cfg)
+        if moe is not None:
+            part, ratio, wd_scale = moe
+            return part, adamw_ratio * ratio, wd_scale
         return "main", adamw_ratio, 1.0
 
     groups = param_groups(model, cfg.weight_decay, place)
     muon_groups = [g for g in groups if g["part"] == "muon"]
     main_groups = [g for g in groups if g["part"] != "muon"]
     for g in groups:
-        del g["part"]
+        if g.pop("part") == MOE_ROUTER:  # tagged for the router warm-up
+            g[MOE_ROUTER] = True
     betas = (cfg.beta1, cfg.beta2)
     if kind == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=1e-8, fused=cuda)

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .seq_len_schedule import SeqLenSchedule
+
 MODES = ("testing", "production")
 SCHEDULES = ("cosine", "wsd")
 OPTIMIZERS = ("adamw", "adam8bit", "adafactor", "lion", "clion", "muon", "sophia")
@@ -96,11 +98,44 @@ class TrainConfig:
     batch_filter_k: float = opt(4.0, "--batch_filter: outlier threshold in standard deviations", type=float)
     batch_filter_warmup: int = opt(20, "--batch_filter: steps that only gather statistics", type=int)
 
+    # --- weight averaging
+    swa: bool = opt(False, "also keep an equal-weight average of the weights over the end of the run (saved as "
+                           "swa.safetensors in each checkpoint, evaluated beside the trained weights at the end)",
+                    type=bool)
+    swa_start_pct: float = opt(0.75, "--swa: fraction of the run after which every step's weights join the average",
+                               type=float)
+
+    # --- sequence-length curriculum
+    seq_len_schedule: str | None = opt(None, "LENGTH:START,... e.g. 512:0,1024:0.3,2048:0.7: row length from each "
+                                             "fraction of the run on, tokens per step kept at batch_size x seq_len "
+                                             "(rows scale inversely); --seq_len defaults to the longest", type=str)
+
+    # --- mixture of experts (the layers themselves: --moe, --moe_num_experts, ... below)
+    moe_warmup_steps: int = opt(0, "MoE routers keep their initial routing (LR 0) for this many steps while the "
+                                   "experts learn", type=int)
+    moe_expert_lr_scale: float = opt(1.0, "LR multiplier of the MoE experts' weights", type=float)
+    moe_router_lr_scale: float = opt(1.0, "LR multiplier of the MoE routers", type=float)
+    moe_expert_wd_scale: float = opt(1.0, "weight-decay multiplier of the MoE experts' weights", type=float)
+
+    # --- experimental
+    cuda_graphs_warmup: int = opt(2, "--cuda_graph: eager steps before each capture", type=int)
+    experimental_fa3: bool = opt(False, "use PyTorch's FlashAttention-3 kernel for SDPA where the installed torch "
+                                        "registers one (CUDA, Hopper); logs which flash kernels torch offers",
+                                 type=bool)
+
+    experimental_fp8: bool = opt(False, "float8 matmuls (torchao) for the transformer layers' Linear weights; CUDA "
+                                        "compute capability 9.0+ only", type=bool)
+    fp8_format: str = opt("e4m3", "--experimental_fp8: e4m3 everywhere, or e5m2 for the output gradients (e4m3 "
+                                  "forward)", type=str, choices=("e4m3", "e5m2"))
+
     # --- MoD / MoR curriculum (T4)
     mod_enable_pct: float = opt(0.10, "MoD may switch on from this fraction of the run (loss gate)", type=float)
     mod_force_enable_pct: float = opt(0.15, "MoD switches on here whatever the loss", type=float)
     mod_loss_gate: float = opt(5.0, "MoD switches on early once the CE loss EMA is below this", type=float)
     mor_enable_pct: float = opt(0.30, "MoR adaptive depth switches on from this fraction of the run", type=float)
+    mor_ramp: bool = opt(False, "after mor_enable_pct, move the MoR depth capacities from full depth to the "
+                                "configured ones in 4 equal levels over mor_ramp_pct of the run", type=bool)
+    mor_ramp_pct: float = opt(0.2, "--mor_ramp: fraction of the run the ramp spans", type=float)
     mod_off: bool = opt(False, "never route with MoD (dense blocks)", type=bool)
     mor_off: bool = opt(False, "never route with MoR (fixed full depth)", type=bool)
     no_short_run_override: bool = opt(False, f"keep the MoD loss gate in runs under {SHORT_RUN_STEPS} steps",
@@ -166,21 +201,25 @@ class TrainConfig:
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
-# Seed flag names that are not valid identifiers, as (field, value) pairs.
+# Flags that set a field to a fixed value, as (field, value) pairs.
 KEY_ALIASES: dict[str, tuple[str, Any]] = {
     "8bit_adam": ("optimizer", "adam8bit"),
     "adafactor": ("optimizer", "adafactor"),
     "compile_units": ("compile", True),  # runs saved before the routed units became what --compile compiles
+    "experimental_cuda_graphs": ("cuda_graph", True),
 }
+# Train keys that set a model config field of the same name (as --model.NAME does), with their types.
+MODEL_ALIASES: dict[str, type] = {"moe": bool, "moe_num_experts": int, "moe_top_k": int, "moe_num_layers": int,
+                                  "static_routing_mode": bool}
 
 # Changing these on resume would either not load (model) or not reproduce the data order.
-FROZEN_ON_RESUME = ("model_size", "arch", "model", "seq_len", "batch_size", "seed")
+FROZEN_ON_RESUME = ("model_size", "arch", "model", "seq_len", "batch_size", "seed", "seq_len_schedule")
 
 
 def check_train_keys(values: dict[str, Any], where: str) -> None:
     for key in values:
-        if key not in FIELDS and key not in KEY_ALIASES:
-            close = difflib.get_close_matches(key, sorted([*FIELDS, *KEY_ALIASES]), n=3)
+        if key not in FIELDS and key not in KEY_ALIASES and key not in MODEL_ALIASES:
+            close = difflib.get_close_matches(key, sorted([*FIELDS, *KEY_ALIASES, *MODEL_ALIASES]), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"unknown training key {key!r} in {where}{hint}")
 
@@ -189,13 +228,26 @@ def normalize(values: dict[str, Any], where: str) -> dict[str, Any]:
     """Map seed aliases onto fields and coerce value types; unknown keys raise ValueError."""
     check_train_keys(values, where)
     out: dict[str, Any] = {}
+    model_fields: dict[str, Any] = {}
     for key, value in values.items():
         if key in KEY_ALIASES:
             name, target = KEY_ALIASES[key]
             if value:
                 out[name] = target
             continue
+        if key in MODEL_ALIASES:
+            kind = MODEL_ALIASES[key]
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"{where}: {key}={value!r} must be of type {kind.__name__}")
+            model_fields[key] = value
+            continue
         out[key] = _coerce(key, value, where)
+    if model_fields:
+        model = out.setdefault("model", {})
+        clash = sorted(k for k, v in model_fields.items() if k in model and model[k] != v)
+        if clash:
+            raise ValueError(f"{where}: {clash[0]} is given both as --{clash[0]} and as model.{clash[0]}: keep one")
+        model.update(model_fields)
     return out
 
 
@@ -265,6 +317,8 @@ def resolve(cfg: TrainConfig, preset: str, on_cuda: bool) -> TrainConfig:
             auto["lr"] = CPU_DEFAULTS["lr"]
     auto["lr"] *= OPTIMIZER_LR_SCALE[cfg.optimizer]
     auto.update(MODE_DEFAULTS[cfg.mode])
+    if cfg.seq_len_schedule:
+        auto["seq_len"] = SeqLenSchedule.parse(cfg.seq_len_schedule).longest
     changes = {k: v for k, v in auto.items() if getattr(cfg, k) is None}
     cfg = cfg.replace(**changes)
     steps = cfg.max_steps
@@ -316,8 +370,21 @@ def validate(cfg: TrainConfig) -> None:
     need(0 < cfg.wsd_decay_pct <= 1, f"wsd_decay_pct={cfg.wsd_decay_pct} must lie in (0, 1]")
     for name in ("mod_enable_pct", "mod_force_enable_pct", "mor_enable_pct"):
         need(0 <= getattr(cfg, name) <= 1, f"{name}={getattr(cfg, name)} must lie in [0, 1]")
+    need(not cfg.mor_ramp or 0 < cfg.mor_ramp_pct and cfg.mor_enable_pct + cfg.mor_ramp_pct <= 1,
+         f"mor_ramp_pct={cfg.mor_ramp_pct} must be > 0 and end the ramp within the run (mor_enable_pct + "
+         f"mor_ramp_pct <= 1)")
     need(cfg.mod_force_enable_pct >= cfg.mod_enable_pct,
          f"mod_force_enable_pct={cfg.mod_force_enable_pct} must be >= mod_enable_pct={cfg.mod_enable_pct}")
+    if cfg.seq_len_schedule:
+        SeqLenSchedule.parse(cfg.seq_len_schedule).check(cfg.batch_size, cfg.seq_len)
+    need(cfg.moe_warmup_steps >= 0, f"moe_warmup_steps={cfg.moe_warmup_steps} must be >= 0")
+    for name in ("moe_expert_lr_scale", "moe_router_lr_scale", "moe_expert_wd_scale"):
+        need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)} must be >= 0")
+    need(cfg.cuda_graphs_warmup >= 1, f"cuda_graphs_warmup={cfg.cuda_graphs_warmup} must be >= 1")
+    need(cfg.cuda_graph or cfg.cuda_graphs_warmup == 2, "--cuda_graphs_warmup sets the eager steps before a "
+         "--cuda_graph capture: add --cuda_graph (or --experimental_cuda_graphs)")
+    need(not (cfg.data and cfg.dataset), "--data and --dataset both name the training data: keep one")
+    need(0 <= cfg.swa_start_pct < 1, f"swa_start_pct={cfg.swa_start_pct} must lie in [0, 1)")
     need(cfg.batch_filter_k > 0, f"batch_filter_k={cfg.batch_filter_k} must be > 0")
     need(cfg.adaptive_lr_spike > 1, f"adaptive_lr_spike={cfg.adaptive_lr_spike} must be > 1")
     need(0 < cfg.adaptive_lr_factor <= 1, f"adaptive_lr_factor={cfg.adaptive_lr_factor} must lie in (0, 1]")

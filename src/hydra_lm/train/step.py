@@ -21,15 +21,16 @@ class TrainStep:
     ``step_model`` may be switched at run time (the trainer's anomaly monitor does)."""
 
     def __init__(self, model, step_model, optimizer: torch.optim.Optimizer, device: torch.device, plan: SpeedPlan,
-                 grad_accum: int = 1, grad_clip: float = 1.0):
+                 grad_accum: int = 1, grad_clip: float = 1.0, graph_warmup: int = 2):
         self.model, self.step_model, self.optimizer, self.device, self.plan = model, step_model, optimizer, device, plan
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grad_accum, self.grad_clip = grad_accum, grad_clip
         self.create_graph = False  # Sophia's Hessian steps: the backward keeps its graph
+        self.moe_load: torch.Tensor | None = None  # the last micro-batch's per-expert token shares (MoE models)
         self.graphs: GraphedTrainStep | None = None
         if plan.cuda_graph:
             make_capturable(optimizer, device)
-            self.graphs = GraphedTrainStep(self.micro_step, self.update_step, device)
+            self.graphs = GraphedTrainStep(self.micro_step, self.update_step, device, graph_warmup)
 
     def autocast(self):
         if self.device.type == "cuda":
@@ -61,6 +62,7 @@ class TrainStep:
         with self.autocast(), math_only:
             out = self.step_model(input_ids, targets=targets, **kwargs)
         (out["loss"] / self.grad_accum).backward(create_graph=self.create_graph)
+        self.moe_load = out["moe_load"].detach() if "moe_load" in out else None
         parts = torch.stack([out[k].detach().float() for k in ("loss", "ce_loss", "aux_loss", "ponder_loss",
                                                                 "moe_loss")])
         return parts, out["routing_stats"].detach().float()

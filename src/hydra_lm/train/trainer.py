@@ -35,6 +35,11 @@ from .pretest import PretestHook
 from .run import RunSetup, write_run_files
 from .safe_optimizations import AnomalyMonitor, SafeOptimizations, Switch
 from .schedule import AdaptiveLR, lr_at
+from .swa import WeightAverage
+from .attention_kernels import enable_fa3
+from .fp8 import convert_to_fp8
+from .moe_training import check_moe_options, expert_load_record, hold_routers
+from .seq_len_schedule import SeqLenSchedule, carry_over
 from .sharded_checkpoint import RANK_FILE, ShardedSaver, load_dcp, load_optimizer, load_single_into_sharded
 from .step import TrainStep
 
@@ -62,12 +67,13 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg, self.device)
         self.curriculum = Curriculum(CurriculumPlan.from_config(cfg, routable))
+        self.swa = WeightAverage(self.model, int(cfg.swa_start_pct * cfg.max_steps)) if cfg.swa else None
         self.adaptive = AdaptiveLR(cfg.adaptive_lr_spike, cfg.adaptive_lr_factor, cfg.adaptive_lr_cooldown) \
             if cfg.adaptive_lr else None
         self.batch_filter = BatchFilter(cfg.batch_filter_k, self.device, warmup=cfg.batch_filter_warmup) if cfg.batch_filter else None
-        self.loader = train_loader(setup.data, cfg.batch_size, cfg.seq_len, cfg.seed,
-                                   cfg.experimental_prefetch_threads, cfg.prefetch_buffer_size, self.dist.rank,
-                                   self.dist.world_size)
+        self.seq_schedule = SeqLenSchedule.parse(cfg.seq_len_schedule) if cfg.seq_len_schedule else None
+        self.seq_stage = 0
+        self.loader = self._stage_loader(0)
         self.saver = ShardedSaver(setup.manager, self.dist, cfg.async_checkpoint) if self.dist.enabled else None
         self.step = 0
         self.tokens_seen = 0
@@ -86,7 +92,7 @@ class Trainer:
                 group["lr"], group["lr_ratio"] = lr, ratio
         # After any restore: a captured step needs a capturable optimizer (learning rate on the device).
         self.train_step = TrainStep(self.model, apply_speed_plan(self.model, self.wrapped, self.plan), self.optimizer,
-                                    self.device, self.plan, cfg.grad_accum, cfg.grad_clip)
+                                    self.device, self.plan, cfg.grad_accum, cfg.grad_clip, cfg.cuda_graphs_warmup)
         self._graphs_announced = False
         self.use_doc_ids = cfg.document_masking
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world_size
@@ -109,6 +115,20 @@ class Trainer:
             raise ValueError("--time_budget_s works in one process only (ranks time their steps differently and "
                              "would disagree on the schedule); under torchrun use --max_steps")
         check_optimizer_features(cfg, self.dist)
+        check_moe_options(cfg, self.s.model_cfg.arch, self.s.model_cfg.moe)
+        self._starving: set[str] = set()
+        if cfg.experimental_fa3:
+            self.log.info(enable_fa3(self.device))
+        if cfg.experimental_fp8:
+            n = convert_to_fp8(self.model, cfg.fp8_format, self.device)
+            self.log.info(f"--experimental_fp8: {n} Linear layers of the transformer layers now train in float8 "
+                          f"({cfg.fp8_format})")
+        if cfg.mor_ramp and self.s.model_cfg.mor_routing != "expert":
+            raise ValueError("--mor_ramp sets the capacities of expert-choice MoR; with --model.mor_routing token "
+                             "each token picks its own depth: drop --mor_ramp")
+        if cfg.swa and self.dist.enabled:
+            raise ValueError("--swa works in one process only (the average is an unsharded copy of the model); "
+                             "drop --swa under torchrun")
         if cfg.triton_kernels:
             raise ValueError("--triton_kernels is not available yet: no fused Triton kernels are wired into "
                              "the model; run without it")
@@ -165,12 +185,16 @@ class Trainer:
         self.tokens_seen = int(st.get("tokens_seen", 0))
         self.train_s, self.startup_s = float(st.get("train_s", 0.0)), float(st.get("startup_s", 0.0))
         self.curriculum.load_state_dict(st["curriculum"], self.device)
+        if self.swa is not None:
+            self.swa.load(ckpt.path, st.get("swa"))
         if self.adaptive is not None and st.get("adaptive_lr"):
             self.adaptive.load_state_dict(st["adaptive_lr"])
         if st.get("rollback"):
             self.rollback.load_state_dict(st["rollback"])
         if self.batch_filter is not None and st.get("batch_filter"):
             self.batch_filter.load_state_dict(st["batch_filter"])
+        if self.seq_schedule is not None:  # the loader of the stage the checkpoint was in
+            self._replace_loader(self.seq_schedule.stage_of_length(st["loader"]["seq_len"]))
         self.loader.load_state_dict(st["loader"])
         self._saved_window = st.get("log_window")
         if same_world:
@@ -202,6 +226,7 @@ class Trainer:
             "safe_optimizations": self.safe_opts.state_dict(),
             "loader": self.loader.state_dict(),
             "batch_filter": self.batch_filter.state_dict() if self.batch_filter is not None else None,
+            "swa": self.swa.state_dict() if self.swa is not None else None,
             "rng": rng_json,
             "log_window": self._window_state(),
             "train_config": self.cfg.to_dict(),
@@ -216,7 +241,8 @@ class Trainer:
                 # Optimizer state keyed by parameter name, so any number of ranks can load it.
                 optimizer = portable_optimizer_state(get_optimizer_state_dict(self.model, self.optimizer))
                 trainer_tensors = {"optimizer": optimizer, **rng_tensors}
-                path = self.s.manager.save(self.step, self.model, trainer_tensors, state)
+                path = self.s.manager.save(self.step, self.model, trainer_tensors, state,
+                                           self.swa.save if self.swa is not None else None)
         except OSError as err:
             if err.errno not in DISK_FULL:
                 raise
@@ -304,6 +330,33 @@ class Trainer:
         return True
 
     # ------------------------------------------------------------------ data
+    def _stage_loader(self, stage: int):
+        cfg = self.cfg
+        rows, length = (self.seq_schedule.shape(stage, cfg.batch_size, cfg.seq_len) if self.seq_schedule is not None
+                        else (cfg.batch_size, cfg.seq_len))
+        return train_loader(self.s.data, rows, length, cfg.seed, cfg.experimental_prefetch_threads,
+                            cfg.prefetch_buffer_size, self.dist.rank, self.dist.world_size)
+
+    def _replace_loader(self, stage: int) -> None:
+        if stage != self.seq_stage:
+            self.loader.close()
+            self.loader, self.seq_stage, self._iter = self._stage_loader(stage), stage, None
+
+    def _follow_seq_len_schedule(self, clock: int) -> None:
+        """Switch to the row length of the schedule's stage at ``clock``, continuing the epoch."""
+        stage = self.seq_schedule.stage_at(clock, self.cfg.max_steps)
+        if stage == self.seq_stage:
+            return
+        old = self.loader.state_dict()
+        self._replace_loader(stage)
+        rows, length = self.loader.batch_size, self.loader.seq_len
+        self.loader.load_state_dict(carry_over(old, rows * self.dist.world_size, length))
+        if self.train_step.graphs is not None:  # new shapes: capture again
+            self.train_step.graphs.reset()
+        recompile = " (a compiled model recompiles once for it)" if self.cfg.compile else ""
+        self.log.info(f"step {self.step}: sequence length {old['seq_len']} -> {length}, {rows} rows per "
+                      f"micro-batch{recompile}")
+
     def _next_batch(self) -> dict[str, torch.Tensor]:
         if self._iter is None:
             self._iter = iter(self.loader)
@@ -484,6 +537,8 @@ class Trainer:
     def _train_step(self, window) -> None:
         cfg = self.cfg
         clock = self._clock()
+        if self.seq_schedule is not None:
+            self._follow_seq_len_schedule(clock)
         msg = self.curriculum.apply(clock, self.model)
         if msg:
             self.log.info(msg)
@@ -495,6 +550,8 @@ class Trainer:
             lr *= self.adaptive.multiplier(self.step)
         lr *= self.rollback.lr_scale
         set_lr(self.optimizer, lr)
+        if self.step < cfg.moe_warmup_steps:
+            hold_routers(self.optimizer)
         hessian_due = getattr(self.optimizer, "hessian_due", None)  # Sophia: this step's backward keeps its graph
         self.train_step.create_graph = hessian_due is not None and hessian_due()
         parts = torch.zeros(5, device=self.device)  # loss, ce, aux, ponder, moe (summed over micro-batches)
@@ -512,6 +569,10 @@ class Trainer:
             keep = self.batch_filter.keep(mean_across_ranks(parts[0] / cfg.grad_accum, self.dist))
             self.batch_filter.mask(self.params, keep)
         grad_norm = full_tensor(self.train_step.update())
+        moe_load = self.train_step.moe_load
+        if moe_load is not None:  # the last micro-batch's expert shares, summed over the window
+            window["moe_load"] = window.get("moe_load", 0) + moe_load
+            window["moe_steps"] = window.get("moe_steps", 0) + 1
         graphs = self.train_step.graphs
         if graphs is not None and graphs.captured and not self._graphs_announced:
             self.log.info(f"step {self.step + 1}: training step captured as CUDA graphs, replayed from now on")
@@ -529,6 +590,8 @@ class Trainer:
         window["lr"] = lr
         self.step += 1
         self.tokens_seen += self.tokens_per_step
+        if self.swa is not None:
+            self.swa.update(self.model, self._clock())
 
     def _log(self, window, regular: bool = True) -> bool:
         """Write a metrics record (of a window known to be finite). Only ``regular`` records (every
@@ -550,6 +613,13 @@ class Trainer:
             fracs = window["stats"][:, 0].tolist()
             record["routing_exec_frac"] = dict(zip(self.model.router_names(), fracs))
             record["exec_frac_mean"] = sum(fracs) / len(fracs)
+        if "moe_load" in window:
+            names = [f"after_block{i}" for i in self.model.moe_blocks]
+            record["moe_expert_load"], warnings = expert_load_record(window["moe_load"] / window["moe_steps"], names)
+            for expert, warning in warnings.items():
+                if expert not in self._starving:  # once per expert and run
+                    self._starving.add(expert)
+                    self.log.warning(f"step {self.step}: {warning}")
         if self.batch_filter is not None:
             record["skipped_batches"] = int(self.batch_filter.skipped)
         if self.peak_flops:
@@ -590,13 +660,28 @@ class Trainer:
                           self.use_doc_ids, self._stop_agreed, lambda t: sum_across_ranks(t, self.dist))
         if result is None:
             return None
-        record = {"kind": "eval", "step": self.step, **result, "eval_s": time.perf_counter() - t0,
-                  "train_s": self.train_s}
+        record = {"kind": "eval", "step": self.step, **result}
+        swa = self._eval_swa() if self._clock() >= self.cfg.max_steps else None
+        if swa is not None:
+            record.update({f"swa_{k}": v for k, v in swa.items() if k.startswith(("val_loss", "val_ppl", "val_gap"))})
+        record.update(eval_s=time.perf_counter() - t0, train_s=self.train_s)
         self.metrics.write(record)
         self.log.info(f"eval step {self.step}: {format_eval(result)}")
+        if swa is not None:
+            self.log.info(f"eval step {self.step} of the weight average ({self.swa.steps_averaged} steps): "
+                          f"{format_eval(swa)}")
         for warning in routing_warnings(result):
             self.log.warning(f"eval step {self.step}: {warning}")
         return result
+
+
+    def _eval_swa(self) -> dict | None:
+        """The end-of-run evaluation of the weight average, with the curriculum's routing switches."""
+        if self.swa is None or self.swa.steps_averaged == 0:
+            return None
+        self.swa.module.set_curriculum(self.curriculum.mod_active, self.curriculum.mor_active, self.curriculum.mor_ramp)
+        return evaluate(self.swa.module, self._valset, self.device, self.cfg.eval_batches, self.autocast,
+                        self.use_doc_ids, self._stop_agreed)
 
 
 def train(setup: RunSetup) -> int:

@@ -1,0 +1,40 @@
+"""The experimental and alias flags: one-line refusals, what reaches the model, the FA3 report, the FP8 filter."""
+
+import json
+
+import pytest
+
+import hydra_lm
+from hydra_lm.cli import main
+from hydra_lm.train.fp8 import convertible
+from test_train_support import TINY_RUN, tiny_data  # noqa: F401
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--dataset", "default"], "--data and --dataset both name the training data"),
+    (["--cuda_graphs_warmup", "3"], "--cuda_graphs_warmup sets the eager steps before a --cuda_graph capture"),
+    (["--experimental_cuda_graphs"], "--cuda_graph needs a CUDA device"),
+    (["--experimental_fp8"], "--experimental_fp8 needs a CUDA GPU of compute capability 9.0+ (Hopper); this run is "
+                             "on cpu"),
+])
+def test_bad_settings_fail_with_one_line(tiny_data, tmp_path, capsys, extra, message):
+    code = main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "run"), "--max_steps", "2", *TINY_RUN,
+                 *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.startswith("hydra-lm train: error:") and err.count("\n") == 1
+
+
+def test_alias_flags_reach_the_model_and_fa3_is_reported(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(tiny_data), "--out", str(run), *TINY_RUN, "--max_steps", "1",
+                 "--static_routing_mode", "--experimental_fa3", "--no-eval_at_start", "--eval_every", "0"]) == 0
+    assert json.loads((run / "config.json").read_text())["model"]["static_routing_mode"] is True
+    assert "--experimental_fa3: this torch" in (run / "train.log").read_text()
+
+
+def test_fp8_converts_only_the_layers_linears_with_dims_divisible_by_16():
+    model = hydra_lm.create_model("debug", vocab_size=97, dim=64, n_heads=2, n_kv_heads=1, mlp_hidden=96, moe=True)
+    chosen = {name for name, m in model.named_modules() if convertible(m, name)}
+    assert chosen and all(name.startswith("blocks.") and ".layers." in name for name in chosen)
+    assert not any("router" in name for name in chosen)
+    assert any(name.endswith("mlp.gate_up") for name in chosen)

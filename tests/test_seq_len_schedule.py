@@ -1,0 +1,39 @@
+"""--seq_len_schedule: parsing, stage shapes at constant tokens per step, exact resume across a switch."""
+
+import json
+
+import pytest
+
+from hydra_lm.cli import main
+from hydra_lm.train.seq_len_schedule import SeqLenSchedule, carry_over
+from test_train_support import TINY_RUN, tiny_data, train_losses  # noqa: F401
+
+
+def test_stages_keep_tokens_per_step_and_switch_at_their_fractions():
+    s = SeqLenSchedule.parse("512:0,1024:0.3,2048:0.7")
+    assert s.longest == 2048
+    assert [s.stage_at(c, 100) for c in (0, 29, 30, 69, 70, 99)] == [0, 0, 1, 1, 2, 2]
+    assert [s.shape(i, 8, 2048) for i in range(3)] == [(32, 512), (16, 1024), (8, 2048)]
+    state = {"epoch": 1, "position": 96, "seq_len": 512, "batch_size": 32}
+    assert carry_over(state, 16, 1024) == {"epoch": 1, "position": 48, "seq_len": 1024, "batch_size": 16}
+    for bad in ("512:0.1,1024:0.5", "512:0,1024:0", "512", "512:0,1024:1.0", "1:0,2:0.1,4:0.2,8:0.3,16:0.4"):
+        with pytest.raises(ValueError, match="seq_len_schedule"):
+            SeqLenSchedule.parse(bad)
+    with pytest.raises(ValueError, match="divide"):
+        SeqLenSchedule.parse("48:0,64:0.5").check(batch_size=2, seq_len=64)
+
+
+def test_resume_across_a_length_switch_is_exact(tiny_data, tmp_path):
+    common = ["--data", str(tiny_data), *TINY_RUN, "--log_every", "1", "--no-eval_at_start", "--eval_every", "0",
+              "--max_steps", "8", "--save_every", "8", "--seq_len_schedule", "16:0,32:0.5", "--mod_off", "--mor_off"]
+    assert main(["train", "--out", str(tmp_path / "straight"), *common]) == 0
+    pieces = tmp_path / "pieces"
+    assert main(["train", "--out", str(pieces), *common, "--stop_at_step", "3"]) == 0
+    assert main(["train", "--out", str(pieces), "--stop_at_step", "6"]) == 0
+    assert main(["train", "--out", str(pieces)]) == 0
+    assert train_losses(pieces) == train_losses(tmp_path / "straight")
+    loaders = {step: json.loads((pieces / "checkpoints" / f"hydra_debug_step{step}" / "state.json").read_text())["loader"]
+               for step in (3, 6)}
+    assert (loaders[3]["seq_len"], loaders[3]["batch_size"]) == (16, 8)
+    assert (loaders[6]["seq_len"], loaders[6]["batch_size"]) == (32, 4)
+    assert "sequence length 16 -> 32, 4 rows" in (tmp_path / "straight" / "train.log").read_text()
