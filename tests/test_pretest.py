@@ -10,7 +10,7 @@ import pytest
 import hydra_lm.model.hydra as hydra_module
 from hydra_lm.cli import main
 from hydra_lm.train import get_history, get_summary, print_summary, run_pretests_for_checkpoint
-from hydra_lm.train.trainer import Trainer
+from hydra_lm.train.step import TrainStep
 from test_train_support import TINY_RUN, records, tiny_data  # noqa: F401
 
 RUN = [*TINY_RUN, "--max_steps", "3", "--save_every", "3", "--log_every", "1", "--eval_every", "0",
@@ -74,13 +74,13 @@ def crash(real, monkeypatch):
 def test_a_broken_fused_loss_is_switched_off_and_training_goes_on(tiny_data, tmp_path, monkeypatch, capsys,
                                                                     break_it, complaint):
     monkeypatch.setattr(hydra_module, "linear_cross_entropy", break_it(hydra_module.linear_cross_entropy, monkeypatch))
-    original, used = Trainer._micro_step, []
+    original, used = TrainStep.micro_step, []
 
     def micro_step(self, *args, **kwargs):
         used.append(self.model.ce_impl)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Trainer, "_micro_step", micro_step)
+    monkeypatch.setattr(TrainStep, "micro_step", micro_step)
     run = tmp_path / "run"
     assert train(tiny_data, run, "--chunked_ce") == 0
     err = capsys.readouterr().err
@@ -109,7 +109,7 @@ def test_a_resume_with_a_changed_flag_pretests_again(tiny_data, tmp_path):
     assert train(tiny_data, run, "--max_steps", "6", "--save_every", "2") == 0  # --chunked_ce comes from config.json
     history = get_history(run)
     assert [(e["trigger"], e["step"]) for e in history] == [
-        ("optimization flags changed (chunked_ce: False -> True)", 2), ("checkpoint load", 4)]
+        ("optimization flags changed (chunked_ce: auto -> True)", 2), ("checkpoint load", 4)]
     assert all(e["results"][0]["passed"] for e in history)
 
 

@@ -296,17 +296,19 @@ def test_repeated_loss_spikes_switch_the_chunked_loss_off_and_back_on(tiny_data,
 
 def test_a_switched_off_optimization_stays_off_across_a_resume_until_it_graduates(tiny_data, tmp_path, monkeypatch):
     run = tmp_path / "run"
-    original, seen, pending = Trainer._micro_step, [], {4, 5, 6}
+    original, seen, pending = TrainStep.micro_step, [], {4, 5, 6}
+    current = trainer_step_in_progress(monkeypatch)
 
     def micro_step(self, *args, **kwargs):
-        seen.append((self.step + 1, self.model.ce_impl))
+        step = current[0]
+        seen.append((step + 1, self.model.ce_impl))
         parts, stats = original(self, *args, **kwargs)
-        if self.step in pending:  # the logged loss of steps 5-7 spikes, as above
-            pending.discard(self.step)
+        if step in pending:  # the logged loss of steps 5-7 spikes, as above
+            pending.discard(step)
             parts = parts * 1000
         return parts, stats
 
-    monkeypatch.setattr(Trainer, "_micro_step", micro_step)
+    monkeypatch.setattr(TrainStep, "micro_step", micro_step)
     flags = ["--max_steps", "16", "--log_every", "1", "--chunked_ce", "--experimental_safety_window", "6",
              "--experimental_throughput_drop_threshold", "0.01"]
     assert train(tiny_data, run, *flags, "--stop_at_step", "9") == 0

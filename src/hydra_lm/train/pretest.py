@@ -179,7 +179,9 @@ def compare(key: str, model: torch.nn.Module, batch, autocast, device_type: str,
 
 
 def optimization_flags(train_config: dict[str, Any]) -> dict[str, Any]:
-    return {k: train_config.get(k) for k in (*PRETESTED, "compile_mode", "cuda_graph")}
+    # None: the speed policy decides by device (see compile_policy).
+    flags = {k: train_config.get(k) for k in (*PRETESTED, "compile_mode", "cuda_graph")}
+    return {k: "auto" if v is None else v for k, v in flags.items()}
 
 
 def trigger_of(train_config: dict[str, Any], model_size: str, checkpoint_state: dict[str, Any] | None) -> str:
