@@ -108,7 +108,6 @@ def test_cli_overrides_config_file_and_resolved_config_is_written(tiny_data, tmp
 @pytest.mark.parametrize("extra, message", [
     (["--model.bogus", "1"], "unknown HydraConfig key 'bogus'"),
     (["--model.mod_capacity", "1.5"], "mod_capacity"),
-    (["--triton_kernels"], "--triton_kernels is not available yet"),
     (["--8bit_adam"], "--8bit_adam"),
     (["--chunked_ce_size", "0"], "chunked_ce_size=0 must be >= 1"),
     (["--cuda_graph"], "--cuda_graph needs a CUDA device"),

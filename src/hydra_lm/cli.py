@@ -39,13 +39,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
-    run_demo(seed=args.seed)
-    return 0
-
-
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from .data.cli import run_prepare
 
@@ -168,10 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="after timing, profile 3 steps: kernel time by category in the report, Chrome traces in DIR")
     bench.epilog = "Model config fields: --model.FIELD VALUE (e.g. --model.mod_capacity 0.5), applied to both archs."
     bench.set_defaults(func=_cmd_bench)
-
-    demo = sub.add_parser("demo", help="build the debug model, run a forward pass and a greedy generation")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.set_defaults(func=_cmd_demo)
 
     from .data.cli import add_prepare_arguments
     from .train.flags import add_train_arguments

@@ -91,7 +91,6 @@ class TrainConfig:
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass", type=bool)
     checkpoint_every: int | None = opt(None, "gradient checkpointing every N blocks (implies "
                                              "--gradient_checkpointing)", type=int)
-    triton_kernels: bool = opt(False, "fused Triton kernels", type=bool)
     chunked_ce: bool = opt(False, "fused head + cross-entropy without [B,T,V] logits (Liger on CUDA if "
                                   "installed, else chunked)", type=bool)
     chunked_ce_size: int = opt(4096, "tokens per chunk of the chunked cross-entropy", type=int)

@@ -107,9 +107,6 @@ class Trainer:
         if cfg.compile_units and self.dist.enabled:
             raise ValueError("--compile_units works in one process only; under torchrun use --compile (whole "
                              "model) or --compile --compile_regions")
-        if cfg.triton_kernels:
-            raise ValueError("--triton_kernels is not available yet: no fused Triton kernels are wired into "
-                             "the model; run without it")
         if cfg.chunked_ce:
             # Liger's fused kernel on CUDA when installed (eager only), else the chunked fallback; a
             # CUDA graph cannot hold Liger (it reads a token count on the host).
