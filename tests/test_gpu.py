@@ -71,7 +71,7 @@ def test_whole_step_cuda_graph_matches_ungraphed_steps(scope):
     one step replayed as one CUDA graph, eager or with compiled units; losses and the parameters
     after five steps on changing data equal an ungraphed twin's (same compilation), so every
     replay ran the whole update on the new data."""
-    from hydra_lm.cuda_graphs import GraphedStep
+    from hydra_lm.model.cuda_graphs import GraphedStep
 
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -19,12 +19,12 @@ from typing import Any, Callable
 
 import torch
 
-from . import create_model
+from .model.factory import create_model
 from .model.accounting import dense_flops_per_token, executed_flops_per_token, kv_cache_bytes_per_token
 from .model.attention_backend import get_attention_backend, sdpa_kernel_only
 from .model.doc_attention import get_doc_mask_backend, resolve_doc_mask_backend
 from .step_profile import format_profile, profile_steps
-from .cuda_graphs import GraphedStep
+from .model.cuda_graphs import GraphedStep
 
 # model: one graph; regions: one graph with layers as shared nested regions (HydraModel.compile_regions);
 # blocks: HydraModel.compile_blocks; units: HydraModel.compile_units (routing eager, dynamic token counts).

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import create_model
+from ..model.factory import create_model
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from .checkpoint import capture_rng, restore_rng
