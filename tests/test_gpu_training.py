@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 GPU_RUN = ["cuda" if a == "cpu" else a for a in TINY_RUN]
 # MoD from the first step, MoR switched on at step 4 of 10: the graphs are captured twice.
 COMMON = ["--max_steps", "10", "--log_every", "1", "--no-eval_at_start", "--eval_every", "5", "--save_every", "3",
-          "--grad_accum", "2", "--chunked_ce", "--mod_enable_pct", "0", "--mod_force_enable_pct", "0",
+          "--grad_accum", "2", "--chunked_ce", "--ce_impl", "chunked", "--mod_enable_pct", "0", "--mod_force_enable_pct", "0",
           "--mor_enable_pct", "0.4", *GPU_RUN]
 
 
@@ -32,18 +32,11 @@ def close(a, b, rel):
 
 
 @pytest.fixture(autouse=True)
-def no_liger(monkeypatch):
-    """Both twins on the same loss kernels: a graph cannot hold Liger, so --chunked_ce is the chunked path.
-    The trainer turns TF32 on for the process; later tests get the flags back."""
-    from hydra_lm.model import loss
-
+def restore_tf32(monkeypatch):
+    """The trainer turns TF32 on for the process; later tests get the flags back. (Both twins run the
+    chunked loss, --ce_impl chunked: a graph cannot hold Liger.)"""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
-    monkeypatch.setenv("HYDRA_DISABLE_LIGER_CE", "1")
-    loss.read_liger_ce_env()
-    yield
-    monkeypatch.delenv("HYDRA_DISABLE_LIGER_CE")
-    loss.read_liger_ce_env()
 
 
 def test_cuda_graph_trainer_matches_the_eager_trainer_and_resumes_exactly(tiny_data, tmp_path):

@@ -41,6 +41,8 @@ def test_validation_errors_are_clear():
     (dict(compile=True, cuda_graph=True, compile_mode="reduce-overhead"), "not reduce-overhead"),
     (dict(cuda_graph=True, optimizer="adafactor"), "needs --optimizer adamw"),
     (dict(cuda_graph=True, gradient_checkpointing=True), "drop one of them"),
+    (dict(ce_impl="chunked"), "add --chunked_ce"),
+    (dict(chunked_ce=True, ce_impl="liger", cuda_graph=True), "cannot capture Liger"),
 ])
 def test_compile_and_graph_combinations_that_cannot_work_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -110,6 +112,7 @@ def test_cli_overrides_config_file_and_resolved_config_is_written(tiny_data, tmp
     (["--model.mod_capacity", "1.5"], "mod_capacity"),
     (["--8bit_adam"], "--8bit_adam"),
     (["--chunked_ce_size", "0"], "chunked_ce_size=0 must be >= 1"),
+    (["--chunked_ce", "--ce_impl", "liger"], "impl 'liger'"),  # CPU (and no liger-kernel here): refused up front
     (["--cuda_graph"], "--cuda_graph needs a CUDA device"),
 ])
 def test_bad_settings_fail_with_one_line(tiny_data, tmp_path, capsys, extra, message):

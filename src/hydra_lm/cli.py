@@ -19,10 +19,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import format_report, run_bench, write_json
 
     archs = ["hydra", "dense"] if args.arch == "both" else [args.arch]
-    if args.doc_mask_backend:
-        from .model.doc_attention import set_doc_mask_backend
+    from .model.doc_attention import set_doc_mask_backend
 
-        set_doc_mask_backend(args.doc_mask_backend)
+    set_doc_mask_backend(args.doc_mask_backend)
     def on_row(partial: dict) -> None:  # a run killed later still leaves the rows it finished
         r = partial["rows"][-1]
         print(f"bench: {r['arch']} done: {r['tokens_per_s']:,.0f} tok/s, first step {r['first_step_s']:.1f} s",
@@ -145,9 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(HydraModel.compile_units; pair with --cuda_graph)")
     bench.add_argument("--document_masking", action="store_true",
                        help="pass doc_ids like the trainer (documents of geometric length, mean 400 tokens)")
-    bench.add_argument("--doc_mask_backend", default=None, choices=["auto", "flex", "sdpa"],
-                       help="document-masked attention: FlexAttention or a dense SDPA mask (default: "
-                            "HYDRA_DOC_MASK_BACKEND, else auto = the dense mask; flex is refused on CUDA)")
+    bench.add_argument("--doc_mask_backend", default="auto", choices=["auto", "flex", "sdpa"],
+                       help="document-masked attention: FlexAttention or a dense SDPA mask (auto: the dense "
+                            "mask; flex is refused on CUDA)")
     bench.add_argument("--conv_impl", default="taps", choices=["taps", "conv1d"],
                        help="CCGQA convs as fused shifted taps, or F.conv1d (cuDNN) for comparison")
     bench.add_argument("--inference", action="store_true", help="also time prefill and decode (batch 1 and 32)")

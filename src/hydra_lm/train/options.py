@@ -16,6 +16,7 @@ SCHEDULES = ("cosine", "wsd")
 OPTIMIZERS = ("adamw", "adafactor", "adam8bit")
 ARCHS = ("hydra", "dense")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CE_IMPLS = ("auto", "chunked", "liger")
 
 # Runs shorter than this skip the MoD loss gate unless --no_short_run_override (see curriculum.py).
 SHORT_RUN_STEPS = 1000
@@ -94,6 +95,8 @@ class TrainConfig:
     chunked_ce: bool = opt(False, "fused head + cross-entropy without [B,T,V] logits (Liger on CUDA if "
                                   "installed, else chunked)", type=bool)
     chunked_ce_size: int = opt(4096, "tokens per chunk of the chunked cross-entropy", type=int)
+    ce_impl: str = opt("auto", "the fused loss of --chunked_ce: auto (Liger on CUDA when installed and eager, else "
+                               "chunked), chunked (pure PyTorch) or liger", type=str, choices=CE_IMPLS)
     document_masking: bool = opt(True, "keep attention, convs and value shift inside each packed document "
                                        "(--no-document_masking: attend across documents, plain causal kernels)",
                                  type=bool)
@@ -273,6 +276,9 @@ def validate(cfg: TrainConfig) -> None:
          "--compile_mode default, not reduce-overhead (whose graphs cannot nest inside another capture)")
     need(not cfg.cuda_graph or cfg.optimizer == "adamw", f"--cuda_graph needs --optimizer adamw (fused, capturable); "
          f"{cfg.optimizer} cannot be captured in a CUDA graph")
+    need(cfg.chunked_ce or cfg.ce_impl == "auto", "--ce_impl picks the fused loss of --chunked_ce: add --chunked_ce")
+    need(not (cfg.cuda_graph and cfg.ce_impl == "liger"), "--cuda_graph cannot capture Liger's loss (it reads a "
+         "token count on the host): use --ce_impl chunked or auto")
     need(not (cfg.cuda_graph and cfg.gradient_checkpointing), "--cuda_graph with gradient checkpointing is not "
          "supported (recomputation saves and restores RNG states on the host); drop one of them")
     if cfg.checkpoint_every is not None:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..model.factory import create_model
+from ..model.loss import resolve_impl
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from .checkpoint import capture_rng, restore_rng
@@ -108,10 +109,11 @@ class Trainer:
             raise ValueError("--compile_units works in one process only; under torchrun use --compile (whole "
                              "model) or --compile --compile_regions")
         if cfg.chunked_ce:
-            # Liger's fused kernel on CUDA when installed (eager only), else the chunked fallback; a
-            # CUDA graph cannot hold Liger (it reads a token count on the host).
-            self.model.ce_impl = "chunked" if cfg.cuda_graph else "auto"
+            # --ce_impl auto: Liger's fused kernel on CUDA when installed (eager only), else the chunked
+            # fallback; a CUDA graph cannot hold Liger (it reads a token count on the host).
+            self.model.ce_impl = "chunked" if cfg.cuda_graph and cfg.ce_impl == "auto" else cfg.ce_impl
             self.model.ce_chunk_size = cfg.chunked_ce_size
+            resolve_impl(self.model.ce_impl, self.device)  # --ce_impl liger without the package or CUDA: refused now
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing = True
             self.model.checkpoint_every = cfg.checkpoint_every or 1
