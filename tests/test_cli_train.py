@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hydra_lm.cli import main
-from test_train_support import TINY_RUN, prepare, records, tiny_data, train_losses, write_corpus  # noqa: F401
+from support import TINY_RUN, prepare, records, train_losses, write_corpus
 
 
 def train(data, run, *extra):

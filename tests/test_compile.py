@@ -4,9 +4,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from conftest import TINY, tiny_model
-
-
+from support import TINY, tiny_model
 def _batch(seed):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, TINY["vocab_size"], (2, 32), generator=g)

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 import hydra_lm
-from conftest import TINY, tiny_model
-
+from support import TINY, tiny_model
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 

@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from hydra_lm.cli import main
-from test_train_support import TINY_RUN, records, tiny_data  # noqa: F401
+from support import TINY_RUN, records
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 GPU_RUN = ["cuda" if a == "cpu" else a for a in TINY_RUN]
 # MoD from the first step, MoR switched on at step 4 of 10: the graphs are captured twice.
 COMMON = ["--max_steps", "10", "--log_every", "1", "--no-eval_at_start", "--eval_every", "5", "--save_every", "3",
-          "--grad_accum", "2", "--chunked_ce", "--ce_impl", "chunked", "--mod_enable_pct", "0", "--mod_force_enable_pct", "0",
-          "--mor_enable_pct", "0.4", *GPU_RUN]
+          "--grad_accum", "2", "--chunked_ce", "--ce_impl", "chunked", "--mod_enable_pct", "0",
+          "--mod_force_enable_pct", "0", "--mor_enable_pct", "0.4", *GPU_RUN]
 
 
 def train(data, run, *extra):

@@ -278,7 +278,7 @@ def test_gpu_liger_chunked_naive_agree(autocast, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 means fp32 (a trainer may have set it)
     impls = ["chunked", "naive"] + (["liger"] if lce.LIGER_INSTALLED else [])
     if "liger" not in impls:
-        warnings.warn("liger-kernel not installed: GPU check covers chunked vs naive only")
+        warnings.warn("liger-kernel not installed: GPU check covers chunked vs naive only", stacklevel=1)
     hidden, weight, targets = _gpu_case(torch.float32)
     exact = _run("naive", hidden.double().detach().requires_grad_(), weight.double().detach().requires_grad_(),
                  targets, autocast=False)

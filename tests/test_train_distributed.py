@@ -26,7 +26,7 @@ from hydra_lm.cli import main
 from hydra_lm.train import setup_run
 from hydra_lm.train.checkpoint import verify
 from hydra_lm.train.trainer import Trainer
-from test_train_support import TINY_RUN, tiny_data, train_losses  # noqa: F401
+from support import TINY_RUN, train_losses
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 

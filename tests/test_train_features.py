@@ -10,7 +10,7 @@ import torch
 from hydra_lm.cli import main
 from hydra_lm.train import optim
 from hydra_lm.train.options import TrainConfig
-from test_train_support import TINY_RUN, prepare, records, tiny_data, write_corpus  # noqa: F401
+from support import TINY_RUN, prepare, records, write_corpus
 
 
 def train(data, run, *extra):

@@ -7,7 +7,7 @@ import pytest
 from hydra_lm.cli import main
 from hydra_lm.train.flags import load_config_file, parse_value, split_model_overrides, to_toml
 from hydra_lm.train.options import TrainConfig, resolve
-from test_train_support import TINY_RUN, tiny_data  # noqa: F401 (fixture)
+from support import TINY_RUN
 
 
 def test_per_size_defaults_follow_the_seed_tables():

@@ -209,8 +209,8 @@ def bench_inference(model, seq: int, new_tokens: int, device: torch.device) -> d
             # Steady-state decoding: the time of `new_tokens` steps minus that of half as many (the
             # prompt, the first step and a CUDA graph's capture cancel out), median of 3 each.
             half = max(1, new_tokens // 2)
-            full_s, half_s = (statistics.median(_timed(lambda: model.generate(prompt, n), device) for _ in range(3))
-                              for n in (new_tokens, half))
+            full_s, half_s = (statistics.median(_timed(lambda p=prompt, k=n: model.generate(p, k), device)
+                                                for _ in range(3)) for n in (new_tokens, half))
             result[f"decode_tokens_per_s_batch{batch}"] = batch * (new_tokens - half) / max(full_s - half_s, 1e-9)
             result[f"generate_s_batch{batch}"] = full_s
         result["decode_cuda_graph"] = model.decode_capturable()
@@ -293,8 +293,8 @@ def format_report(report: dict[str, Any]) -> str:
     if r0.get("model_overrides"):
         header.append("overrides " + ",".join(f"{k}={v}" for k, v in r0["model_overrides"].items()))
     lines = [" | ".join(header),
-             f"{'arch':<7}{'params':>9}{'tok/s':>12}{'ms/step':>9}{'TFLOP/s':>9}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}"
-             f"  {'doc mask':<11}attention kernels"]
+             f"{'arch':<7}{'params':>9}{'tok/s':>12}{'ms/step':>9}{'TFLOP/s':>9}{'MFU':>7}{'peak GB':>9}"
+             f"{'1st step s':>11}  {'doc mask':<11}attention kernels"]
     for r in report["rows"]:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         mem = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
@@ -304,8 +304,9 @@ def format_report(report: dict[str, Any]) -> str:
         if "prefill_tokens_per_s" in r:
             graph = " (CUDA graph)" if r["decode_cuda_graph"] else ""
             lines.append(f"{'':<7}inference: prefill {r['prefill_tokens_per_s']:,.0f} tok/s | decode{graph} batch 1 "
-                         f"{r['decode_tokens_per_s_batch1']:,.0f} tok/s, batch 32 {r['decode_tokens_per_s_batch32']:,.0f}"
-                         f" tok/s | KV cache {r['kv_cache_bytes_per_token']['allocated'] / 1024:.1f} KiB/token")
+                         f"{r['decode_tokens_per_s_batch1']:,.0f} tok/s, batch 32 "
+                         f"{r['decode_tokens_per_s_batch32']:,.0f} tok/s | KV cache "
+                         f"{r['kv_cache_bytes_per_token']['allocated'] / 1024:.1f} KiB/token")
         if "routing_efficiency" in r:
             lines.append(f"{'':<7}routing: {r['routing_speedup']:.2f}x the tokens/s of the same model unrouted "
                          f"({r['unrouted_tokens_per_s']:,.0f}); FLOP ratio {r['routing_flop_ratio']:.2f}x -> routing "

@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--routing_efficiency", action="store_true",
                        help="also time HYDRA with routing off: achieved speedup / FLOP-ratio speedup")
     bench.add_argument("--profile", default=None, metavar="DIR",
-                       help="after timing, profile 3 steps: kernel time by category in the report, Chrome traces in DIR")
+                       help="after timing, profile 3 steps: kernel time by category in the report, Chrome traces "
+                            "in DIR")
     bench.epilog = "Model config fields: --model.FIELD VALUE (e.g. --model.mod_capacity 0.5), applied to both archs."
     bench.set_defaults(func=_cmd_bench)
 

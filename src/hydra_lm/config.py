@@ -74,7 +74,8 @@ class HydraConfig:
         if self.n_layers is None:
             self.n_layers = self.n_blocks
         if self.head_dim is None and self.n_heads > 0:
-            latent = self.dim // self.compression_factor if self.arch == "hydra" and self.compression_factor > 0 else self.dim
+            compressed = self.arch == "hydra" and self.compression_factor > 0
+            latent = self.dim // self.compression_factor if compressed else self.dim
             self.head_dim = latent // self.n_heads
         if self.mlp_hidden is None:
             self.mlp_hidden = _round_up(4 * self.dim, 256)

@@ -69,7 +69,8 @@ def read_saved_config(run_dir: Path) -> dict[str, Any] | None:
         saved = json.loads(path.read_text(encoding="utf-8"))
         return saved if isinstance(saved, dict) and "train" in saved else None
     except ValueError as err:
-        raise ValueError(f"{path} is corrupt ({err}); move it away to resume from the checkpoints' own config")
+        raise ValueError(f"{path} is corrupt ({err}); move it away to resume from the checkpoints' "
+                         "own config") from None
 
 
 def merge_layers(file_values: dict[str, Any], cli: dict[str, Any], saved: dict[str, Any] | None) -> TrainConfig:
