@@ -3,8 +3,19 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from support import VARIANTS, prepare, write_corpus
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` both selects a test (``-m gpu``) and skips it where no CUDA device is present."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(params=sorted(VARIANTS))

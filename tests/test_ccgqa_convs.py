@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from hydra_lm.model.attention import CCGQAttention
 
 from support import tiny_model
+
+
 def _attention(ks=3, kc=2, seed=0):
     torch.manual_seed(seed)
     attn = CCGQAttention(dim=64, n_heads=4, n_kv_heads=2, head_dim=8, conv_seq_kernel=ks, conv_ch_kernel=kc).double()

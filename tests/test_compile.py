@@ -5,6 +5,8 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from support import TINY, tiny_model
+
+
 def _batch(seed):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, TINY["vocab_size"], (2, 32), generator=g)

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from hydra_lm.model import doc_attention as da
 
 from support import TINY, tiny_model
+
+
 @pytest.fixture
 def flex_backward_on_cpu(monkeypatch):
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)

@@ -1,11 +1,12 @@
-"""GPU checks (run on a CUDA host: `python -m pytest -q -m gpu tests/test_gpu.py`); skipped elsewhere."""
+"""GPU checks (on a CUDA host: `python -m pytest -q -m gpu` runs every gpu-marked test); skipped elsewhere."""
 
 import pytest
 import torch
 
 import hydra_lm
 from support import TINY, tiny_model
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+pytestmark = pytest.mark.gpu
 
 
 def _ids(b, t, vocab, seed=0):

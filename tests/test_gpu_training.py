@@ -1,4 +1,4 @@
-"""The trainer on a GPU (`python -m pytest -q -m gpu tests/`; skipped elsewhere): `--cuda_graph`
+"""The trainer on a GPU (`python -m pytest -q -m gpu`; skipped elsewhere): `--cuda_graph`
 replays the whole step as CUDA graphs and gives the ungraphed trainer's numbers across grad
 accumulation, clipping, evaluation, a curriculum switch (re-capture) and an exact resume."""
 
@@ -8,7 +8,7 @@ import torch
 from hydra_lm.cli import main
 from support import TINY_RUN, records
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 GPU_RUN = ["cuda" if a == "cpu" else a for a in TINY_RUN]
 # MoD from the first step, MoR switched on at step 4 of 10: the graphs are captured twice.

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from hydra_lm.model import attention_backend, layers
 from hydra_lm.model.accounting import compute_memory_footprint
 from support import tiny_model
+
+
 def test_rmsnorm_and_swiglu_match_their_definitions():
     torch.manual_seed(0)
     x = torch.randn(2, 5, 16)

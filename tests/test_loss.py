@@ -272,7 +272,6 @@ def _run(impl, hidden, weight, targets, autocast):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
 def test_gpu_liger_chunked_naive_agree(autocast, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 means fp32 (a trainer may have set it)

@@ -7,6 +7,8 @@ import hydra_lm
 from hydra_lm.model.block import TransformerLayer
 
 from support import TINY, tiny_model
+
+
 def _ids(b=2, t=40, seed=1, vocab=TINY["vocab_size"]):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (b, t), generator=g)
