@@ -10,6 +10,7 @@ import hydra_lm.bench
 import hydra_lm.cli
 
 
+@pytest.mark.slow
 def test_bench_reports_training_and_inference_for_both_archs(tmp_path, capsys):
     out = tmp_path / "bench.json"
     code = hydra_lm.cli.main(["bench", "--model_size", "debug", "--vocab_size", "512", "--batch_size", "2",
@@ -86,6 +87,7 @@ def test_bench_without_documents_reports_none_and_checks_the_compile_scope():
         run_bench("debug", ["dense"], 1, 32, 1, 0, True, False, "cpu", 512, compile_scope="everything")
 
 
+@pytest.mark.slow
 def test_bench_applies_model_overrides_and_writes_a_profile(tmp_path, capsys):
     out = tmp_path / "bench.json"
     code = hydra_lm.cli.main(["bench", "--model_size", "debug", "--arch", "hydra", "--vocab_size", "512",
@@ -117,6 +119,7 @@ def test_kernel_categories():
     assert kernel_category("some_unknown_kernel") == "other"
 
 
+@pytest.mark.slow
 def test_routing_efficiency_compares_with_the_same_model_unrouted():
     from hydra_lm.bench import format_report, run_bench
     from hydra_lm.model.accounting import dense_flops_per_token, executed_flops_per_token

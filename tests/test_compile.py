@@ -15,6 +15,7 @@ def _batch(seed):
 
 @pytest.mark.parametrize("overrides", [{}, {"mor_routing": "token"}, {"static_routing_mode": True}],
                          ids=["expert_choice", "token_choice", "static"])
+@pytest.mark.slow
 def test_training_step_compiles_fullgraph_without_recompiling(overrides):
     torch._dynamo.reset()
     model = tiny_model(**overrides).train()
@@ -29,6 +30,7 @@ def test_training_step_compiles_fullgraph_without_recompiling(overrides):
     assert counter.frame_count == 1, "a second batch of the same shape must reuse the compiled graph"
 
 
+@pytest.mark.slow
 def test_causal_eval_with_document_masks_compiles_fullgraph():
     torch._dynamo.reset()
     model = tiny_model().eval()
@@ -46,6 +48,7 @@ def test_causal_eval_with_document_masks_compiles_fullgraph():
 # units: routed units of three sizes (16, 11, 5 tokens); one dynamic unit graph takes every size,
 # block and batch (routers run eager; the naive loss is not compiled).
 @pytest.mark.parametrize("scope,max_graphs", [("blocks", 1), ("units", 1)])
+@pytest.mark.slow
 def test_regional_compile_reuses_graphs_and_keeps_the_state_dict(scope, max_graphs):
     torch._dynamo.reset()
     model, reference = tiny_model().train(), tiny_model().train()
@@ -62,6 +65,7 @@ def test_regional_compile_reuses_graphs_and_keeps_the_state_dict(scope, max_grap
     assert list(model.state_dict()) == keys
 
 
+@pytest.mark.slow
 def test_compile_regions_traces_each_unit_size_once_and_matches_eager():
     torch._dynamo.reset()
     model, reference = tiny_model().train(), tiny_model().train()
@@ -84,6 +88,7 @@ def test_compile_regions_traces_each_unit_size_once_and_matches_eager():
     assert len(regions) == 9 and len(set(regions)) == len(sizes), "one traced layer per routed-unit size"
 
 
+@pytest.mark.slow
 def test_compile_units_matches_eager_with_few_graphs():
     """Units and the fused loss's chunks compiled (chunks of 24 rows: two sizes); MoD on every 2nd
     block, so ungated full-row units and gated ones occur. Loss and every gradient equal eager's,
