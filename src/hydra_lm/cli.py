@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -64,8 +65,27 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return run()
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .diagnostics.compare import run_compare
+    from .train.flags import cli_values, load_config_file
+
+    file_values = load_config_file(args.config) if args.config else {}
+    cli = cli_values(args, args.model_overrides)
+    shared = {**file_values, **cli, "model": {**file_values.get("model", {}), **cli.get("model", {})}}
+    return run_compare(shared.get("data"), shared.get("out"), args.budget, args.variants, args.custom_variants,
+                       args.evals, shared)
+
+
+def _cmd_scaling(args: argparse.Namespace) -> int:
+    from .diagnostics.scaling import run_scaling
+
+    return run_scaling(args.results, args.out, args.x, args.group, args.reference, args.predict, args.bootstrap,
+                       args.seed)
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from .train import eval_run
+    from .train.evaluate import routing_warnings
 
     result = eval_run(args.run, args.checkpoint, data=args.data, batch_size=args.batch_size, seq_len=args.seq_len,
                       max_batches=args.eval_batches, device=args.device)
@@ -77,6 +97,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                            ("topk", "top-k routing: teacher-forced, not an autoregressive number")):
             print(f"  {mode:<6} loss {result[f'val_loss_{mode}']:.4f}  perplexity {result[f'val_ppl_{mode}']:.2f}"
                   f"   ({note})")
+        print(f"  gap    {result['val_gap']:+.4f} nats (causal minus top-k)")
+        if "routing" in result:
+            print(f"  routing: {100 * result['val_agreement']:.1f}% top-k/threshold agreement; executed fraction "
+                  "per router, causal against its top-k target:")
+            for name, r in result["routing"].items():
+                print(f"    {name:<16} {r['exec_causal']:.3f} / {r['target']:.3f}   "
+                      f"agreement {100 * r['agreement']:.1f}%")
+        for warning in routing_warnings(result):
+            print(f"  warning: {warning}")
     return 0
 
 
@@ -175,6 +204,40 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(train)
     train.set_defaults(func=_cmd_train)
 
+    from .diagnostics.variants import BUILTIN_VARIANTS, DEFAULT_VARIANTS
+
+    compare = sub.add_parser("compare", conflict_handler="resolve",
+                             help="train model variants on the same data for the same budget; report, plots")
+    add_train_arguments(compare)  # shared by every variant
+    compare.add_argument("--out", default=None, help="output directory: runs/NAME per variant, results.json, "
+                                                     "report.md and the plots")
+    compare.add_argument("--budget", required=True, help="per variant: tokens=N, flops=N (executed training "
+                                                         "FLOPs) or seconds=N (training time); k/M/G/T/P suffixes")
+    compare.add_argument("--variants", nargs="+", default=None, metavar="NAME",
+                         help=f"built-in variants ({', '.join(BUILTIN_VARIANTS)}; default: "
+                              f"{' '.join(DEFAULT_VARIANTS)} unless --variant is given)")
+    compare.add_argument("--variant", dest="custom_variants", action="append", default=None,
+                         metavar="NAME:field=value,...", help="a custom variant: HydraConfig fields on top of the "
+                                                              "preset (repeatable; arch=dense allowed)")
+    compare.add_argument("--evals", type=int, default=8, help="evaluations spread evenly over the budget")
+    compare.set_defaults(func=_cmd_compare)
+
+    scaling = sub.add_parser("scaling", help="fit L(C) = a*C^-b + c to compare results; predict and compare "
+                                             "compute at equal loss")
+    scaling.add_argument("--results", nargs="+", required=True, metavar="DIR", help="`hydra-lm compare` output "
+                                                                                    "directories")
+    scaling.add_argument("--out", default=None, help="where scaling.png and scaling.json go (default: the first "
+                                                     "results directory)")
+    scaling.add_argument("--x", default="flops", choices=["flops", "seconds"], help="compute axis: executed "
+                                                                                      "training FLOPs or seconds")
+    scaling.add_argument("--group", default="family", choices=["family", "variant"],
+                         help="fit per family (hydra-like vs dense-like) or per variant name")
+    scaling.add_argument("--reference", default="dense", help="the group other groups' compute is compared with")
+    scaling.add_argument("--predict", type=float, default=None, metavar="C", help="predict the loss at this compute")
+    scaling.add_argument("--bootstrap", type=int, default=200, help="resamples for the uncertainty")
+    scaling.add_argument("--seed", type=int, default=0)
+    scaling.set_defaults(func=_cmd_scaling)
+
     ev = sub.add_parser("eval", help="validation loss and perplexity of a run's checkpoint (causal and top-k)")
     ev.add_argument("--run", required=True, help="run directory")
     ev.add_argument("--checkpoint", default=None, help="checkpoint directory or exported .safetensors file "
@@ -228,14 +291,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     args = parser.parse_args(argv)
-    if model_overrides and args.command not in ("train", "bench"):
-        parser.error(f"--model.* overrides apply to `train` and `bench` only, not `{args.command}`")
+    if model_overrides and args.command not in ("train", "bench", "compare"):
+        parser.error(f"--model.* overrides apply to `train`, `bench` and `compare` only, not `{args.command}`")
     args.model_overrides = model_overrides
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as err:  # bad user input: one clear line, no traceback
         rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
         print(f"hydra-lm {args.command}: {rank}error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"hydra-lm {args.command}: error: no space left on the device writing {err.filename or 'a file'}: free "
+              "some space and run again", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"hydra-lm {args.command}: interrupted", file=sys.stderr)

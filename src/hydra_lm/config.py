@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,6 +188,26 @@ def check_keys(values: dict[str, Any], cls: type = HydraConfig) -> None:
             close = difflib.get_close_matches(key, sorted(known), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else f"; valid keys: {', '.join(sorted(known))}"
             raise ValueError(f"unknown {cls.__name__} key {key!r}{hint}")
+    _check_types(values, cls)
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
+
+
+def _check_types(values: dict[str, Any], cls: type) -> None:
+    """A value of the wrong type (``--model.dim abc``) fails here, with its key, not deep in the model."""
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        allowed = typing.get_args(hints[key]) or (hints[key],)
+        if value is None and type(None) in allowed:
+            continue
+        kind = next(t for t in allowed if t is not type(None))
+        ok = isinstance(value, bool) if kind is bool else \
+            isinstance(value, int) and not isinstance(value, bool) if kind is int else \
+            isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else \
+            isinstance(value, kind)
+        if not ok:
+            raise ValueError(f"{cls.__name__}.{key}={value!r} must be {_TYPE_NAMES.get(kind, kind.__name__)}")
 
 
 # One table for every preset. Columns: dim, n_blocks, recursions, n_heads, n_kv_heads (latent heads;

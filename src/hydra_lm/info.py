@@ -22,6 +22,8 @@ def _per_block(units: list[tuple[str, int, int]]) -> str:
 
 
 def describe(model_size: str, seq_len: int = 1024, arch: str = "hydra", vocab_size: int | None = None) -> list[str]:
+    if seq_len < 1:
+        raise ValueError(f"--seq_len {seq_len}: the FLOP count needs a sequence of at least 1 token")
     overrides = {"arch": arch, "max_seq_len": max(seq_len, 2048)}
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size

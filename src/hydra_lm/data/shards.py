@@ -81,8 +81,10 @@ def read_meta(data_dir: str | Path) -> dict:
                                 f"interrupted): {PREPARE_HINT}")
     try:
         meta = json.loads(meta_file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{meta_file} is not valid JSON ({err}): delete {data_dir} and prepare it again") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_file} is not a JSON object: delete {data_dir} and prepare it again")
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{meta_file} has format version {meta.get('format_version')!r}, this hydra-lm reads "
                          f"version {FORMAT_VERSION}: prepare the data again")
@@ -108,7 +110,10 @@ def open_split(data_dir: str | Path, split: str, meta: dict | None = None) -> tu
         empty = np.zeros(0, dtype=dtype)
         return empty, np.zeros(0, dtype=np.int64)
     tokens = np.memmap(tokens_file, dtype=dtype, mode="r")
-    starts = np.load(starts_file, mmap_mode="r")
+    try:  # never unpickle: the index is a plain integer array
+        starts = np.load(starts_file, mmap_mode="r", allow_pickle=False)
+    except ValueError as err:
+        raise ValueError(f"{starts_file} is not a plain integer array ({err}): prepare the data again") from None
     if len(starts) != info["documents"] or (len(starts) and (starts[0] != 0 or starts[-1] >= len(tokens))):
         raise ValueError(f"{starts_file} does not match {tokens_file}: prepare the data again")
     return tokens, starts

@@ -1,6 +1,13 @@
 """Token routing shared by MoD and MoR: expert-choice top-k with a FIXED k, causal threshold mode,
 static (soft) mode, and token-choice depth routing.
 
+Causal routing (generation, and the causal eval) admits a token iff its logit exceeds the router's
+calibrated threshold: a running mean, over training batches, of the logit that separates a batch's
+top-k from the rest. Top-k is invariant to a shift of all logits, so the logits drift freely during
+training (the language-model loss pushes on them through the gate); a fixed threshold such as r > 0
+then admits a fraction of tokens unrelated to the capacity, and the error compounds over depths. The
+calibrated threshold follows the drift, so the causal path executes the capacity's fraction.
+
 Every function here keeps shapes static (k is a Python int derived from the sequence length), so a
 routed training step has no host synchronisation and compiles with ``fullgraph=True``.
 
@@ -19,6 +26,13 @@ from torch import nn
 
 ROUTING_MODES = ("topk", "causal", "static")
 
+# Decay of the threshold's running mean per training forward: a window of about 20 micro-batches
+# follows the logits' drift while averaging out the batch-to-batch noise of the boundary.
+THRESHOLD_DECAY = 0.95
+# State-dict names of the threshold buffers: checkpoints written before calibration existed lack them
+# and still load (threshold 0, the former rule, until training calibrates it).
+THRESHOLD_BUFFERS = ("threshold_sum", "threshold_weight")
+
 
 @dataclass
 class Selection:
@@ -33,6 +47,8 @@ class Router(nn.Module):
     """Scalar router logit r = w^T x + b; gate = scale * sigmoid(r).
 
     ``kind`` is "mod" (its loss counts in ``aux_loss``) or "mor" (counts in ``ponder_loss``).
+    The causal threshold is kept as a bias-corrected running mean (``threshold_sum / threshold_weight``)
+    in buffers, so it is saved and restored with the weights; before any training batch it is 0.
     """
 
     def __init__(self, dim: int, kind: str, gate_scale: float = 1.0):
@@ -40,6 +56,19 @@ class Router(nn.Module):
         self.kind = kind
         self.gate_scale = gate_scale
         self.proj = nn.Linear(dim, 1)
+        self.register_buffer("threshold_sum", torch.zeros((), dtype=torch.float32))
+        self.register_buffer("threshold_weight", torch.zeros((), dtype=torch.float32))
+
+    def threshold(self) -> torch.Tensor:
+        w = self.threshold_weight
+        return torch.where(w > 0, self.threshold_sum / w.clamp(min=1e-12), torch.zeros_like(w))
+
+    @torch.no_grad()
+    def calibrate(self, boundary: torch.Tensor) -> None:
+        """Fold one batch's top-k boundary into the running threshold (in place: no host sync, and a
+        captured CUDA graph replays it)."""
+        self.threshold_sum.mul_(THRESHOLD_DECAY).add_(boundary.to(self.threshold_sum.dtype), alpha=1 - THRESHOLD_DECAY)
+        self.threshold_weight.mul_(THRESHOLD_DECAY).add_(1 - THRESHOLD_DECAY)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         # One fp32 column outside autocast: autocast would first copy the whole [B, N, E] fp32
@@ -61,17 +90,33 @@ class Router(nn.Module):
             top = torch.topk(r, k, dim=1, sorted=False).indices
             order = torch.sort(top, dim=1).values
             chosen = torch.zeros_like(r).scatter_(1, order, 1.0)
-            # The router learns to predict its own top-k choice, so the causal threshold (r > 0) can
-            # replace top-k at decode time. Detached input: this loss trains the router only.
+            boundary = topk_boundary(r.detach(), k)
+            if self.training:
+                self.calibrate(boundary)
+            # The router learns to predict its own top-k choice relative to the boundary, so that
+            # r > threshold reproduces top-k causally. Shift-invariant like top-k itself, it sharpens
+            # the separation without fighting the language-model loss over the logits' level.
+            # Detached input: this loss trains the router only.
             r_aux = self.logits(x.detach())
-            aux = F.binary_cross_entropy_with_logits(r_aux, chosen)
+            aux = F.binary_cross_entropy_with_logits(r_aux - boundary, chosen)
             weight = self.gate(r.gather(1, order))
-            agree = ((r > 0).float() == chosen).float().mean()
+            agree = ((r > self.threshold()).float() == chosen).float().mean()
             frac = torch.full((), k / row_len, device=x.device)
             return Selection(order, weight, None, aux, torch.stack((frac, weight.mean(), agree)))
         if mode == "causal":
-            return masked_selection(r > 0, self.gate(r), valid, row_len)
+            return masked_selection(r > self.threshold(), self.gate(r), valid, row_len)
         raise ValueError(f"routing mode {mode!r}: must be one of {ROUTING_MODES}")
+
+
+def topk_boundary(r: torch.Tensor, k: int) -> torch.Tensor:
+    """The logit separating the batch's b*k highest logits from the rest (midpoint of the two values
+    around the cut), pooled over rows: the threshold that admits exactly the capacity's fraction."""
+    flat = r.reshape(-1)
+    n_sel = r.shape[0] * k
+    if n_sel >= flat.numel():  # everything is chosen: any threshold below the smallest logit
+        return flat.min() - 1.0
+    top = torch.topk(flat, n_sel + 1, sorted=True).values
+    return 0.5 * (top[-2] + top[-1])
 
 
 def masked_selection(chosen: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor | None, row_len: int) -> Selection:

@@ -21,6 +21,7 @@ renamed ``*.corrupt`` (kept for inspection) and the previous one is used.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -37,6 +38,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
+from ..model.routing import THRESHOLD_BUFFERS
+
+
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"
@@ -49,6 +53,20 @@ _NAME = re.compile(r"^hydra_(?P<size>.+)_step(?P<step>\d+)$")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the offending file."""
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full_error(directory: Path, err: OSError, needed_bytes: int) -> ValueError:
+    """One line for a checkpoint that did not fit: where, how much is free, how much it needs."""
+    try:
+        free = f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return ValueError(f"no space left on the device while writing a checkpoint to {directory} ({free}, a checkpoint "
+                      f"needs about {needed_bytes / 2**20:.1f} MiB): free some space and run again to resume; the "
+                      f"earlier checkpoints are intact")
 
 
 @dataclass
@@ -80,6 +98,7 @@ class Checkpoint:
             missing, unexpected = load_model(model, str(self.model_file), strict=False)
         except Exception as err:  # safetensors raises its own error types on a damaged header
             raise CheckpointError(f"checkpoint file {self.model_file} cannot be read: {err}") from None
+        missing = [k for k in missing if not k.endswith(THRESHOLD_BUFFERS)]
         if missing or unexpected:
             raise CheckpointError(f"checkpoint file {self.model_file} does not match the model: missing "
                                   f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
@@ -132,6 +151,15 @@ def verify(path: Path) -> Checkpoint:
         files = state["files"]
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"checkpoint file {state_path} is corrupt: {err}") from None
+    if not isinstance(files, dict) or any(".." in Path(n).parts or Path(n).is_absolute() for n in files):
+        raise CheckpointError(f"checkpoint file {state_path} is corrupt: its file list is malformed")
+    # Only listed (hashed) files are ever read: a file slipped in later is refused, not loaded.
+    unlisted = sorted(p.relative_to(path).as_posix() for p in path.rglob("*")
+                      if not p.is_dir() and p != state_path and p.relative_to(path).as_posix() not in files)
+    if unlisted:
+        raise CheckpointError(f"checkpoint {path} holds files that {STATE_FILE} does not list: {unlisted[:5]}")
+    if state.get("layout") == "dcp" and f"{DCP_DIR}/.metadata" not in files:
+        raise CheckpointError(f"checkpoint {path} is sharded but {STATE_FILE} does not list {DCP_DIR}/.metadata")
     for name, info in files.items():
         f = path / name
         if not f.is_file():
@@ -255,6 +283,12 @@ class CheckpointManager:
             raise CheckpointError(f"no readable checkpoint in {self.dir}: " + "; ".join(errors))
         return None
 
+    def quarantined(self) -> list[Path]:
+        """Checkpoints ``latest_good`` set aside as ``*.corrupt``."""
+        if not self.dir.is_dir():
+            return []
+        return sorted(p for p in self.dir.glob("hydra_*.corrupt") if p.is_dir())
+
     def cleanup_temp(self) -> None:
         """Remove half-written checkpoints left by a crash (never complete ones)."""
         if self.dir.is_dir():
@@ -262,8 +296,10 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def resolve_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None) -> Checkpoint:
-    """The checkpoint to evaluate or sample from: an explicit path, else the run's newest good one."""
+def resolve_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None,
+                       warn: Callable[[str], None] | None = None) -> Checkpoint:
+    """The checkpoint to evaluate or sample from: an explicit path, else the run's newest good one
+    (``warn`` hears about every newer one skipped, and why)."""
     if checkpoint is not None:
         return verify(Path(checkpoint))
     ckdir = Path(run_dir) / "checkpoints"
@@ -271,9 +307,13 @@ def resolve_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
     errors = []
     for _, path in reversed(found):
         try:
-            return verify(path)
+            ckpt = verify(path)
         except CheckpointError as err:
             errors.append(str(err))
+            continue
+        if errors and warn is not None:
+            warn(f"using the older checkpoint {path} (step {ckpt.step}): newer ones are unusable: " + "; ".join(errors))
+        return ckpt
     if errors:
         raise CheckpointError(f"no readable checkpoint in {ckdir}: " + "; ".join(errors))
     raise CheckpointError(f"run {run_dir} has no checkpoint in {ckdir}")

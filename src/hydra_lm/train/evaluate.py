@@ -1,8 +1,11 @@
-"""Validation loss with causal routing (the real autoregressive number) and with top-k routing.
+"""Validation loss with causal routing (the real autoregressive number) and with top-k routing,
+and the routing's health.
 
 Top-k routing picks a row's tokens after seeing the whole row, so its loss is teacher-forced and
 can look better than what the model does when it generates. Each pass states its routing mode
-explicitly; the causal pass never depends on ``model.eval_routing``.
+explicitly; the causal pass never depends on ``model.eval_routing``. Per router, the result gives
+the fraction of the row each pass executed (top-k's is the router's target), and how often the
+causal threshold agrees with top-k's choice.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from typing import Any, Callable, Iterable
 import torch
 
 EVAL_MODES = ("causal", "topk")
+# Beyond these, evaluation warns: the causal (generation) loss is worse than top-k by more than
+# GAP_WARN nats, or a router's causal executed fraction is off its target by more than FRAC_WARN.
+GAP_WARN = 0.05
+FRAC_WARN = 0.1
 
 
 @torch.no_grad()
@@ -29,7 +36,9 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
     was_training = model.training
     model.eval()
     totals = {mode: torch.zeros((), dtype=torch.float64, device=device) for mode in EVAL_MODES}
-    exec_frac = torch.zeros((), dtype=torch.float64, device=device)
+    names = model.router_names() if model_has_routers(model) else []
+    # Per router and pass: summed stats rows (executed fraction, mean gate, top-k/threshold agreement).
+    stats = {mode: torch.zeros((len(names), 3), dtype=torch.float64, device=device) for mode in EVAL_MODES}
     tokens = torch.zeros((), dtype=torch.float64, device=device)
     n_batches = 0
     try:
@@ -46,16 +55,18 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
                 with autocast():
                     out = model(x, targets=y, routing=mode, **kwargs)
                 totals[mode] += out["ce_loss"].double() * n
-                if mode == "causal" and out["routing_stats"].numel():
-                    exec_frac += out["routing_stats"][:, 0].double().mean()
+                if names:
+                    stats[mode] += out["routing_stats"].double()
             tokens += n
             n_batches += 1
     finally:
         model.train(was_training)
-    summed = reduce(torch.stack([totals["causal"], totals["topk"], exec_frac, tokens,
-                                 torch.tensor(float(n_batches), dtype=torch.float64, device=device)]))
+    scalars = torch.stack([totals["causal"], totals["topk"], tokens,
+                           torch.tensor(float(n_batches), dtype=torch.float64, device=device)])
+    summed = reduce(torch.cat([scalars, stats["causal"].flatten(), stats["topk"].flatten()]))
     totals = {"causal": summed[0], "topk": summed[1]}
-    exec_frac, tokens, n_batches = summed[2], summed[3], int(summed[4])
+    tokens, n_batches = summed[2], int(summed[3])
+    per_router = summed[4:].reshape(2, len(names), 3) / max(1, n_batches)
     if n_batches == 0:
         raise ValueError("the validation split yielded no batch: it is shorter than one batch of sequences "
                          "(prepare more data, raise the validation fraction, or lower --batch_size/--seq_len)")
@@ -65,9 +76,38 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
         loss = float(totals[mode]) / count
         out[f"val_loss_{mode}"] = loss
         out[f"val_ppl_{mode}"] = math.exp(min(loss, 700.0))
-    if model_has_routers(model):
-        out["val_exec_frac_causal"] = float(exec_frac) / n_batches
+    out["val_gap"] = out["val_loss_causal"] - out["val_loss_topk"]
+    if names:
+        causal, topk = per_router.tolist()
+        out["routing"] = {name: {"target": t[0], "exec_causal": c[0], "exec_topk": t[0], "agreement": t[2]}
+                          for name, c, t in zip(names, causal, topk)}
+        out["val_exec_frac_causal"] = sum(c[0] for c in causal) / len(names)
+        out["val_exec_frac_topk"] = sum(t[0] for t in topk) / len(names)
+        out["val_agreement"] = sum(t[2] for t in topk) / len(names)
     return out
+
+
+def routing_warnings(result: dict[str, Any]) -> list[str]:
+    """Plain-language warnings about an evaluation's routing health (empty when healthy)."""
+    warnings = []
+    if result["val_gap"] > GAP_WARN:
+        warnings.append(f"causal-routing loss is {result['val_gap']:.3f} nats worse than top-k (more than "
+                        f"{GAP_WARN}): generation does worse than the teacher-forced top-k number suggests")
+    for name, r in result.get("routing", {}).items():
+        if abs(r["exec_causal"] - r["target"]) > FRAC_WARN:
+            warnings.append(f"router {name} executes {r['exec_causal']:.3f} of the tokens under causal routing "
+                            f"against a target of {r['target']:.3f}")
+    return warnings
+
+
+def format_eval(result: dict[str, Any]) -> str:
+    """One line: both losses, their gap and, for routed models, agreement and executed fractions."""
+    line = (f"val loss causal {result['val_loss_causal']:.4f} (ppl {result['val_ppl_causal']:.1f}) | top-k "
+            f"{result['val_loss_topk']:.4f} (ppl {result['val_ppl_topk']:.1f}) | gap {result['val_gap']:+.4f}")
+    if "routing" in result:
+        line += (f" | agreement {100 * result['val_agreement']:.1f}% | executed {result['val_exec_frac_causal']:.3f}"
+                 f" (top-k {result['val_exec_frac_topk']:.3f})")
+    return line + f" | {result['val_tokens']:,} tokens"
 
 
 def model_has_routers(model: torch.nn.Module) -> bool:

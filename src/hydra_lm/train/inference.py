@@ -35,7 +35,7 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
     run_dir = Path(run_dir).expanduser()
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist")
-    ckpt = resolve_checkpoint(run_dir, checkpoint)
+    ckpt = resolve_checkpoint(run_dir, checkpoint, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
     config_path = run_dir / CONFIG_JSON
     if config_path.is_file():
         try:
@@ -54,6 +54,10 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
         load_dcp(ckpt, model)
     else:
         ckpt.load_model(model)
+    bad = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    if bad is not None:
+        raise ValueError(f"checkpoint {ckpt.path} holds non-finite weights ({bad} has NaN or Inf): it was saved from a "
+                         f"diverged run; pick an earlier one with --checkpoint")
     model.to(dev).eval()
     curriculum = ckpt.state.get("curriculum")
     if curriculum is not None:  # evaluate the network as it was training at that step

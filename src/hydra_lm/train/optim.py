@@ -1,53 +1,128 @@
-"""Optimizer construction: parameter groups with decoupled weight decay on 2-D weights only."""
+"""Optimizer construction: parameter groups (decoupled weight decay on 2-D weights only, per-group
+LR ratios) and the optimizers behind ``--optimizer``."""
 
 from __future__ import annotations
+
+import re
+from typing import Callable
 
 import torch
 from torch import nn
 
 from .options import TrainConfig
 
+# Parameters that stay with AdamW under --optimizer muon: the embedding (tied to the LM head), routers,
+# recursion embeddings and the MoE router. Muon orthogonalises hidden matrices only.
+NOT_MUON = re.compile(r"(^|\.)(embed|lm_head|routers|depth_router|router|rec_emb)(\.|$)")
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+
+def param_groups(model: nn.Module, weight_decay: float,
+                 place: Callable[[str, torch.Tensor], tuple[str, float, float]] | None = None) -> list[dict]:
+    """Groups of parameters sharing (optimizer part, LR ratio, weight decay), in first-seen order.
+
+    ``place(name, param)`` gives the part ("muon" or "main"), the group's LR as a multiple of the
+    scheduled LR (``set_lr`` applies it) and a weight-decay multiplier."""
     # Norm gains, biases, router biases and recursion embeddings (1-D) are not shrunk: decaying
     # them pulls scales toward zero without regularising anything.
-    decay, keep = [], []
-    for _, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else keep).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
+    groups: dict[tuple, dict] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        part, lr_ratio, wd_scale = place(name, p) if place else ("main", 1.0, 1.0)
+        wd = weight_decay * wd_scale if p.dim() >= 2 else 0.0
+        group = groups.setdefault((part, lr_ratio, wd), {"params": [], "weight_decay": wd, "lr_ratio": lr_ratio,
+                                                         "part": part})
+        group["params"].append(p)
+    return list(groups.values())
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay)
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
-                                 fused=device.type == "cuda")
-    if cfg.optimizer == "adafactor":
-        if not hasattr(torch.optim, "Adafactor"):
-            raise ValueError("--adafactor needs torch >= 2.5 (torch.optim.Adafactor)")
-        # torch's Adafactor applies weight decay decoupled (scaled by lr), like AdamW.
+    kind, cuda = cfg.optimizer, device.type == "cuda"
+    adamw_ratio = (cfg.adamw_lr or cfg.lr) / cfg.lr if kind == "muon" else 1.0
+
+    def place(name: str, p: torch.Tensor) -> tuple[str, float, float]:
+        if kind == "muon" and p.dim() == 2 and not NOT_MUON.search(name):
+            return "muon", 1.0, 1.0
+        return "main", adamw_ratio, 1.0
+
+    groups = param_groups(model, cfg.weight_decay, place)
+    muon_groups = [g for g in groups if g["part"] == "muon"]
+    main_groups = [g for g in groups if g["part"] != "muon"]
+    for g in groups:
+        del g["part"]
+    betas = (cfg.beta1, cfg.beta2)
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=1e-8, fused=cuda)
+    if kind == "muon":
+        from .hybrid_optimizer import MuonWithAdamW
+
+        if not muon_groups:
+            raise ValueError("--optimizer muon: this model has no hidden 2-D weights for Muon; use adamw")
+        return MuonWithAdamW(muon_groups, main_groups, lr=cfg.lr, adamw_lr=cfg.lr * adamw_ratio, betas=betas,
+                             fused=cuda)
+    if kind == "adafactor":
+        # torch's Adafactor applies weight decay decoupled (scaled by lr), like AdamW; its LR is relative
+        # to each parameter's RMS (hence its larger per-size default).
         return torch.optim.Adafactor(groups, lr=cfg.lr, beta2_decay=-0.8, eps=(None, 1e-3))
-    if cfg.optimizer == "adam8bit":
-        if device.type != "cuda":
-            raise ValueError("--8bit_adam runs on CUDA only (bitsandbytes); use adamw on this device")
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise ValueError("--8bit_adam is not available: bitsandbytes is not installed "
-                             "(pip install bitsandbytes)") from None
-        return bnb.optim.AdamW8bit(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    if kind in ("lion", "clion"):
+        from pytorch_optimizer import Lion
+
+        # Lion's own betas (the Adam ones do not transfer); clion masks update coordinates whose sign
+        # disagrees with the current gradient ("cautious" updates).
+        return Lion(groups, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay, cautious=kind == "clion")
+    if kind == "sophia":
+        from .sophia import Sophia
+
+        return Sophia(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, update_period=cfg.sophia_update_period)
+    if kind == "adam8bit":
+        return _adam8bit(groups, cfg, device)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
+
+
+def check_optimizer_features(cfg: TrainConfig, dist) -> None:
+    """Refuse combinations an optimizer cannot run (one line naming what to change)."""
+    kind = cfg.optimizer
+    if kind == "sophia" and cfg.compile:
+        raise ValueError("--optimizer sophia differentiates the gradients (Hessian estimate), which compiled "
+                         "graphs cannot: drop --compile or pick another optimizer")
+    if kind == "sophia" and dist.enabled:
+        raise ValueError("--optimizer sophia works in one process only (DDP/FSDP2 cannot differentiate the "
+                         "gradients): pick another optimizer under torchrun")
+    if kind in ("muon", "adafactor") and dist.enabled and dist.parallel == "fsdp":
+        raise ValueError(f"--optimizer {kind} needs whole matrices (it factors or orthogonalises them), not FSDP2 "
+                         "shards: add --parallel ddp")
+
+
+def _adam8bit(groups: list[dict], cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """torchao's 8-bit AdamW (block-wise quantised moments), else bitsandbytes'; CUDA only (torchao would
+    run on a CPU, but builds its compiled step there for minutes, for no memory worth saving)."""
+    if device.type != "cuda":
+        raise ValueError("--optimizer adam8bit (--8bit_adam) runs on CUDA only: use adamw on this device")
+    betas = (cfg.beta1, cfg.beta2)
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError:
+        AdamW8bit = None
+    if AdamW8bit is not None:
+        return AdamW8bit(groups, lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ValueError("--optimizer adam8bit needs torchao (pip install 'hydra-lm[gpu]') or bitsandbytes; or use "
+                         "--optimizer adamw") from None
+    return bnb.optim.AdamW8bit(groups, lr=cfg.lr, betas=betas)
 
 
 def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Prepare a fused AdamW for replay in a CUDA graph: a float learning rate would be baked into the
-    captured kernels, so it moves into one device tensor that ``set_lr`` refills; step counters move to
-    the device. Done after construction and any restore, so checkpoints stay portable."""
-    lr = torch.tensor(float(optimizer.param_groups[0]["lr"]), device=device)
+    captured kernels, so it moves into a device tensor (one per LR ratio) that ``set_lr`` refills; step
+    counters move to the device. Done after construction and any restore, so checkpoints stay portable."""
+    base = float(optimizer.param_groups[0]["lr"]) / optimizer.param_groups[0].get("lr_ratio", 1.0)
+    lrs: dict[float, torch.Tensor] = {}
     for group in optimizer.param_groups:
+        ratio = group.get("lr_ratio", 1.0)
         group["capturable"] = True
-        group["lr"] = lr
+        group["lr"] = lrs.setdefault(ratio, torch.tensor(base * ratio, device=device))
     for state in optimizer.state.values():
         if "step" in state:
             state["step"] = state["step"].to(device, torch.float32)
@@ -62,8 +137,10 @@ def portable_optimizer_state(state: dict) -> dict:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set the scheduled LR: each group gets ``lr`` times its ``lr_ratio``."""
     for group in optimizer.param_groups:
+        value = lr * group.get("lr_ratio", 1.0)
         if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)  # in place: a captured optimizer step reads this tensor
+            group["lr"].fill_(value)  # in place: a captured optimizer step reads this tensor
         else:
-            group["lr"] = lr
+            group["lr"] = value

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 MODES = ("testing", "production")
 SCHEDULES = ("cosine", "wsd")
-OPTIMIZERS = ("adamw", "adafactor", "adam8bit")
+OPTIMIZERS = ("adamw", "adam8bit", "adafactor", "lion", "clion", "muon", "sophia")
 ARCHS = ("hydra", "dense")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CE_IMPLS = ("auto", "chunked", "liger")
@@ -49,6 +50,10 @@ class TrainConfig:
     batch_size: int | None = opt(None, "sequences per micro-batch", type=int)
     grad_accum: int | None = opt(None, "micro-batches per optimizer step", type=int)
     seq_len: int | None = opt(None, "tokens per sequence", type=int)
+    time_budget_s: float | None = opt(None, "end the run after this many seconds of training steps (evaluation, "
+                                            "checkpoints and compilation at the start not counted); the schedule, "
+                                            "curriculum, eval_every and save_every then count the fraction of the "
+                                            "budget spent, in units of max_steps (one process only)", type=float)
 
     # --- optimisation
     lr: float | None = opt(None, "peak learning rate", type=float)
@@ -60,12 +65,33 @@ class TrainConfig:
     grad_clip: float | None = opt(None, "clip the global gradient norm to this (0: no clipping)", type=float)
     schedule: str = opt("wsd", "learning-rate schedule after warm-up", type=str, choices=SCHEDULES)
     wsd_decay_pct: float = opt(0.2, "WSD: fraction of the run spent decaying to min_lr", type=float)
-    optimizer: str = opt("adamw", "adamw (fused on CUDA), adafactor or adam8bit (bitsandbytes)", type=str,
+    optimizer: str = opt("adamw", "adamw (fused on CUDA), adam8bit (torchao, or bitsandbytes on CUDA), adafactor, "
+                                  "lion, clion (cautious Lion), muon (hidden matrices; AdamW for the rest) or sophia "
+                                  "(Hutchinson Hessian); the per-size --lr default depends on it", type=str,
                          choices=OPTIMIZERS)
+    adamw_lr: float | None = opt(None, "--optimizer muon: peak LR of the AdamW part (embedding, norms, routers); "
+                                       "default: --lr", type=float)
+    sophia_update_period: int = opt(10, "--optimizer sophia: steps between Hessian estimates (each costs a second "
+                                        "backward pass)", type=int)
     adaptive_lr: bool = opt(False, "cut the LR for a cool-down period after a loss spike", type=bool)
     adaptive_lr_spike: float = opt(2.0, "a logged loss above this multiple of its EMA is a spike", type=float)
     adaptive_lr_factor: float = opt(0.5, "LR multiplier during a cool-down", type=float)
     adaptive_lr_cooldown: int = opt(100, "cool-down length in steps", type=int)
+    max_rollbacks: int = opt(2, "on a non-finite loss or gradient: reload the last good checkpoint with a lower LR "
+                                "at most this many times, then stop (0: stop at once)", type=int)
+    rollback_lr_factor: float = opt(0.5, "LR multiplier applied at each rollback", type=float)
+    experimental_safety_window: int = opt(100, "steps within which 3 anomalies (loss spike, non-finite gradients, "
+                                               "throughput drop) switch an optimization off; also the clean "
+                                               "stretch after which it is switched on again", type=int)
+    experimental_loss_spike_threshold: float = opt(2.0, "a logged loss above this multiple of its average is an "
+                                                        "anomaly", type=float)
+    experimental_throughput_drop_threshold: float = opt(0.5, "throughput below this fraction of its average is an "
+                                                             "anomaly", type=float)
+
+    batch_filter: bool = opt(False, "skip the update of a batch whose loss is an outlier (> mean + k std of the "
+                                    "recent losses; decided on the device, counted in the log)", type=bool)
+    batch_filter_k: float = opt(4.0, "--batch_filter: outlier threshold in standard deviations", type=float)
+    batch_filter_warmup: int = opt(20, "--batch_filter: steps that only gather statistics", type=int)
 
     # --- MoD / MoR curriculum (T4)
     mod_enable_pct: float = opt(0.10, "MoD may switch on from this fraction of the run (loss gate)", type=float)
@@ -119,6 +145,8 @@ class TrainConfig:
     wandb_project: str = opt("hydra-lm", "W&B project name", type=str)
     resume: bool = opt(False, "continue from RUN_DIR's newest good checkpoint (automatic when it has one)",
                        type=bool)
+    restart: bool = opt(False, "start again from step 0 when every checkpoint of RUN_DIR was found corrupt (they "
+                               "stay as *.corrupt)", type=bool)
 
     # --- model config overrides: `--model.KEY VALUE` or a [model] table
     model: dict = field(default_factory=dict, metadata=dict(help="HydraConfig overrides", type=None))
@@ -200,6 +228,11 @@ SIZE_DEFAULTS: dict[str, dict[str, Any]] = {
     "1B": dict(batch_size=2, grad_accum=30, grad_clip=1.0, lr=2e-4),
     "1.5B": dict(batch_size=1, grad_accum=60, grad_clip=1.0, lr=1.5e-4),
 }
+# Peak LR of each optimizer relative to the AdamW table above. Lion's sign updates move every
+# coordinate by the full LR (3x smaller is the usual start); torch's Adafactor LR is relative to each
+# weight's RMS; Sophia clips its update to 0.01 x LR; Muon scales its update to AdamW's RMS.
+OPTIMIZER_LR_SCALE = {"adamw": 1.0, "adam8bit": 1.0, "adafactor": 10.0, "lion": 0.3, "clion": 0.3, "muon": 1.0,
+                      "sophia": 50.0}
 # The seed's 8-bit-Adam table (seq_len 1024/2048) trades batch for accumulation on the big sizes.
 ADAM8BIT_BATCH = {"500M": (4, 15), "750M": (4, 16), "1B": (2, 30)}
 # A CPU cannot afford the GPU batches; these make the debug preset learn visibly in minutes on two cores.
@@ -223,6 +256,7 @@ def resolve(cfg: TrainConfig, preset: str, on_cuda: bool) -> TrainConfig:
                     seq_len=CPU_DEFAULTS["seq_len"])
         if preset == "debug":
             auto["lr"] = CPU_DEFAULTS["lr"]
+    auto["lr"] *= OPTIMIZER_LR_SCALE[cfg.optimizer]
     auto.update(MODE_DEFAULTS[cfg.mode])
     changes = {k: v for k, v in auto.items() if getattr(cfg, k) is None}
     cfg = cfg.replace(**changes)
@@ -249,20 +283,35 @@ def validate(cfg: TrainConfig) -> None:
             raise ValueError(msg)
 
     for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "log_every", "keep_checkpoints", "save_every",
-                 "chunked_ce_size"):
+                 "chunked_ce_size", "sophia_update_period"):
         need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be >= 1")
-    for name in ("eval_every", "eval_batches", "warmup_steps", "experimental_prefetch_threads"):
+    for name in ("eval_every", "eval_batches", "warmup_steps", "experimental_prefetch_threads", "batch_filter_warmup"):
         need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)} must be >= 0")
     need(cfg.prefetch_buffer_size >= 1, f"prefetch_buffer_size={cfg.prefetch_buffer_size} must be >= 1")
+    for name in ("lr", "min_lr", "weight_decay", "grad_clip", "beta1", "beta2", "rollback_lr_factor"):
+        need(math.isfinite(getattr(cfg, name)), f"{name}={getattr(cfg, name)} must be a finite number")
     need(cfg.lr > 0, f"lr={cfg.lr} must be > 0")
+    need(cfg.time_budget_s is None or cfg.time_budget_s > 0, f"time_budget_s={cfg.time_budget_s} must be > 0")
     need(0 <= cfg.min_lr <= cfg.lr, f"min_lr={cfg.min_lr} must lie in [0, lr={cfg.lr}]")
+    need(cfg.max_rollbacks >= 0, f"max_rollbacks={cfg.max_rollbacks} must be >= 0")
+    need(0 < cfg.rollback_lr_factor <= 1, f"rollback_lr_factor={cfg.rollback_lr_factor} must lie in (0, 1]")
+    need(cfg.experimental_safety_window >= 1,
+         f"experimental_safety_window={cfg.experimental_safety_window} must be >= 1")
+    need(cfg.experimental_loss_spike_threshold > 1,
+         f"experimental_loss_spike_threshold={cfg.experimental_loss_spike_threshold} must be > 1")
+    need(0 < cfg.experimental_throughput_drop_threshold < 1,
+         f"experimental_throughput_drop_threshold={cfg.experimental_throughput_drop_threshold} must lie in (0, 1)")
     need(cfg.grad_clip >= 0, f"grad_clip={cfg.grad_clip} must be >= 0 (0 disables clipping)")
+    need(cfg.adamw_lr is None or cfg.adamw_lr > 0, f"adamw_lr={cfg.adamw_lr} must be > 0")
+    need(cfg.adamw_lr is None or cfg.optimizer == "muon", "--adamw_lr sets the AdamW part of --optimizer muon; "
+         "with another optimizer use --lr")
     need(cfg.weight_decay >= 0, f"weight_decay={cfg.weight_decay} must be >= 0")
     need(0 < cfg.wsd_decay_pct <= 1, f"wsd_decay_pct={cfg.wsd_decay_pct} must lie in (0, 1]")
     for name in ("mod_enable_pct", "mod_force_enable_pct", "mor_enable_pct"):
         need(0 <= getattr(cfg, name) <= 1, f"{name}={getattr(cfg, name)} must lie in [0, 1]")
     need(cfg.mod_force_enable_pct >= cfg.mod_enable_pct,
          f"mod_force_enable_pct={cfg.mod_force_enable_pct} must be >= mod_enable_pct={cfg.mod_enable_pct}")
+    need(cfg.batch_filter_k > 0, f"batch_filter_k={cfg.batch_filter_k} must be > 0")
     need(cfg.adaptive_lr_spike > 1, f"adaptive_lr_spike={cfg.adaptive_lr_spike} must be > 1")
     need(0 < cfg.adaptive_lr_factor <= 1, f"adaptive_lr_factor={cfg.adaptive_lr_factor} must lie in (0, 1]")
     need(cfg.compile or not (cfg.compile_regions or cfg.compile_units),

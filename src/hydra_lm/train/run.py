@@ -16,17 +16,18 @@ from typing import Any
 import torch
 
 from ..config import HydraConfig, preset_config
-from .checkpoint import Checkpoint, CheckpointManager, verify, write_text_atomic
+from .checkpoint import Checkpoint, CheckpointError, CheckpointManager, verify, write_text_atomic
 from .data_io import DataInfo, dataset_dir, open_data
 from .distributed import DistInfo, broadcast_object, init_distributed, launched_rank
 from .flags import to_toml
 from .metrics import RunLog, git_revision, versions
 from .options import FIELDS, FROZEN_ON_RESUME, TrainConfig, normalize, resolve
+from .run_lock import RunLock
 
 CONFIG_JSON = "config.json"
 CONFIG_TOML = "config.toml"
 # Settings of one invocation, not of the run: a resumed run does not inherit them.
-PER_INVOCATION = ("out", "resume", "stop_at_step")
+PER_INVOCATION = ("out", "resume", "stop_at_step", "restart")
 
 
 @dataclass
@@ -40,12 +41,23 @@ class RunSetup:
     resume_from: Checkpoint | None
     log: RunLog
     dist: DistInfo = field(default_factory=DistInfo)
+    lock: RunLock | None = None  # held by rank 0 until the run ends
+
+    def close(self) -> None:
+        self.log.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: not a device this trainer runs on (use auto, cpu, cuda or cuda:N)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available on this machine (use cpu or auto)")
     return device
@@ -68,9 +80,9 @@ def read_saved_config(run_dir: Path) -> dict[str, Any] | None:
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
         return saved if isinstance(saved, dict) and "train" in saved else None
-    except ValueError as err:
-        raise ValueError(f"{path} is corrupt ({err}); move it away to resume from the checkpoints' "
-                         "own config") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is corrupt ({err}); move it away and run again: a run with checkpoints then "
+                         "resumes with the config stored in its newest checkpoint") from None
 
 
 def merge_layers(file_values: dict[str, Any], cli: dict[str, Any], saved: dict[str, Any] | None) -> TrainConfig:
@@ -111,11 +123,23 @@ def setup_run(cli: dict[str, Any], file_values: dict[str, Any] | None = None, ec
         raise ValueError("--out RUN_DIR is required")
     run_dir = Path(out).expanduser()
     check_writable(run_dir)
+    # Before anything reads or cleans the directory: another trainer's temporary files are its own.
+    lock = RunLock(run_dir).acquire() if launched_rank() == 0 else None
+    try:
+        return _setup_locked(run_dir, file_values, cli, echo, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any], echo: bool,
+                  lock: RunLock | None) -> RunSetup:
     manager = CheckpointManager(run_dir / "checkpoints", "?")
     has_ckpt = bool(manager.list())
     saved = read_saved_config(run_dir)
     if has_ckpt and saved is None:
-        raise ValueError(f"{run_dir} has checkpoints but no readable {CONFIG_JSON}; cannot resume safely")
+        saved = _config_from_checkpoints(manager, run_dir)
     resuming = has_ckpt
     cfg = merge_layers(file_values, cli, saved["train"] if resuming else None)
     rank = launched_rank()  # under torchrun only rank 0 writes the log; the others report warnings
@@ -129,6 +153,7 @@ def setup_run(cli: dict[str, Any], file_values: dict[str, Any] | None = None, ec
         if cfg.data is None:
             raise ValueError("no data: pass --data DATA_DIR (from `hydra-lm prepare`) or --dataset default")
         data = open_data(cfg.data)
+        pick_device(cfg.device)  # a bad --device fails here, before any process group forms
         info, device = init_distributed(cfg.device, cfg.parallel)
         device = device or pick_device(cfg.device)
         preset = preset_config(cfg.model_size).preset  # validates the name early, with suggestions
@@ -140,17 +165,48 @@ def setup_run(cli: dict[str, Any], file_values: dict[str, Any] | None = None, ec
             check_same_run(saved, data, model_cfg, run_dir)
         if info.is_main:
             manager.cleanup_temp()
-            if resuming:
-                resume_from = manager.latest_good()
+            resume_from = _checkpoint_to_resume(manager, resuming, cfg.restart, log)
         if info.enabled:  # rank 0 alone verifies (and quarantines); every rank resumes from its choice
             chosen = broadcast_object(None if resume_from is None else str(resume_from.path), info)
             resume_from = None if chosen is None else verify(Path(chosen))
         if resuming and resume_from is None:
             raise ValueError(f"{run_dir} has no usable checkpoint")
-        return RunSetup(cfg, model_cfg, run_dir, data, device, manager, resume_from, log, info)
+        return RunSetup(cfg, model_cfg, run_dir, data, device, manager, resume_from, log, info, lock)
     except BaseException:
         log.close()
         raise
+
+
+def _config_from_checkpoints(manager: CheckpointManager, run_dir: Path) -> dict[str, Any]:
+    """The run's config as the newest verifiable checkpoint recorded it (config.json is missing)."""
+    for _, path in reversed(manager.list()):
+        try:
+            state = verify(path).state
+        except CheckpointError:
+            continue
+        if "train_config" in state and "model_config" in state:
+            return {"train": state["train_config"], "model": state["model_config"], "data": state.get("data", {})}
+    raise ValueError(f"{run_dir} has no {CONFIG_JSON} and no checkpoint that records its config; cannot resume "
+                     "safely: train into a new --out directory")
+
+
+def _checkpoint_to_resume(manager: CheckpointManager, resuming: bool, restart: bool, log: RunLog) -> Checkpoint | None:
+    """The newest good checkpoint; when every one has been set aside as corrupt, starting over
+    from step 0 needs --restart (it would silently throw the run's progress away otherwise)."""
+    try:
+        found = manager.latest_good() if resuming else None
+    except CheckpointError as err:
+        found, reason = None, str(err)
+    else:
+        corrupt = manager.quarantined()
+        reason = f"every checkpoint in {manager.dir} was set aside as corrupt ({', '.join(p.name for p in corrupt)})"
+        if found is not None or not corrupt:
+            return found
+    if not restart:
+        raise ValueError(f"{reason}; nothing to resume from. Pass --restart to start this run again from step 0 (the "
+                         f"corrupt checkpoints are kept as *.corrupt), or put a good checkpoint back")
+    log.warning(f"--restart: starting over from step 0 ({reason})")
+    return None
 
 
 def check_same_run(saved: dict[str, Any], data: DataInfo, model_cfg: HydraConfig, run_dir: Path) -> None:

@@ -29,6 +29,15 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
     raise ValueError(f"unknown schedule {schedule!r}: use cosine or wsd")
 
 
+def ema_update(ema: float | None, value: float, beta: float, cap: float) -> float:
+    """Exponential moving average fed ``value`` capped at ``cap`` x the average: one outlier raises
+    the bar only a little, yet a lasting new level is reached within a few dozen readings (an
+    average that ignored outliers altogether would call every later reading an outlier)."""
+    if ema is None:
+        return value
+    return beta * ema + (1 - beta) * min(value, cap * ema)
+
+
 @dataclass
 class AdaptiveLR:
     """Cuts the LR after a loss spike (logged loss > ``spike`` x its EMA) for ``cooldown`` steps.
@@ -53,12 +62,12 @@ class AdaptiveLR:
             self.cool_until = step + self.cooldown
             self.spikes += 1
             return True
-        if self.ema is not None and loss > self.spike * self.ema:
+        spiked = self.ema is not None and loss > self.spike * self.ema
+        self.ema = ema_update(self.ema, loss, self.beta, self.spike)
+        if spiked:
             self.cool_until = step + self.cooldown
             self.spikes += 1
-            return True  # the spike stays out of the EMA so one outlier does not raise the bar
-        self.ema = loss if self.ema is None else self.beta * self.ema + (1 - self.beta) * loss
-        return False
+        return spiked
 
     def state_dict(self) -> dict:
         return {"ema": self.ema, "cool_until": self.cool_until, "spikes": self.spikes}

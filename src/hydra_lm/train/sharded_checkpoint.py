@@ -20,15 +20,17 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from safetensors.torch import load_file
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from ..model.routing import THRESHOLD_BUFFERS
 from .checkpoint import DCP_DIR, MODEL_FILE, TRAINER_FILE, Checkpoint, CheckpointError, CheckpointManager
 from .distributed import DistInfo, barrier
+from .safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
 
 RANK_FILE = "rank{}.pt"
 
@@ -85,17 +87,22 @@ def load_dcp(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimize
         payload = {"model": model_sd, "optim": optim_sd}
     else:
         payload = {"model": get_model_state_dict(model)}
+    reader = SafeFileSystemReader(path)
     try:
-        saved = FileSystemReader(path).read_metadata().state_dict_metadata
+        saved = reader.read_metadata().state_dict_metadata
+    except Exception as err:  # unpickling errors of every kind, or an entry outside the allowlist
+        raise CheckpointError(f"checkpoint file {path}/.metadata is not safe to load or corrupt: {err}") from None
+    try:
         # Parameters that never had a gradient (routers the curriculum kept off) have no optimizer
         # state in the checkpoint: load what exists, and drop the rest below.
         with warnings.catch_warnings():  # one process reading a sharded checkpoint is intended here
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(payload, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True),
+            dcp.load(payload, storage_reader=reader, planner=SafeLoadPlanner(allow_partial_load=True),
                      no_dist=not distributed)
-    except Exception as err:  # DCP raises its own error types for unreadable or mismatched entries
-        raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {err}") from None
-    missing = [f"model.{k}" for k in payload["model"] if f"model.{k}" not in saved]
+    except (Exception, CheckpointException) as err:  # DCP's own error (a BaseException) wraps each rank's
+        raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {_reason(err)}") from None
+    missing = [f"model.{k}" for k in payload["model"]
+               if f"model.{k}" not in saved and not k.endswith(THRESHOLD_BUFFERS)]
     if missing:
         raise CheckpointError(f"checkpoint {path} does not match the model: missing {missing[:5]}")
     set_model_state_dict(model, payload["model"])
@@ -104,6 +111,17 @@ def load_dcp(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimize
         with_state = {k[len(prefix):].rsplit(".", 1)[0] for k in saved if k.startswith(prefix)}
         set_optimizer_state_dict(model, optimizer, payload["optim"])
         _drop_state_not_in(model, optimizer, with_state)
+
+
+def _reason(err: Exception) -> str:
+    """One line out of DCP's error, which wraps each rank's exception with its traceback."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))
+        err = first[0] if isinstance(first, tuple) else first
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    # A refused weights-only pickle explains itself on the line naming the global.
+    return next((line for line in lines if "GLOBAL" in line), lines[0] if lines else type(err).__name__)
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],

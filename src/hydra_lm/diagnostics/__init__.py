@@ -1,0 +1,1 @@
+"""Experiments over trained runs: `hydra-lm compare` (variants at an equal budget) and `hydra-lm scaling`."""

@@ -1,0 +1,359 @@
+"""`hydra-lm compare`: train several model variants on the same data for the same budget, then
+report validation loss against tokens, executed FLOPs and training time, plus routing health.
+
+Every variant is an ordinary run directory (``OUT/runs/NAME``) trained by the normal trainer with
+the same data order, seed, batch, sequence length, learning rate and schedule family; only the
+number of steps differs where the budget is FLOPs or seconds. A finished variant leaves
+``compare.json`` in its run directory, so running the command again skips it; an interrupted one
+resumes from its checkpoints (the trainer does that by itself).
+
+Evaluation points: with a tokens or FLOPs budget, every ``max(1, steps // evals)`` steps plus the
+start and the last step; with a seconds budget, every ``1/evals`` of the budget's training time
+(the trainer's schedule clock), plus the start and the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import HydraConfig, preset_config
+from ..model.accounting import executed_flops_per_token
+from ..train.checkpoint import write_text_atomic
+from ..train.curriculum import CurriculumPlan
+from ..train.data_io import DataInfo, open_data
+from ..train.metrics import METRICS_FILE
+from ..train.options import TrainConfig, resolve
+from ..train.run import CONFIG_JSON, build_model_config, pick_device
+from .routing_health import health_warnings, measure_routing
+from .variants import DEFAULT_VARIANTS, Variant, parameter_count, parse_custom_variant, resolve_variants
+
+BUDGET_KINDS = ("tokens", "flops", "seconds")
+SUFFIXES = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
+MARKER = "compare.json"
+RESULTS = "results.json"
+# Schedule resolution of a seconds budget: warm-up, curriculum and evaluations are placed in
+# thousandths of the budget unless --max_steps says otherwise.
+SECONDS_CLOCK_STEPS = 1000
+# Settings compare decides itself; giving them would break the equal-budget comparison.
+OWNED = {"arch": "variants choose the architecture (e.g. --variant deep:arch=dense,n_layers=8)",
+         "stop_at_step": "every variant runs to its budget", "time_budget_s": "use --budget seconds=N"}
+
+
+@dataclass(frozen=True)
+class Budget:
+    kind: str
+    value: float
+
+    def __str__(self) -> str:
+        return f"{self.kind}={self.value:g}"
+
+
+def parse_budget(text: str) -> Budget:
+    """``tokens=2e6``, ``flops=5e15``, ``seconds=600``; k/M/G/T/P suffixes allowed (``tokens=2M``)."""
+    kind, eq, raw = str(text).partition("=")
+    kind = kind.strip().lower()
+    hint = "write --budget KIND=N with KIND one of tokens, flops, seconds (e.g. --budget tokens=2e6)"
+    if not eq or kind not in BUDGET_KINDS:
+        raise ValueError(f"--budget {text!r}: {hint}")
+    raw = raw.strip().replace("_", "")
+    scale = SUFFIXES.get(raw[-1:].lower(), 1.0) if raw[-1:].isalpha() else 1.0
+    number = raw[:-1] if raw[-1:].lower() in SUFFIXES else raw
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise ValueError(f"--budget {text!r}: {raw!r} is not a number; {hint}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"--budget {text!r}: the budget must be a positive finite number")
+    return Budget(kind, value)
+
+
+@dataclass
+class VariantRun:
+    variant: Variant
+    run_dir: Path
+    values: dict[str, Any]  # the trainer settings of this variant
+    model_cfg: HydraConfig
+
+
+@dataclass
+class ComparePlan:
+    out: Path
+    budget: Budget
+    runs: list[VariantRun]
+    data: DataInfo
+    base: TrainConfig  # the settings shared by every variant, resolved
+    evals: int
+    tokens_per_step: int
+
+
+def run_compare(data: str | None, out: str | None, budget: str, variant_names: list[str] | None,
+                custom_specs: list[str] | None, evals: int, shared: dict[str, Any]) -> int:
+    """Train what is missing, then write OUT/results.json, OUT/report.md and the plots.
+    ``shared``: trainer settings (TrainConfig keys) applied to every variant."""
+    from ..train import setup_run, train
+    from .plots import write_compare_plots
+    from .report import format_table, write_report
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("compare trains its variants one after another in one process: launch it without torchrun")
+    plan = plan_compare(data, out, parse_budget(budget), variant_names, custom_specs, evals, shared)
+    out_dir, runs = plan.out, plan.runs
+    for i, run in enumerate(runs, 1):
+        marker = finished_marker(run)
+        if marker is not None:
+            print(f"compare: {run.variant.name} ({i}/{len(runs)}) {marker['status']} earlier in {run.run_dir}: "
+                  "not retrained", flush=True)
+            continue
+        print(f"compare: training {run.variant.name} ({i}/{len(runs)}): {run.variant.description} -> {run.run_dir}",
+              flush=True)
+        code = train(setup_run(run.values))
+        if code == 130:
+            print(f"compare: interrupted; run the same command again to resume {run.variant.name}", flush=True)
+            return code
+        write_marker(run, "finished" if code == 0 else "diverged")
+    results = collect_results(plan)
+    write_text_atomic(out_dir / RESULTS, json.dumps(results, indent=1))
+    plots = write_compare_plots(results, out_dir)
+    write_report(results, plots, out_dir / "report.md")
+    print(format_table(results))
+    for line in results["warnings"]:
+        print(f"warning: {line}")
+    print(f"compare: wrote {out_dir / 'report.md'}, {out_dir / RESULTS} and {len(plots)} plots")
+    return 0 if all(v["status"] == "finished" for v in results["variants"].values()) else 1
+
+
+def plan_compare(data: str | None, out: str | None, budget: Budget, variant_names: list[str] | None,
+                 custom_specs: list[str] | None, evals: int, shared: dict[str, Any]) -> ComparePlan:
+    """Check the request and work out every variant's trainer settings (nothing is trained here)."""
+    if not data:
+        raise ValueError("--data DATA_DIR is required (a directory from `hydra-lm prepare`)")
+    if not out:
+        raise ValueError("--out DIR is required: the variants' runs, results.json, report.md and plots go there")
+    if evals < 1:
+        raise ValueError(f"--evals {evals}: must be >= 1")
+    info = open_data(data)
+    if not info.token_counts.get("val"):
+        raise ValueError(f"data directory {info.path} has no validation split, and compare evaluates every variant "
+                         "on it: prepare the data again with --val_fraction above 0")
+    shared = {k: v for k, v in shared.items() if k not in ("data", "out")}
+    for key, why in OWNED.items():
+        if shared.get(key) is not None:
+            raise ValueError(f"--{key} cannot be given to compare: {why}")
+    if "arch" in shared.get("model", {}):
+        raise ValueError(f"--model.arch cannot be given to compare: {OWNED['arch']}")
+    if budget.kind != "seconds" and shared.get("max_steps") is not None:
+        raise ValueError(f"--max_steps cannot be given with --budget {budget}: the budget sets each variant's steps "
+                         "(with --budget seconds=N, --max_steps sets the schedule's resolution)")
+    customs = [parse_custom_variant(spec) for spec in custom_specs or []]
+    names = list(variant_names) if variant_names else ([] if customs else list(DEFAULT_VARIANTS))
+    preset = preset_config(shared.get("model_size", "debug")).preset
+    on_cuda = pick_device(shared.get("device", "auto")).type == "cuda"
+    base = resolve(TrainConfig(**{**shared, "data": str(info.path), "model_size": preset}), preset, on_cuda)
+    pinned = {"model_size": preset, "batch_size": base.batch_size, "grad_accum": base.grad_accum,
+              "seq_len": base.seq_len, "lr": base.lr, "min_lr": base.min_lr}
+
+    def model_config(overrides: dict[str, Any]) -> HydraConfig:
+        cfg = base.replace(arch=overrides.get("arch", "hydra"),
+                           model={**base.model, **{k: v for k, v in overrides.items() if k != "arch"}})
+        return build_model_config(cfg, info)
+
+    variants = resolve_variants(names, customs, model_config, base.seq_len)
+    tokens_per_step = base.batch_size * base.seq_len * base.grad_accum
+    out_dir = Path(out).expanduser()
+    runs = []
+    for v in variants:
+        model_cfg = model_config(v.overrides)
+        values = {**shared, **pinned, "data": str(info.path), "out": str(out_dir / "runs" / v.name), "arch": v.arch,
+                  "model": {**base.model, **{k: x for k, x in v.overrides.items() if k != "arch"}}}
+        if budget.kind == "seconds":
+            steps = shared.get("max_steps") or SECONDS_CLOCK_STEPS
+            values["time_budget_s"] = budget.value
+        elif budget.kind == "tokens":
+            steps = math.ceil(budget.value / tokens_per_step)
+        else:
+            steps = steps_for_flops(budget.value, model_cfg, base, tokens_per_step)
+        values["max_steps"] = steps
+        values["eval_every"] = shared.get("eval_every") or max(1, steps // evals)
+        runs.append(VariantRun(v, out_dir / "runs" / v.name, values, model_cfg))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return ComparePlan(out_dir, budget, runs, info, base, evals, tokens_per_step)
+
+
+# ---------------------------------------------------------------------------- FLOPs accounting
+def flops_per_token_in_phase(model_cfg: HydraConfig, seq_len: int, mod_active: bool, mor_active: bool,
+                             cache: dict | None = None) -> float:
+    """Executed training FLOPs/token while the curriculum has MoD / MoR switched on or off."""
+    key = (mod_active, mor_active)
+    if cache is not None and key in cache:
+        return cache[key]
+    live = model_cfg.replace(mod_enabled=model_cfg.mod_enabled and mod_active,
+                             mor_enabled=model_cfg.mor_enabled and mor_active)
+    value = executed_flops_per_token(live, seq_len, training=True)
+    if cache is not None:
+        cache[key] = value
+    return value
+
+
+def planned_flops(model_cfg: HydraConfig, cfg: TrainConfig, steps: int, tokens_per_step: int) -> float:
+    """Executed FLOPs of a run of ``steps`` steps: routing starts off and switches on as the
+    curriculum plans it (MoD at the latest step the plan allows: its loss gate may open earlier)."""
+    routable = (model_cfg.arch == "hydra" and model_cfg.mod_enabled,
+                model_cfg.arch == "hydra" and model_cfg.mor_enabled and model_cfg.recursions > 1)
+    plan = CurriculumPlan.from_config(cfg.replace(max_steps=steps), routable)
+    mod_on = plan.mod_gate_step if plan.loss_gate is None else plan.mod_force_step
+    switches = sorted({0, steps, *(min(s, steps) for s in (mod_on, plan.mor_step) if s is not None)})
+    cache: dict = {}
+    total = 0.0
+    for start, end in zip(switches, switches[1:]):
+        mod = mod_on is not None and start >= mod_on
+        mor = plan.mor_step is not None and start >= plan.mor_step
+        total += (end - start) * flops_per_token_in_phase(model_cfg, cfg.seq_len, mod, mor, cache)
+    return total * tokens_per_step
+
+
+def steps_for_flops(budget: float, model_cfg: HydraConfig, cfg: TrainConfig, tokens_per_step: int) -> int:
+    """The fewest steps whose planned executed FLOPs reach ``budget`` (planned FLOPs grow with steps)."""
+    cheapest = min(flops_per_token_in_phase(model_cfg, cfg.seq_len, m, r) for m in (False, True) for r in (False, True))
+    lo, hi = 1, max(1, math.ceil(budget / (cheapest * tokens_per_step)))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if planned_flops(model_cfg, cfg, mid, tokens_per_step) >= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def executed_flops_at(steps: list[int], train_records: list[dict], model_cfg: HydraConfig, seq_len: int,
+                      tokens_per_step: int) -> list[float]:
+    """Cumulative executed FLOPs at ``steps``, from the curriculum state logged with each train record
+    (a logged window is counted in the state at its end)."""
+    cache: dict = {}
+    marks, totals, total, previous = [0], [0.0], 0.0, 0
+    for r in train_records:
+        fpt = flops_per_token_in_phase(model_cfg, seq_len, bool(r.get("mod_active", True)),
+                                       bool(r.get("mor_active", True)), cache)
+        total += (r["step"] - previous) * fpt * tokens_per_step
+        previous = r["step"]
+        marks.append(previous)
+        totals.append(total)
+    return [float(x) for x in np.interp(steps, marks, totals)]
+
+
+# ---------------------------------------------------------------------------- run bookkeeping
+def _fingerprint(values: dict[str, Any]) -> dict[str, Any]:
+    """The settings that define a variant's run (not where it is written or on which device)."""
+    return json.loads(json.dumps({k: v for k, v in values.items() if k not in ("out", "device", "resume")}))
+
+
+def finished_marker(run: VariantRun) -> dict[str, Any] | None:
+    path = run.run_dir / MARKER
+    if not path.is_file():
+        return None
+    try:
+        marker = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        return None  # a marker cut short: the trainer resumes (or finds nothing to do) and it is rewritten
+    if marker.get("settings") != _fingerprint(run.values):
+        was, now = marker.get("settings", {}), _fingerprint(run.values)
+        diff = sorted(k for k in {*was, *now} if was.get(k) != now.get(k))
+        raise ValueError(f"{run.run_dir} was trained by an earlier compare with other settings ({', '.join(diff)}): "
+                         "use a new --out directory, or remove that run directory to train it again")
+    return marker
+
+
+def write_marker(run: VariantRun, status: str) -> None:
+    """Record a finished variant, with the routing health of its final checkpoint (measured once)."""
+    health = None
+    if (run.run_dir / "checkpoints").is_dir() and any((run.run_dir / "checkpoints").iterdir()):
+        health = measure_routing(run.run_dir, run.values.get("eval_batches") or _resolved(run)["eval_batches"],
+                                 run.values.get("device", "auto"))
+    marker = {"status": status, "variant": run.variant.overrides, "settings": _fingerprint(run.values),
+              "routing_health": health}
+    write_text_atomic(run.run_dir / MARKER, json.dumps(marker, indent=1))
+
+
+def _resolved(run: VariantRun) -> dict[str, Any]:
+    return json.loads((run.run_dir / CONFIG_JSON).read_text(encoding="utf-8"))["train"]
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a crash
+    return out
+
+
+# ---------------------------------------------------------------------------- results
+def collect_results(plan: ComparePlan) -> dict[str, Any]:
+    base, tps = plan.base, plan.tokens_per_step
+    variants, warnings = {}, []
+    for run in plan.runs:
+        entry = variant_results(run, base.seq_len, tps, plan.out)
+        variants[run.variant.name] = entry
+        warnings += entry["warnings"]
+    return {
+        "budget": {"kind": plan.budget.kind, "value": plan.budget.value},
+        "data": str(plan.data.path),
+        "settings": {"model_size": base.model_size, "batch_size": base.batch_size, "grad_accum": base.grad_accum,
+                     "seq_len": base.seq_len, "tokens_per_step": tps, "lr": base.lr, "min_lr": base.min_lr,
+                     "schedule": base.schedule, "seed": base.seed, "evals": plan.evals,
+                     "model_overrides": base.model},
+        "variants": variants,
+        "warnings": warnings,
+    }
+
+
+def variant_results(run: VariantRun, seq_len: int, tokens_per_step: int, out_dir: Path) -> dict[str, Any]:
+    records = _records(run.run_dir)
+    train_rs = [r for r in records if r.get("kind") == "train"]
+    eval_rs = [r for r in records if r.get("kind") == "eval" and r.get("val_loss_causal") is not None]
+    marker = finished_marker(run) or {}
+    steps = [r["step"] for r in eval_rs]
+    flops = executed_flops_at(steps, train_rs, run.model_cfg, seq_len, tokens_per_step)
+    evals = []
+    for r, f in zip(eval_rs, flops):
+        point = {"step": r["step"], "tokens": r["step"] * tokens_per_step, "flops": f,
+                 "train_s": r.get("train_s"), "val_loss_causal": r["val_loss_causal"],
+                 "val_loss_topk": r["val_loss_topk"],
+                 "gap": r.get("val_gap", r["val_loss_causal"] - r["val_loss_topk"])}
+        for key in ("val_agreement", "val_exec_frac_causal", "routing"):  # richer eval records, when present
+            if key in r:
+                point[key] = r[key]
+        evals.append(point)
+    last_train = train_rs[-1] if train_rs else {}
+    final_step = last_train.get("step", 0)
+    train_s = last_train.get("train_s")
+    final = evals[-1] if evals else None
+    health = marker.get("routing_health") or {"routers": {}, "depths": None}
+    gap = final["gap"] if final else None
+    entry = {
+        "description": run.variant.description, "arch": run.variant.arch, "overrides": run.variant.overrides,
+        "run_dir": os.path.relpath(run.run_dir, out_dir), "status": marker.get("status", "unfinished"),
+        "params": parameter_count(run.model_cfg),
+        "flops_per_token": executed_flops_per_token(run.model_cfg, seq_len, training=True),
+        "max_steps": run.values["max_steps"], "steps": final_step, "tokens": final_step * tokens_per_step,
+        "executed_flops": executed_flops_at([final_step], train_rs, run.model_cfg, seq_len, tokens_per_step)[0],
+        "train_s": train_s, "startup_s": last_train.get("startup_s"),
+        "eval_s": sum(r.get("eval_s", 0.0) for r in eval_rs),
+        "tokens_per_s": final_step * tokens_per_step / train_s if train_s else None,
+        "final": None if final is None else {k: final[k] for k in ("step", "val_loss_causal", "val_loss_topk", "gap")},
+        "evals": evals,
+        "routing": health["routers"],
+        "depths": health["depths"],
+    }
+    entry["warnings"] = health_warnings(run.variant.name, entry["routing"], gap)
+    return entry

@@ -1,0 +1,164 @@
+"""PNG plots of `hydra-lm compare` and `hydra-lm scaling` results (matplotlib, Agg canvas, no display)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GAP_TOLERANCE_LINE = 0.05  # drawn on the gap plot; the same threshold warns in routing_health
+
+
+def _figure(width: float = 7.0, height: float = 4.5):
+    # The object API with an Agg canvas: no pyplot state, no display needed, safe in any process.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path: Path) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fig.tight_layout()
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, path)
+    return path
+
+
+def _colors(names: list[str]) -> dict[str, Any]:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10"]
+    return {name: cmap(i % 10) for i, name in enumerate(names)}
+
+
+def _empty_note(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def write_compare_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    variants = results["variants"]
+    colors = _colors(list(variants))
+    paths = []
+    for key, label, name in (("tokens", "training tokens", "loss_vs_tokens.png"),
+                             ("flops", "executed training FLOPs", "loss_vs_flops.png"),
+                             ("train_s", "training seconds (no eval, checkpoints or compilation)",
+                              "loss_vs_seconds.png")):
+        fig = _figure()
+        ax = fig.add_subplot()
+        for vname, v in variants.items():
+            pts = [p for p in v["evals"] if p.get(key) is not None]
+            if not pts:
+                continue
+            x = [p[key] for p in pts]
+            ax.plot(x, [p["val_loss_causal"] for p in pts], "-o", ms=3, color=colors[vname], label=f"{vname} causal")
+            ax.plot(x, [p["val_loss_topk"] for p in pts], "--", color=colors[vname], alpha=0.6,
+                    label=f"{vname} top-k")
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.set_title(f"validation loss vs {label.split(' (')[0]}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        paths.append(_save(fig, out_dir / name))
+    paths.append(_routing_plot(variants, colors, out_dir / "routing_exec_fraction.png"))
+    paths.append(_depth_plot(variants, colors, out_dir / "mor_depth_histogram.png"))
+    paths.append(_gap_plot(variants, colors, out_dir / "causal_topk_gap.png"))
+    return paths
+
+
+def _routing_plot(variants: dict[str, Any], colors: dict[str, Any], path: Path) -> Path:
+    fig = _figure(6.0, 5.0)
+    ax = fig.add_subplot()
+    routed = {name: v["routing"] for name, v in variants.items() if v.get("routing")}
+    if not routed:
+        _empty_note(ax, "no variant has routers")
+    else:
+        ax.plot([0, 1], [0, 1], color="black", lw=0.8, label="executed = target")
+        ax.fill_between([0, 1], [-0.1, 0.9], [0.1, 1.1], color="gray", alpha=0.15, label="within 0.1")
+        for name, routers in routed.items():
+            ax.scatter([r["target"] for r in routers.values()], [r["exec_causal"] for r in routers.values()],
+                       color=colors[name], s=25, label=name)
+        ax.set_xlim(0, 1.05)
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("target share of tokens (top-k training)")
+        ax.set_ylabel("executed share, causal routing")
+        ax.set_title("per-router executed fraction vs target (final checkpoint)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def _depth_plot(variants: dict[str, Any], colors: dict[str, Any], path: Path) -> Path:
+    fig = _figure()
+    ax = fig.add_subplot()
+    deep = {name: v["depths"] for name, v in variants.items() if v.get("depths")}
+    if not deep:
+        _empty_note(ax, "no variant recurses (recursions = 1 or dense)")
+    else:
+        width = 0.8 / len(deep)
+        for i, (name, d) in enumerate(deep.items()):
+            depth = np.arange(1, len(d["causal"]) + 1)
+            x = depth - 0.4 + width * (i + 0.5)
+            ax.bar(x, d["causal"], width=width, color=colors[name], label=f"{name} causal")
+            ax.scatter(x, d["target"], marker="_", s=200, color="black", zorder=3,
+                       label="target" if i == 0 else None)
+        ax.set_xticks(range(1, max(len(d["causal"]) for d in deep.values()) + 1))
+        ax.set_xlabel("recursion depth")
+        ax.set_ylabel("fraction of tokens reaching it")
+        ax.set_ylim(0, 1.05)
+        ax.set_title("MoR depth histogram (final checkpoint, mean over blocks)")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def _gap_plot(variants: dict[str, Any], colors: dict[str, Any], path: Path) -> Path:
+    fig = _figure()
+    ax = fig.add_subplot()
+    for name, v in variants.items():
+        pts = v["evals"]
+        if pts:
+            ax.plot([p["tokens"] for p in pts], [p["gap"] for p in pts], "-o", ms=3, color=colors[name], label=name)
+    ax.axhline(GAP_TOLERANCE_LINE, color="red", lw=0.8, ls=":", label=f"warning at {GAP_TOLERANCE_LINE}")
+    ax.axhline(0.0, color="black", lw=0.6)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("causal - top-k validation loss (nats)")
+    ax.set_title("causal-minus-top-k gap over training")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def write_scaling_plot(groups: dict[str, dict[str, Any]], x_label: str, path: Path,
+                       predict: float | None = None) -> Path:
+    """Points and fitted curves L(C) = a*C^-b + c per group, on a log compute axis."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    colors = _colors(list(groups))
+    top = max([max(g["x"]) for g in groups.values()] + ([predict] if predict else []))
+    low = min(min(g["x"]) for g in groups.values())
+    grid = np.geomspace(low, top, 200)
+    for name, g in groups.items():
+        ax.scatter(g["x"], g["y"], s=12, color=colors[name], alpha=0.7, label=f"{name} ({len(g['x'])} points)")
+        fit = g.get("fit")
+        if fit:
+            a, b, c = fit["a"], fit["b"], fit["c"]
+            ax.plot(grid, a * grid ** -b + c, color=colors[name],
+                    label=f"{name}: {a:.3g}*C^-{b:.3g} + {c:.3g}")
+            if predict:
+                ax.scatter([predict], [a * predict ** -b + c], marker="*", s=120, color=colors[name], zorder=3)
+    if predict:
+        ax.axvline(predict, color="gray", ls=":", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel(x_label)
+    ax.set_ylabel("validation loss, causal (nats/token)")
+    ax.set_title("scaling fit L(C) = a*C^-b + c")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    return _save(fig, path)

@@ -1,0 +1,87 @@
+"""The printed table and ``report.md`` of `hydra-lm compare`, both built from ``results.json``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..train.checkpoint import write_text_atomic
+from .routing_health import GAP_TOLERANCE, STARVATION_TOLERANCE
+
+COLUMNS = ("variant", "params", "tokens", "exec FLOPs", "train s", "causal", "top-k", "gap", "tok/s")
+
+
+def _num(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = []
+    for name, v in results["variants"].items():
+        final = v["final"] or {}
+        label = name if v["status"] == "finished" else f"{name} ({v['status']})"
+        rows.append((label, f"{v['params'] / 1e6:.2f}M", f"{v['tokens']:,}", _num(v["executed_flops"], ".3g"),
+                     _num(v["train_s"], ".1f"), _num(final.get("val_loss_causal"), ".4f"),
+                     _num(final.get("val_loss_topk"), ".4f"), _num(final.get("gap"), "+.4f"),
+                     _num(v["tokens_per_s"], ",.0f")))
+    return rows
+
+
+def format_table(results: dict[str, Any]) -> str:
+    rows = [COLUMNS, *table_rows(results)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def _markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None:
+    s, budget = results["settings"], results["budget"]
+    spacing = (f"every 1/{s['evals']} of the training-time budget" if budget["kind"] == "seconds"
+               else f"every max(1, steps // {s['evals']}) steps")
+    lines = [
+        "# HYDRA variant comparison",
+        "",
+        f"Budget **{budget['kind']} = {budget['value']:g}** per variant on `{results['data']}`: preset "
+        f"{s['model_size']}, batch {s['batch_size']} x {s['seq_len']} tokens x accumulation {s['grad_accum']} "
+        f"({s['tokens_per_step']:,} tokens/step), learning rate {s['lr']:g} -> {s['min_lr']:g} ({s['schedule']}), "
+        f"seed {s['seed']}" + (f", model overrides {s['model_overrides']}" if s["model_overrides"] else "") + ".",
+        f"Validation loss is measured at the start, {spacing}, and at the end, with causal routing (what "
+        "generation does) and top-k routing (teacher-forced). Executed FLOPs count the tokens each routed unit "
+        "really processes, following the routing curriculum; training seconds exclude evaluation, checkpoints "
+        "and compilation at the start of a run.",
+        "",
+        "## Results",
+        "",
+        *_markdown_table(COLUMNS, table_rows(results)),
+        "",
+        "## Variants",
+        "",
+    ]
+    for name, v in results["variants"].items():
+        routed = " with routing on" if v["routing"] else ""
+        lines.append(f"- **{name}** ({v['arch']}, {v['params']:,} parameters, {v['max_steps']} scheduled steps, "
+                     f"{v['flops_per_token']:.3g} executed training FLOPs/token{routed}; evaluation "
+                     f"{_num(v['eval_s'], '.1f')} s and compilation {_num(v['startup_s'], '.1f')} s not counted as "
+                     f"training time): {v['description']}; run directory `{v['run_dir']}`")
+    lines += ["", "## Routing health", "",
+              f"Executed share of tokens per router with causal routing against its top-k target, at the final "
+              f"checkpoint; agreement is the share of tokens where the causal threshold makes the top-k choice. "
+              f"Warnings: a share off its target by more than {STARVATION_TOLERANCE}, or a causal loss more than "
+              f"{GAP_TOLERANCE} nats above the top-k loss.", ""]
+    routed = {name: v for name, v in results["variants"].items() if v["routing"]}
+    if not routed:
+        lines.append("No variant has routers.")
+    for name, v in routed.items():
+        rows = [(router, f"{r['target']:.3f}", f"{r['exec_causal']:.3f}", f"{r['exec_topk']:.3f}",
+                 f"{r['agreement']:.3f}") for router, r in v["routing"].items()]
+        lines += [f"**{name}**", "", *_markdown_table(("router", "target", "causal", "top-k", "agreement"), rows), ""]
+    lines += ["## Warnings", ""]
+    lines += [f"- {w}" for w in results["warnings"]] or ["None."]
+    lines += ["", "## Plots", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in plots]
+    write_text_atomic(path, "\n".join(lines) + "\n")

@@ -1,0 +1,106 @@
+"""Routing health of a trained run: does each router execute the share of tokens it was trained for?
+
+Training routes with top-k (every router runs exactly its target share); generation routes
+causally (a token enters a unit when its router logit is positive). A router whose causal share
+drifts far from its target, or a causal loss well above the top-k loss, means generation runs a
+different network than the one trained. Measured here on the validation split at a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..train.data_io import ValSet, open_data
+from ..train.inference import load_run
+
+STARVATION_TOLERANCE = 0.1  # |causal executed fraction - target|, absolute
+GAP_TOLERANCE = 0.05  # nats of causal loss above the top-k loss
+
+
+def router_depths(block) -> list[tuple[str, int]]:
+    """(router name, depth it gates) for a block, in the order of the model's routing statistics."""
+    depths = [int(j) for j in block.routers]
+    if block.depth_router is not None:
+        depths += list(range(1, block.recursions))
+    return list(zip(block.router_names(), depths))
+
+
+def router_targets(model, seq_len: int) -> dict[str, float]:
+    """Each router's trained share of the row: its depth's top-k tokens / sequence length."""
+    out = {}
+    for block in model.blocks:
+        counts = block.tokens_per_depth(seq_len)
+        for name, depth in router_depths(block):
+            out[name] = counts[depth] / seq_len
+    return out
+
+
+@torch.no_grad()
+def measure_routing(run_dir: str | Path, max_batches: int, device: str = "auto") -> dict[str, Any]:
+    """Per-router shares and agreement at the run's newest checkpoint, and the fraction of tokens
+    reaching each recursion depth (causal and target), over ``max_batches`` validation batches."""
+    run = load_run(run_dir, device=device)
+    model = run.model
+    names = model.router_names()
+    if not names:
+        return {"routers": {}, "depths": None}
+    train_cfg = run.config.get("train", {})
+    seq_len, batch_size = int(train_cfg["seq_len"]), int(train_cfg["batch_size"])
+    info = open_data(train_cfg.get("data") or run.config["data"]["path"])
+    use_doc_ids = train_cfg.get("document_masking", True)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if run.device.type == "cuda" \
+        else contextlib.nullcontext
+    sums = {mode: torch.zeros(len(names), 3, dtype=torch.float64) for mode in ("causal", "topk")}
+    batches = 0
+    for i, batch in enumerate(ValSet(info, batch_size, seq_len)):
+        if max_batches and i >= max_batches:
+            break
+        kwargs = {"doc_ids": batch["doc_ids"].to(run.device)} if use_doc_ids else {}
+        for mode in sums:
+            with autocast():
+                out = model(batch["input_ids"].to(run.device), routing=mode, **kwargs)
+            sums[mode] += out["routing_stats"].double().cpu()
+        batches += 1
+    causal, topk = (sums[m] / max(1, batches) for m in ("causal", "topk"))
+    targets = router_targets(model, seq_len)
+    routers = {name: {"target": targets[name], "exec_causal": float(causal[i, 0]), "exec_topk": float(topk[i, 0]),
+                      "agreement": float(topk[i, 2])} for i, name in enumerate(names)}
+    return {"routers": routers, "depths": depth_profile(model, routers, seq_len)}
+
+
+def depth_profile(model, routers: dict[str, dict[str, float]], seq_len: int) -> dict[str, list[float]] | None:
+    """Fraction of a row's tokens that reach recursion depth 1..R, averaged over the recursive blocks
+    (causal routing, and the trained targets); None for a model without recursion."""
+    deepest = max(block.recursions for block in model.blocks)
+    if deepest < 2:
+        return None
+    causal_rows, target_rows = [], []
+    for block in (b for b in model.blocks if b.recursions == deepest):
+        gated = {depth: name for name, depth in router_depths(block)}
+        counts = block.tokens_per_depth(seq_len)
+        row, share = [], 1.0
+        for depth in range(deepest):
+            if depth in gated:
+                share = routers[gated[depth]]["exec_causal"]
+            row.append(share)
+        causal_rows.append(row)
+        target_rows.append([k / seq_len for k in counts])
+    mean = lambda rows: [sum(col) / len(col) for col in zip(*rows)]  # noqa: E731
+    return {"causal": mean(causal_rows), "target": mean(target_rows)}
+
+
+def health_warnings(variant: str, routers: dict[str, dict[str, float]], gap: float | None) -> list[str]:
+    """One line per starving (or flooding) router, and one for a large causal-vs-top-k gap."""
+    lines = []
+    for name, r in routers.items():
+        if abs(r["exec_causal"] - r["target"]) > STARVATION_TOLERANCE:
+            lines.append(f"{variant}: router {name} runs {r['exec_causal']:.2f} of the tokens with causal routing "
+                         f"against a target of {r['target']:.2f} (off by more than {STARVATION_TOLERANCE})")
+    if gap is not None and gap > GAP_TOLERANCE:
+        lines.append(f"{variant}: causal loss is {gap:.3f} nats above the top-k loss (more than {GAP_TOLERANCE}): "
+                     "generation runs worse than the teacher-forced number suggests")
+    return lines

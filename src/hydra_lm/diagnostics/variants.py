@@ -1,0 +1,122 @@
+"""The model variants `hydra-lm compare` trains: built-in ones and ``--variant NAME:field=value,...``.
+
+A variant is a set of HydraConfig fields applied on top of the model settings shared by every
+variant (preset and ``--model.FIELD`` overrides). The dense baselines pick their depth so that one
+quantity matches the HYDRA model built from the same shared settings.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..config import HydraConfig, check_keys
+from ..model.accounting import executed_flops_per_token
+from ..train.flags import parse_value
+
+BUILTIN_VARIANTS = {
+    "hydra": "the preset as is: CCGQA attention with MoD and MoR routing",
+    "dense": "dense GQA, same width, depth with the parameter count closest to hydra's",
+    "dense-flops": "dense GQA, same width, depth with the executed training FLOPs/token closest to hydra's",
+    "vanilla": "CCGQA with routing off: every token runs every block at full depth",
+    "mod": "MoD routing only (MoR off: fixed full depth)",
+    "mor": "MoR routing only (MoD off)",
+}
+DEFAULT_VARIANTS = ("hydra", "dense", "dense-flops")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: dict[str, Any] = field(default_factory=dict)  # HydraConfig fields, arch included
+    description: str = ""
+
+    @property
+    def arch(self) -> str:
+        return self.overrides.get("arch", "hydra")
+
+
+def parse_custom_variant(spec: str) -> Variant:
+    """``NAME:field=value,field=value`` (values parsed like ``--model.FIELD VALUE``)."""
+    name, sep, body = spec.partition(":")
+    name = name.strip()
+    if not sep or not _NAME.match(name):
+        raise ValueError(f"--variant {spec!r}: write NAME:field=value,... (NAME of letters, digits, '_', '-', "
+                         "'.'; e.g. --variant cap50:mod_capacity=0.5)")
+    if name in BUILTIN_VARIANTS:
+        raise ValueError(f"--variant {spec!r}: {name} is a built-in variant; give the custom one another name")
+    overrides: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in body.split(","))):
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--variant {spec!r}: {item!r} is not field=value")
+        overrides[key.strip()] = parse_value(raw.strip())
+    if not overrides:
+        raise ValueError(f"--variant {spec!r}: no field=value given; to train the preset as is use --variants hydra")
+    try:
+        check_keys(overrides)
+    except ValueError as err:
+        raise ValueError(f"--variant {name}: {err}") from None
+    return Variant(name, overrides, "custom: " + ", ".join(f"{k}={v}" for k, v in overrides.items()))
+
+
+def resolve_variants(names: list[str], customs: list[Variant],
+                     model_config: Callable[[dict[str, Any]], HydraConfig], seq_len: int) -> list[Variant]:
+    """Built-in ``names`` (with the dense depths worked out) followed by the custom variants.
+
+    ``model_config(overrides)`` builds the HydraConfig the trainer would build for a variant."""
+    for name in names:
+        if name not in BUILTIN_VARIANTS:
+            close = difflib.get_close_matches(name, list(BUILTIN_VARIANTS), n=2)
+            hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+            raise ValueError(f"unknown variant {name!r}{hint}; built-in variants: {', '.join(BUILTIN_VARIANTS)}; "
+                             "or define one with --variant NAME:field=value,...")
+    chosen = list(dict.fromkeys(names))
+    taken = set(chosen)
+    for custom in customs:
+        if custom.name in taken:
+            raise ValueError(f"variant {custom.name} is given twice: give each --variant its own name")
+        taken.add(custom.name)
+    hydra = model_config({}) if any(n.startswith("dense") for n in chosen) else None
+    out = []
+    for name in chosen:
+        overrides: dict[str, Any] = {
+            "hydra": {},
+            "vanilla": {"mod_enabled": False, "mor_enabled": False},
+            "mod": {"mor_enabled": False},
+            "mor": {"mod_enabled": False},
+        }.get(name, {})
+        if name == "dense":
+            target = parameter_count(hydra)
+            depth = closest_depth(lambda n: parameter_count(model_config({"arch": "dense", "n_layers": n})), target)
+            overrides = {"arch": "dense", "n_layers": depth}
+        elif name == "dense-flops":
+            target = executed_flops_per_token(hydra, seq_len, training=True)
+            depth = closest_depth(lambda n: executed_flops_per_token(
+                model_config({"arch": "dense", "n_layers": n}), seq_len, training=True), target)
+            overrides = {"arch": "dense", "n_layers": depth}
+        out.append(Variant(name, overrides, BUILTIN_VARIANTS[name]))
+    return out + list(customs)
+
+
+def parameter_count(cfg: HydraConfig) -> int:
+    """Unique parameters of the model ``cfg`` builds (on the meta device: no memory, no init cost)."""
+    from ..model.hydra import HydraModel
+
+    with torch.device("meta"):
+        return HydraModel(cfg).num_parameters()
+
+
+def closest_depth(metric: Callable[[int], float], target: float) -> int:
+    """The depth n >= 1 whose ``metric(n)`` is closest to ``target``; both metrics used here grow
+    linearly with depth, so two evaluations locate it and its neighbours settle rounding."""
+    first, second = metric(1), metric(2)
+    slope = second - first
+    guess = 1 if slope <= 0 else max(1, round(1 + (target - first) / slope))
+    candidates = {n: metric(n) for n in (guess - 1, guess, guess + 1) if n >= 1}
+    return min(candidates, key=lambda n: (abs(candidates[n] - target), n))

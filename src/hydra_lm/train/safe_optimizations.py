@@ -1,0 +1,119 @@
+"""Anomaly monitor that switches a misbehaving speed optimization off, and back on after a clean stretch.
+
+At every log point (values already on the host: no extra synchronisation) the monitor looks for a
+loss spike (above ``loss_spike_threshold`` x its average), non-finite gradients, and throughput
+below ``throughput_drop_threshold`` x its average. Each anomaly is logged and recorded. Three within
+``window`` steps switch off the most invasive optimization still on (CUDA graphs, then
+torch.compile, then the fused chunked loss); the trainer then continues from its last good
+checkpoint. An optimization that has been off for ``window`` steps without a new anomaly is
+switched on again ("graduates").
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .schedule import ema_update
+
+ANOMALIES_TO_SWITCH = 3
+EMA_BETA = 0.9
+
+
+@dataclass
+class Switch:
+    """One optimization the trainer can turn off and on while running."""
+
+    name: str
+    turn_off: Callable[[], None]
+    turn_on: Callable[[], None]
+    on: bool = True
+    off_since: int = -1
+
+
+class AnomalyMonitor:
+    def __init__(self, window: int, loss_spike: float, throughput_drop: float):
+        self.window, self.loss_spike, self.throughput_drop = window, loss_spike, throughput_drop
+        self.loss_ema: float | None = None
+        self.tps_ema: float | None = None
+        self.recent: deque[int] = deque()  # steps of anomalies within the window
+        self.last_anomaly = -1
+
+    def observe(self, step: int, loss: float, grad_norm: float, tokens_per_s: float) -> list[str]:
+        found = []
+        if not math.isfinite(grad_norm):
+            found.append(f"non-finite gradient norm ({grad_norm})")
+        if self.loss_ema is not None and not loss <= self.loss_spike * self.loss_ema:
+            found.append(f"loss spike: {loss:.4g} > {self.loss_spike:g} x its average {self.loss_ema:.4g}")
+        if self.tps_ema is not None and tokens_per_s < self.throughput_drop * self.tps_ema:
+            found.append(f"throughput drop: {tokens_per_s:,.0f} tokens/s < {self.throughput_drop:g} x its average "
+                         f"{self.tps_ema:,.0f}")
+        if math.isfinite(loss):
+            self.loss_ema = ema_update(self.loss_ema, loss, EMA_BETA, self.loss_spike)
+        if tokens_per_s > 0:
+            self.tps_ema = ema_update(self.tps_ema, tokens_per_s, EMA_BETA, 1 / self.throughput_drop)
+        for _ in found:
+            self.record(step)
+        return found
+
+    def record(self, step: int) -> None:
+        self.recent.append(step)
+        self.last_anomaly = step
+        while self.recent and self.recent[0] <= step - self.window:
+            self.recent.popleft()
+
+    def too_many(self) -> bool:
+        return len(self.recent) >= ANOMALIES_TO_SWITCH
+
+
+class SafeOptimizations:
+    def __init__(self, switches: list[Switch], monitor: AnomalyMonitor, warn: Callable[[str], None],
+                 record: Callable[[dict[str, Any]], None]):
+        self.switches, self.monitor, self.warn, self.record = switches, monitor, warn, record
+
+    def observe(self, step: int, loss: float, grad_norm: float, tokens_per_s: float) -> Switch | None:
+        """Feed one log point; returns the optimization switched off (the caller reloads its last good
+        state), if any."""
+        for anomaly in self.monitor.observe(step, loss, grad_norm, tokens_per_s):
+            self.warn(f"anomaly at step {step}: {anomaly}")
+            self.record({"kind": "anomaly", "step": step, "anomaly": anomaly})
+        self._graduate(step)
+        return self._switch_off_if_needed(step)
+
+    def note_divergence(self, step: int) -> Switch | None:
+        """A non-finite loss or gradient seen by the divergence guard counts as an anomaly too."""
+        self.monitor.record(step)
+        self.record({"kind": "anomaly", "step": step, "anomaly": "non-finite loss or gradients"})
+        return self._switch_off_if_needed(step)
+
+    def restarted_at(self, step: int) -> None:
+        """The trainer went back to ``step`` (a rollback): clean stretches count from there."""
+        for s in self.switches:
+            if not s.on:
+                s.off_since = min(s.off_since, step)
+        self.monitor.recent = deque(x for x in self.monitor.recent if x <= step)
+        self.monitor.last_anomaly = min(self.monitor.last_anomaly, step)
+
+    def _switch_off_if_needed(self, step: int) -> Switch | None:
+        if not self.monitor.too_many():
+            return None
+        culprit = next((s for s in self.switches if s.on), None)
+        if culprit is None:
+            return None
+        culprit.turn_off()
+        culprit.on, culprit.off_since = False, step
+        self.monitor.recent.clear()
+        self.warn(f"{ANOMALIES_TO_SWITCH} anomalies within {self.monitor.window} steps: switched {culprit.name} off "
+                  f"at step {step}; it is tried again after {self.monitor.window} clean steps")
+        self.record({"kind": "safety", "step": step, "optimization": culprit.name, "action": "off"})
+        return culprit
+
+    def _graduate(self, step: int) -> None:
+        for s in self.switches:
+            if not s.on and step - s.off_since >= self.monitor.window and self.monitor.last_anomaly <= s.off_since:
+                s.turn_on()
+                s.on = True
+                self.warn(f"{s.name} switched on again at step {step}: {step - s.off_since} steps without an anomaly")
+                self.record({"kind": "safety", "step": step, "optimization": s.name, "action": "on"})

@@ -1,0 +1,154 @@
+"""Causal (inference-time) routing against training-time top-k: calibrated thresholds."""
+
+import pytest
+import torch
+
+from hydra_lm.model.routing import Router
+from hydra_lm.train.evaluate import evaluate, routing_warnings
+
+from support import TINY, tiny_model
+
+TOKENS = dict(b=8, t=64)
+
+
+def _batch(seed: int, b: int = TOKENS["b"], t: int = TOKENS["t"], vocab: int = TINY["vocab_size"]):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, t), generator=g)
+    return {"input_ids": ids, "targets": torch.roll(ids, -1, 1)}
+
+
+def _routers(model) -> list[Router]:
+    return [m for m in model.modules() if isinstance(m, Router)]
+
+
+def _calibrate(model, batches: int = 8) -> None:
+    """Training-mode forwards (no optimizer step): what the trainer's steps do to the thresholds."""
+    model.train()
+    with torch.no_grad():
+        for i in range(batches):
+            model(_batch(1000 + i)["input_ids"])
+
+
+def _drift(model, seed: int = 0, scale: float = 3.0) -> None:
+    """Shift every router's logits by a random constant, as the language-model loss does during
+    training: top-k ignores it, a fixed threshold does not."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for router in _routers(model):
+            router.proj.bias += scale * (2 * torch.rand((), generator=g) - 1)
+
+
+def _eval(model) -> dict:
+    return evaluate(model, [_batch(7 + i) for i in range(4)], torch.device("cpu"))
+
+
+def _forget_calibration(model) -> None:
+    for router in _routers(model):
+        router.threshold_sum.zero_()
+        router.threshold_weight.zero_()
+
+
+GRID = [dict(mod_capacity=c, mod_every=e, recursions=r) for c in (0.125, 0.5) for e in (1, 2) for r in (1, 3)]
+GRID += [dict(mod_capacity=0.75, recursions=2)]
+GRID += [dict(mor_capacity_schedule="layer_aware"), dict(sharing="middle_cycle", n_blocks=4),
+         dict(moe=True, moe_num_layers=1, moe_num_experts=3)]
+
+
+@pytest.mark.parametrize("overrides", GRID, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_calibrated_causal_routing_executes_each_routers_target_fraction(overrides):
+    model = tiny_model(**overrides)
+    _drift(model)
+    _calibrate(model)
+    result = _eval(model)
+    assert result["routing"], "every configuration of the grid has routers"
+    for name, r in result["routing"].items():
+        assert abs(r["exec_causal"] - r["target"]) < 0.06, (name, r)
+
+
+def test_a_fixed_threshold_drifts_from_the_capacity_and_calibration_brings_it_back():
+    model = tiny_model(mod_capacity=0.5, mod_every=1, recursions=2)
+    _drift(model, scale=4.0)
+    _calibrate(model)
+    calibrated = _eval(model)
+    _forget_calibration(model)  # the former rule: r > 0
+    fixed = _eval(model)
+    off = {n: abs(r["exec_causal"] - r["target"]) for n, r in fixed["routing"].items()}
+    assert max(off.values()) > 0.2, off  # the divergence the calibration exists for
+    assert any("executes" in w for w in routing_warnings(fixed))
+    assert max(abs(r["exec_causal"] - r["target"]) for r in calibrated["routing"].values()) < 0.06
+    assert calibrated["val_agreement"] > fixed["val_agreement"]
+
+
+def test_training_keeps_causal_loss_close_to_topk_where_a_fixed_threshold_diverges():
+    # A short real training run: the language-model loss moves the router logits through the gates.
+    torch.manual_seed(0)
+    model = tiny_model(mod_capacity=0.5, mod_every=1, recursions=2, n_blocks=2)
+    with torch.no_grad():  # logits already drifted (as the LM loss does over a longer run)
+        for router in _routers(model):
+            router.proj.bias += 2.0
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    # Learnable data: each token is followed by a fixed successor, so routing choices matter.
+    succ = torch.randperm(TINY["vocab_size"], generator=torch.Generator().manual_seed(3))
+
+    def batch(seed):
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, TINY["vocab_size"], (8, 1), generator=g)
+        ids = [start]
+        for _ in range(47):
+            ids.append(succ[ids[-1]])
+        ids = torch.cat(ids, 1)
+        return {"input_ids": ids, "targets": succ[ids]}
+
+    model.train()
+    for step in range(60):
+        out = model(**batch(step))
+        out["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+    val = [batch(10_000 + i) for i in range(4)]
+    calibrated = evaluate(model, val, torch.device("cpu"))
+    _forget_calibration(model)
+    fixed = evaluate(model, val, torch.device("cpu"))
+    assert calibrated["val_gap"] < 0.05, calibrated
+    assert fixed["val_gap"] > calibrated["val_gap"] + 0.1, (fixed["val_gap"], calibrated["val_gap"])
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(mor_capacity_schedule="layer_aware"),
+                                       dict(sharing="middle_cycle", n_blocks=4), dict(moe=True, moe_num_layers=1)],
+                         ids=["hydra", "layer_aware", "middle_cycle", "moe"])
+def test_decode_matches_forward_with_calibrated_thresholds(overrides):
+    model = tiny_model(**overrides)
+    _drift(model)
+    _calibrate(model, batches=5)
+    assert all(float(r.threshold_weight) > 0 for r in _routers(model))
+    model = model.double().eval()
+    ids = _batch(5, b=3, t=30)["input_ids"]
+    full = model(ids)["logits"]
+    caches = model.init_cache(3, 30)
+    logits = model.forward_cached(ids[:, :10], 0, caches)
+    torch.testing.assert_close(logits, full[:, 9], rtol=0, atol=1e-8)
+    for t in range(10, 30):
+        logits = model.forward_cached(ids[:, t:t + 1], t, caches)
+        torch.testing.assert_close(logits, full[:, t], rtol=0, atol=1e-8)
+
+
+def test_thresholds_are_saved_and_checkpoints_without_them_still_load(tmp_path):
+    from safetensors.torch import save_file
+
+    from hydra_lm.train.checkpoint import Checkpoint
+
+    model = tiny_model()
+    _drift(model)
+    _calibrate(model, batches=3)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    assert any(k.endswith("threshold_sum") for k in state)
+    save_file(state, tmp_path / "with.safetensors")
+    fresh = tiny_model(seed=1)
+    Checkpoint(tmp_path / "with.safetensors", 0, {"layout": "file"}).load_model(fresh)
+    for a, b in zip(_routers(model), _routers(fresh)):
+        assert torch.equal(a.threshold(), b.threshold()) and float(a.threshold()) != 0.0
+    old = {k: v for k, v in state.items() if not k.endswith(("threshold_sum", "threshold_weight"))}
+    save_file(old, tmp_path / "old.safetensors")
+    older = tiny_model(seed=2)
+    Checkpoint(tmp_path / "old.safetensors", 0, {"layout": "file"}).load_model(older)
+    assert all(float(r.threshold()) == 0.0 for r in _routers(older))  # the former rule until calibrated

@@ -1,0 +1,181 @@
+"""`hydra-lm compare` and `hydra-lm scaling` end to end on tiny runs, the trainer's time budget, and
+clear one-line errors for bad requests."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hydra_lm.cli import main
+from hydra_lm.diagnostics.compare import parse_budget, plan_compare, planned_flops
+from hydra_lm.diagnostics.scaling import fit_power_law
+from hydra_lm.diagnostics.variants import parameter_count
+from hydra_lm.model.accounting import executed_flops_per_token
+from hydra_lm.train import eval_run, lr_at
+from support import TINY_RUN, records, write_corpus
+
+PLOTS = ("loss_vs_tokens.png", "loss_vs_flops.png", "loss_vs_seconds.png", "routing_exec_fraction.png",
+         "mor_depth_histogram.png", "causal_topk_gap.png")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def compare(data, out, *extra):
+    return main(["compare", "--data", str(data), "--out", str(out), *TINY_RUN, "--log_every", "2", *extra])
+
+
+def test_compare_trains_reports_and_skips_finished_variants(tiny_data, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    # 1,024 tokens at 4 x 32 tokens/step: 8 steps per variant, evaluated at 0, 4 and 8.
+    assert compare(tiny_data, out, "--budget", "tokens=1k", "--variants", "hydra", "dense", "--evals", "2") == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("variant "))
+    assert "tok/s" in lines[header]
+    assert lines[header + 2].startswith("hydra ") and lines[header + 3].startswith("dense ")
+    results = json.loads((out / "results.json").read_text())
+    assert results["budget"] == {"kind": "tokens", "value": 1000.0}
+    assert list(results["variants"]) == ["hydra", "dense"]
+    dense = results["variants"]["dense"]
+    assert dense["overrides"]["arch"] == "dense" and dense["overrides"]["n_layers"] >= 1
+    for v in results["variants"].values():
+        assert v["status"] == "finished" and v["steps"] == 8 and v["tokens"] == 8 * 128
+        assert [p["step"] for p in v["evals"]] == [0, 4, 8]
+        assert v["executed_flops"] > 0 and v["train_s"] > 0 and v["tokens_per_s"] > 0
+        assert v["evals"][-1]["flops"] == pytest.approx(v["executed_flops"])
+        # The reported final losses are what `hydra-lm eval` measures on the saved checkpoint.
+        ev = eval_run(out / v["run_dir"], max_batches=2, device="cpu")
+        assert ev["step"] == 8
+        assert v["final"]["val_loss_causal"] == pytest.approx(ev["val_loss_causal"], abs=1e-5)
+        assert v["final"]["val_loss_topk"] == pytest.approx(ev["val_loss_topk"], abs=1e-5)
+        assert v["final"]["gap"] == pytest.approx(ev["val_loss_causal"] - ev["val_loss_topk"], abs=1e-5)
+    hydra = results["variants"]["hydra"]
+    assert hydra["routing"] and all(0 <= r["exec_causal"] <= 1 and 0 < r["target"] <= 1
+                                    for r in hydra["routing"].values())
+    assert len(hydra["depths"]["causal"]) == 2 and dense["routing"] == {} and dense["depths"] is None
+    report = (out / "report.md").read_text()
+    assert "| hydra |" in report and "| dense |" in report and "## Routing health" in report
+    for name in PLOTS:
+        blob = (out / name).read_bytes()
+        assert blob.startswith(PNG_SIGNATURE) and len(blob) > 5000, name
+        assert f"({name})" in report
+
+    metrics = {name: (out / "runs" / name / "metrics.jsonl").read_bytes() for name in ("hydra", "dense")}
+    assert compare(tiny_data, out, "--budget", "tokens=1k", "--variants", "hydra", "dense", "--evals", "2") == 0
+    again = capsys.readouterr().out
+    assert again.count("finished earlier") == 2 and "eval step" not in again  # nothing retrained
+    assert {name: (out / "runs" / name / "metrics.jsonl").read_bytes() for name in metrics} == metrics
+    assert json.loads((out / "results.json").read_text())["variants"]["hydra"]["final"] == hydra["final"]
+    # A changed budget would make the finished run a different experiment: refused, not mixed in.
+    assert compare(tiny_data, out, "--budget", "tokens=2k", "--variants", "hydra") == 2
+    assert "other settings (eval_every, max_steps)" in capsys.readouterr().err
+
+
+def test_compare_refuses_bad_requests_with_one_line(tiny_data, tmp_path, capsys):
+    no_val = tmp_path / "no_val"
+    assert main(["prepare", "--inputs", str(write_corpus(tmp_path / "corpus", n_docs=6, words=50)), "--out",
+                 str(no_val), "--vocab_size", "280", "--val_fraction", "0", "--no_progress"]) == 0
+    capsys.readouterr()
+    cases = [
+        (["--budget", "tokens"], "KIND=N"),
+        (["--budget", "watts=5"], "one of tokens, flops, seconds"),
+        (["--budget", "tokens=0"], "positive"),
+        (["--budget", "flops=lots"], "not a number"),
+        (["--budget", "tokens=1k", "--variants", "hydar"], "did you mean hydra?"),
+        (["--budget", "tokens=1k", "--variant", "cap:mod_capacty=0.5"], "did you mean mod_capacity"),
+        (["--budget", "tokens=1k", "--variant", "dense:n_layers=3"], "built-in"),
+        (["--budget", "tokens=1k", "--max_steps", "5"], "--max_steps cannot be given"),
+        (["--budget", "tokens=1k", "--arch", "dense"], "variants choose the architecture"),
+    ]
+    for extra, message in cases:
+        assert compare(tiny_data, tmp_path / "x", *extra) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("hydra-lm compare: error:") and message in err and err.count("\n") == 1, (extra, err)
+    assert compare(tmp_path / "missing", tmp_path / "x", "--budget", "tokens=1k") == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert compare(no_val, tmp_path / "x", "--budget", "tokens=1k") == 2
+    assert "no validation split" in capsys.readouterr().err
+    assert not (tmp_path / "x" / "runs").exists()  # nothing was trained
+
+
+def test_flops_budget_and_dense_depths_match_what_they_promise(tiny_data, tmp_path):
+    shared = {"model_size": "debug", "device": "cpu", "batch_size": 4, "seq_len": 32,
+              "model": {"dim": 64, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden": 128}}
+    plan = plan_compare(str(tiny_data), str(tmp_path / "cmp"), parse_budget("flops=2e10"),
+                        ["hydra", "vanilla", "dense", "dense-flops"], [], 4, shared)
+    runs = {r.variant.name: r for r in plan.runs}
+    for run in runs.values():  # the fewest steps whose executed FLOPs reach the budget
+        steps = run.values["max_steps"]
+        assert planned_flops(run.model_cfg, plan.base, steps, 128) >= 2e10
+        assert planned_flops(run.model_cfg, plan.base, steps - 1, 128) < 2e10
+    assert runs["hydra"].values["max_steps"] > runs["vanilla"].values["max_steps"]  # routing skips work
+    hydra = runs["hydra"].model_cfg
+    for name, measure in (("dense", parameter_count),
+                          ("dense-flops", lambda cfg: executed_flops_per_token(cfg, 32, training=True))):
+        dense = runs[name].model_cfg
+        assert dense.arch == "dense"
+        off = lambda n, measure=measure, dense=dense: abs(measure(dense.replace(n_layers=n)) - measure(hydra))  # noqa: E731
+        assert off(dense.n_layers) <= min(off(n) for n in (dense.n_layers - 1, dense.n_layers + 1) if n >= 1)
+
+
+def test_time_budget_stops_on_training_time_and_resumes_it(tiny_data, tmp_path, capsys):
+    run, budget = tmp_path / "run", 1.5
+    args = ["train", "--data", str(tiny_data), "--out", str(run), *TINY_RUN, "--time_budget_s", str(budget),
+            "--max_steps", "1000", "--log_every", "1", "--eval_every", "0", "--save_every", "1000",
+            "--no-eval_at_start"]
+    assert main(args) == 0
+    train_rs = records(run, "train")
+    times = [r["train_s"] for r in train_rs]
+    assert times == sorted(times) and train_rs[-1]["step"] < 1000
+    # It stops at the first step that reaches the budget (a record's time is read just after the
+    # step's own check, hence the small allowance on the one before).
+    assert times[-2] < budget + 0.1 and times[-1] >= budget
+    final_eval = records(run, "eval")[-1]
+    assert final_eval["step"] == train_rs[-1]["step"] and times[-1] <= final_eval["train_s"] < times[-1] + 0.5
+    # The schedule follows the fraction of the budget spent, in thousandths here (max_steps 1000): a
+    # step's learning rate is the schedule's at some point between the previous record and its own.
+    cfg = json.loads((run / "config.json").read_text())["train"]
+    for previous, r in zip(train_rs, train_rs[1:]):
+        span = range(int(1000 * previous["train_s"] / budget), min(1000, int(1000 * r["train_s"] / budget)) + 1)
+        lrs = [lr_at(k, lr=cfg["lr"], min_lr=cfg["min_lr"], warmup_steps=cfg["warmup_steps"], max_steps=1000,
+                     schedule=cfg["schedule"], wsd_decay_pct=cfg["wsd_decay_pct"]) for k in span]
+        assert min(lrs) - 1e-12 <= r["lr"] <= max(lrs) + 1e-12
+    capsys.readouterr()
+    assert main(["train", "--out", str(run)]) == 0  # the spent time came back with the checkpoint
+    assert "nothing to do" in capsys.readouterr().out
+    assert len(records(run, "train")) == len(train_rs)
+
+
+def test_scaling_fit_recovers_a_known_law_and_compares_compute(tmp_path, capsys):
+    c = np.geomspace(1e12, 1e15, 10)
+    fit = fit_power_law(c, 3e3 * c ** -0.3 + 1.8)
+    assert fit["a"] == pytest.approx(3e3, rel=1e-3) and fit["b"] == pytest.approx(0.3, rel=1e-3)
+    assert fit["c"] == pytest.approx(1.8, abs=1e-4)
+    noisy = 3e3 * c ** -0.3 + 1.8 + np.random.default_rng(0).normal(0, 0.003, c.size)
+    assert fit_power_law(c, noisy)["b"] == pytest.approx(0.3, abs=0.05)
+    with pytest.raises(ValueError, match="at least 4"):
+        fit_power_law([1e12, 1e13, 1e14, 1e14], [3.0, 2.5, 2.2, 2.2])
+
+    # Dense needs exactly twice HYDRA's compute for any loss: L_dense(C) = L_hydra(C / 2).
+    law = lambda x: 3e3 * x ** -0.3 + 1.8  # noqa: E731
+    for name, factor in (("small", 1.0), ("big", 10.0)):
+        evals = lambda f, factor=factor: [{"step": i, "flops": x, "val_loss_causal": law(x / f)}  # noqa: E731
+                                          for i, x in enumerate(c[:5] * factor)]
+        variants = {"hydra": {"arch": "hydra", "evals": evals(1.0)}, "dense": {"arch": "dense", "evals": evals(2.0)}}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"variants": variants}))
+    assert main(["scaling", "--results", str(tmp_path / "small"), str(tmp_path / "big"), "--predict", "1e16",
+                 "--bootstrap", "20", "--out", str(tmp_path / "fit")]) == 0
+    printed = capsys.readouterr().out
+    assert "dense needs 2x the compute" in printed
+    summary = json.loads((tmp_path / "fit" / "scaling.json").read_text())
+    hydra = summary["groups"]["hydra"]
+    assert hydra["multiplier"] == pytest.approx(2.0, rel=0.01) and hydra["loss"] == pytest.approx(law(1e16), abs=1e-3)
+    assert hydra["multiplier_interval_68"][0] <= 2.0 + 1e-6 <= hydra["multiplier_interval_68"][1] + 2e-6
+    assert (tmp_path / "fit" / "scaling.png").read_bytes().startswith(PNG_SIGNATURE)
+
+    few = tmp_path / "few"
+    few.mkdir()
+    pts = [{"flops": x, "val_loss_causal": law(x)} for x in c[:3]]
+    (few / "results.json").write_text(json.dumps({"variants": {"hydra": {"arch": "hydra", "evals": pts}}}))
+    assert main(["scaling", "--results", str(few)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot fit hydra" in err and "at least 4" in err and err.count("\n") == 1

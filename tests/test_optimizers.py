@@ -1,0 +1,152 @@
+"""--optimizer: every optimizer trains, resumes bit-exactly from its checkpointed state, and refuses
+what it cannot run; the Muon/AdamW split and the per-optimizer LR defaults."""
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+from hydra_lm.cli import main
+from hydra_lm.train import optim
+from hydra_lm.train.options import TrainConfig, resolve
+from support import TINY_RUN, tiny_model, train_losses
+
+RESUMABLE = ["adafactor", "lion", "clion", "muon", "sophia", "adam8bit"]
+
+
+def train(data, run, *extra):
+    return main(["train", "--data", str(data), "--out", str(run), *TINY_RUN, "--log_every", "1",
+                 "--no-eval_at_start", "--eval_every", "0", *extra])
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.gpu) if n == "adam8bit" else n for n in RESUMABLE])
+def test_interrupted_run_resumes_exactly(tiny_data, tmp_path, name):
+    device = []
+    if name == "adam8bit":  # torchao compiles its step: minutes of C++ builds on a CPU, so CUDA only (gpu mark)
+        if importlib.util.find_spec("torchao") is None:
+            pytest.skip("needs torchao")
+        device = ["--device", "cuda"]
+    # MoR switches on at step 2: routers start without state mid-run; Sophia re-estimates its
+    # Hessian at steps 0 and 2 (after the resume).
+    common = ["--optimizer", name, "--max_steps", "4", "--save_every", "2", "--mod_off", "--mor_enable_pct", "0.5",
+              "--sophia_update_period", "2", *device]
+    assert train(tiny_data, tmp_path / "straight", *common) == 0
+    assert train(tiny_data, tmp_path / "pieces", *common, "--stop_at_step", "2") == 0
+    assert main(["train", "--out", str(tmp_path / "pieces")]) == 0
+    straight = train_losses(tmp_path / "straight")
+    assert [s for s, _ in straight] == list(range(1, 5))
+    assert train_losses(tmp_path / "pieces") == straight  # bit-identical per-step losses
+    assert straight[-1][1] < straight[0][1]  # it learns
+
+
+def test_muon_takes_hidden_matrices_and_adamw_the_rest():
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from hydra_lm.train.sharded_checkpoint import load_optimizer
+
+    def build(**model):
+        model = tiny_model(0, mor_routing="token", **model)
+        return model, optim.build_optimizer(model, TrainConfig(optimizer="muon", lr=0.02, adamw_lr=0.004),
+                                            torch.device("cpu"))
+
+    model, opt = build(moe=True, moe_num_layers=1, moe_num_experts=3)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for g in opt._muon.param_groups for p in g["params"]}
+    adamw = {names[id(p)] for g in opt._adamw.param_groups for p in g["params"]}
+    assert muon and muon | adamw == set(names.values()) and not muon & adamw
+    assert all(".layers." in n and (".attn." in n or ".mlp." in n) and n.endswith("weight") for n in muon)
+    assert {"embed.weight", "moe_blocks.0.router.weight", "moe_blocks.0.w_gate_up", "blocks.0.rec_emb",
+            "blocks.0.depth_router.proj.weight", "blocks.1.routers.0.proj.weight", "norm.weight"} <= adamw
+    optim.set_lr(opt, 0.01)  # the scheduled LR; AdamW keeps its 0.004/0.02 share
+    assert {g["lr"] for g in opt._muon.param_groups} == {0.01}
+    assert [g["lr"] for g in opt._adamw.param_groups] == pytest.approx([0.002] * len(opt._adamw.param_groups))
+
+    # The state round trip, without MoE (whose CPU backward is not bit-reproducible).
+    model, opt = build()
+    optim.set_lr(opt, 0.01)
+
+    def step(model, opt, seed):
+        torch.manual_seed(seed)
+        x = torch.randint(0, 97, (2, 16))
+        model(x, targets=x)["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+
+    for seed in (1, 2):
+        step(model, opt, seed)
+    # The trainer's checkpoint path (state keyed by name); a copy, as if read back from disk.
+    saved = copy.deepcopy(get_optimizer_state_dict(model, opt))
+    assert "blocks.0.layers.0.mlp.down.weight" in saved["state"] and "embed.weight" in saved["state"]
+    fresh_model, fresh = build()
+    fresh_model.load_state_dict(model.state_dict())
+    load_optimizer(fresh_model, fresh, saved)  # the trainer's restore path
+    assert fresh._muon.state is fresh.state and fresh._muon.param_groups[0] is fresh.param_groups[0]
+    step(model, opt, 3)
+    step(fresh_model, fresh, 3)
+    for a, b in zip(model.parameters(), fresh_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_sophia_estimates_the_hessian_when_due():
+    from hydra_lm.train.sophia import Sophia
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = Sophia(model.parameters(), lr=0.1, update_period=2)
+    x = torch.randn(16, 8)
+    due = []
+    for _ in range(3):
+        due.append(opt.hessian_due())
+        (model(x) ** 2).mean().backward(create_graph=due[-1])
+        opt.step()
+        opt.zero_grad()
+    assert due == [True, False, True]
+    assert opt.state[model.weight]["hessian_moment"].abs().sum() > 0
+    fresh = Sophia(torch.nn.Linear(8, 1).parameters(), lr=0.1)
+    for p in fresh.param_groups[0]["params"]:  # a checkpoint load's state initialisation: no graph
+        p.grad = torch.zeros_like(p)
+    fresh.step()
+
+
+def test_per_optimizer_learning_rate_defaults():
+    lrs = {name: resolve(TrainConfig(optimizer=name), "100M", on_cuda=True).lr for name in ("adamw", "lion", "muon")}
+    assert lrs == {"adamw": 6e-4, "lion": pytest.approx(1.8e-4), "muon": 6e-4}
+    assert resolve(TrainConfig(optimizer="lion", lr=1e-3), "100M", on_cuda=True).lr == 1e-3  # explicit wins
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--optimizer", "sophia", "--compile"], "--optimizer sophia .* drop --compile"),
+    (["--optimizer", "lion", "--cuda_graph"], "--cuda_graph needs --optimizer adamw"),
+    (["--optimizer", "lion", "--adamw_lr", "1e-3"], "--adamw_lr sets the AdamW part of --optimizer muon"),
+])
+def test_unsupported_combinations_are_one_line_errors(tiny_data, tmp_path, capsys, flags, message):
+    import re
+
+    assert train(tiny_data, tmp_path / "run", "--max_steps", "1", *flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+
+
+def test_muon_refuses_fsdp_shards():
+    from hydra_lm.train.distributed import DistInfo
+
+    with pytest.raises(ValueError, match="add --parallel ddp"):
+        optim.check_optimizer_features(TrainConfig(optimizer="muon"), DistInfo(world_size=2, parallel="fsdp"))
+    optim.check_optimizer_features(TrainConfig(optimizer="muon"), DistInfo(world_size=2, parallel="ddp"))
+
+
+def test_compiled_muon_step_gives_the_eager_numbers(tiny_data, tmp_path, monkeypatch):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")  # the trainer's graph, without inductor's C++ build on CPU
+    compile_fn = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None, options=None, **kw:
+                        compile_fn(model, backend=counter, **kw))
+    torch._dynamo.reset()
+    common = ["--optimizer", "muon", "--max_steps", "2", "--mod_off", "--mor_off"]
+    assert train(tiny_data, tmp_path / "eager", *common) == 0
+    assert train(tiny_data, tmp_path / "compiled", *common, "--compile") == 0
+    assert counter.frame_count >= 1
+    eager = [loss for _, loss in train_losses(tmp_path / "eager")]
+    assert eager == pytest.approx([loss for _, loss in train_losses(tmp_path / "compiled")], rel=1e-5)

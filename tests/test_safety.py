@@ -1,0 +1,275 @@
+"""Run safety under injected faults: divergence (NaN gradients), the run-directory lock, quarantined
+checkpoints, and one-line errors for bad input and a full disk."""
+
+import errno
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hydra_lm.cli import main
+from hydra_lm.train.checkpoint import verify
+from hydra_lm.train.trainer import Trainer
+from support import TINY_RUN, records
+
+# Saves every 3 steps, logs every 5: a checkpoint falls between log points.
+FAST = [*TINY_RUN, "--max_steps", "12", "--save_every", "3", "--log_every", "5", "--eval_every", "0",
+        "--eval_batches", "1", "--no-eval_at_start", "--keep_checkpoints", "1", "--lr", "1e-3", "--warmup_steps", "1"]
+
+
+def train(data, run, *extra):
+    return main(["train", "--data", str(data), "--out", str(run), *FAST, *extra])
+
+
+def poison_gradients(monkeypatch, steps):
+    """NaN in one gradient at the given 0-based step indices (each index once, or every time if ``steps`` is a
+    callable)."""
+    original = Trainer._update
+    pending = set(steps) if not callable(steps) else None
+
+    def update(self):
+        hit = steps(self.step) if pending is None else self.step in pending
+        if hit:
+            if pending is not None:
+                pending.discard(self.step)
+            next(p for p in self.params if p.grad is not None).grad.fill_(float("nan"))
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "_update", update)
+
+
+def checkpoints(run):
+    found = [p for p in (run / "checkpoints").glob("hydra_*_step*") if p.name.rsplit("step", 1)[1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.rsplit("step", 1)[1]))
+
+
+def weights_finite(ckpt_dir) -> bool:
+    return all(torch.isfinite(t).all() for t in load_file(str(ckpt_dir / "model.safetensors")).values())
+
+
+def test_nan_gradient_rolls_back_to_the_last_good_checkpoint_with_a_lower_lr(tiny_data, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    poison_gradients(monkeypatch, {5})  # the update that ends step 6, a save point
+    assert train(tiny_data, run) == 0
+    [event] = records(run, "divergence")
+    assert event["action"] == "rollback" and event["to_step"] == 3 and event["lr_scale"] == 0.5
+    train_records = records(run, "train")
+    assert [r["step"] for r in train_records] == [5, 5, 10, 12]  # steps 4-5 again after the rollback
+    assert all(math.isfinite(r["loss"]) for r in train_records)
+    assert train_records[0]["lr"] == pytest.approx(1e-3)
+    assert train_records[2]["lr"] == pytest.approx(0.5e-3)  # stable phase of the schedule, halved
+    [last] = checkpoints(run)
+    assert last.name.endswith("step12") and weights_finite(last)
+    assert verify(last).state["rollback"] == {"rollbacks": 1, "lr_scale": 0.5}
+
+
+def test_persistent_divergence_stops_naming_a_good_checkpoint_and_keeps_it(tiny_data, tmp_path, monkeypatch,
+                                                                            capsys):
+    run = tmp_path / "run"
+    poison_gradients(monkeypatch, lambda step: step >= 5)
+    assert train(tiny_data, run) == 1
+    [good] = checkpoints(run)
+    assert good.name.endswith("step3") and weights_finite(good)  # never rotated away by a NaN state
+    actions = [r["action"] for r in records(run, "divergence")]
+    assert actions == ["rollback", "rollback", "stop"]
+    err = capsys.readouterr().err
+    assert f"last good checkpoint is {good} (step 3)" in err and "--lr 0.000125" in err
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_non_finite_or_negative_lr_is_refused(tiny_data, tmp_path, capsys, value):
+    assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "run"), *TINY_RUN, "--lr", value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hydra-lm train: error: lr=") and "\n" not in err
+
+
+def test_a_second_trainer_on_the_same_directory_is_refused_until_the_first_dies(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hydra_lm", "train", "--data", str(tiny_data), "--out", str(run), *TINY_RUN,
+           "--max_steps", "100000", "--save_every", "100000", "--log_every", "1", "--eval_every", "0",
+           "--no-eval_at_start"]
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").is_file() or '"kind": "train"' not in (run / "metrics.jsonl").read_text():
+            assert first.poll() is None, first.stderr.read().decode()
+            assert time.monotonic() < deadline, "the first trainer did not start"
+            time.sleep(0.2)
+        in_progress = run / "checkpoints" / ".tmp-hydra_debug_step100000-4242"  # the first trainer's half-written save
+        in_progress.mkdir(parents=True)
+        assert train(tiny_data, run, "--max_steps", "2") == 2
+        err = capsys.readouterr().err.strip()
+        assert f"is in use by another trainer (pid {first.pid} on host " in err and "\n" not in err
+        assert in_progress.is_dir()
+    finally:
+        first.kill()
+        first.wait()
+    # SIGKILL leaves the lock file behind, but not the lock: the next trainer takes it over.
+    assert train(tiny_data, run, "--max_steps", "2", "--save_every", "2") == 0
+    assert json.loads((run / ".lock").read_text())["pid"] == os.getpid()
+
+
+def test_all_checkpoints_corrupt_needs_restart_to_start_over(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "3") == 0
+    [ckpt] = checkpoints(run)
+    model_file = ckpt / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[:100])
+    for _ in range(2):  # the first attempt quarantines it; a later one must not quietly start over either
+        capsys.readouterr()
+        assert train(tiny_data, run, "--max_steps", "6") == 2
+        err = capsys.readouterr().err
+        assert "Pass --restart to start this run again from step 0" in err
+        assert not (run / "checkpoints" / "hydra_debug_step6").exists()
+    assert (run / "checkpoints" / f"{ckpt.name}.corrupt").is_dir()
+    assert train(tiny_data, run, "--max_steps", "6", "--restart") == 0
+    assert "--restart: starting over from step 0" in capsys.readouterr().err
+    assert [p.name for p in checkpoints(run)] == ["hydra_debug_step6"]
+    assert (run / "checkpoints" / f"{ckpt.name}.corrupt").is_dir()
+
+
+def test_corrupt_config_json_advice_works(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "6", "--stop_at_step", "3") == 0
+    (run / "config.json").write_text("{not json")
+    capsys.readouterr()
+    assert train(tiny_data, run, "--max_steps", "6") == 2
+    err = capsys.readouterr().err.strip()
+    assert "config.json is corrupt" in err and "move it away" in err and "\n" not in err
+    (run / "config.json").rename(run / "config.json.bad")  # what the message says to do
+    assert train(tiny_data, run, "--max_steps", "6") == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert [p.name for p in checkpoints(run)] == ["hydra_debug_step6"]
+
+
+def test_disk_full_while_saving_is_one_line_naming_the_path_and_space(tiny_data, tmp_path, monkeypatch, capsys):
+    import hydra_lm.train.checkpoint as checkpoint
+
+    real_save, calls = checkpoint.save_model, []
+
+    def save_model(model, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:  # the second checkpoint does not fit
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        return real_save(model, filename, metadata=metadata)
+
+    monkeypatch.setattr(checkpoint, "save_model", save_model)
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "6", "--keep_checkpoints", "2") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"hydra-lm train: error: no space left on the device while writing a checkpoint to "
+                          f"{run / 'checkpoints'} (")
+    assert "MiB free, a checkpoint needs about" in err
+    [kept] = checkpoints(run)
+    assert kept.name.endswith("step3") and verify(kept).step == 3
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_data, tmp_path_factory):
+    run = tmp_path_factory.mktemp("finished") / "run"
+    assert train(tiny_data, run, "--max_steps", "6", "--keep_checkpoints", "2") == 0
+    return run
+
+
+def one_line_error(capsys, command: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"hydra-lm {command}: error: ") and "\n" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("where", ["cli", "config_file"])
+@pytest.mark.parametrize("field,value,kind", [("n_blocks", "abc", "an integer"), ("mod_capacity", "[1]", "a number"),
+                                              ("static_routing_mode", "3", "true or false")])
+def test_wrong_typed_model_value_is_one_line(tiny_data, tmp_path, capsys, where, field, value, kind):
+    if where == "cli":
+        extra = [f"--model.{field}", value]
+    else:
+        toml_value = {"abc": '"abc"'}.get(value, value)
+        (tmp_path / "cfg.toml").write_text(f"[model]\n{field} = {toml_value}\n")
+        extra = ["--config", str(tmp_path / "cfg.toml")]
+    assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "run"), *FAST, *extra]) == 2
+    err = one_line_error(capsys, "train")
+    assert f"HydraConfig.{field}=" in err and err.endswith(f"must be {kind}")
+
+
+def test_bad_device_and_info_seq_len_are_one_line(tiny_data, tmp_path, capsys):
+    assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "run"), *TINY_RUN, "--device",
+                 "foo"]) == 2
+    assert "--device foo: not a device" in one_line_error(capsys, "train")
+    assert main(["info", "--model_size", "debug", "--seq_len", "0"]) == 2
+    assert "--seq_len 0" in one_line_error(capsys, "info")
+
+
+def test_generate_on_a_nan_model_is_one_line(finished_run, tmp_path, capsys):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    exported = tmp_path / "model.safetensors"
+    assert main(["export", "--run", str(finished_run), "--out", str(exported)]) == 0
+    with safe_open(str(exported), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    name = sorted(tensors)[0]
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, str(exported), metadata=meta)
+    capsys.readouterr()
+    assert main(["generate", "--run", str(finished_run), "--checkpoint", str(exported), "--prompt", "the",
+                 "--device", "cpu"]) == 2
+    assert "holds non-finite weights" in one_line_error(capsys, "generate")
+
+
+def test_eval_says_when_it_falls_back_to_an_older_checkpoint(finished_run, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    newest = checkpoints(run)[-1]
+    (newest / "model.safetensors").write_bytes(b"garbage")
+    assert main(["eval", "--run", str(run), "--eval_batches", "1", "--device", "cpu", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["step"] == 3
+    assert f"warning: using the older checkpoint {checkpoints(run)[0]} (step 3): newer ones are unusable" in err
+    assert str(newest / "model.safetensors") in err
+
+
+def test_adaptive_lr_average_follows_a_lasting_new_level():
+    from hydra_lm.train import AdaptiveLR
+
+    a = AdaptiveLR(spike=2.0, factor=0.5, cooldown=1)
+    for step in range(10):
+        assert not a.observe(step, 1.0)
+    assert a.observe(10, 3.0)  # a spike...
+    spikes = [a.observe(step, 3.0) for step in range(11, 60)]
+    assert not any(spikes[-20:])  # ...but a level that lasts becomes the new normal
+
+
+def test_repeated_loss_spikes_switch_the_chunked_loss_off_and_back_on(tiny_data, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    original, seen, pending = Trainer._micro_step, [], {4, 5, 6}
+
+    def micro_step(self, *args, **kwargs):
+        seen.append((self.step + 1, self.model.ce_impl))
+        parts, stats = original(self, *args, **kwargs)
+        if self.step in pending:  # the logged loss of steps 5-7 spikes (the update itself is normal)
+            pending.discard(self.step)
+            parts = parts * 1000
+        return parts, stats
+
+    monkeypatch.setattr(Trainer, "_micro_step", micro_step)
+    assert train(tiny_data, run, "--max_steps", "16", "--log_every", "1", "--chunked_ce",
+                 "--experimental_safety_window", "6", "--experimental_throughput_drop_threshold", "0.01") == 0
+    assert [r["step"] for r in records(run, "anomaly")] == [5, 6, 7]
+    switches = [(r["step"], r["action"], r["optimization"]) for r in records(run, "safety")]
+    assert switches == [(7, "off", "the fused chunked loss (--chunked_ce)"),
+                        (12, "on", "the fused chunked loss (--chunked_ce)")]
+    # Steps 1-7 fused; back at the step-6 checkpoint, steps 7-12 on the plain loss; fused again from 13.
+    assert seen[:7] == [(s, "auto") for s in range(1, 8)]
+    assert seen[7:13] == [(s, "naive") for s in range(7, 13)]
+    assert seen[13:] == [(s, "auto") for s in range(13, 17)]
