@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from hydra_lm.cli import main
@@ -30,6 +31,7 @@ def test_outliers_are_masked_and_counted_and_leave_the_statistics_alone():
     assert restored.state_dict() == f.state_dict()
 
 
+@pytest.mark.slow
 def test_filtered_run_logs_skips_and_resumes_exactly(tiny_data, tmp_path):
     common = ["--data", str(tiny_data), *TINY_RUN, "--log_every", "1", "--no-eval_at_start", "--eval_every", "0",
               "--max_steps", "8", "--save_every", "5", "--batch_filter", "--batch_filter_k", "0.05",

@@ -23,6 +23,7 @@ def compare(data, out, *extra):
     return main(["compare", "--data", str(data), "--out", str(out), *TINY_RUN, "--log_every", "2", *extra])
 
 
+@pytest.mark.slow
 def test_compare_trains_reports_and_skips_finished_variants(tiny_data, tmp_path, capsys):
     out = tmp_path / "cmp"
     # 1,024 tokens at 4 x 32 tokens/step: 8 steps per variant, evaluated at 0, 4 and 8.
