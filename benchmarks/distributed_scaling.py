@@ -1,6 +1,7 @@
 """Data-parallel scaling: training-step throughput and peak memory per GPU, FSDP2 vs DDP.
 
-Runs the trainer's own wrapping (``hydra_lm.train.distributed``) and step (``hydra_lm.train.step``) on random tokens, bf16, fused
+Runs the trainer's own wrapping (``hydra_lm.train.distributed``) and step (``hydra_lm.train.step``) on random
+tokens, bf16, fused
 AdamW, gradient clipping; one step = forward + backward + optimizer step; the median of the timed
 steps is reported. Launch with torchrun (one process = one GPU; nproc 1 is the single-GPU baseline):
 
@@ -80,7 +81,8 @@ def main() -> None:
         print(json.dumps({
             "model_size": args.model_size, "params_M": round(model.num_parameters() / 1e6, 1),
             "gpus": info.world_size, "parallel": args.parallel if info.enabled else "single",
-            "compile": args.compile, "batch_per_gpu": args.batch_size, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
+            "compile": args.compile, "batch_per_gpu": args.batch_size, "grad_accum": args.grad_accum,
+            "seq_len": args.seq_len,
             "step_ms": round(step_s * 1e3, 1), "tokens_per_s_per_gpu": round(per_gpu),
             "tokens_per_s_total": round(per_gpu * info.world_size),
             "tflops_per_gpu": round(flops * per_gpu / 1e12, 1), "peak_mem_GB_max_rank": round(float(peak), 2),

@@ -1,32 +1,30 @@
+"""Fixtures shared by the test files (helpers without fixtures live in support.py)."""
+
+from pathlib import Path
+
 import pytest
 import torch
 
-import hydra_lm
-
-# Small enough for CPU tests, big enough to exercise every path: 3 blocks x 3 recursions, GQA 2:1
-# in a latent of dim/4, MoD on every block so that routing changes the compacted sequences.
-TINY = dict(vocab_size=97, dim=64, n_blocks=3, recursions=3, n_heads=2, n_kv_heads=1, mlp_hidden=96,
-            max_seq_len=128, mod_every=1, mod_capacity=0.5)
-
-VARIANTS = {
-    "hydra": {},
-    "mod_every_2": dict(mod_every=2, mod_capacity=0.75),
-    "layer_aware": dict(mor_capacity_schedule="layer_aware"),
-    "token_choice": dict(mor_routing="token"),
-    "middle_cycle": dict(sharing="middle_cycle", n_blocks=4),
-    "static": dict(static_routing_mode=True),
-    "moe": dict(moe=True, moe_num_layers=2, moe_num_experts=3, moe_top_k=1),
-    "moe_top2": dict(moe=True, moe_num_layers=1, moe_num_experts=3, moe_top_k=2),
-    "no_routing": dict(mod_enabled=False, mor_enabled=False),
-    "dense": dict(arch="dense", n_layers=3, n_heads=4, n_kv_heads=2),
-}
+from support import VARIANTS, prepare, write_corpus
 
 
-def tiny_model(seed: int = 0, **overrides) -> hydra_lm.HydraModel:
-    torch.manual_seed(seed)
-    return hydra_lm.create_model("debug", **{**TINY, **overrides})
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` both selects a test (``-m gpu``) and skips it where no CUDA device is present."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(params=sorted(VARIANTS))
 def variant(request):
     return request.param, VARIANTS[request.param]
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """A tiny prepared corpus (byte-level BPE, 300 tokens), built once per session."""
+    root = tmp_path_factory.mktemp("tiny_data")
+    return prepare(write_corpus(root / "corpus"), root / "data")

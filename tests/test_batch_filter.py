@@ -2,11 +2,12 @@
 
 import math
 
+import pytest
 import torch
 
 from hydra_lm.cli import main
 from hydra_lm.train.batch_filter import BatchFilter
-from test_train_support import TINY_RUN, records, tiny_data, train_losses  # noqa: F401
+from support import TINY_RUN, records, train_losses
 
 
 def test_outliers_are_masked_and_counted_and_leave_the_statistics_alone():
@@ -30,6 +31,7 @@ def test_outliers_are_masked_and_counted_and_leave_the_statistics_alone():
     assert restored.state_dict() == f.state_dict()
 
 
+@pytest.mark.slow
 def test_filtered_run_logs_skips_and_resumes_exactly(tiny_data, tmp_path):
     common = ["--data", str(tiny_data), *TINY_RUN, "--log_every", "1", "--no-eval_at_start", "--eval_every", "0",
               "--max_steps", "8", "--save_every", "5", "--batch_filter", "--batch_filter_k", "0.05",

@@ -6,7 +6,7 @@ import torch
 from hydra_lm.model.routing import Router
 from hydra_lm.train.evaluate import evaluate, routing_warnings
 
-from conftest import TINY, tiny_model
+from support import TINY, tiny_model
 
 TOKENS = dict(b=8, t=64)
 
@@ -55,6 +55,7 @@ GRID += [dict(mor_capacity_schedule="layer_aware"), dict(sharing="middle_cycle",
 
 
 @pytest.mark.parametrize("overrides", GRID, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.slow
 def test_calibrated_causal_routing_executes_each_routers_target_fraction(overrides):
     model = tiny_model(**overrides)
     _drift(model)
@@ -65,6 +66,7 @@ def test_calibrated_causal_routing_executes_each_routers_target_fraction(overrid
         assert abs(r["exec_causal"] - r["target"]) < 0.06, (name, r)
 
 
+@pytest.mark.slow
 def test_a_fixed_threshold_drifts_from_the_capacity_and_calibration_brings_it_back():
     model = tiny_model(mod_capacity=0.5, mod_every=1, recursions=2)
     _drift(model, scale=4.0)
@@ -79,6 +81,7 @@ def test_a_fixed_threshold_drifts_from_the_capacity_and_calibration_brings_it_ba
     assert calibrated["val_agreement"] > fixed["val_agreement"]
 
 
+@pytest.mark.slow
 def test_training_keeps_causal_loss_close_to_topk_where_a_fixed_threshold_diverges():
     # A short real training run: the language-model loss moves the router logits through the gates.
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from hydra_lm.model.attention import CCGQAttention
 
-from conftest import tiny_model
+from support import tiny_model
 
 
 def _attention(ks=3, kc=2, seed=0):

@@ -12,7 +12,7 @@ from hydra_lm.diagnostics.scaling import fit_power_law
 from hydra_lm.diagnostics.variants import parameter_count
 from hydra_lm.model.accounting import executed_flops_per_token
 from hydra_lm.train import eval_run, lr_at
-from test_train_support import TINY_RUN, records, tiny_data, write_corpus  # noqa: F401
+from support import TINY_RUN, records, write_corpus
 
 PLOTS = ("loss_vs_tokens.png", "loss_vs_flops.png", "loss_vs_seconds.png", "routing_exec_fraction.png",
          "mor_depth_histogram.png", "causal_topk_gap.png")
@@ -23,6 +23,7 @@ def compare(data, out, *extra):
     return main(["compare", "--data", str(data), "--out", str(out), *TINY_RUN, "--log_every", "2", *extra])
 
 
+@pytest.mark.slow
 def test_compare_trains_reports_and_skips_finished_variants(tiny_data, tmp_path, capsys):
     out = tmp_path / "cmp"
     # 1,024 tokens at 4 x 32 tokens/step: 8 steps per variant, evaluated at 0, 4 and 8.
@@ -36,7 +37,7 @@ def test_compare_trains_reports_and_skips_finished_variants(tiny_data, tmp_path,
     assert list(results["variants"]) == ["hydra", "dense"]
     dense = results["variants"]["dense"]
     assert dense["overrides"]["arch"] == "dense" and dense["overrides"]["n_layers"] >= 1
-    for name, v in results["variants"].items():
+    for v in results["variants"].values():
         assert v["status"] == "finished" and v["steps"] == 8 and v["tokens"] == 8 * 128
         assert [p["step"] for p in v["evals"]] == [0, 4, 8]
         assert v["executed_flops"] > 0 and v["train_s"] > 0 and v["tokens_per_s"] > 0
@@ -112,7 +113,7 @@ def test_flops_budget_and_dense_depths_match_what_they_promise(tiny_data, tmp_pa
                           ("dense-flops", lambda cfg: executed_flops_per_token(cfg, 32, training=True))):
         dense = runs[name].model_cfg
         assert dense.arch == "dense"
-        off = lambda n: abs(measure(dense.replace(n_layers=n)) - measure(hydra))  # noqa: E731
+        off = lambda n, measure=measure, dense=dense: abs(measure(dense.replace(n_layers=n)) - measure(hydra))  # noqa: E731
         assert off(dense.n_layers) <= min(off(n) for n in (dense.n_layers - 1, dense.n_layers + 1) if n >= 1)
 
 
@@ -157,8 +158,8 @@ def test_scaling_fit_recovers_a_known_law_and_compares_compute(tmp_path, capsys)
     # Dense needs exactly twice HYDRA's compute for any loss: L_dense(C) = L_hydra(C / 2).
     law = lambda x: 3e3 * x ** -0.3 + 1.8  # noqa: E731
     for name, factor in (("small", 1.0), ("big", 10.0)):
-        evals = lambda f: [{"step": i, "flops": x, "val_loss_causal": law(x / f)}  # noqa: E731
-                           for i, x in enumerate(c[:5] * factor)]
+        evals = lambda f, factor=factor: [{"step": i, "flops": x, "val_loss_causal": law(x / f)}  # noqa: E731
+                                          for i, x in enumerate(c[:5] * factor)]
         variants = {"hydra": {"arch": "hydra", "evals": evals(1.0)}, "dense": {"arch": "dense", "evals": evals(2.0)}}
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(json.dumps({"variants": variants}))

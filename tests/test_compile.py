@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from conftest import TINY, tiny_model
+from support import TINY, tiny_model
 
 
 def _batch(seed):
@@ -15,6 +15,7 @@ def _batch(seed):
 
 @pytest.mark.parametrize("overrides", [{}, {"mor_routing": "token"}, {"static_routing_mode": True}],
                          ids=["expert_choice", "token_choice", "static"])
+@pytest.mark.slow
 def test_training_step_compiles_fullgraph_without_recompiling(overrides):
     torch._dynamo.reset()
     model = tiny_model(**overrides).train()
@@ -29,6 +30,7 @@ def test_training_step_compiles_fullgraph_without_recompiling(overrides):
     assert counter.frame_count == 1, "a second batch of the same shape must reuse the compiled graph"
 
 
+@pytest.mark.slow
 def test_causal_eval_with_document_masks_compiles_fullgraph():
     torch._dynamo.reset()
     model = tiny_model().eval()
@@ -44,6 +46,7 @@ def test_causal_eval_with_document_masks_compiles_fullgraph():
 
 # Routed units of three sizes (16, 11, 5 tokens); one dynamic unit graph takes every size, block and
 # batch (routers run eager; the naive loss is not compiled).
+@pytest.mark.slow
 def test_unit_compile_reuses_one_graph_and_keeps_the_state_dict():
     torch._dynamo.reset()
     model, reference = tiny_model().train(), tiny_model().train()
@@ -60,6 +63,7 @@ def test_unit_compile_reuses_one_graph_and_keeps_the_state_dict():
     assert list(model.state_dict()) == keys
 
 
+@pytest.mark.slow
 def test_layer_regions_trace_each_unit_size_once_and_match_eager():
     torch._dynamo.reset()
     model, reference = tiny_model().train(), tiny_model().train()
@@ -83,6 +87,7 @@ def test_layer_regions_trace_each_unit_size_once_and_match_eager():
     assert len(regions) == 9 and len(set(regions)) == len(sizes), "one traced layer per routed-unit size"
 
 
+@pytest.mark.slow
 def test_compile_units_matches_eager_with_few_graphs():
     """Units and the fused loss's chunks compiled (chunks of 24 rows: two sizes); MoD on every 2nd
     block, so ungated full-row units and gated ones occur. Loss and every gradient equal eager's,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from hydra_lm.model import doc_attention as da
 
-from conftest import TINY, tiny_model
+from support import TINY, tiny_model
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_compiled_flex_kernel_uses_the_block_tables_correctly():
         torch.testing.assert_close(compiled(q, k, v, doc), _dense(q, k, v, doc), rtol=1e-5, atol=1e-5)
 
 
-def test_backend_switch_and_environment(doc_backend, monkeypatch):
+def test_backend_switch(doc_backend):
     assert da.resolve_doc_mask_backend("cpu") == "sdpa"
     assert da.resolve_doc_mask_backend("cuda") == "sdpa"
     doc_backend("flex")
@@ -94,11 +94,6 @@ def test_backend_switch_and_environment(doc_backend, monkeypatch):
         da.resolve_doc_mask_backend("cuda")
     with pytest.raises(ValueError, match="choose one of"):
         doc_backend("dense")
-    monkeypatch.setenv("HYDRA_DOC_MASK_BACKEND", "sdpa")
-    assert da._from_env() == "sdpa"
-    monkeypatch.setenv("HYDRA_DOC_MASK_BACKEND", "flash")
-    with pytest.raises(ValueError, match="HYDRA_DOC_MASK_BACKEND"):
-        da._from_env()
 
 
 @pytest.mark.parametrize("overrides", [{}, {"arch": "dense", "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}],

@@ -7,7 +7,7 @@ import pytest
 import hydra_lm
 from hydra_lm.cli import main
 from hydra_lm.train.fp8 import convertible
-from test_train_support import TINY_RUN, tiny_data  # noqa: F401
+from support import TINY_RUN
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -1,12 +1,12 @@
-"""GPU checks (run on a CUDA host: `python -m pytest -q -m gpu tests/test_gpu.py`); skipped elsewhere."""
+"""GPU checks (on a CUDA host: `python -m pytest -q -m gpu` runs every gpu-marked test); skipped elsewhere."""
 
 import pytest
 import torch
 
 import hydra_lm
-from conftest import TINY, tiny_model
+from support import TINY, tiny_model
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 
 def _ids(b, t, vocab, seed=0):
@@ -71,7 +71,7 @@ def test_whole_step_cuda_graph_matches_ungraphed_steps(scope):
     one step replayed as one CUDA graph, eager or with compiled units; losses and the parameters
     after five steps on changing data equal an ungraphed twin's (same compilation), so every
     replay ran the whole update on the new data."""
-    from hydra_lm.cuda_graphs import GraphedStep
+    from hydra_lm.model.cuda_graphs import GraphedStep
 
     torch._dynamo.reset()
     torch.manual_seed(0)

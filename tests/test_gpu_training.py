@@ -1,4 +1,4 @@
-"""The trainer on a GPU (`python -m pytest -q -m gpu tests/`; skipped elsewhere): by default it
+"""The trainer on a GPU (`python -m pytest -q -m gpu`; skipped elsewhere): by default it
 compiles the routed units, replays the whole step as CUDA graphs and fuses the loss, and gives the
 eager trainer's numbers; `--cuda_graph` alone does too, across grad accumulation, clipping,
 evaluation, a curriculum switch (re-capture) and an exact resume."""
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from hydra_lm.cli import main
-from test_train_support import TINY_RUN, records, tiny_data  # noqa: F401
+from support import TINY_RUN, records
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 GPU_RUN = ["cuda" if a == "cpu" else a for a in TINY_RUN]
 # MoD from the first step, MoR switched on at step 4 of 10: the graphs are captured twice.
@@ -35,18 +35,11 @@ def close(a, b, rel):
 
 
 @pytest.fixture(autouse=True)
-def no_liger(monkeypatch):
-    """Both twins on the same loss kernels: a graph cannot hold Liger, so --chunked_ce is the chunked path.
-    The trainer turns TF32 on for the process; later tests get the flags back."""
-    from hydra_lm.model import loss
-
+def restore_tf32(monkeypatch):
+    """The trainer turns TF32 on for the process; later tests get the flags back. (Both twins run the
+    chunked loss, --ce_impl chunked: a graph cannot hold Liger.)"""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
-    monkeypatch.setenv("HYDRA_DISABLE_LIGER_CE", "1")
-    loss.read_liger_ce_env()
-    yield
-    monkeypatch.delenv("HYDRA_DISABLE_LIGER_CE")
-    loss.read_liger_ce_env()
 
 
 def test_default_training_on_cuda_is_the_fast_path_with_the_eager_numbers(tiny_data, tmp_path):

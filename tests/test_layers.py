@@ -1,4 +1,4 @@
-"""The shared-layers API."""
+"""The building blocks: layers, attention backends, memory footprint (each imported from its defining module)."""
 
 import math
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hydra_lm import layers
-from conftest import tiny_model
+from hydra_lm.model import attention_backend, layers
+from hydra_lm.model.accounting import compute_memory_footprint
+from support import tiny_model
 
 
 def test_rmsnorm_and_swiglu_match_their_definitions():
@@ -39,25 +40,25 @@ def test_rotary_is_relative_and_norm_preserving():
 
 def test_flexible_attention_expands_gqa_and_validates_backends():
     q, k, v = torch.randn(2, 8, 10, 16), torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 16)
-    out = layers.flexible_attention(q, k, v, is_causal=True)
+    out = attention_backend.flexible_attention(q, k, v, is_causal=True)
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
     torch.testing.assert_close(out, ref)
     with pytest.raises(ValueError, match="choose one of"):
-        layers.set_attention_backend("magic")
-    if not layers.FLASH_ATTN_AVAILABLE:
+        attention_backend.set_attention_backend("magic")
+    if not attention_backend.FLASH_ATTN_AVAILABLE:
         with pytest.raises(ValueError, match="pip install flash-attn"):
-            layers.set_attention_backend("flash")
-    layers.set_attention_backend("sdpa")
-    assert layers.get_attention_backend() == "sdpa"
-    layers.set_attention_backend("auto")
+            attention_backend.set_attention_backend("flash")
+    attention_backend.set_attention_backend("sdpa")
+    assert attention_backend.get_attention_backend() == "sdpa"
+    attention_backend.set_attention_backend("auto")
 
 
 def test_gradient_checkpoint_mixin_and_memory_footprint():
     model = tiny_model()
-    before = layers.compute_memory_footprint(model, batch_size=4, seq_len=64)
+    before = compute_memory_footprint(model, batch_size=4, seq_len=64)
     model.enable_gradient_checkpointing()
     assert model.gradient_checkpointing
-    after = layers.compute_memory_footprint(model, batch_size=4, seq_len=64)
+    after = compute_memory_footprint(model, batch_size=4, seq_len=64)
     assert after["activations_mb"] < before["activations_mb"]
     assert math.isclose(before["weights_mb"], model.num_parameters() * 4 / 2**20)
     model.disable_gradient_checkpointing()

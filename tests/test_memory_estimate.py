@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import tiny_model
+from support import tiny_model
 from hydra_lm.cli import main
 from hydra_lm.memory_estimate import estimate_training_memory, optimizer_state_bytes
 from hydra_lm.train.optim import build_optimizer

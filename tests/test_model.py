@@ -6,7 +6,7 @@ import torch
 import hydra_lm
 from hydra_lm.model.block import TransformerLayer
 
-from conftest import TINY, tiny_model
+from support import TINY, tiny_model
 
 
 def _ids(b=2, t=40, seed=1, vocab=TINY["vocab_size"]):

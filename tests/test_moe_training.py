@@ -12,7 +12,7 @@ from hydra_lm.config import HydraConfig
 from hydra_lm.train.moe_training import MOE_ROUTER, expert_load_record, hold_routers
 from hydra_lm.train.optim import build_optimizer, set_lr
 from hydra_lm.train.options import TrainConfig
-from test_train_support import TINY_RUN, records, tiny_data  # noqa: F401
+from support import TINY_RUN, records
 
 MOE = ["--moe", "--moe_num_experts", "4", "--moe_top_k", "2", "--moe_num_layers", "1"]
 

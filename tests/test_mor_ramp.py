@@ -1,10 +1,10 @@
 """--mor_ramp: MoR capacities move from full depth to the configured ones in 4 levels, and resume exactly."""
 
-from conftest import tiny_model
+from support import tiny_model
 from hydra_lm.train.curriculum import Curriculum, CurriculumPlan
 from hydra_lm.train.options import TrainConfig
 from hydra_lm.cli import main
-from test_train_support import TINY_RUN, tiny_data, train_losses  # noqa: F401
+from support import TINY_RUN, train_losses
 
 
 def test_capacities_ramp_in_four_levels_from_full_depth_to_the_configured_ones():

@@ -10,8 +10,7 @@ import torch
 from hydra_lm.cli import main
 from hydra_lm.train import optim
 from hydra_lm.train.options import TrainConfig, resolve
-from conftest import tiny_model
-from test_train_support import TINY_RUN, records, tiny_data, train_losses  # noqa: F401
+from support import TINY_RUN, tiny_model, train_losses
 
 RESUMABLE = ["adafactor", "lion", "clion", "muon", "sophia", "adam8bit"]
 
@@ -21,12 +20,12 @@ def train(data, run, *extra):
                  "--no-eval_at_start", "--eval_every", "0", *extra])
 
 
-@pytest.mark.parametrize("name", RESUMABLE)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.gpu) if n == "adam8bit" else n for n in RESUMABLE])
 def test_interrupted_run_resumes_exactly(tiny_data, tmp_path, name):
     device = []
-    if name == "adam8bit":  # torchao compiles its step: minutes of C++ builds on a CPU
-        if not torch.cuda.is_available() or importlib.util.find_spec("torchao") is None:
-            pytest.skip("needs CUDA and torchao")
+    if name == "adam8bit":  # torchao compiles its step: minutes of C++ builds on a CPU, so CUDA only (gpu mark)
+        if importlib.util.find_spec("torchao") is None:
+            pytest.skip("needs torchao")
         device = ["--device", "cuda"]
     # MoR switches on at step 2: routers start without state mid-run; Sophia re-estimates its
     # Hessian at steps 0 and 2 (after the resume).

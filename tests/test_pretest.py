@@ -11,7 +11,7 @@ import hydra_lm.model.hydra as hydra_module
 from hydra_lm.cli import main
 from hydra_lm.train import get_history, get_summary, print_summary, run_pretests_for_checkpoint
 from hydra_lm.train.step import TrainStep
-from test_train_support import TINY_RUN, records, tiny_data  # noqa: F401
+from support import TINY_RUN, records
 
 RUN = [*TINY_RUN, "--max_steps", "3", "--save_every", "3", "--log_every", "1", "--eval_every", "0",
        "--no-eval_at_start", "--warmup_steps", "1"]

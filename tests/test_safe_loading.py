@@ -22,7 +22,7 @@ from hydra_lm.data.readers import load_token_docs
 from hydra_lm.data.shards import open_split
 from hydra_lm.train.checkpoint import DCP_DIR, CheckpointError, CheckpointManager, verify
 from hydra_lm.train.sharded_checkpoint import load_dcp
-from test_train_support import prepare, write_corpus
+from support import prepare, write_corpus
 
 
 class Payload:
@@ -78,7 +78,7 @@ def test_sharded_metadata_pickle_is_refused_everywhere(tmp_path, marker, capsys)
     path = dcp_checkpoint(tmp_path, model, stepped(model), tamper)
     with pytest.raises(CheckpointError, match=r"\.metadata is not safe to load.*posix\.system|\.metadata is not "
                                               r"safe to load.*os\.system"):
-        verify(path).load_model(tiny())
+        load_dcp(verify(path), tiny())  # the path eval, generate and export take for sharded checkpoints
     # eval, generate and export all load through the same path: one line, exit 2.
     assert main(["export", "--run", str(tmp_path), "--checkpoint", str(path), "--out",
                  str(tmp_path / "x.safetensors")]) == 2

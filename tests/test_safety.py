@@ -18,7 +18,7 @@ from hydra_lm.cli import main
 from hydra_lm.train.checkpoint import verify
 from hydra_lm.train.trainer import Trainer
 from hydra_lm.train.step import TrainStep
-from test_train_support import TINY_RUN, records, tiny_data  # noqa: F401
+from support import TINY_RUN, records
 
 # Saves every 3 steps, logs every 5: a checkpoint falls between log points.
 FAST = [*TINY_RUN, "--max_steps", "12", "--save_every", "3", "--log_every", "5", "--eval_every", "0",

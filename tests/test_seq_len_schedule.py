@@ -6,7 +6,7 @@ import pytest
 
 from hydra_lm.cli import main
 from hydra_lm.train.seq_len_schedule import SeqLenSchedule, carry_over
-from test_train_support import TINY_RUN, tiny_data, train_losses  # noqa: F401
+from support import TINY_RUN, train_losses
 
 
 def test_stages_keep_tokens_per_step_and_switch_at_their_fractions():
@@ -32,8 +32,8 @@ def test_resume_across_a_length_switch_is_exact(tiny_data, tmp_path):
     assert main(["train", "--out", str(pieces), "--stop_at_step", "6"]) == 0
     assert main(["train", "--out", str(pieces)]) == 0
     assert train_losses(pieces) == train_losses(tmp_path / "straight")
-    loaders = {step: json.loads((pieces / "checkpoints" / f"hydra_debug_step{step}" / "state.json").read_text())["loader"]
-               for step in (3, 6)}
+    loaders = {step: json.loads((pieces / "checkpoints" / f"hydra_debug_step{step}" / "state.json").read_text())
+               ["loader"] for step in (3, 6)}
     assert (loaders[3]["seq_len"], loaders[3]["batch_size"]) == (16, 8)
     assert (loaders[6]["seq_len"], loaders[6]["batch_size"]) == (32, 4)
     assert "sequence length 16 -> 32, 4 rows" in (tmp_path / "straight" / "train.log").read_text()

@@ -5,10 +5,10 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_model
+from support import tiny_model
 from hydra_lm.cli import main
 from hydra_lm.train.swa import SWA_FILE, WeightAverage
-from test_train_support import TINY_RUN, records, tiny_data, train_losses  # noqa: F401
+from support import TINY_RUN, records, train_losses
 
 
 def test_average_covers_weights_and_router_thresholds_from_the_start_step_on():

@@ -5,7 +5,7 @@ import torch
 
 from hydra_lm.cli import main
 from hydra_lm.train import Curriculum, CurriculumPlan, TrainConfig
-from test_train_support import TINY_RUN, records, tiny_data  # noqa: F401 (fixture)
+from support import TINY_RUN, records
 
 
 class FakeModel:

@@ -26,7 +26,7 @@ from hydra_lm.cli import main
 from hydra_lm.train import setup_run
 from hydra_lm.train.checkpoint import verify
 from hydra_lm.train.trainer import Trainer
-from test_train_support import TINY_RUN, tiny_data, train_losses  # noqa: F401
+from support import TINY_RUN, train_losses
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 
@@ -75,6 +75,7 @@ def reference(tiny_data, tmp_path_factory):
 
 @pytest.mark.parametrize("parallel,accum,save", [("fsdp", 2, "--async_checkpoint"),
                                                  ("ddp", 1, "--no-async_checkpoint")])
+@pytest.mark.slow
 def test_two_ranks_match_one_rank_and_resume(tiny_data, tmp_path, reference, parallel, accum, save):
     straight, pieces = tmp_path / "straight", tmp_path / "pieces"
     k = str(accum)
@@ -100,6 +101,7 @@ def test_two_ranks_match_one_rank_and_resume(tiny_data, tmp_path, reference, par
     assert_close(train_losses(one), train_losses(straight))
 
 
+@pytest.mark.slow
 def test_resume_on_one_process_restores_model_and_optimizer(tiny_data, tmp_path):
     run = tmp_path / "run"
     torchrun(tiny_data, run, "--grad_accum", "1", "--stop_at_step", "3")
@@ -123,6 +125,7 @@ def test_resume_on_one_process_restores_model_and_optimizer(tiny_data, tmp_path)
         trainer.loader.close()
 
 
+@pytest.mark.slow
 def test_export_writes_one_file_that_evaluates_like_the_sharded_checkpoint(tiny_data, tmp_path, capsys):
     run = tmp_path / "run"
     torchrun(tiny_data, run, "--grad_accum", "1", "--max_steps", "2", "--save_every", "2", "--eval_every", "0")
@@ -139,6 +142,7 @@ def test_export_writes_one_file_that_evaluates_like_the_sharded_checkpoint(tiny_
                  "4"]) == 0
 
 
+@pytest.mark.slow
 def test_one_process_checkpoint_resumes_on_two_ranks(tiny_data, tmp_path, reference):
     run = tmp_path / "run"
     single(tiny_data, run, "--grad_accum", "2", "--stop_at_step", "3")
@@ -147,6 +151,7 @@ def test_one_process_checkpoint_resumes_on_two_ranks(tiny_data, tmp_path, refere
     assert_close(train_losses(run), reference(2))
 
 
+@pytest.mark.slow
 def test_a_failing_rank_names_itself(tmp_path):
     # torchrun stops the other ranks once one fails, so which ranks get to print is a race.
     proc = torchrun(tmp_path / "no-data", tmp_path / "run", check=False)
@@ -154,6 +159,7 @@ def test_a_failing_rank_names_itself(tmp_path):
     assert re.search(r"hydra-lm train: \[rank [01]\] error: data directory \S*no-data", proc.stderr), proc.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_under_torchrun_saves_one_sharded_checkpoint(tiny_data, tmp_path):
     """The terminal's SIGINT reaches torchrun and every worker (and torchrun forwards it again):
     all ranks stop after the same step and write one complete checkpoint."""

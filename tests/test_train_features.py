@@ -10,7 +10,7 @@ import torch
 from hydra_lm.cli import main
 from hydra_lm.train import optim
 from hydra_lm.train.options import TrainConfig
-from test_train_support import TINY_RUN, prepare, records, tiny_data, write_corpus  # noqa: F401
+from support import TINY_RUN, prepare, records, write_corpus
 
 
 def train(data, run, *extra):
@@ -42,6 +42,7 @@ def test_gradient_checkpointing_and_chunked_ce_do_not_change_the_numbers(tiny_da
 
 
 @pytest.mark.parametrize("scope", [["--compile_regions"], []], ids=["regions", "units"])
+@pytest.mark.slow
 def test_compiled_training_gives_the_eager_numbers(tiny_data, tmp_path, monkeypatch, scope):
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -66,6 +67,7 @@ def test_compiled_training_gives_the_eager_numbers(tiny_data, tmp_path, monkeypa
     assert ("routed units" in log) == (not scope) and ("layer regions" in log) == bool(scope)
 
 
+@pytest.mark.slow
 def test_document_masking_can_be_switched_off(tmp_path):
     short_docs = prepare(write_corpus(tmp_path / "corpus", n_docs=80, words=6), tmp_path / "data")
     assert train(short_docs, tmp_path / "a") == 0

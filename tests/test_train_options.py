@@ -9,7 +9,7 @@ from hydra_lm.cli import main
 from hydra_lm.train.flags import load_config_file, parse_value, split_model_overrides, to_toml
 from hydra_lm.train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
 from hydra_lm.train.options import TrainConfig, normalize, resolve
-from test_train_support import TINY_RUN, tiny_data  # noqa: F401 (fixture)
+from support import TINY_RUN
 
 
 def test_per_size_defaults_follow_the_seed_tables():
@@ -70,6 +70,9 @@ def test_speed_opt_outs_and_automatic_fallbacks_on_cuda(settings, expected):
     (dict(cuda_graph=True), CPU, False, "needs a CUDA device"),
     (dict(cuda_graph=True), CUDA, True, "one process only"),
     (dict(compile_regions=True, compile_mode="reduce-overhead"), CUDA, True, "one process only"),
+    (dict(ce_impl="chunked"), CPU, False, "add --chunked_ce"),
+    (dict(chunked_ce=True, ce_impl="liger", cuda_graph=True), CUDA, False, "cannot capture Liger"),
+    (dict(chunked_ce=True, ce_impl="liger"), CPU, False, "liger"),
 ])
 def test_speed_combinations_that_cannot_work_are_refused(settings, device, distributed, message):
     with pytest.raises(ValueError, match=message):
@@ -77,7 +80,7 @@ def test_speed_combinations_that_cannot_work_are_refused(settings, device, distr
 
 
 def test_the_speed_plan_is_applied_to_the_model():
-    from conftest import tiny_model
+    from support import tiny_model
 
     model = tiny_model()
     units = SpeedPlan("units", "default", False, "chunked", 64)
@@ -158,9 +161,9 @@ def test_cli_overrides_config_file_and_resolved_config_is_written(tiny_data, tmp
 @pytest.mark.parametrize("extra, message", [
     (["--model.bogus", "1"], "unknown HydraConfig key 'bogus'"),
     (["--model.mod_capacity", "1.5"], "mod_capacity"),
-    (["--triton_kernels"], "--triton_kernels is not available yet"),
     (["--8bit_adam"], "--8bit_adam"),
     (["--chunked_ce_size", "0"], "chunked_ce_size=0 must be >= 1"),
+    (["--chunked_ce", "--ce_impl", "liger"], "impl 'liger'"),  # CPU (and no liger-kernel here): refused up front
     (["--cuda_graph"], "--cuda_graph needs a CUDA device"),
 ])
 def test_bad_settings_fail_with_one_line(tiny_data, tmp_path, capsys, extra, message):

@@ -2,7 +2,8 @@
 
 One training step = the trainer's own step (``train.step.TrainStep``: forward + backward, gradient
 clipping, AdamW; compiled, CUDA-graphed and with the fused loss as ``hydra-lm train`` would run it
-on this device, see ``train.compile_policy``) on random tokens. Warm-up steps are excluded; on CUDA each step is timed with CUDA events and the median is reported. MFU uses the
+on this device, see ``train.compile_policy``) on random tokens. Warm-up steps are excluded; on CUDA each step
+is timed with CUDA events and the median is reported. MFU uses the
 FLOPs each routed unit really executed (``executed_flops_per_token``) against a bf16 peak measured
 on the device with a large matmul; the datasheet value is shown beside it.
 
@@ -21,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import create_model
+from .model.factory import create_model
 from .bench_options import BenchConfig
 from .model.accounting import dense_flops_per_token, executed_flops_per_token, kv_cache_bytes_per_token
 from .model.attention_backend import get_attention_backend, sdpa_kernel_only
@@ -270,8 +271,8 @@ def format_report(report: dict[str, Any]) -> str:
     if r0.get("model_overrides"):
         header.append("overrides " + ",".join(f"{k}={v}" for k, v in r0["model_overrides"].items()))
     lines = [" | ".join(header),
-             f"{'arch':<7}{'params':>9}{'tok/s':>12}{'ms/step':>9}{'TFLOP/s':>9}{'MFU':>7}{'peak GB':>9}{'1st step s':>11}"
-             f"  {'doc mask':<11}attention kernels"]
+             f"{'arch':<7}{'params':>9}{'tok/s':>12}{'ms/step':>9}{'TFLOP/s':>9}{'MFU':>7}{'peak GB':>9}"
+             f"{'1st step s':>11}  {'doc mask':<11}attention kernels"]
     for r in report["rows"]:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         mem = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"

@@ -34,6 +34,7 @@ class BenchConfig:
     cuda_graph: bool | None = _as_train("cuda_graph")
     chunked_ce: bool | None = _as_train("chunked_ce")
     chunked_ce_size: int = _as_train("chunked_ce_size")
+    ce_impl: str = _as_train("ce_impl")
     sdpa_kernel: str = opt("auto", "force one SDPA kernel (auto: PyTorch's choice)", type=str, choices=SDPA_KERNELS)
     document_masking: bool = opt(False, "pass doc_ids like the trainer (documents of geometric length, mean 400 "
                                         "tokens)", type=bool)

@@ -44,13 +44,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
-    run_demo(seed=args.seed)
-    return 0
-
-
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from .data.cli import run_prepare
 
@@ -114,7 +107,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             print(f"  routing: {100 * result['val_agreement']:.1f}% top-k/threshold agreement; executed fraction "
                   "per router, causal against its top-k target:")
             for name, r in result["routing"].items():
-                print(f"    {name:<16} {r['exec_causal']:.3f} / {r['target']:.3f}   agreement {100 * r['agreement']:.1f}%")
+                print(f"    {name:<16} {r['exec_causal']:.3f} / {r['target']:.3f}   "
+                      f"agreement {100 * r['agreement']:.1f}%")
         for warning in routing_warnings(result):
             print(f"  warning: {warning}")
     return 0
@@ -165,10 +159,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_field_arguments(bench, bench_fields)
     bench.epilog = "Model config fields: --model.FIELD VALUE (e.g. --model.mod_capacity 0.5), applied to both archs."
     bench.set_defaults(func=_cmd_bench)
-
-    demo = sub.add_parser("demo", help="build the debug model, run a forward pass and a greedy generation")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.set_defaults(func=_cmd_demo)
 
     from .data.cli import add_prepare_arguments
     from .train.flags import add_train_arguments

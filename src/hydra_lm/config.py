@@ -75,7 +75,8 @@ class HydraConfig:
         if self.n_layers is None:
             self.n_layers = self.n_blocks
         if self.head_dim is None and self.n_heads > 0:
-            latent = self.dim // self.compression_factor if self.arch == "hydra" and self.compression_factor > 0 else self.dim
+            compressed = self.arch == "hydra" and self.compression_factor > 0
+            latent = self.dim // self.compression_factor if compressed else self.dim
             self.head_dim = latent // self.n_heads
         if self.mlp_hidden is None:
             self.mlp_hidden = _round_up(4 * self.dim, 256)
@@ -203,7 +204,8 @@ def _check_types(values: dict[str, Any], cls: type) -> None:
         kind = next(t for t in allowed if t is not type(None))
         ok = isinstance(value, bool) if kind is bool else \
             isinstance(value, int) and not isinstance(value, bool) if kind is int else \
-            isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else isinstance(value, kind)
+            isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else \
+            isinstance(value, kind)
         if not ok:
             raise ValueError(f"{cls.__name__}.{key}={value!r} must be {_TYPE_NAMES.get(kind, kind.__name__)}")
 

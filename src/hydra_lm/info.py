@@ -43,12 +43,14 @@ def describe(model_size: str, seq_len: int = 1024, arch: str = "hydra", vocab_si
         lines += [
             f"blocks x recursions: {cfg.n_blocks} x {cfg.recursions} ({cfg.sharing} sharing) -> "
             f"{cfg.effective_layers} effective layers",
-            f"attention (CCGQA latent): q {cfg.n_heads} heads x {cfg.head_dim} = {cfg.q_latent} (dim/{cfg.dim // cfg.q_latent}), "
+            f"attention (CCGQA latent): q {cfg.n_heads} heads x {cfg.head_dim} = {cfg.q_latent} "
+            f"(dim/{cfg.dim // cfg.q_latent}), "
             f"kv {cfg.n_kv_heads} heads x {cfg.head_dim} = {cfg.kv_latent} (dim/{cfg.dim // cfg.kv_latent}), "
             f"{cfg.n_heads // cfg.n_kv_heads} query heads per kv head; "
             f"convs k_seq={cfg.conv_seq_kernel}, k_ch={cfg.conv_ch_kernel}",
             f"routing: MoD capacity {cfg.mod_capacity if cfg.mod_enabled else 1.0} on every {cfg.mod_every}. block, "
-            f"MoR {cfg.mor_routing}-choice ({'on' if cfg.mor_enabled else 'off'}, {cfg.mor_capacity_schedule} schedule), "
+            f"MoR {cfg.mor_routing}-choice ({'on' if cfg.mor_enabled else 'off'}, "
+            f"{cfg.mor_capacity_schedule} schedule), "
             f"gate scale {cfg.mor_gate_scale}",
         ]
     else:

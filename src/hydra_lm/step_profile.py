@@ -88,5 +88,6 @@ def format_profile(arch: str, profile: dict[str, Any]) -> str:
              f" (trace: {profile['trace']})"]
     lines += [f"  {cat:<16}{ms:8.2f} ms {ms / total:6.1%}" for cat, ms in profile["categories_ms"].items()]
     lines.append("  top kernels:")
-    lines += [f"  {k['ms']:8.2f} ms x{k['calls']:<6.0f} {k['category']:<16}{k['name'][:90]}" for k in profile["top_kernels"]]
+    lines += [f"  {k['ms']:8.2f} ms x{k['calls']:<6.0f} {k['category']:<16}{k['name'][:90]}"
+              for k in profile["top_kernels"]]
     return "\n".join(lines)

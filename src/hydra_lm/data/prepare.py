@@ -193,7 +193,7 @@ def prepare_data(inputs: Sequence[str | Path] | str | Path | None, out_dir: str 
         (out / stale).unlink(missing_ok=True)
     if tok is not None:
         tok.save(out)
-    from .. import __version__
+    from ..version import __version__
 
     meta = {
         "format_version": FORMAT_VERSION, "hydra_lm_version": __version__, "fingerprint": fingerprint,

@@ -67,7 +67,8 @@ def executed_flops_per_token(cfg: HydraConfig, seq_len: int, training: bool = Tr
         per_row += n_layers * k * (linear + 4 * attn_width * mean_context + 2 * cfg.dim)  # + router
     per_token = per_row / seq_len + 2 * cfg.dim * cfg.vocab_size
     if cfg.moe:
-        per_token += cfg.moe_num_layers * (cfg.moe_top_k * 6 * cfg.dim * cfg.moe_hidden + 2 * cfg.dim * cfg.moe_num_experts)
+        per_layer = cfg.moe_top_k * 6 * cfg.dim * cfg.moe_hidden + 2 * cfg.dim * cfg.moe_num_experts
+        per_token += cfg.moe_num_layers * per_layer
     return per_token * (3 if training else 1)
 
 

@@ -188,7 +188,8 @@ class RecursiveBlock(nn.Module):
         weight = choice[..., 1 + j]
         if mode == "static":
             frac = (torch.ones_like(weight) if vc is None else vc.float()).sum(1).mean() / seq_len
-            return Selection(None, weight, vc, weight.new_zeros(()), torch.stack((frac, weight.mean(), frac.new_ones(()))))
+            stats = torch.stack((frac, weight.mean(), frac.new_ones(())))
+            return Selection(None, weight, vc, weight.new_zeros(()), stats)
         return masked_selection(choice[..., 0] >= j, weight, vc, seq_len)
 
 

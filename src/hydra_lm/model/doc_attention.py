@@ -1,7 +1,7 @@
 """Causal attention that stays inside a document (rows packing several documents).
 
-Two ways to compute the same function, chosen with ``set_doc_mask_backend`` or the environment
-variable ``HYDRA_DOC_MASK_BACKEND`` (read at import):
+Two ways to compute the same function, chosen per process with ``set_doc_mask_backend`` (``hydra-lm
+bench --doc_mask_backend``):
 
 * ``"sdpa"``: a dense [B, 1, N, N] boolean mask for SDPA. Runs anywhere, but a mask rules out
   SDPA's flash kernel and costs O(N^2) memory per row;
@@ -21,8 +21,6 @@ the entries present, in their order, so "causal" is over the compacted index.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -30,14 +28,7 @@ DOC_MASK_BACKENDS = ("auto", "flex", "sdpa")
 FLEX_BLOCK = 128  # FlexAttention's default tile; the block mask is built at this granularity
 
 
-def _from_env() -> str:
-    name = os.environ.get("HYDRA_DOC_MASK_BACKEND", "auto").strip().lower() or "auto"
-    if name not in DOC_MASK_BACKENDS:
-        raise ValueError(f"HYDRA_DOC_MASK_BACKEND={name!r}: choose one of {list(DOC_MASK_BACKENDS)}")
-    return name
-
-
-_doc_backend = _from_env()
+_doc_backend = "auto"
 
 
 def set_doc_mask_backend(name: str) -> None:
@@ -57,8 +48,7 @@ def resolve_doc_mask_backend(device: torch.device | str) -> str:
     if _doc_backend == "flex" and torch.device(device).type == "cuda":
         raise ValueError("FlexAttention document masks are disabled on CUDA: with torch 2.11 the compiled flex "
                          "kernel reading document ids gave wrong results on an H100 (see model/doc_attention.py); "
-                         "use the dense mask: --doc_mask_backend sdpa, HYDRA_DOC_MASK_BACKEND=sdpa or "
-                         "set_doc_mask_backend('sdpa')")
+                         "use the dense mask: --doc_mask_backend sdpa or set_doc_mask_backend('sdpa')")
     if _doc_backend != "auto":
         return _doc_backend
     return "sdpa"

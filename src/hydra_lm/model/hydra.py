@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import HydraConfig
-from ..cuda_graphs import GraphedStep
+from .cuda_graphs import GraphedStep
 from .attention import CCGQAttention, GQAttention
 from .block import RecursiveBlock, TransformerLayer, run_unit
 from .loss import linear_cross_entropy
@@ -291,7 +291,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         fullgraph=True``), so all 32 units of the 100M preset share one graph, and the fused chunked
         loss's per-chunk work (``ce_impl`` other than "naive"). Routing (routers, top-k, gathers,
         scatters) runs eager. Cold compile is short; pair it with a whole-step CUDA graph
-        (``hydra_lm.cuda_graphs.GraphedStep``) so the eager kernels cost no launch time
+        (``hydra_lm.model.cuda_graphs.GraphedStep``) so the eager kernels cost no launch time
         (benchmarks/BENCHMARKS.md). Returns the model; parameter names and the state dict are unchanged."""
         kwargs = {"fullgraph": True, "dynamic": True, **kwargs}
         if kwargs.get("mode") == "default":

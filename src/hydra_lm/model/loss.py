@@ -8,56 +8,19 @@ keeps at most one chunk of logits alive:
 - ``chunked``: pure PyTorch, chunk by chunk along the tokens, with the gradients computed during the
   forward; runs everywhere and traces under ``torch.compile(fullgraph=True)``.
 - ``naive``: materialises the logits; the reference the other two are tested against.
-
-The Liger switches ``HYDRA_ENABLE_LIGER_CE`` (default 1) and ``HYDRA_DISABLE_LIGER_CE`` (default 0)
-are read once, at import; ``read_liger_ce_env()`` reads them again on request.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import importlib.util
 
 import torch
 import torch.nn.functional as F
-from ..env import env_flag
 
 IMPLS = ("auto", "liger", "chunked", "naive")
 REDUCTIONS = ("mean", "sum")
-
-
 LIGER_INSTALLED = importlib.util.find_spec("liger_kernel") is not None
-_liger_enabled = True
-
-
-
-
-def read_liger_ce_env() -> bool:
-    """(Re)read ``HYDRA_ENABLE_LIGER_CE`` / ``HYDRA_DISABLE_LIGER_CE``; return whether Liger's CE is
-    enabled. Disable wins when both are set."""
-    global _liger_enabled
-    _liger_enabled = env_flag("HYDRA_ENABLE_LIGER_CE", True) and not env_flag("HYDRA_DISABLE_LIGER_CE", False)
-    return _liger_enabled
-
-
-read_liger_ce_env()
-
-
-def _liger_version() -> str | None:
-    if not LIGER_INSTALLED:
-        return None
-    try:
-        return importlib.metadata.version("liger-kernel")
-    except importlib.metadata.PackageNotFoundError:
-        # Importable from a source checkout without installed metadata.
-        return "unknown"
-
-
-def liger_ce_status() -> dict:
-    """What ``impl="auto"`` can use, for logs and benchmark records."""
-    return {"installed": LIGER_INSTALLED, "enabled": _liger_enabled, "version": _liger_version(),
-            "cuda_available": torch.cuda.is_available()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,16 +37,12 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     if impl == "auto":
         # Liger's forward reads the non-ignored token count on the host (.item()), which would break
         # a fullgraph trace; the chunked path compiles into the same graph instead.
-        use_liger = (LIGER_INSTALLED and _liger_enabled and device.type == "cuda"
-                     and not torch.compiler.is_compiling())
+        use_liger = LIGER_INSTALLED and device.type == "cuda" and not torch.compiler.is_compiling()
         return "liger" if use_liger else "chunked"
     if impl == "liger":
         if not LIGER_INSTALLED:
             raise ValueError("linear cross-entropy impl 'liger' needs the liger-kernel package: "
                              "pip install liger-kernel (or use impl='chunked')")
-        if not _liger_enabled:
-            raise ValueError("linear cross-entropy impl 'liger' was requested but HYDRA_DISABLE_LIGER_CE / "
-                             "HYDRA_ENABLE_LIGER_CE turn it off; unset them or use impl='chunked'")
         if device.type != "cuda":
             raise ValueError(f"linear cross-entropy impl 'liger' runs on CUDA tensors only, got {device.type}; "
                              "use impl='chunked'")

@@ -90,12 +90,10 @@ class Checkpoint:
         return int(self.state.get("world_size", 1))
 
     def load_model(self, model: torch.nn.Module) -> None:
-        """Load the weights into an ordinary (unsharded) model, whichever layout wrote them."""
+        """Load the weights of a "single" or "file" checkpoint into an ordinary (unsharded) model
+        ("dcp" checkpoints: ``sharded_checkpoint.load_dcp``)."""
         if self.layout == "dcp":
-            from .sharded_checkpoint import load_dcp
-
-            load_dcp(self, model)
-            return
+            raise CheckpointError(f"checkpoint {self.path} is sharded: load it with sharded_checkpoint.load_dcp")
         try:
             missing, unexpected = load_model(model, str(self.model_file), strict=False)
         except Exception as err:  # safetensors raises its own error types on a damaged header

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from ..model.loss import resolve_impl
+
 
 @dataclass(frozen=True)
 class SpeedPlan:
@@ -96,8 +98,14 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
         scope = "regions"
     else:  # the units' compilation works in one process only; torchrun compiles the whole model
         scope = "model" if distributed else "units"
+    refuse(chunked or cfg.ce_impl == "auto", "--ce_impl picks the fused loss of --chunked_ce, which is off: add "
+           "--chunked_ce")
+    refuse(not (graphs and cfg.ce_impl == "liger"), "CUDA graphs cannot capture Liger's loss (it reads a token "
+           "count on the host): use --ce_impl chunked or auto, or --no-cuda_graph")
+    if chunked:
+        resolve_impl(cfg.ce_impl, device)  # --ce_impl liger without the package or CUDA: refused now
     # A CUDA graph cannot hold Liger's kernel (it reads a token count on the host): the chunked fallback.
-    ce_impl = ("chunked" if graphs else "auto") if chunked else "naive"
+    ce_impl = ("chunked" if graphs and cfg.ce_impl == "auto" else cfg.ce_impl) if chunked else "naive"
     return SpeedPlan(scope, cfg.compile_mode, graphs, ce_impl, cfg.chunked_ce_size)
 
 

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..cuda_graphs import GraphedStep
+from ..model.cuda_graphs import GraphedStep
 
 
 class GraphedTrainStep:

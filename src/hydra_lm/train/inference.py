@@ -13,12 +13,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_model
 
-from .. import create_model
+from ..model.factory import create_model
 from ..config import HydraConfig
 from .checkpoint import EXPORT_FORMAT, Checkpoint, resolve_checkpoint
 from .data_io import ValSet, open_data
 from .evaluate import evaluate
 from .run import CONFIG_JSON, pick_device
+from .sharded_checkpoint import load_dcp
 
 
 @dataclass
@@ -49,7 +50,10 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
         raise ValueError(f"checkpoint {ckpt.path} holds no model config")
     dev = pick_device(device)
     model = create_model(HydraConfig.from_dict(model_values))
-    ckpt.load_model(model)
+    if ckpt.layout == "dcp":
+        load_dcp(ckpt, model)
+    else:
+        ckpt.load_model(model)
     bad = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
     if bad is not None:
         raise ValueError(f"checkpoint {ckpt.path} holds non-finite weights ({bad} has NaN or Inf): it was saved from a "

@@ -61,7 +61,7 @@ def git_revision() -> str:
 
 
 def versions() -> dict[str, str]:
-    from .. import __version__
+    from ..version import __version__
 
     out = {"hydra_lm": __version__, "python": platform.python_version(), "torch": torch.__version__,
            "platform": platform.platform()}

@@ -21,6 +21,7 @@ SCHEDULES = ("cosine", "wsd")
 OPTIMIZERS = ("adamw", "adam8bit", "adafactor", "lion", "clion", "muon", "sophia")
 ARCHS = ("hydra", "dense")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CE_IMPLS = ("auto", "chunked", "liger")
 
 # Runs shorter than this skip the MoD loss gate unless --no_short_run_override (see curriculum.py).
 SHORT_RUN_STEPS = 1000
@@ -160,10 +161,11 @@ class TrainConfig:
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass", type=bool)
     checkpoint_every: int | None = opt(None, "gradient checkpointing every N blocks (implies "
                                              "--gradient_checkpointing)", type=int)
-    triton_kernels: bool = opt(False, "fused Triton kernels", type=bool)
     chunked_ce: bool | None = opt(None, "fused head + cross-entropy without [B,T,V] logits (default: on CUDA; "
                                         "Liger if installed and no CUDA graphs, else chunked)", type=bool)
     chunked_ce_size: int = opt(4096, "tokens per chunk of the chunked cross-entropy", type=int)
+    ce_impl: str = opt("auto", "the fused loss of --chunked_ce: auto (Liger on CUDA when installed and eager, else "
+                               "chunked), chunked (pure PyTorch) or liger", type=str, choices=CE_IMPLS)
     document_masking: bool = opt(True, "keep attention, convs and value shift inside each packed document "
                                        "(--no-document_masking: attend across documents, plain causal kernels)",
                                  type=bool)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .. import create_model
+from ..model.factory import create_model
 from ..config import HydraConfig, preset_config
 from .checkpoint import verify, write_text_atomic
 

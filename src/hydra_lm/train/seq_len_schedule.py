@@ -40,7 +40,8 @@ class SeqLenSchedule:
         if any(length < 1 for length, _ in stages):
             raise ValueError(f"seq_len_schedule={text!r}: lengths must be >= 1")
         if len(stages) > MAX_STAGES:
-            raise ValueError(f"seq_len_schedule={text!r}: at most {MAX_STAGES} stages (each length is a compiled shape)")
+            raise ValueError(f"seq_len_schedule={text!r}: at most {MAX_STAGES} stages (each length is a "
+                             "compiled shape)")
         return cls(tuple(stages))
 
     @property

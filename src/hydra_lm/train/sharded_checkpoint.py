@@ -101,7 +101,8 @@ def load_dcp(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimize
                      no_dist=not distributed)
     except (Exception, CheckpointException) as err:  # DCP's own error (a BaseException) wraps each rank's
         raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {_reason(err)}") from None
-    missing = [f"model.{k}" for k in payload["model"] if f"model.{k}" not in saved and not k.endswith(THRESHOLD_BUFFERS)]
+    missing = [f"model.{k}" for k in payload["model"]
+               if f"model.{k}" not in saved and not k.endswith(THRESHOLD_BUFFERS)]
     if missing:
         raise CheckpointError(f"checkpoint {path} does not match the model: missing {missing[:5]}")
     set_model_state_dict(model, payload["model"])

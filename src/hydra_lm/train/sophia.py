@@ -7,7 +7,6 @@ trainer runs that step's backward with ``create_graph=True`` (``hessian_due`` te
 
 from __future__ import annotations
 
-import torch
 from pytorch_optimizer import SophiaH
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import create_model
+from ..model.factory import create_model
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from .batch_filter import BatchFilter
@@ -70,7 +70,8 @@ class Trainer:
         self.swa = WeightAverage(self.model, int(cfg.swa_start_pct * cfg.max_steps)) if cfg.swa else None
         self.adaptive = AdaptiveLR(cfg.adaptive_lr_spike, cfg.adaptive_lr_factor, cfg.adaptive_lr_cooldown) \
             if cfg.adaptive_lr else None
-        self.batch_filter = BatchFilter(cfg.batch_filter_k, self.device, warmup=cfg.batch_filter_warmup) if cfg.batch_filter else None
+        self.batch_filter = BatchFilter(cfg.batch_filter_k, self.device, warmup=cfg.batch_filter_warmup) \
+            if cfg.batch_filter else None
         self.seq_schedule = SeqLenSchedule.parse(cfg.seq_len_schedule) if cfg.seq_len_schedule else None
         self.seq_stage = 0
         self.loader = self._stage_loader(0)
@@ -129,9 +130,6 @@ class Trainer:
         if cfg.swa and self.dist.enabled:
             raise ValueError("--swa works in one process only (the average is an unsharded copy of the model); "
                              "drop --swa under torchrun")
-        if cfg.triton_kernels:
-            raise ValueError("--triton_kernels is not available yet: no fused Triton kernels are wired into "
-                             "the model; run without it")
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing = True
             self.model.checkpoint_every = cfg.checkpoint_every or 1
@@ -316,9 +314,9 @@ class Trainer:
         if not self.rollback.may_roll_back():
             self.metrics.write({**record, "action": "stop", "good_checkpoint": str(good.path)})
             lower = cfg.lr * self.rollback.lr_scale * cfg.rollback_lr_factor
-            self.log.warning(f"{where} after {self.rollback.rollbacks} rollback(s); nothing from the diverged state was "
-                           f"saved. The last good checkpoint is {good.path} (step {good.step}): resume from it with a "
-                           f"lower learning rate: hydra-lm train --out {self.s.run_dir} --lr {lower:.3g}")
+            self.log.warning(f"{where} after {self.rollback.rollbacks} rollback(s); nothing from the diverged state "
+                           f"was saved. The last good checkpoint is {good.path} (step {good.step}): resume from it "
+                           f"with a lower learning rate: hydra-lm train --out {self.s.run_dir} --lr {lower:.3g}")
             return False
         self.safe_opts.note_divergence(self.step)
         self._roll_back_to(good)

@@ -1,4 +1,4 @@
-"""Shared pieces of the trainer/CLI tests: a tiny prepared corpus and a tiny model (no tests here)."""
+"""Helpers shared by the tests (imported as ``from support import ...``); the fixtures are in conftest.py."""
 
 from __future__ import annotations
 
@@ -6,9 +6,34 @@ import json
 import random
 from pathlib import Path
 
-import pytest
+import torch
 
+import hydra_lm
 from hydra_lm.cli import main
+
+# Small enough for CPU tests, big enough to exercise every path: 3 blocks x 3 recursions, GQA 2:1
+# in a latent of dim/4, MoD on every block so that routing changes the compacted sequences.
+TINY = dict(vocab_size=97, dim=64, n_blocks=3, recursions=3, n_heads=2, n_kv_heads=1, mlp_hidden=96,
+            max_seq_len=128, mod_every=1, mod_capacity=0.5)
+
+VARIANTS = {
+    "hydra": {},
+    "mod_every_2": dict(mod_every=2, mod_capacity=0.75),
+    "layer_aware": dict(mor_capacity_schedule="layer_aware"),
+    "token_choice": dict(mor_routing="token"),
+    "middle_cycle": dict(sharing="middle_cycle", n_blocks=4),
+    "static": dict(static_routing_mode=True),
+    "moe": dict(moe=True, moe_num_layers=2, moe_num_experts=3, moe_top_k=1),
+    "moe_top2": dict(moe=True, moe_num_layers=1, moe_num_experts=3, moe_top_k=2),
+    "no_routing": dict(mod_enabled=False, mor_enabled=False),
+    "dense": dict(arch="dense", n_layers=3, n_heads=4, n_kv_heads=2),
+}
+
+
+def tiny_model(seed: int = 0, **overrides) -> hydra_lm.HydraModel:
+    torch.manual_seed(seed)
+    return hydra_lm.create_model("debug", **{**TINY, **overrides})
+
 
 WORDS = ("the quick brown fox jumps over lazy dog and cat runs fast while bird sings song in tree "
          "def return import class self value list dict for while if else").split()
@@ -31,12 +56,6 @@ def prepare(corpus: Path, out: Path, vocab_size: int = 300) -> Path:
                  "--val_fraction", "0.15", "--no_progress"])
     assert code == 0
     return out
-
-
-@pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("tiny_data")
-    return prepare(write_corpus(root / "corpus"), root / "data")
 
 
 def records(run_dir: Path, kind: str | None = None) -> list[dict]:
