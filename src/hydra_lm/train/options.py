@@ -89,7 +89,7 @@ class TrainConfig:
                                                "stretch after which it is switched on again", type=int)
     experimental_loss_spike_threshold: float = opt(2.0, "a logged loss above this multiple of its average is an "
                                                         "anomaly", type=float)
-    experimental_throughput_drop_threshold: float = opt(0.5, "throughput below this fraction of its average is an "
+    experimental_throughput_drop_threshold: float = opt(0.0, "throughput below this fraction of its average is an "
                                                              "anomaly", type=float)
     experimental_skip_pretest: bool = opt(False, "do not pretest the enabled optimizations (--compile, --chunked_ce) "
                                                  "against the plain path before training", type=bool)
@@ -362,8 +362,9 @@ def validate(cfg: TrainConfig) -> None:
          f"experimental_safety_window={cfg.experimental_safety_window} must be >= 1")
     need(cfg.experimental_loss_spike_threshold > 1,
          f"experimental_loss_spike_threshold={cfg.experimental_loss_spike_threshold} must be > 1")
-    need(0 < cfg.experimental_throughput_drop_threshold < 1,
-         f"experimental_throughput_drop_threshold={cfg.experimental_throughput_drop_threshold} must lie in (0, 1)")
+    need(0 <= cfg.experimental_throughput_drop_threshold < 1,
+         f"experimental_throughput_drop_threshold={cfg.experimental_throughput_drop_threshold} must lie in [0, 1) "
+         "(0: off)")
     need(cfg.grad_clip >= 0, f"grad_clip={cfg.grad_clip} must be >= 0 (0 disables clipping)")
     need(cfg.adamw_lr is None or cfg.adamw_lr > 0, f"adamw_lr={cfg.adamw_lr} must be > 0")
     need(cfg.adamw_lr is None or cfg.optimizer == "muon", "--adamw_lr sets the AdamW part of --optimizer muon; "
@@ -385,7 +386,6 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.cuda_graphs_warmup >= 1, f"cuda_graphs_warmup={cfg.cuda_graphs_warmup} must be >= 1")
     need(cfg.cuda_graph or cfg.cuda_graphs_warmup == 2, "--cuda_graphs_warmup sets the eager steps before a "
          "--cuda_graph capture: add --cuda_graph (or --experimental_cuda_graphs)")
-    need(not (cfg.data and cfg.dataset), "--data and --dataset both name the training data: keep one")
     need(0 <= cfg.swa_start_pct < 1, f"swa_start_pct={cfg.swa_start_pct} must lie in [0, 1)")
     need(cfg.batch_filter_k > 0, f"batch_filter_k={cfg.batch_filter_k} must be > 0")
     need(cfg.adaptive_lr_spike > 1, f"adaptive_lr_spike={cfg.adaptive_lr_spike} must be > 1")

@@ -148,6 +148,8 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
         if cfg.resume and not has_ckpt:
             log.warning(f"--resume: {run_dir} has no checkpoint yet; starting a new run")
 
+        if cli.get("data") is not None and cli.get("dataset") is not None:
+            raise ValueError("--data and --dataset both name the training data: keep one")
         if cfg.data is None and cfg.dataset is not None:
             cfg = cfg.replace(data=str(dataset_dir(cfg.dataset)))
         if cfg.data is None:

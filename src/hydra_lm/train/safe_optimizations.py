@@ -56,7 +56,7 @@ class AnomalyMonitor:
                          f"{self.tps_ema:,.0f}")
         if math.isfinite(loss):
             self.loss_ema = ema_update(self.loss_ema, loss, EMA_BETA, self.loss_spike)
-        if tokens_per_s > 0:
+        if tokens_per_s > 0 and self.throughput_drop > 0:  # 0: the throughput check is off
             self.tps_ema = ema_update(self.tps_ema, tokens_per_s, EMA_BETA, 1 / self.throughput_drop)
         for _ in found:
             self.record(step)
