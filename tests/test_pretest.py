@@ -1,11 +1,13 @@
 """Pretests of the enabled optimizations against the plain path before training: history, a broken
 optimization switched off while the run goes on, skipping, and re-running on a resume."""
 
+import contextlib
 import json
 import math
 import time
 
 import pytest
+import torch
 
 import hydra_lm.model.hydra as hydra_module
 from hydra_lm.cli import main
@@ -122,3 +124,22 @@ def test_the_trigger_names_what_changed_since_the_checkpoint():
     assert trigger_of({"chunked_ce": True, "compile": True}, "debug", saved) == \
         "optimization flags changed (compile: False -> True)"
     assert trigger_of({"chunked_ce": True}, "100M", saved) == "model size changed (debug -> 100M)"
+
+
+def test_the_pretest_copy_runs_its_units_eagerly_and_leaves_the_runs_compiled_units(monkeypatch):
+    from hydra_lm.train import pretest
+    from support import tiny_model
+
+    model = tiny_model().compile_units(backend="eager")
+    copies, real_init = [], pretest._Path.__init__
+
+    def init(self, model, *args, **kwargs):
+        copies.append(model)
+        real_init(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(pretest._Path, "__init__", init)
+    batch = pretest.pretest_batch(97, 2, 16, torch.device("cpu"), seed=0)
+    result = pretest.compare("chunked_ce", model, batch, contextlib.nullcontext, "cpu", ce_impl="chunked")
+    assert result["passed"], result
+    assert all(b.compiled_unit is not None for b in model.blocks)  # the run keeps its compiled units
+    assert all(b.compiled_unit is None for b in copies[0].blocks)  # no second compilation for the copy
