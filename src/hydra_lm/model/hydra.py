@@ -2,7 +2,8 @@
 
 Routing modes (see ``routing.py``):
 * ``model.train()``: expert-choice top-k with fixed k per unit (static shapes);
-* ``model.eval()``: causal threshold routing (a token enters a unit iff sigmoid(r) > 0.5) unless
+* ``model.eval()``: causal threshold routing (a token enters a unit iff its router logit exceeds the
+  router's calibrated threshold, see ``routing.py``) unless
   ``model.eval_routing = "topk"`` (teacher-forced top-k, not an autoregressive number);
 * ``static_routing_mode``: every token runs every unit, weighted by its gate.
 ``generate`` always decodes with causal routing (or static, when configured) and an incremental cache.
