@@ -43,9 +43,9 @@ def _eval(model) -> dict:
 
 
 def _forget_calibration(model) -> None:
+    """Threshold 0 for every router: the former rule, r > 0."""
     for router in _routers(model):
         router.threshold_sum.zero_()
-        router.threshold_weight.zero_()
 
 
 GRID = [dict(mod_capacity=c, mod_every=e, recursions=r) for c in (0.125, 0.5) for e in (1, 2) for r in (1, 3)]
@@ -79,6 +79,8 @@ def test_a_fixed_threshold_drifts_from_the_capacity_and_calibration_brings_it_ba
     assert any("executes" in w for w in routing_warnings(fixed))
     assert max(abs(r["exec_causal"] - r["target"]) for r in calibrated["routing"].values()) < 0.06
     assert calibrated["val_agreement"] > fixed["val_agreement"]
+    fresh = _eval(tiny_model(mod_capacity=0.5, mod_every=1, recursions=2))  # never trained: nothing to hold to
+    assert not fresh["routing_calibrated"] and not any("executes" in w for w in routing_warnings(fresh))
 
 
 @pytest.mark.slow

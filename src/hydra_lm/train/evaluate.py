@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..model.routing import Router
+
 EVAL_MODES = ("causal", "topk")
 # Beyond these, evaluation warns: the causal (generation) loss is worse than top-k by more than
 # GAP_WARN nats, or a router's causal executed fraction is off its target by more than FRAC_WARN.
@@ -84,6 +86,8 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
         out["val_exec_frac_causal"] = sum(c[0] for c in causal) / len(names)
         out["val_exec_frac_topk"] = sum(t[0] for t in topk) / len(names)
         out["val_agreement"] = sum(t[2] for t in topk) / len(names)
+        # Before its first training batch a router has no threshold to hold to its target yet.
+        out["routing_calibrated"] = all(bool(m.threshold_weight > 0) for m in model.modules() if isinstance(m, Router))
     return out
 
 
@@ -93,7 +97,7 @@ def routing_warnings(result: dict[str, Any]) -> list[str]:
     if result["val_gap"] > GAP_WARN:
         warnings.append(f"causal-routing loss is {result['val_gap']:.3f} nats worse than top-k (more than "
                         f"{GAP_WARN}): generation does worse than the teacher-forced top-k number suggests")
-    for name, r in result.get("routing", {}).items():
+    for name, r in result.get("routing", {}).items() if result.get("routing_calibrated", True) else ():
         if abs(r["exec_causal"] - r["target"]) > FRAC_WARN:
             warnings.append(f"router {name} executes {r['exec_causal']:.3f} of the tokens under causal routing "
                             f"against a target of {r['target']:.3f}")
