@@ -42,6 +42,25 @@ def trainer_step_in_progress(monkeypatch) -> list[int]:
     return current
 
 
+def spike_logged_losses(monkeypatch, steps: set[int]) -> list[tuple[int, str]]:
+    """The logged loss of the given 0-based steps is x1000 (the update itself is normal); returns the
+    (1-based step, loss path) of every micro-step run."""
+    original, seen, pending = TrainStep.micro_step, [], set(steps)
+    current = trainer_step_in_progress(monkeypatch)
+
+    def micro_step(self, *args, **kwargs):
+        step = current[0]
+        seen.append((step + 1, self.model.ce_impl))
+        parts, stats = original(self, *args, **kwargs)
+        if step in pending:
+            pending.discard(step)
+            parts = parts * 1000
+        return parts, stats
+
+    monkeypatch.setattr(TrainStep, "micro_step", micro_step)
+    return seen
+
+
 def poison_gradients(monkeypatch, steps):
     """NaN in one gradient at the given 0-based step indices (each index once, or every time if ``steps`` is a
     callable)."""
@@ -269,19 +288,7 @@ def test_adaptive_lr_average_follows_a_lasting_new_level():
 
 def test_repeated_loss_spikes_switch_the_chunked_loss_off_and_back_on(tiny_data, tmp_path, monkeypatch):
     run = tmp_path / "run"
-    original, seen, pending = TrainStep.micro_step, [], {4, 5, 6}
-    current = trainer_step_in_progress(monkeypatch)
-
-    def micro_step(self, *args, **kwargs):
-        step = current[0]
-        seen.append((step + 1, self.model.ce_impl))
-        parts, stats = original(self, *args, **kwargs)
-        if step in pending:  # the logged loss of steps 5-7 spikes (the update itself is normal)
-            pending.discard(step)
-            parts = parts * 1000
-        return parts, stats
-
-    monkeypatch.setattr(TrainStep, "micro_step", micro_step)
+    seen = spike_logged_losses(monkeypatch, {4, 5, 6})
     assert train(tiny_data, run, "--max_steps", "16", "--log_every", "1", "--chunked_ce",
                  "--experimental_safety_window", "6", "--experimental_throughput_drop_threshold", "0.01") == 0
     assert [r["step"] for r in records(run, "anomaly")] == [5, 6, 7]
@@ -296,19 +303,7 @@ def test_repeated_loss_spikes_switch_the_chunked_loss_off_and_back_on(tiny_data,
 
 def test_a_switched_off_optimization_stays_off_across_a_resume_until_it_graduates(tiny_data, tmp_path, monkeypatch):
     run = tmp_path / "run"
-    original, seen, pending = TrainStep.micro_step, [], {4, 5, 6}
-    current = trainer_step_in_progress(monkeypatch)
-
-    def micro_step(self, *args, **kwargs):
-        step = current[0]
-        seen.append((step + 1, self.model.ce_impl))
-        parts, stats = original(self, *args, **kwargs)
-        if step in pending:  # the logged loss of steps 5-7 spikes, as above
-            pending.discard(step)
-            parts = parts * 1000
-        return parts, stats
-
-    monkeypatch.setattr(TrainStep, "micro_step", micro_step)
+    seen = spike_logged_losses(monkeypatch, {4, 5, 6})
     flags = ["--max_steps", "16", "--log_every", "1", "--chunked_ce", "--experimental_safety_window", "6",
              "--experimental_throughput_drop_threshold", "0.01"]
     assert train(tiny_data, run, *flags, "--stop_at_step", "9") == 0

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from .routing_health import GAP_TOLERANCE
 
-GAP_TOLERANCE_LINE = 0.05  # drawn on the gap plot; the same threshold warns in routing_health
 
 
 def _figure(width: float = 7.0, height: float = 4.5):
@@ -125,7 +125,7 @@ def _gap_plot(variants: dict[str, Any], colors: dict[str, Any], path: Path) -> P
         pts = v["evals"]
         if pts:
             ax.plot([p["tokens"] for p in pts], [p["gap"] for p in pts], "-o", ms=3, color=colors[name], label=name)
-    ax.axhline(GAP_TOLERANCE_LINE, color="red", lw=0.8, ls=":", label=f"warning at {GAP_TOLERANCE_LINE}")
+    ax.axhline(GAP_TOLERANCE, color="red", lw=0.8, ls=":", label=f"warning at {GAP_TOLERANCE}")
     ax.axhline(0.0, color="black", lw=0.6)
     ax.set_xlabel("training tokens")
     ax.set_ylabel("causal - top-k validation loss (nats)")

@@ -16,9 +16,11 @@ import torch
 
 from ..train.data_io import ValSet, open_data
 from ..train.inference import load_run
+from ..train.evaluate import FRAC_WARN, GAP_WARN
 
-STARVATION_TOLERANCE = 0.1  # |causal executed fraction - target|, absolute
-GAP_TOLERANCE = 0.05  # nats of causal loss above the top-k loss
+# The evaluation's own warning thresholds: one rule for training logs, `hydra-lm eval` and reports.
+STARVATION_TOLERANCE = FRAC_WARN  # |causal executed fraction - target|, absolute
+GAP_TOLERANCE = GAP_WARN  # nats of causal loss above the top-k loss
 
 
 def router_depths(block) -> list[tuple[str, int]]:
