@@ -9,7 +9,7 @@ import pytest
 from hydra_lm.cli import main
 from hydra_lm.diagnostics.compare import parse_budget, plan_compare, planned_flops
 from hydra_lm.diagnostics.scaling import fit_power_law
-from hydra_lm.diagnostics.variants import parameter_count
+from hydra_lm.diagnostics.variants import parameter_count, parse_custom_variant
 from hydra_lm.model.accounting import executed_flops_per_token
 from hydra_lm.train import eval_run, lr_at
 from support import TINY_RUN, records, write_corpus
@@ -115,6 +115,23 @@ def test_flops_budget_and_dense_depths_match_what_they_promise(tiny_data, tmp_pa
         assert dense.arch == "dense"
         off = lambda n, measure=measure, dense=dense: abs(measure(dense.replace(n_layers=n)) - measure(hydra))  # noqa: E731
         assert off(dense.n_layers) <= min(off(n) for n in (dense.n_layers - 1, dense.n_layers + 1) if n >= 1)
+
+
+def test_custom_variant_sets_the_routing_curriculum_and_its_flops(tiny_data, tmp_path):
+    shared = {"model_size": "debug", "device": "cpu", "batch_size": 4, "seq_len": 32,
+              "model": {"dim": 64, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden": 128}}
+    plan = plan_compare(str(tiny_data), str(tmp_path / "cmp"), parse_budget("flops=2e10"), ["hydra"],
+                        ["early:mor_enable_pct=0.0,mod_enable_pct=0.0,mod_force_enable_pct=0.0,mod_capacity=0.5"],
+                        4, shared)
+    hydra, early = plan.runs
+    assert early.values["mor_enable_pct"] == 0.0 and early.values["mod_force_enable_pct"] == 0.0
+    assert early.model_cfg.mod_capacity == 0.5 and "mor_enable_pct" not in hydra.values
+    # Routing from the first step is cheaper per step, so the same FLOPs buy more steps.
+    assert early.values["max_steps"] > hydra.values["max_steps"]
+    train = plan.base.replace(mor_enable_pct=0.0, mod_enable_pct=0.0, mod_force_enable_pct=0.0)
+    assert planned_flops(early.model_cfg, train, early.values["max_steps"], 128) >= 2e10
+    with pytest.raises(ValueError, match="curriculum settings"):
+        parse_custom_variant("bad:mor_enable=0.1")
 
 
 def test_time_budget_stops_on_training_time_and_resumes_it(tiny_data, tmp_path, capsys):

@@ -170,7 +170,7 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
     runs = []
     for v in variants:
         model_cfg = model_config(v.overrides)
-        values = {**shared, **pinned, "data": str(info.path), "out": str(out_dir / "runs" / v.name), "arch": v.arch,
+        values = {**shared, **pinned, **v.train, "data": str(info.path), "out": str(out_dir / "runs" / v.name), "arch": v.arch,
                   "model": {**base.model, **{k: x for k, x in v.overrides.items() if k != "arch"}}}
         if budget.kind == "seconds":
             steps = shared.get("max_steps") or SECONDS_CLOCK_STEPS
@@ -178,7 +178,7 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
         elif budget.kind == "tokens":
             steps = math.ceil(budget.value / tokens_per_step)
         else:
-            steps = steps_for_flops(budget.value, model_cfg, base, tokens_per_step)
+            steps = steps_for_flops(budget.value, model_cfg, base.replace(**v.train), tokens_per_step)
         values["max_steps"] = steps
         values["eval_every"] = shared.get("eval_every") or max(1, steps // evals)
         runs.append(VariantRun(v, out_dir / "runs" / v.name, values, model_cfg))

@@ -27,6 +27,10 @@ BUILTIN_VARIANTS = {
     "mor": "MoR routing only (MoD off)",
 }
 DEFAULT_VARIANTS = ("hydra", "dense", "dense-flops")
+# Trainer settings a custom variant may set too: when routing switches on is part of a routing
+# setting's cost (a run that routes late spends its first steps at full depth).
+CURRICULUM_FIELDS = ("mod_enable_pct", "mod_force_enable_pct", "mod_loss_gate", "mor_enable_pct", "mor_ramp",
+                     "mor_ramp_pct", "mod_off", "mor_off")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -35,6 +39,7 @@ class Variant:
     name: str
     overrides: dict[str, Any] = field(default_factory=dict)  # HydraConfig fields, arch included
     description: str = ""
+    train: dict[str, Any] = field(default_factory=dict)  # CURRICULUM_FIELDS of the trainer
 
     @property
     def arch(self) -> str:
@@ -42,7 +47,8 @@ class Variant:
 
 
 def parse_custom_variant(spec: str) -> Variant:
-    """``NAME:field=value,field=value`` (values parsed like ``--model.FIELD VALUE``)."""
+    """``NAME:field=value,field=value``: HydraConfig fields (values parsed like ``--model.FIELD VALUE``)
+    and the routing curriculum's trainer settings (CURRICULUM_FIELDS)."""
     name, sep, body = spec.partition(":")
     name = name.strip()
     if not sep or not _NAME.match(name):
@@ -51,18 +57,22 @@ def parse_custom_variant(spec: str) -> Variant:
     if name in BUILTIN_VARIANTS:
         raise ValueError(f"--variant {spec!r}: {name} is a built-in variant; give the custom one another name")
     overrides: dict[str, Any] = {}
+    train: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in body.split(","))):
         key, eq, raw = item.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"--variant {spec!r}: {item!r} is not field=value")
-        overrides[key.strip()] = parse_value(raw.strip())
-    if not overrides:
+        key = key.strip()
+        (train if key in CURRICULUM_FIELDS else overrides)[key] = parse_value(raw.strip())
+    if not overrides and not train:
         raise ValueError(f"--variant {spec!r}: no field=value given; to train the preset as is use --variants hydra")
     try:
         check_keys(overrides)
     except ValueError as err:
-        raise ValueError(f"--variant {name}: {err}") from None
-    return Variant(name, overrides, "custom: " + ", ".join(f"{k}={v}" for k, v in overrides.items()))
+        raise ValueError(f"--variant {name}: {err} (or one of the curriculum settings "
+                         f"{', '.join(CURRICULUM_FIELDS)})") from None
+    described = {**overrides, **train}
+    return Variant(name, overrides, "custom: " + ", ".join(f"{k}={v}" for k, v in described.items()), train)
 
 
 def resolve_variants(names: list[str], customs: list[Variant],
