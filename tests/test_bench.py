@@ -33,6 +33,7 @@ def test_bench_reports_training_and_inference_for_both_archs(tmp_path, capsys):
         assert row["tokens_per_s"] > 0 and row["executed_tflops"] > 0 and row["mfu"] is None  # no MFU on CPU
         assert row["decode_tokens_per_s_batch32"] > 0 and row["kv_cache_bytes_per_token"]["allocated"] > 0
         assert row["decode_cuda_graph"] is False and row["decode_tokens_per_s_batch1"] > 0 and row["decode_len"] == 3
+        assert row["decode_compiled"] is False  # CPU default: the eager step
         assert "decode_tokens_per_s_batch8" not in row
     assert report["rows"][0]["ce_impl"] == "naive" and report["measured_bf16_peak_tflops"] is None
 

@@ -125,8 +125,10 @@ def test_graph_captured_decoding_matches_eager_decoding(overrides):
     moe = overrides.get("moe", False)  # bf16: the grouped GEMM (the fp64 expert loop reads the host)
     model = tiny_model(**overrides).to(torch.bfloat16 if moe else torch.float64).cuda().eval()
     prompt = _ids(3, 7, TINY["vocab_size"])
-    graphed = model.generate(prompt, max_new_tokens=20, cuda_graph=True)
-    eager = model.generate(prompt, max_new_tokens=20, cuda_graph=False)
+    # The graph alone (compile_step off on both sides: bf16 fusions could flip a greedy tie); the compiled
+    # step is checked in test_compiled_decode_step_matches_the_eager_step.
+    graphed = model.generate(prompt, max_new_tokens=20, cuda_graph=True, compile_step=False)
+    eager = model.generate(prompt, max_new_tokens=20, cuda_graph=False, compile_step=False)
     assert torch.equal(graphed, eager)
     if not moe:  # and both equal repeated full forwards
         tokens = prompt
@@ -135,12 +137,70 @@ def test_graph_captured_decoding_matches_eager_decoding(overrides):
         assert torch.equal(graphed, tokens)
     else:  # fp64 MoE decoding falls back to eager on its own and refuses an explicit graph
         fp64 = tiny_model(**overrides).double().cuda().eval()
-        assert torch.equal(fp64.generate(prompt, 5), fp64.generate(prompt, 5, cuda_graph=False))
+        assert torch.equal(fp64.generate(prompt, 5), fp64.generate(prompt, 5, cuda_graph=False, compile_step=False))
         with pytest.raises(ValueError, match="with MoE, bf16"):
             fp64.generate(prompt, 5, cuda_graph=True)
-    sampled = [model.generate(prompt, 20, temperature=1.0, top_k=20, cuda_graph=graph,
+    sampled = [model.generate(prompt, 20, temperature=1.0, top_k=20, cuda_graph=graph, compile_step=False,
                               generator=torch.Generator("cuda").manual_seed(1)) for graph in (True, False)]
     assert torch.equal(sampled[0], sampled[1])
+
+
+def test_compiled_decode_step_matches_the_eager_step():
+    """generate's default on CUDA (the step compiled, then captured): in float64 the eager loop's greedy
+    tokens, one graph without breaks or recompiles; in bf16 (the 100M preset's layout, shrunk) the
+    eager step's logits within bf16 tolerance, teacher-forced so that a flipped tie cannot diverge."""
+    from hydra_lm.model.hydra import DecodeStep
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = tiny_model().double().cuda().eval()
+    prompt = _ids(3, 7, TINY["vocab_size"])
+    eager = model.generate(prompt, max_new_tokens=20, cuda_graph=False, compile_step=False)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(model.generate(prompt, max_new_tokens=20), eager)
+        assert torch.equal(model.generate(prompt, max_new_tokens=25)[:, :27], eager)
+    counters = torch._dynamo.utils.counters
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+
+    torch.manual_seed(0)
+    big = hydra_lm.create_model("100M", vocab_size=1024, dim=256, n_heads=2, n_kv_heads=1,
+                                max_seq_len=256).cuda().eval()
+    ids = _ids(4, 40, 1024)
+    steps = []
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for compiled in (False, True):
+            caches = big.init_cache(4, 64)
+            big.forward_cached(ids[:, :8], 0, caches)
+            step = DecodeStep(big, caches, 4, ids.device, graphed=True, compiled=compiled)
+            steps.append([step(ids[:, t:t + 1], t).float().clone() for t in range(8, 40)])
+    for t, (want, got) in enumerate(zip(*steps)):
+        torch.testing.assert_close(got, want, rtol=0.05, atol=0.05, msg=f"position {8 + t}")
+
+
+def test_optimized_training_setup_compiles_graphs_and_matches_eager():
+    """create_optimized_training_setup on CUDA: the trainer's plan (compiled units, whole-step CUDA graphs,
+    fused loss, TF32) and losses within bf16 tolerance of the same setup run eagerly."""
+    torch._dynamo.reset()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    setups = []
+    for fast in (True, False):
+        torch.manual_seed(0)
+        model = hydra_lm.create_model("debug", vocab_size=1024, max_seq_len=512)
+        speed = {} if fast else dict(compile=False, cuda_graph=False, chunked_ce=False)
+        setups.append(hydra_lm.create_optimized_training_setup(model, lr=1e-3, device="cuda", **speed))
+    fast, eager = setups
+    assert (fast.optimized.plan.compile, fast.optimized.plan.cuda_graph) == ("units", True)
+    assert fast.optimized.capabilities.cuda_graphs and torch.backends.cuda.matmul.allow_tf32
+    assert "routed units" in fast.description and "CUDA graphs" in fast.description, fast.description
+    assert eager.optimized.plan.compile is None and "eager" in eager.description
+    for seed in range(6):
+        ids = _ids(4, 256, 1024, seed)
+        batch = {"input_ids": ids, "targets": torch.roll(ids, -1, 1)}
+        got, want = fast.step(batch)["loss"].item(), eager.step(batch)["loss"].item()
+        assert abs(got - want) < 2e-2, (seed, got, want)
+    assert fast.train_step.graphs.captured
+    opt = hydra_lm.optimize_for_gpu(hydra_lm.create_model("debug", vocab_size=1024))
+    assert opt.module is opt.model and opt.plan.compile == "units" and "decoding" in opt.description
 
 
 def test_grouped_gemm_moe_matches_the_expert_loop():
@@ -213,6 +273,7 @@ def test_bench_defaults_run_the_fast_path(tmp_path):
     assert (report["compile"], report["compile_mode"], report["cuda_graph"]) == ("units", "default", True)
     for row in report["rows"]:
         assert row["ce_impl"] == "chunked" and row["tokens_per_s"] > 0 and row["decode_cuda_graph"]
+        assert row["decode_compiled"]  # the one-token step compiled before its capture, by default
         rates = [row[f"decode_tokens_per_s_batch{b}"] for b in (1, 8, 32, 128)]
         # a steady decode step of this model takes well over 10 microseconds: no division by ~0
         assert all(0 < r < b / 1e-5 for r, b in zip(rates, (1, 8, 32, 128))), rates

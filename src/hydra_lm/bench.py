@@ -176,16 +176,19 @@ def _routing_efficiency(model, routed: dict[str, Any], cfg: BenchConfig, plan: S
 
 
 @torch.no_grad()
-def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, repeats: int = 3) -> float:
+def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, repeats: int = 3,
+                        compiled: bool | None = None) -> float:
     """Steady-state decoding of ``batch`` rows: a prompt of ``length`` tokens is prefilled, then
-    ``length`` one-token steps (greedy, CUDA-graphed where ``generate`` graphs them) are timed on
-    their own, median of ``repeats``. Prefill, the first eager step and the graph's capture happen
-    before the clock starts: timing whole ``generate`` calls would fold them (and their noise,
-    larger than a short decode at batch 1) into the per-token cost."""
+    ``length`` one-token steps (greedy, compiled and CUDA-graphed where ``generate`` does so;
+    ``compiled`` overrides) are timed on their own, median of ``repeats``. Prefill, the first eager
+    step (and its compilation) and the graph's capture happen before the clock starts: timing whole
+    ``generate`` calls would fold them (and their noise, larger than a short decode at batch 1) into
+    the per-token cost."""
     prompt = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
     caches = model.init_cache(batch, 2 * length)
     first = model.forward_cached(prompt, 0, caches).argmax(-1)
-    step = DecodeStep(model, caches, batch, device, graphed=model.decode_capturable())
+    graphed = model.decode_capturable()
+    step = DecodeStep(model, caches, batch, device, graphed, graphed if compiled is None else compiled)
     for position in (length, length + 1):  # eager warm-up, then the capture; rewritten by the timed steps
         step(first[:, None], position)
 
@@ -206,9 +209,12 @@ def bench_inference(model, cfg: BenchConfig, device: torch.device) -> dict[str, 
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         model(ids)  # warm-up
         result["prefill_tokens_per_s"] = ids.numel() / _timed(lambda: model(ids), device)
+        compiled = model.decode_capturable() if cfg.decode_compile is None else cfg.decode_compile
         for batch in cfg.decode_batch_sizes():
-            result[f"decode_tokens_per_s_batch{batch}"] = decode_tokens_per_s(model, batch, cfg.new_tokens, device)
+            result[f"decode_tokens_per_s_batch{batch}"] = decode_tokens_per_s(model, batch, cfg.new_tokens, device,
+                                                                              compiled=compiled)
         result["decode_cuda_graph"] = model.decode_capturable()
+        result["decode_compiled"] = compiled
     result["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(model.config, 2 * cfg.new_tokens)
     return result
 
@@ -280,7 +286,9 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{r['executed_tflops']:>9.2f}{mfu:>7}{mem:>9}{r['first_step_s']:>11.1f}"
                      f"  {r['doc_mask_path']:<11}{','.join(r['attention_kernels']) or '-'}")
         if "prefill_tokens_per_s" in r:
-            graph = " (CUDA graph)" if r["decode_cuda_graph"] else ""
+            step = [name for name, on in (("compiled", r.get("decode_compiled")),
+                                          ("CUDA graph", r["decode_cuda_graph"])) if on]
+            graph = f" ({', '.join(step)})" if step else ""
             decode = ", ".join(f"batch {k.removeprefix('decode_tokens_per_s_batch')} {v:,.0f}" for k, v in r.items()
                                if k.startswith("decode_tokens_per_s_batch"))
             lines.append(f"{'':<7}inference: prefill {r['prefill_tokens_per_s']:,.0f} tok/s | decode{graph} "

@@ -239,13 +239,19 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-                 generator: torch.Generator | None = None, cuda_graph: bool | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, cuda_graph: bool | None = None,
+                 compile_step: bool | None = None) -> torch.Tensor:
         """Prompt [B, T] -> [B, T + max_new_tokens] (stops early once every row emitted ``eos_token_id``).
 
         ``temperature=0`` is greedy decoding; it yields exactly the tokens that repeated full
         forwards in eval (causal routing) mode would pick. ``cuda_graph`` (default: on CUDA): the
         one-token steps after the prompt are replayed as one CUDA graph (the first runs eagerly, the
         second is captured); launched one by one, the step's hundreds of small kernels leave the GPU idle.
+        ``compile_step`` (default: where the step can be captured, i.e. on CUDA): the step is
+        ``torch.compile``d first (static shapes, see ``decode_forward``), so the graph replays fused
+        kernels instead of hundreds of tiny eager ones; the first ``generate`` of a (batch, cache
+        length) compiles, later ones reuse it. Its cache is then allocated for a power-of-two number of
+        positions (capped at ``max_seq_len``), so prompts of similar length share one compilation.
         """
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [batch, length>0], got shape {tuple(input_ids.shape)}")
@@ -264,13 +270,17 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         if graphed and not capturable:
             raise ValueError("cuda_graph=True needs the model and the prompt on a CUDA device and, with MoE, bf16 "
                              "(weights or autocast); pass cuda_graph=False")
+        compiled = capturable if compile_step is None else compile_step
+        # Free slots are masked out, so a longer cache gives the same tokens; bucketing its length
+        # keeps the compiled step's static shapes (and its compilations) few.
+        length = min(self.config.max_seq_len, max(64, 1 << (total - 1).bit_length())) if compiled else total
         was_training = self.training
         self.eval()
         try:
-            caches = self.init_cache(b, total)
+            caches = self.init_cache(b, length)
             tokens = input_ids
             logits = self.forward_cached(input_ids, 0, caches)
-            step = DecodeStep(self, caches, b, input_ids.device, graphed)
+            step = DecodeStep(self, caches, b, input_ids.device, graphed, compiled)
             done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
             for i in range(max_new_tokens):
                 nxt = sample_next(logits, temperature, top_k, top_p, generator)
@@ -338,19 +348,49 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         return n
 
 
-class DecodeStep:
-    """One-token decoding step on fixed input buffers (token, position), replayed as a CUDA graph when
-    ``graphed``. The logits it returns are overwritten by the next call."""
+def decode_forward(model: HydraModel, ids: torch.Tensor, pos: torch.Tensor, caches: list, autocast: bool,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """One cached step of ``ids`` [B, 1] at positions ``pos`` [B, 1] (both tensors: a new position is
+    new data, not a new Python constant to guard on), under the caller's autocast without its cast
+    cache (the cache would hold tensors across a graph capture)."""
+    with torch.autocast(ids.device.type, dtype=dtype, enabled=autocast, cache_enabled=False):
+        return model.forward_cached(ids, pos, caches)
 
-    def __init__(self, model: HydraModel, caches: list, batch: int, device: torch.device, graphed: bool):
+
+# torch.compile backend of the compiled decode step. Tests on a CPU use "aot_eager": inductor's C++
+# code generation fails on this graph in some CPU builds, and the CUDA path generates Triton instead.
+DECODE_BACKEND = "inductor"
+_compiled_decode: dict = {}
+
+
+def compiled_decode_forward(backend=None):
+    """``decode_forward`` under ``torch.compile`` (mode default, ``dynamic=False``): one static graph
+    per (batch, cache length, dtype), reused by every position and every later ``generate``; one
+    compiled callable per backend, so repeated steps hit the same cache entries. The step reads no
+    device value on the host (routing keeps every entry and masks it), so the graph has no break and
+    can be captured in a CUDA graph around it."""
+    backend = DECODE_BACKEND if backend is None else backend
+    fn = _compiled_decode.get(backend)
+    if fn is None:
+        fn = _compiled_decode[backend] = torch.compile(decode_forward, backend=backend, dynamic=False)
+    return fn
+
+
+class DecodeStep:
+    """One-token decoding step on fixed input buffers (token, position), compiled when ``compiled``
+    (``compiled_decode_forward``; ``backend`` for torch.compile) and replayed as a CUDA graph when
+    ``graphed`` (the first call runs, and compiles, eagerly; the second is captured). The logits it
+    returns are overwritten by the next call."""
+
+    def __init__(self, model: HydraModel, caches: list, batch: int, device: torch.device, graphed: bool,
+                 compiled: bool = False, backend=None):
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         autocast, dtype = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+        forward = compiled_decode_forward(backend) if compiled else decode_forward
 
         def step() -> torch.Tensor:
-            # The caller's autocast, without its cast cache (it would hold tensors across the capture).
-            with torch.autocast(device.type, dtype=dtype, enabled=autocast, cache_enabled=False):
-                return model.forward_cached(self.ids, self.pos, caches)
+            return forward(model, self.ids, self.pos, caches, autocast, dtype)
 
         self._run = GraphedStep(step, warmup=1) if graphed else step
 

@@ -109,6 +109,16 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
     return SpeedPlan(scope, cfg.compile_mode, graphs, ce_impl, cfg.chunked_ce_size)
 
 
+def enable_tf32(device: torch.device) -> bool:
+    """On CUDA, let fp32 matmuls and convolutions use TF32 tensor cores (what bf16 autocast leaves in
+    fp32: optimizer math, the loss's accumulations); True when set."""
+    if device.type != "cuda":
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return True
+
+
 def apply_speed_plan(model, wrapped: torch.nn.Module, plan: SpeedPlan):
     """Set the model's loss path and compile what ``plan`` says; returns what a step calls: ``wrapped``
     (the model, or its FSDP2/DDP wrapper) itself, or a compiled module around it."""

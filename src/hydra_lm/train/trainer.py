@@ -21,7 +21,7 @@ from ..model.factory import create_model
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from .batch_filter import BatchFilter
-from .compile_policy import apply_speed_plan, resolve_speed_options
+from .compile_policy import apply_speed_plan, enable_tf32, resolve_speed_options
 from .checkpoint import DISK_FULL, CheckpointError, capture_rng, disk_full_error, restore_rng, verify
 from .curriculum import Curriculum, CurriculumPlan
 from .data_io import ValSet, train_loader
@@ -54,9 +54,7 @@ class Trainer:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+        enable_tf32(self.device)
         self.plan = resolve_speed_options(cfg, self.device, self.dist.enabled)
         self.model = create_model(setup.model_cfg).to(self.device)
         self._check_features()

@@ -1,0 +1,206 @@
+"""One-call speed setup for a model outside ``hydra-lm train``: ``optimize_for_gpu`` prepares a model
+and ``create_optimized_training_setup`` adds the optimizer and the training step. Both only detect the
+device and then defer to the trainer's own code: the speed policy (``compile_policy``), the parameter
+groups and optimizers (``optim``) and the step (``step.TrainStep``), so a model trained here runs the
+same kernels, graphs and loss path as under ``hydra-lm train`` with the same settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..model.hydra import HydraModel
+from .compile_policy import SpeedPlan, apply_speed_plan, enable_tf32, resolve_speed_options
+from .optim import build_optimizer, set_lr
+from .options import TrainConfig, check_train_keys
+from .run import pick_device
+from .step import TrainStep
+
+# What a setup's optimizer and step take when not given: the trainer's per-preset values (all presets
+# clip at 1.0), one micro-batch per step, and a learning rate usual for small models.
+SETUP_DEFAULTS = dict(lr=3e-4, grad_clip=1.0, grad_accum=1)
+
+
+@dataclass(frozen=True)
+class DeviceCapabilities:
+    """What the device offers to the speed options, each field named for what was detected."""
+
+    device: torch.device
+    name: str
+    compute_capability: tuple[int, int] | None  # CUDA only
+    tf32_matmul: bool  # tensor cores with TF32 (compute capability 8.0 and newer)
+    bf16_autocast: bool  # bf16 kernels (the training step's autocast on CUDA)
+    triton_compile: bool  # torch.compile can generate GPU kernels (Triton is installed and supports the GPU)
+    cuda_graphs: bool  # steps can be captured and replayed as CUDA graphs
+
+    def describe(self) -> str:
+        if self.device.type != "cuda":
+            return f"{self.name}: no CUDA device"
+        major, minor = self.compute_capability
+        have = [n for n, ok in (("TF32", self.tf32_matmul), ("bf16", self.bf16_autocast),
+                                ("Triton compile", self.triton_compile), ("CUDA graphs", self.cuda_graphs)) if ok]
+        return f"{self.name} (sm_{major}{minor}): {', '.join(have) or 'none of TF32, bf16, Triton compile'}"
+
+
+def detect_device_capabilities(device: torch.device | str | None = None) -> DeviceCapabilities:
+    device = pick_device("auto" if device is None else str(device))
+    if device.type != "cuda":
+        return DeviceCapabilities(device, "cpu", None, False, False, False, False)
+    capability = torch.cuda.get_device_capability(device)
+    try:
+        from torch.utils._triton import has_triton
+
+        triton = has_triton()
+    except ImportError:
+        triton = False
+    return DeviceCapabilities(device, torch.cuda.get_device_name(device), capability, capability >= (8, 0),
+                              torch.cuda.is_bf16_supported(), triton, True)
+
+
+@dataclass
+class OptimizedModel:
+    """``model`` (on the device, its units compiled in place when the plan says so) and ``module``: what a
+    forward calls (``model`` itself, or a compiled module around it). ``description``: what was applied."""
+
+    model: nn.Module
+    module: nn.Module
+    plan: SpeedPlan
+    capabilities: DeviceCapabilities
+    applied: list[str]
+
+    @property
+    def device(self) -> torch.device:
+        return self.capabilities.device
+
+    @property
+    def description(self) -> str:
+        return f"{self.capabilities.describe()} -> " + "; ".join(self.applied)
+
+    def autocast(self):
+        """The training step's autocast (bf16 on CUDA), for forwards outside a step."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+
+
+def _train_config(options: dict[str, Any]) -> TrainConfig:
+    check_train_keys(options, "the optimized setup's options")
+    unset = {k: v for k, v in SETUP_DEFAULTS.items() if options.get(k) is None}
+    return TrainConfig(**{**options, **unset})
+
+
+def _prepare(model: nn.Module, cfg: TrainConfig, device: torch.device | str | None) -> OptimizedModel:
+    caps = detect_device_capabilities(device)
+    if caps.device.type == "cuda" and not caps.triton_compile and cfg.compile is None:
+        cfg = cfg.replace(compile=False)  # no kernel generator: the policy's automatic compile cannot run
+    plan = resolve_speed_options(cfg, caps.device, distributed=False)
+    hydra = isinstance(model, HydraModel)
+    if not hydra:  # the routed units and the fused loss exist in a HydraModel only: compile the whole model
+        plan = dataclasses.replace(plan, compile="model" if plan.compile else None, ce_impl="naive")
+    model.to(caps.device)
+    applied = ["TF32 matmul"] if enable_tf32(caps.device) and caps.tf32_matmul else []
+    if caps.device.type == "cuda":
+        applied.append("bf16 autocast" if caps.bf16_autocast else "bf16 autocast (not native on this GPU: slow)")
+    if hydra:
+        module = apply_speed_plan(model, model, plan)
+    else:
+        module = torch.compile(model, mode=plan.compile_mode) if plan.compile else model
+    applied += plan.describe()
+    if caps.device.type != "cuda":
+        warnings.warn(f"no CUDA device: the model runs eagerly on {caps.device} (no compile, CUDA graphs or fused "
+                      "loss)", stacklevel=3)
+    elif hydra and plan.compile is not None:
+        applied.append("decoding: compiled one-token step in a CUDA graph (generate)")
+    return OptimizedModel(model, module, plan, caps, applied)
+
+
+def optimize_for_gpu(model: nn.Module, device: torch.device | str | None = None, **options: Any) -> OptimizedModel:
+    """Prepare ``model`` as ``hydra-lm train`` would on this device (default: CUDA if present): TF32
+    matmuls, the speed plan of ``compile_policy`` (a HydraModel: its routed units compiled, fused chunked
+    loss; any other module: compiled whole) and the plan's CUDA graphs, which a training step captures
+    (``create_optimized_training_setup``). ``options``: the train flags of the same names (``compile``,
+    ``compile_mode``, ``compile_regions``, ``cuda_graph``, ``chunked_ce``, ``ce_impl``, ``optimizer``...),
+    automatic when left out. Without CUDA it warns and leaves the model eager."""
+    return _prepare(model, _train_config(options), device)
+
+
+@dataclass
+class TrainingSetup:
+    """The optimizer and the trainer's step for one model: ``step(batch)`` runs forward and backward of
+    each micro-batch, clips and updates (as CUDA graphs where the plan captures them) and returns device
+    tensors (no host sync): loss, ce_loss, aux_loss, ponder_loss, moe_loss (means over the micro-batches),
+    grad_norm and routing_stats."""
+
+    optimized: OptimizedModel
+    optimizer: torch.optim.Optimizer
+    train_step: TrainStep
+    grad_accum: int
+
+    @property
+    def model(self) -> nn.Module:
+        return self.optimized.model
+
+    @property
+    def description(self) -> str:
+        return self.optimized.description
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate (in place where a captured step reads it from the device)."""
+        set_lr(self.optimizer, lr)
+
+    def step(self, batch: dict[str, torch.Tensor] | torch.Tensor | list) -> dict[str, torch.Tensor]:
+        """``batch``: {"input_ids", "targets"[, "doc_ids"]}, or input ids alone (targets: the next token,
+        the last position ignored), or a list of ``grad_accum`` such micro-batches."""
+        micro = batch if isinstance(batch, list) else [batch]
+        if len(micro) != self.grad_accum:
+            raise ValueError(f"{len(micro)} micro-batches given; this setup accumulates {self.grad_accum} per step "
+                             "(grad_accum): pass a list of that many")
+        if not self.model.training:
+            self.model.train()
+        parts, stats = None, None
+        for inputs in micro:
+            p, s = self.train_step.micro(_as_inputs(inputs))
+            parts = p.clone() if parts is None else parts + p  # CUDA graphs reuse their output memory
+            stats = s.clone()
+        grad_norm = self.train_step.update().detach().clone()
+        parts = parts / self.grad_accum
+        out = dict(zip(("loss", "ce_loss", "aux_loss", "ponder_loss", "moe_loss"), parts.unbind()))
+        return {**out, "grad_norm": grad_norm, "routing_stats": stats}
+
+
+def _as_inputs(batch: dict[str, torch.Tensor] | torch.Tensor) -> dict[str, torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        targets = torch.roll(batch, -1, 1)
+        targets[:, -1] = -100  # no next token to predict
+        return {"input_ids": batch, "targets": targets}
+    unknown = set(batch) - {"input_ids", "targets", "doc_ids"}
+    if unknown or "input_ids" not in batch or "targets" not in batch:
+        raise ValueError(f"a batch is {{'input_ids', 'targets'[, 'doc_ids']}}, got keys {sorted(batch)}")
+    return dict(batch)
+
+
+def create_optimized_training_setup(model: nn.Module, lr: float = SETUP_DEFAULTS["lr"], optimizer: str = "adamw",
+                                    device: torch.device | str | None = None, **options: Any) -> TrainingSetup:
+    """``optimize_for_gpu`` plus the trainer's optimizer (``optim.build_optimizer``: decoupled weight
+    decay on 2-D weights, fused AdamW on CUDA) and its step (``step.TrainStep``). ``options``: train
+    flags such as ``weight_decay``, ``beta1``, ``beta2``, ``grad_clip`` (1.0), ``grad_accum`` (1),
+    ``cuda_graphs_warmup`` and the speed flags of ``optimize_for_gpu``. The model must return the
+    HydraModel's output dict (``loss``, ``ce_loss``, the router losses, ``routing_stats``) when given
+    targets."""
+    cfg = _train_config({**options, "lr": lr, "optimizer": optimizer})
+    for name in ("grad_accum", "cuda_graphs_warmup"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name}={getattr(cfg, name)} must be >= 1")
+    optimized = _prepare(model, cfg, device)
+    opt = build_optimizer(model, cfg, optimized.device)
+    train_step = TrainStep(model, optimized.module, opt, optimized.device, optimized.plan, cfg.grad_accum,
+                           cfg.grad_clip, cfg.cuda_graphs_warmup)
+    model.train()
+    return TrainingSetup(optimized, opt, train_step, cfg.grad_accum)
+
+
+__all__ = ["DeviceCapabilities", "OptimizedModel", "TrainingSetup", "create_optimized_training_setup",
+           "detect_device_capabilities", "optimize_for_gpu"]

@@ -1,0 +1,85 @@
+"""``hydra_lm.optimize_for_gpu`` / ``create_optimized_training_setup``: the trainer's speed policy and
+step behind one call (CPU here: eager, with a warning; the CUDA path is in test_gpu.py)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hydra_lm
+from hydra_lm.train.compile_policy import apply_speed_plan, resolve_speed_options
+from hydra_lm.train.optim import build_optimizer
+from hydra_lm.train.options import TrainConfig
+from hydra_lm.train.step import TrainStep
+
+from support import TINY, tiny_model
+
+
+def _batches(n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, TINY["vocab_size"], (4, 32), generator=g)
+        out.append({"input_ids": ids, "targets": torch.roll(ids, -1, 1)})
+    return out
+
+
+def test_setup_trains_eagerly_on_cpu_and_says_so():
+    with pytest.warns(UserWarning, match="eagerly"):
+        setup = hydra_lm.create_optimized_training_setup(tiny_model(), lr=3e-3)
+    assert "eager" in setup.description and setup.train_step.graphs is None
+    assert isinstance(setup.optimizer, torch.optim.AdamW)
+    batch = _batches(1)[0]
+    losses = [float(setup.step(batch)["loss"]) for _ in range(6)]
+    assert losses[-1] < losses[0] - 0.05, losses
+    out = setup.step(batch["input_ids"])  # ids alone: next-token targets
+    assert set(out) == {"loss", "ce_loss", "aux_loss", "ponder_loss", "moe_loss", "grad_norm", "routing_stats"}
+    with pytest.raises(ValueError, match="grad_accum"):
+        setup.step([batch, batch])
+
+
+def test_setup_step_is_the_trainers_step():
+    """Same seed, same batches: the setup's losses equal those of TrainStep built as the trainer does."""
+    with pytest.warns(UserWarning):
+        setup = hydra_lm.create_optimized_training_setup(tiny_model(), lr=1e-3, weight_decay=0.05)
+    model, cfg, cpu = tiny_model(), TrainConfig(lr=1e-3, weight_decay=0.05, grad_clip=1.0, grad_accum=1), \
+        torch.device("cpu")
+    plan = resolve_speed_options(cfg, cpu, distributed=False)
+    step = TrainStep(model, apply_speed_plan(model, model, plan), build_optimizer(model, cfg, cpu), cpu, plan, 1, 1.0)
+    model.train()
+    got, want = [], []
+    for batch in _batches(5):
+        got.append(float(setup.step(batch)["loss"]))
+        parts, _ = step.micro(batch)
+        step.update()
+        want.append(float(parts[0]))
+    assert got == want
+
+
+def test_gradient_accumulation_takes_a_list_of_micro_batches():
+    with pytest.warns(UserWarning):
+        setup = hydra_lm.create_optimized_training_setup(tiny_model(), grad_accum=2)
+    out = setup.step(_batches(2))
+    assert torch.isfinite(out["loss"]) and out["grad_norm"] > 0
+
+
+def test_optimize_for_gpu_on_cpu_is_eager_for_any_module():
+    model = tiny_model()
+    with pytest.warns(UserWarning, match="eagerly"):
+        opt = hydra_lm.optimize_for_gpu(model)
+    assert opt.module is model and opt.plan.compile is None and not opt.plan.cuda_graph
+    assert opt.capabilities.device.type == "cpu" and "eager" in opt.description
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with pytest.warns(UserWarning):
+        assert hydra_lm.optimize_for_gpu(plain).module is plain
+    with pytest.raises(ValueError, match="unknown training key"):
+        hydra_lm.optimize_for_gpu(model, compiel=True)
+
+
+def test_root_exports_are_lazy():
+    code = ("import sys, hydra_lm; assert 'hydra_lm.train.optimize' not in sys.modules; "
+            "from hydra_lm import optimize_for_gpu, create_optimized_training_setup; "
+            "assert 'hydra_lm.train.optimize' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert "optimize_for_gpu" in hydra_lm.__all__
