@@ -1,4 +1,4 @@
-"""The compiled one-token decode step (``generate(compile_step=True)``, the default on CUDA) against the
+"""The compiled one-token decode step (``generate(compile_step=True)``, opt-in) against the
 eager step: the same greedy tokens, one graph without breaks, no recompilation per position."""
 
 import pytest
@@ -43,7 +43,7 @@ def test_compiled_decode_step_gives_the_eager_steps_greedy_tokens(aot_eager, ove
     assert torch.equal(compiled, tokens)
 
 
-def test_compile_step_off_by_default_on_cpu(monkeypatch):
+def test_compile_step_is_opt_in(monkeypatch):
     calls = []
     monkeypatch.setattr(hydra_module, "compiled_decode_forward", lambda backend=None: calls.append(backend))
     model = tiny_model().eval()

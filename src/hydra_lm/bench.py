@@ -209,7 +209,7 @@ def bench_inference(model, cfg: BenchConfig, device: torch.device) -> dict[str, 
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         model(ids)  # warm-up
         result["prefill_tokens_per_s"] = ids.numel() / _timed(lambda: model(ids), device)
-        compiled = model.decode_capturable() if cfg.decode_compile is None else cfg.decode_compile
+        compiled = cfg.decode_compile
         for batch in cfg.decode_batch_sizes():
             result[f"decode_tokens_per_s_batch{batch}"] = decode_tokens_per_s(model, batch, cfg.new_tokens, device,
                                                                               compiled=compiled)

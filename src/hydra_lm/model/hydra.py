@@ -240,15 +240,15 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
                  generator: torch.Generator | None = None, cuda_graph: bool | None = None,
-                 compile_step: bool | None = None) -> torch.Tensor:
+                 compile_step: bool = False) -> torch.Tensor:
         """Prompt [B, T] -> [B, T + max_new_tokens] (stops early once every row emitted ``eos_token_id``).
 
         ``temperature=0`` is greedy decoding; it yields exactly the tokens that repeated full
         forwards in eval (causal routing) mode would pick. ``cuda_graph`` (default: on CUDA): the
         one-token steps after the prompt are replayed as one CUDA graph (the first runs eagerly, the
         second is captured); launched one by one, the step's hundreds of small kernels leave the GPU idle.
-        ``compile_step`` (default: where the step can be captured, i.e. on CUDA): the step is
-        ``torch.compile``d first (static shapes, see ``decode_forward``), so the graph replays fused
+        ``compile_step`` (opt-in: on an H100 the compile of the 100M preset's step had not finished
+        after 160 s, see benchmarks/BENCHMARKS.md): the step is ``torch.compile``d first (static shapes, see ``decode_forward``), so the graph replays fused
         kernels instead of hundreds of tiny eager ones; the first ``generate`` of a (batch, cache
         length) compiles, later ones reuse it. Its cache is then allocated for a power-of-two number of
         positions (capped at ``max_seq_len``), so prompts of similar length share one compilation.
@@ -270,7 +270,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         if graphed and not capturable:
             raise ValueError("cuda_graph=True needs the model and the prompt on a CUDA device and, with MoE, bf16 "
                              "(weights or autocast); pass cuda_graph=False")
-        compiled = capturable if compile_step is None else compile_step
+        compiled = compile_step
         # Free slots are masked out, so a longer cache gives the same tokens; bucketing its length
         # keeps the compiled step's static shapes (and its compilations) few.
         length = min(self.config.max_seq_len, max(64, 1 << (total - 1).bit_length())) if compiled else total
