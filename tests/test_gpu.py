@@ -146,7 +146,7 @@ def test_graph_captured_decoding_matches_eager_decoding(overrides):
 
 
 def test_compiled_decode_step_matches_the_eager_step():
-    """generate's default on CUDA (the step compiled, then captured): in float64 the eager loop's greedy
+    """generate(compile_step=True) on CUDA (the step compiled, then captured): in float64 the eager loop's greedy
     tokens, one graph without breaks or recompiles; in bf16 (the 100M preset's layout, shrunk) the
     eager step's logits within bf16 tolerance, teacher-forced so that a flipped tie cannot diverge."""
     from hydra_lm.model.hydra import DecodeStep
@@ -157,8 +157,8 @@ def test_compiled_decode_step_matches_the_eager_step():
     prompt = _ids(3, 7, TINY["vocab_size"])
     eager = model.generate(prompt, max_new_tokens=20, cuda_graph=False, compile_step=False)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert torch.equal(model.generate(prompt, max_new_tokens=20), eager)
-        assert torch.equal(model.generate(prompt, max_new_tokens=25)[:, :27], eager)
+        assert torch.equal(model.generate(prompt, max_new_tokens=20, compile_step=True), eager)
+        assert torch.equal(model.generate(prompt, max_new_tokens=25, compile_step=True)[:, :27], eager)
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
 
