@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hydra_lm.model.routing import Router
+from hydra_lm.model.routing import ExpertChoiceRouter
 from hydra_lm.train.evaluate import evaluate, routing_warnings
 
 from support import TINY, tiny_model
@@ -17,8 +17,8 @@ def _batch(seed: int, b: int = TOKENS["b"], t: int = TOKENS["t"], vocab: int = T
     return {"input_ids": ids, "targets": torch.roll(ids, -1, 1)}
 
 
-def _routers(model) -> list[Router]:
-    return [m for m in model.modules() if isinstance(m, Router)]
+def _routers(model) -> list[ExpertChoiceRouter]:
+    return [m for m in model.modules() if isinstance(m, ExpertChoiceRouter)]
 
 
 def _calibrate(model, batches: int = 8) -> None:

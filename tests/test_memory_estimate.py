@@ -45,6 +45,7 @@ def test_optimizer_state_matches_what_the_optimizer_allocates(optimizer):
     assert optimizer_state_bytes(model, optimizer) == allocated
 
 
+@pytest.mark.slow  # a 4 x 1024 training run in a subprocess: ~30 s on 2 cores
 def test_peak_estimate_is_within_15_percent_of_a_measured_cpu_run():
     shape = (4, 1024, 2048)  # activations dominate, as in real runs; small shapes are mostly allocator noise
     # A fixed mmap threshold makes glibc return freed blocks, so the peak RSS is the peak in use.

@@ -154,8 +154,8 @@ def test_deeper_recursions_take_a_subset_of_the_shallower_ones():
     chosen = []
     original = block.routers["1"].select
 
-    def spy(x, valid, k, mode, row_len, _orig=original):
-        sel = _orig(x, valid, k, mode, row_len)
+    def spy(x, valid, k, mode, row_len, _orig=original, **kw):
+        sel = _orig(x, valid, k, mode, row_len, **kw)
         chosen.append((x.shape[1], sel.order))
         return sel
     block.routers["1"].select = spy
@@ -285,3 +285,11 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         model(ids, targets=torch.roll(ids, -1, 1))["loss"].backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_inactive_token_choice_router_keeps_one_stats_row_per_router_name():
+    model = tiny_model(mor_routing="token").train()
+    model.set_curriculum(mor_active=False)  # the curriculum's MoR-off phase: every depth passes through
+    out = model(_ids(2, 40))
+    assert out["routing_stats"].shape == (len(model.router_names()), 3)
+    assert float(out["ponder_loss"]) == 0.0

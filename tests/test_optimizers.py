@@ -136,6 +136,7 @@ def test_muon_refuses_fsdp_shards():
     optim.check_optimizer_features(TrainConfig(optimizer="muon"), DistInfo(world_size=2, parallel="ddp"))
 
 
+@pytest.mark.slow  # two CLI training runs, one compiled (like the other compile runs)
 def test_compiled_muon_step_gives_the_eager_numbers(tiny_data, tmp_path, monkeypatch):
     from torch._dynamo.testing import CompileCounterWithBackend
 

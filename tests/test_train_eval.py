@@ -31,18 +31,18 @@ def test_causal_pass_never_routes_top_k(monkeypatch):
     model = tiny()
     model.eval_routing = "topk"  # a model whose eval default is top-k must still give a causal number
     events = []
-    original_forward, original_select = model.forward, routing.Router.select
+    original_forward, original_select = model.forward, routing.ExpertChoiceRouter.select
 
     def forward(*args, routing=None, **kw):
         events.append(("forward", routing))
         return original_forward(*args, routing=routing, **kw)
 
-    def select(self, x, valid, k, mode, row_len):
+    def select(self, x, valid, k, mode, row_len, **kw):
         events.append(("router", mode))
-        return original_select(self, x, valid, k, mode, row_len)
+        return original_select(self, x, valid, k, mode, row_len, **kw)
 
     monkeypatch.setattr(model, "forward", forward)
-    monkeypatch.setattr(routing.Router, "select", select)
+    monkeypatch.setattr(routing.ExpertChoiceRouter, "select", select)
     result = evaluate(model, batches(), torch.device("cpu"))
     current, seen = None, {"causal": set(), "topk": set()}
     for kind, mode in events:

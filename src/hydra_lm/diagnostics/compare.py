@@ -170,7 +170,8 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
     runs = []
     for v in variants:
         model_cfg = model_config(v.overrides)
-        values = {**shared, **pinned, **v.train, "data": str(info.path), "out": str(out_dir / "runs" / v.name), "arch": v.arch,
+        values = {**shared, **pinned, **v.train, "data": str(info.path), "out": str(out_dir / "runs" / v.name),
+                  "arch": v.arch,
                   "model": {**base.model, **{k: x for k, x in v.overrides.items() if k != "arch"}}}
         if budget.kind == "seconds":
             steps = shared.get("max_steps") or SECONDS_CLOCK_STEPS

@@ -1,4 +1,7 @@
-"""PNG plots of `hydra-lm compare` and `hydra-lm scaling` results (matplotlib, Agg canvas, no display)."""
+"""PNG plots of `hydra-lm compare` and `hydra-lm scaling` results (matplotlib, Agg canvas, no display).
+
+The package's only plotting code: every figure goes through ``_figure``, ``_finish`` and ``_save``.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from .routing_health import GAP_TOLERANCE
 
+from .routing_health import GAP_TOLERANCE
 
 
 def _figure(width: float = 7.0, height: float = 4.5):
@@ -27,6 +30,14 @@ def _save(fig, path: Path) -> Path:
     fig.savefig(tmp, format="png")
     os.replace(tmp, path)
     return path
+
+
+def _finish(ax, x_label: str, y_label: str, title: str, legend_columns: int = 1, **grid) -> None:
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, **grid)
+    ax.legend(fontsize=7, ncol=legend_columns)
 
 
 def _colors(names: list[str]) -> dict[str, Any]:
@@ -60,11 +71,7 @@ def write_compare_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
             ax.plot(x, [p["val_loss_causal"] for p in pts], "-o", ms=3, color=colors[vname], label=f"{vname} causal")
             ax.plot(x, [p["val_loss_topk"] for p in pts], "--", color=colors[vname], alpha=0.6,
                     label=f"{vname} top-k")
-        ax.set_xlabel(label)
-        ax.set_ylabel("validation loss (nats/token)")
-        ax.set_title(f"validation loss vs {label.split(' (')[0]}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
+        _finish(ax, label, "validation loss (nats/token)", f"validation loss vs {label.split(' (')[0]}", 2)
         paths.append(_save(fig, out_dir / name))
     paths.append(_routing_plot(variants, colors, out_dir / "routing_exec_fraction.png"))
     paths.append(_depth_plot(variants, colors, out_dir / "mor_depth_histogram.png"))
@@ -86,11 +93,8 @@ def _routing_plot(variants: dict[str, Any], colors: dict[str, Any], path: Path) 
                        color=colors[name], s=25, label=name)
         ax.set_xlim(0, 1.05)
         ax.set_ylim(0, 1.05)
-        ax.set_xlabel("target share of tokens (top-k training)")
-        ax.set_ylabel("executed share, causal routing")
-        ax.set_title("per-router executed fraction vs target (final checkpoint)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _finish(ax, "target share of tokens (top-k training)", "executed share, causal routing",
+                "per-router executed fraction vs target (final checkpoint)")
     return _save(fig, path)
 
 
@@ -109,12 +113,9 @@ def _depth_plot(variants: dict[str, Any], colors: dict[str, Any], path: Path) ->
             ax.scatter(x, d["target"], marker="_", s=200, color="black", zorder=3,
                        label="target" if i == 0 else None)
         ax.set_xticks(range(1, max(len(d["causal"]) for d in deep.values()) + 1))
-        ax.set_xlabel("recursion depth")
-        ax.set_ylabel("fraction of tokens reaching it")
         ax.set_ylim(0, 1.05)
-        ax.set_title("MoR depth histogram (final checkpoint, mean over blocks)")
-        ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=7)
+        _finish(ax, "recursion depth", "fraction of tokens reaching it",
+                "MoR depth histogram (final checkpoint, mean over blocks)", axis="y")
     return _save(fig, path)
 
 
@@ -127,11 +128,7 @@ def _gap_plot(variants: dict[str, Any], colors: dict[str, Any], path: Path) -> P
             ax.plot([p["tokens"] for p in pts], [p["gap"] for p in pts], "-o", ms=3, color=colors[name], label=name)
     ax.axhline(GAP_TOLERANCE, color="red", lw=0.8, ls=":", label=f"warning at {GAP_TOLERANCE}")
     ax.axhline(0.0, color="black", lw=0.6)
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("causal - top-k validation loss (nats)")
-    ax.set_title("causal-minus-top-k gap over training")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    _finish(ax, "training tokens", "causal - top-k validation loss (nats)", "causal-minus-top-k gap over training")
     return _save(fig, path)
 
 
@@ -156,9 +153,5 @@ def write_scaling_plot(groups: dict[str, dict[str, Any]], x_label: str, path: Pa
     if predict:
         ax.axvline(predict, color="gray", ls=":", lw=0.8)
     ax.set_xscale("log")
-    ax.set_xlabel(x_label)
-    ax.set_ylabel("validation loss, causal (nats/token)")
-    ax.set_title("scaling fit L(C) = a*C^-b + c")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    _finish(ax, x_label, "validation loss, causal (nats/token)", "scaling fit L(C) = a*C^-b + c", which="both")
     return _save(fig, path)

@@ -23,20 +23,12 @@ STARVATION_TOLERANCE = FRAC_WARN  # |causal executed fraction - target|, absolut
 GAP_TOLERANCE = GAP_WARN  # nats of causal loss above the top-k loss
 
 
-def router_depths(block) -> list[tuple[str, int]]:
-    """(router name, depth it gates) for a block, in the order of the model's routing statistics."""
-    depths = [int(j) for j in block.routers]
-    if block.depth_router is not None:
-        depths += list(range(1, block.recursions))
-    return list(zip(block.router_names(), depths))
-
-
 def router_targets(model, seq_len: int) -> dict[str, float]:
     """Each router's trained share of the row: its depth's top-k tokens / sequence length."""
     out = {}
     for block in model.blocks:
         counts = block.tokens_per_depth(seq_len)
-        for name, depth in router_depths(block):
+        for name, depth in block.router_depths():
             out[name] = counts[depth] / seq_len
     return out
 
@@ -82,7 +74,7 @@ def depth_profile(model, routers: dict[str, dict[str, float]], seq_len: int) -> 
         return None
     causal_rows, target_rows = [], []
     for block in (b for b in model.blocks if b.recursions == deepest):
-        gated = {depth: name for name, depth in router_depths(block)}
+        gated = {depth: name for name, depth in block.router_depths()}
         counts = block.tokens_per_depth(seq_len)
         row, share = [], 1.0
         for depth in range(deepest):

@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..config import HydraConfig
 from .attention import AttentionCache
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
-from .routing import DepthRouter, Router, Selection, masked_selection
+from .routing import Router, build_routers, pass_through
 
 
 class TransformerLayer(nn.Module):
@@ -68,30 +69,23 @@ def _gather_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 class RecursiveBlock(nn.Module):
     """A stack of layers recursed ``len(depth_fractions)`` times on routed tokens.
 
-    ``depth_fractions[j]`` is the fraction of the row processed at depth j (non-increasing). A depth
-    whose fraction is below the previous one gets an expert-choice router: "mod" at depth 0, "mor"
-    deeper. With ``token_choice`` a single depth router decides each token's depth instead.
+    ``depth_fractions[j]`` is the fraction of the row processed at depth j (non-increasing); which
+    router gates which depth is ``routing.build_routers``' decision.
     """
 
-    def __init__(self, layers: list[nn.Module], depth_fractions: list[float], mor_gate_scale: float = 0.1,
-                 token_choice: bool = False, name: str = "block"):
+    def __init__(self, layers: list[nn.Module], depth_fractions: list[float], config: HydraConfig,
+                 name: str = "block"):
         super().__init__()
         dim = layers[0].attn_norm.weight.shape[0]
         self.layers = nn.ModuleList(layers)
         self.depth_fractions = list(depth_fractions)
         self.recursions = len(depth_fractions)
         self.name = name
+        if any(b > a + 1e-9 for a, b in zip([1.0, *self.depth_fractions], self.depth_fractions)):
+            raise ValueError(f"{name}: depth fractions must not increase, got {self.depth_fractions}")
         self.rec_emb = nn.Parameter(torch.zeros(self.recursions, dim)) if self.recursions > 1 else None
-        self.routers = nn.ModuleDict()
-        previous = 1.0
-        for j, frac in enumerate(self.depth_fractions):
-            if frac > previous + 1e-9:
-                raise ValueError(f"{name}: depth fractions must not increase, got {self.depth_fractions}")
-            if frac < previous - 1e-9 and (j == 0 or not token_choice):
-                kind = "mod" if j == 0 else "mor"
-                self.routers[str(j)] = Router(dim, kind, 1.0 if kind == "mod" else mor_gate_scale)
-            previous = frac
-        self.depth_router = DepthRouter(dim, self.recursions) if token_choice and self.recursions > 1 else None
+        # Two attributes, not one list: their names are the checkpoints' state-dict keys.
+        self.routers, self.depth_router = build_routers(config, dim, self.depth_fractions)
         # Curriculum switches (training schedule): an inactive router lets every candidate through
         # with weight 1, so MoD-off is a dense block and MoR-off is fixed full depth.
         self.mod_active = True
@@ -101,24 +95,33 @@ class RecursiveBlock(nn.Module):
         self.layer_regions = False  # HydraModel.compile_regions: layers as nested compile regions
         self.compiled_unit = None  # HydraModel.compile_units: a compiled run_unit, shared by all blocks
 
+    # ------------------------------------------------------------------ routers
+    def all_routers(self) -> list[Router]:
+        return [*self.routers.values(), *([] if self.depth_router is None else [self.depth_router])]
+
+    def router_depths(self) -> list[tuple[str, int]]:
+        """(router name, depth it gates), in the order of the block's routing statistics."""
+        return [(name, j) for r in self.all_routers() for name, j in zip(r.names(self.name), r.depths)]
+
+    def router_names(self) -> list[str]:
+        return [name for name, _ in self.router_depths()]
+
+    def _active(self, router: Router) -> bool:
+        return self.mod_active if router.kind == "mod" else self.mor_active
+
     # ------------------------------------------------------------------ static bookkeeping
     def tokens_per_depth(self, seq_len: int) -> list[int]:
         """Tokens per row that each depth runs on in top-k mode (token-choice depths: an upper bound)."""
+        fixed = {j for r in self.all_routers() if r.fixed_k for j in r.depths}
         counts, previous = [], seq_len
         entry = self.depth_fractions[0]
         for j, frac in enumerate(self.depth_fractions):
             if j > 0 and self.mor_ramp != 1.0:
                 frac = entry + self.mor_ramp * (frac - entry)
-            if str(j) in self.routers:
+            if j in fixed:
                 previous = min(previous, max(1, round(frac * seq_len)))
             counts.append(previous)
         return counts
-
-    def router_names(self) -> list[str]:
-        names = [f"{self.name}.{'mod' if j == '0' else 'mor'}{j}" for j in self.routers]
-        if self.depth_router is not None:
-            names += [f"{self.name}.depth{j}" for j in range(1, self.recursions)]
-        return names
 
     def new_caches(self, batch: int, length: int, device, dtype) -> list[list[AttentionCache]]:
         return [[layer.attn.new_cache(batch, length, device, dtype) for layer in self.layers]
@@ -137,27 +140,35 @@ class RecursiveBlock(nn.Module):
         stats: list[torch.Tensor] = []
         parents: list[tuple[torch.Tensor, torch.Tensor]] = []
         xc, pc, vc = x, pos, None
-        choice = None  # token-choice: [B, N, 1 + R] = (chosen depth, weight at each depth)
+        decision = None  # per-entry routing state a router decided on entry (Router.enter)
 
+        routers = self.all_routers()
+        gates = {j: r for r in routers for j in r.depths}
         for j in range(self.recursions):
-            sel = self._select(j, xc, vc, choice, counts[j], mode, seq_len)
+            router, sel = gates.get(j), None
+            if router is not None and not self._active(router):
+                sel = pass_through(xc, vc, seq_len)
+            elif router is not None:
+                sel = router.select(xc, vc, counts[j], mode, seq_len, depth=j, decision=decision)
+                if sel.aux_loss is not None:
+                    losses[router.kind].append(sel.aux_loss)
             if sel is not None:
-                kind = self.routers[str(j)].kind if str(j) in self.routers else None
-                if kind is not None and (self.mod_active if kind == "mod" else self.mor_active):
-                    losses[kind].append(sel.aux_loss)
                 stats.append(sel.stats)
                 if sel.order is not None:
                     parents.append((xc, sel.order))
                     xc, pc = _gather_rows(xc, sel.order), pc.gather(1, sel.order)
                     if doc is not None:
                         doc = doc.gather(1, sel.order)
-                    if choice is not None:
-                        choice = _gather_rows(choice, sel.order)
+                    if decision is not None:
+                        decision = _gather_rows(decision, sel.order)
                 vc = sel.valid
-            if j == 0 and self.depth_router is not None and self.mor_active:
-                depth, weights, loss, _ = self.depth_router.route(xc, vc, soft=mode == "static")
-                losses["mor"].append(loss)
-                choice = torch.stack([depth.float(), *weights], dim=-1)
+            if j == 0:  # the entries of the block's first unit: routers deciding once per block
+                for r in routers:
+                    if self._active(r):
+                        d, loss = r.enter(xc, vc, mode)
+                        decision = d if d is not None else decision
+                        if loss is not None:
+                            losses[r.kind].append(loss)
 
             rec = None if self.rec_emb is None else self.rec_emb[j]
             weight = None if sel is None else sel.weight
@@ -172,30 +183,3 @@ class RecursiveBlock(nn.Module):
         for parent, order in reversed(parents):
             xc = parent.scatter(1, order[..., None].expand(-1, -1, dim), xc)
         return xc, losses, stats
-
-    def _select(self, j: int, xc, vc, choice, k: int, mode: str, seq_len: int) -> Selection | None:
-        router = self.routers[str(j)] if str(j) in self.routers else None
-        if router is not None:
-            if self.mod_active if router.kind == "mod" else self.mor_active:
-                return router.select(xc, vc, k, mode, seq_len)
-            return _pass_through(xc, vc, seq_len)
-        if choice is None or j == 0:
-            return None
-        if not self.mor_active:
-            return _pass_through(xc, vc, seq_len)
-        # Token-choice depth j: tokens whose chosen depth index >= j. Causal by construction (each
-        # token decides from its own state), so training and decoding use the same rule.
-        weight = choice[..., 1 + j]
-        if mode == "static":
-            frac = (torch.ones_like(weight) if vc is None else vc.float()).sum(1).mean() / seq_len
-            stats = torch.stack((frac, weight.mean(), frac.new_ones(())))
-            return Selection(None, weight, vc, weight.new_zeros(()), stats)
-        return masked_selection(choice[..., 0] >= j, weight, vc, seq_len)
-
-
-def _pass_through(xc: torch.Tensor, vc: torch.Tensor | None, seq_len: int) -> Selection:
-    """Selection of an inactive router: every candidate, weight 1 (keeps the stats layout fixed)."""
-    executed = torch.full((), xc.shape[1] / seq_len, device=xc.device) if vc is None else \
-        vc.float().sum(1).mean() / seq_len
-    one = torch.ones((), device=xc.device)
-    return Selection(None, None, vc, one.new_zeros(()), torch.stack((executed, one, one)))

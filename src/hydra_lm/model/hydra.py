@@ -23,24 +23,8 @@ from .block import RecursiveBlock, TransformerLayer, run_unit
 from .loss import linear_cross_entropy
 from .layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
 from .moe import MoEFeedForward, grouped_mm_dtype
-from .routing import ROUTING_MODES
+from .routing import ROUTING_MODES, depth_fractions
 from .sampling import sample_next
-
-
-def mor_fractions(cfg: HydraConfig, position: float) -> list[float]:
-    """Fraction of the block's entering tokens kept at each depth (expert-choice MoR).
-
-    "paper": (R-j)/R for j = 0..R-1 (the MoR paper's balanced hierarchical filtering).
-    "layer_aware": the deepest depth keeps 60% of tokens in the first block rising to 80% in the
-    last (``position`` in [0, 1]), with depths in between interpolated linearly.
-    """
-    r = cfg.recursions
-    if not cfg.mor_enabled or cfg.mor_routing != "expert" or r == 1:
-        return [1.0] * r
-    if cfg.mor_capacity_schedule == "paper":
-        return [(r - j) / r for j in range(r)]
-    deepest = 0.6 + 0.2 * position
-    return [1.0 - (1.0 - deepest) * j / (r - 1) for j in range(r)]
 
 
 def moe_positions(n_blocks: int, n_moe: int) -> list[int]:
@@ -87,22 +71,16 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             return TransformerLayer(cfg.dim, cfg.mlp_hidden, attn, cfg.norm_eps)
 
         if cfg.arch == "dense":
-            return [RecursiveBlock([layer()], [1.0], name=f"layer{i}") for i in range(cfg.n_layers)]
-
-        token_choice = cfg.mor_enabled and cfg.mor_routing == "token"
+            return [RecursiveBlock([layer()], [1.0], cfg, f"layer{i}") for i in range(cfg.n_layers)]
 
         def routed(index: int, n_routable: int, layers: list[TransformerLayer], name: str) -> RecursiveBlock:
-            is_mod = cfg.mod_enabled and index % cfg.mod_every == cfg.mod_every - 1
-            mod = cfg.mod_capacity if is_mod else 1.0
-            position = index / max(1, n_routable - 1)
-            fracs = [mod * f for f in mor_fractions(cfg, position)]
-            return RecursiveBlock(layers, fracs, cfg.mor_gate_scale, token_choice, name)
+            return RecursiveBlock(layers, depth_fractions(cfg, index, n_routable), cfg, name)
 
         if cfg.sharing == "middle_cycle":
             middle = [layer() for _ in range(cfg.n_blocks - 2)]
-            return [RecursiveBlock([layer()], [1.0], name="first"),
+            return [RecursiveBlock([layer()], [1.0], cfg, "first"),
                     routed(0, 1, middle, "middle"),
-                    RecursiveBlock([layer()], [1.0], name="last")]
+                    RecursiveBlock([layer()], [1.0], cfg, "last")]
         return [routed(b, cfg.n_blocks, [layer()], f"block{b}") for b in range(cfg.n_blocks)]
 
     def _init_weights(self) -> None:
@@ -247,8 +225,8 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         forwards in eval (causal routing) mode would pick. ``cuda_graph`` (default: on CUDA): the
         one-token steps after the prompt are replayed as one CUDA graph (the first runs eagerly, the
         second is captured); launched one by one, the step's hundreds of small kernels leave the GPU idle.
-        ``compile_step`` (opt-in: on an H100 the compile of the 100M preset's step had not finished
-        after 160 s, see benchmarks/BENCHMARKS.md): the step is ``torch.compile``d first (static shapes, see ``decode_forward``), so the graph replays fused
+        ``compile_step`` (opt-in, its compilation is long: docs/python_api.md): the step is
+        ``torch.compile``d first (static shapes, see ``decode_forward``), so the graph replays fused
         kernels instead of hundreds of tiny eager ones; the first ``generate`` of a (batch, cache
         length) compiles, later ones reuse it. Its cache is then allocated for a power-of-two number of
         positions (capped at ``max_seq_len``), so prompts of similar length share one compilation.

@@ -1,6 +1,10 @@
 """Token routing shared by MoD and MoR: expert-choice top-k with a FIXED k, causal threshold mode,
 static (soft) mode, and token-choice depth routing.
 
+A routing variant is a ``Router`` subclass; ``build_routers`` is the one place that decides, from the
+``HydraConfig``, which router gates which depth of which block. ``RecursiveBlock`` only asks routers
+for selections, whatever their kind.
+
 Causal routing (generation, and the causal eval) admits a token iff its logit exceeds the router's
 calibrated threshold: a running mean, over training batches, of the logit that separates a batch's
 top-k from the rest. Top-k is invariant to a shift of all logits, so the logits drift freely during
@@ -24,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import HydraConfig
+
 ROUTING_MODES = ("topk", "causal", "static")
 
 # Decay of the threshold's running mean per training forward: a window of about 20 micro-batches
@@ -39,21 +45,53 @@ class Selection:
     order: torch.Tensor | None  # None: every candidate, in place
     weight: torch.Tensor | None  # None: weight 1
     valid: torch.Tensor | None  # None: all entries are real tokens of the unit
-    aux_loss: torch.Tensor  # router loss (BCE for expert-choice, balancing for token-choice)
+    aux_loss: torch.Tensor | None  # router loss (BCE for expert-choice); None: adds no loss term
     stats: torch.Tensor  # [3]: fraction of the row executed, mean gate, top-k/threshold agreement
 
 
 class Router(nn.Module):
-    """Scalar router logit r = w^T x + b; gate = scale * sigmoid(r).
+    """What a recursive block asks of a router; a new routing variant implements this.
 
-    ``kind`` is "mod" (its loss counts in ``aux_loss``) or "mor" (counts in ``ponder_loss``).
-    The causal threshold is kept as a bias-corrected running mean (``threshold_sum / threshold_weight``)
-    in buffers, so it is saved and restored with the weights; before any training batch it is 0.
+    A router gates the block's ``depths``: at each, ``select`` picks which candidate entries run the
+    unit, in which order and with what weight. ``kind`` ("mod" or "mor") is the curriculum switch that
+    turns it off (its depths then let every candidate through with weight 1) and the loss its
+    ``aux_loss`` counts in. ``fixed_k``: in top-k mode it takes exactly k entries per row (the block's
+    compute accounting), otherwise k is an upper bound. ``enter`` runs once on the entries of the
+    block's first unit and may return a per-entry ``decision`` (gathered along with the tokens and
+    handed back to ``select``) and a loss.
     """
 
-    def __init__(self, dim: int, kind: str, gate_scale: float = 1.0):
+    kind: str
+    depths: tuple[int, ...]
+    fixed_k: bool
+
+    def names(self, block: str) -> list[str]:
+        return [f"{block}.{self.kind}{j}" for j in self.depths]
+
+    def enter(self, x: torch.Tensor, valid: torch.Tensor | None, mode: str):
+        return None, None
+
+    def select(self, x: torch.Tensor, valid: torch.Tensor | None, k: int, mode: str, row_len: int,
+               depth: int = 0, decision: torch.Tensor | None = None) -> Selection:
+        raise NotImplementedError
+
+
+class ExpertChoiceRouter(Router):
+    """Scalar router logit r = w^T x + b; gate = scale * sigmoid(r). Top-k of the candidates in training,
+    the calibrated threshold causally, every candidate weighted by its gate in static mode.
+
+    At depth 0 it is the block's MoD router (its loss counts in ``aux_loss``), deeper an MoR router
+    (``ponder_loss``). The causal threshold is kept as a bias-corrected running mean
+    (``threshold_sum / threshold_weight``) in buffers, so it is saved and restored with the weights;
+    before any training batch it is 0.
+    """
+
+    fixed_k = True
+
+    def __init__(self, dim: int, depth: int, gate_scale: float = 1.0):
         super().__init__()
-        self.kind = kind
+        self.depths = (depth,)
+        self.kind = "mod" if depth == 0 else "mor"
         self.gate_scale = gate_scale
         self.proj = nn.Linear(dim, 1)
         self.register_buffer("threshold_sum", torch.zeros((), dtype=torch.float32))
@@ -80,7 +118,7 @@ class Router(nn.Module):
     def gate(self, r: torch.Tensor) -> torch.Tensor:
         return self.gate_scale * torch.sigmoid(r)
 
-    def select(self, x: torch.Tensor, valid: torch.Tensor | None, k: int, mode: str, row_len: int) -> Selection:
+    def select(self, x, valid, k, mode, row_len, depth=0, decision=None) -> Selection:
         r = self.logits(x)
         b, n = r.shape
         if mode == "static":
@@ -105,7 +143,7 @@ class Router(nn.Module):
             frac = torch.full((), k / row_len, device=x.device)
             return Selection(order, weight, None, aux, torch.stack((frac, weight.mean(), agree)))
         if mode == "causal":
-            return masked_selection(r > self.threshold(), self.gate(r), valid, row_len)
+            return masked_selection(r > self.threshold(), self.gate(r), valid, row_len, aux_loss=r.new_zeros(()))
         raise ValueError(f"routing mode {mode!r}: must be one of {ROUTING_MODES}")
 
 
@@ -120,7 +158,8 @@ def topk_boundary(r: torch.Tensor, k: int) -> torch.Tensor:
     return 0.5 * (top[-2] + top[-1])
 
 
-def masked_selection(chosen: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor | None, row_len: int) -> Selection:
+def masked_selection(chosen: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor | None, row_len: int,
+                     aux_loss: torch.Tensor | None = None) -> Selection:
     """Select the ``chosen`` [B, N] candidates (and only valid ones) without changing shapes: all N
     entries are kept, chosen ones first in causal order, the rest marked invalid behind them."""
     if valid is not None:
@@ -131,7 +170,15 @@ def masked_selection(chosen: torch.Tensor, gate: torch.Tensor, valid: torch.Tens
     executed = valid_out.float()
     frac = executed.sum(1).mean() / row_len
     mean_gate = (weight * executed).sum() / executed.sum().clamp(min=1.0)
-    return Selection(order, weight, valid_out, gate.new_zeros(()), torch.stack((frac, mean_gate, frac.new_ones(()))))
+    return Selection(order, weight, valid_out, aux_loss, torch.stack((frac, mean_gate, frac.new_ones(()))))
+
+
+def pass_through(x: torch.Tensor, valid: torch.Tensor | None, row_len: int) -> Selection:
+    """Selection of an inactive router: every candidate, weight 1 (keeps the stats layout fixed)."""
+    executed = torch.full((), x.shape[1] / row_len, device=x.device) if valid is None else \
+        valid.float().sum(1).mean() / row_len
+    one = torch.ones((), device=x.device)
+    return Selection(None, None, valid, None, torch.stack((executed, one, one)))
 
 
 def causal_order(chosen: torch.Tensor) -> torch.Tensor:
@@ -145,22 +192,29 @@ def causal_order(chosen: torch.Tensor) -> torch.Tensor:
     return torch.sort(key, dim=1).indices
 
 
-class DepthRouter(nn.Module):
-    """Token-choice MoR: each token picks how many recursions it takes (1..R) from a softmax.
+class TokenChoiceRouter(Router):
+    """Token-choice MoR: on entering the block each token picks how many recursions it takes (1..R)
+    from a softmax; depth j then runs the tokens that picked at least j + 1. Causal by construction
+    (each token decides from its own state), so training and decoding use the same rule.
 
     The balancing ("ponder") loss is Switch-style over depths: R * sum_j f_j * P_j, with f_j the
     fraction of tokens that chose depth j and P_j the mean probability of depth j.
     """
 
     kind = "mor"
+    fixed_k = False
 
     def __init__(self, dim: int, recursions: int):
         super().__init__()
         self.recursions = recursions
+        self.depths = tuple(range(1, recursions))
         self.proj = nn.Linear(dim, recursions)
 
-    def route(self, x: torch.Tensor, valid: torch.Tensor | None, soft: bool):
-        """Returns (depth [B, N] long, weight_per_depth list of [B, N], loss, depth fractions [R])."""
+    def names(self, block: str) -> list[str]:
+        return [f"{block}.depth{j}" for j in self.depths]
+
+    def enter(self, x, valid, mode):
+        """(decision [B, N, 1 + R] = (chosen depth, weight at each depth), balancing loss)."""
         probs = torch.softmax(self.proj(x).float(), dim=-1)
         depth = probs.argmax(dim=-1)
         one_hot = F.one_hot(depth, self.recursions).float()
@@ -173,5 +227,47 @@ class DepthRouter(nn.Module):
         # depth's probability as the gate so the router gets gradient from the language-model loss.
         reach = probs.flip(-1).cumsum(-1).flip(-1)
         chosen_p = probs.gather(-1, depth[..., None]).squeeze(-1)
-        weights = [reach[..., j] if soft else chosen_p for j in range(self.recursions)]
-        return depth, weights, loss, f
+        weights = [reach[..., j] if mode == "static" else chosen_p for j in range(self.recursions)]
+        return torch.stack([depth.float(), *weights], dim=-1), loss
+
+    def select(self, x, valid, k, mode, row_len, depth=0, decision=None) -> Selection:
+        weight = decision[..., 1 + depth]
+        if mode == "static":
+            frac = (torch.ones_like(weight) if valid is None else valid.float()).sum(1).mean() / row_len
+            return Selection(None, weight, valid, None, torch.stack((frac, weight.mean(), frac.new_ones(()))))
+        return masked_selection(decision[..., 0] >= depth, weight, valid, row_len)
+
+
+def depth_fractions(cfg: HydraConfig, index: int, n_routable: int) -> list[float]:
+    """Fraction of the row that each depth of routed block ``index`` (of ``n_routable``) runs on:
+    the MoD capacity on every ``mod_every``-th block, times the expert-choice MoR schedule.
+
+    MoR "paper": (R-j)/R for j = 0..R-1 (the MoR paper's balanced hierarchical filtering).
+    "layer_aware": the deepest depth keeps 60% of tokens in the first block rising to 80% in the
+    last, with depths in between interpolated linearly.
+    """
+    mod = cfg.mod_capacity if cfg.mod_enabled and index % cfg.mod_every == cfg.mod_every - 1 else 1.0
+    r = cfg.recursions
+    if not cfg.mor_enabled or cfg.mor_routing != "expert" or r == 1:
+        mor = [1.0] * r
+    elif cfg.mor_capacity_schedule == "paper":
+        mor = [(r - j) / r for j in range(r)]
+    else:
+        position = index / max(1, n_routable - 1)
+        deepest = 0.6 + 0.2 * position
+        mor = [1.0 - (1.0 - deepest) * j / (r - 1) for j in range(r)]
+    return [mod * f for f in mor]
+
+
+def build_routers(cfg: HydraConfig, dim: int, fractions: list[float]) -> tuple[nn.ModuleDict, Router | None]:
+    """The routers of a block whose depth j runs ``fractions[j]`` (non-increasing) of the row: an
+    expert-choice router at each depth whose fraction drops (MoD at depth 0, MoR deeper), or with
+    token-choice MoR one router deciding every token's depth. Returned as the block stores them, under
+    the names its checkpoints use: (expert-choice routers keyed by depth, token-choice router or None)."""
+    token_choice = cfg.mor_enabled and cfg.mor_routing == "token"
+    routers = nn.ModuleDict()
+    for j, frac in enumerate(fractions):
+        if frac < (1.0 if j == 0 else fractions[j - 1]) - 1e-9 and (j == 0 or not token_choice):
+            routers[str(j)] = ExpertChoiceRouter(dim, j, 1.0 if j == 0 else cfg.mor_gate_scale)
+    depth_router = TokenChoiceRouter(dim, len(fractions)) if token_choice and len(fractions) > 1 else None
+    return routers, depth_router

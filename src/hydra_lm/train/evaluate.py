@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..model.routing import Router
+from ..model.routing import ExpertChoiceRouter
 
 EVAL_MODES = ("causal", "topk")
 # Beyond these, evaluation warns: the causal (generation) loss is worse than top-k by more than
@@ -87,7 +87,8 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
         out["val_exec_frac_topk"] = sum(t[0] for t in topk) / len(names)
         out["val_agreement"] = sum(t[2] for t in topk) / len(names)
         # Before its first training batch a router has no threshold to hold to its target yet.
-        out["routing_calibrated"] = all(bool(m.threshold_weight > 0) for m in model.modules() if isinstance(m, Router))
+        out["routing_calibrated"] = all(bool(m.threshold_weight > 0) for m in model.modules()
+                                        if isinstance(m, ExpertChoiceRouter))
     return out
 
 

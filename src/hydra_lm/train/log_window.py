@@ -1,0 +1,72 @@
+"""The training log's window: what accumulates on the device between two metrics records."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from .moe_training import expert_load_record
+
+
+class LogWindow:
+    """Sums of (loss, ce, aux, ponder, moe, grad norm) over the window's steps, the last step's routing
+    statistics and learning rate, and the MoE expert load; read back once per record (``means``)."""
+
+    def __init__(self, device: torch.device, saved: dict | None = None):
+        self.t0 = time.perf_counter()
+        self.steps = 0
+        self.timed_steps = 0  # steps since t0: throughput counts training steps only
+        self.sums = torch.zeros(6, device=device)
+        self.stats: torch.Tensor | None = None
+        self.lr = 0.0
+        self.moe_load: torch.Tensor | None = None
+        self.moe_steps = 0
+        if saved is not None:  # a resumed run continues the interrupted window
+            self.sums = torch.tensor(saved["sums"], device=device)
+            self.steps = int(saved["steps"])
+
+    def add(self, parts: torch.Tensor, grad_norm: torch.Tensor, stats: torch.Tensor, lr: float) -> None:
+        self.sums += torch.cat([parts, grad_norm.detach().float().reshape(1)])
+        self.stats = stats
+        self.steps += 1
+        self.timed_steps += 1
+        self.lr = lr
+
+    def add_moe_load(self, load: torch.Tensor) -> None:
+        """The last micro-batch's expert shares, summed over the window."""
+        self.moe_load = load.clone() if self.moe_load is None else self.moe_load + load  # a step's buffer
+        self.moe_steps += 1
+
+    def restart_timer(self, t0: float) -> None:
+        self.t0, self.timed_steps = t0, 0
+
+    def means(self) -> list[float]:
+        return (self.sums / max(1, self.steps)).tolist()  # the one host sync per log interval
+
+    def state(self) -> dict | None:
+        """What a checkpoint keeps of the window (None: nothing to continue)."""
+        if self.steps == 0:
+            return None
+        return {"sums": self.sums.tolist(), "steps": self.steps}
+
+    def record(self, step: int, tokens_per_step: int, run: dict[str, Any], router_names: list[str],
+               moe_names: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+        """(a "train" metrics record: the window's means, then ``run``'s fields, then routing and MoE
+        load; MoE starvation warnings by expert)."""
+        loss, ce, aux, ponder, moe, gnorm = self.means()
+        elapsed = time.perf_counter() - self.t0
+        record: dict[str, Any] = {
+            "kind": "train", "step": step, "loss": loss, "ce_loss": ce, "aux_loss": aux, "ponder_loss": ponder,
+            "moe_loss": moe, "lr": self.lr, "grad_norm": gnorm,
+            "tokens_per_s": self.timed_steps * tokens_per_step / max(elapsed, 1e-9), **run,
+        }
+        if self.stats is not None and self.stats.numel():
+            fracs = self.stats[:, 0].tolist()
+            record["routing_exec_frac"] = dict(zip(router_names, fracs))
+            record["exec_frac_mean"] = sum(fracs) / len(fracs)
+        warnings: dict[str, str] = {}
+        if self.moe_load is not None:
+            record["moe_expert_load"], warnings = expert_load_record(self.moe_load / self.moe_steps, moe_names)
+        return record, warnings

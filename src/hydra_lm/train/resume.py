@@ -1,0 +1,177 @@
+"""The trainer's state in and out of checkpoints: save, resume, and roll back to the last good one
+after a divergence (or after the anomaly monitor switched an optimization off)."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+from .checkpoint import DISK_FULL, CheckpointError, capture_rng, disk_full_error, restore_rng, verify
+from .distributed import broadcast_object, gather_objects
+from .optim import portable_optimizer_state
+from .sharded_checkpoint import RANK_FILE, load_dcp, load_optimizer, load_single_into_sharded
+
+
+def save_checkpoint(t, reason: str = "") -> bool:
+    """Write trainer ``t``'s checkpoint unless anything since the last check (loss, gradients,
+    weights) is non-finite."""
+    if not t.healthy(check_params=True):
+        t.log.warning(f"not saving step {t.step}: the loss, gradients or weights are not finite")
+        return False
+    t.clock.bank()
+    rng_json, rng_tensors = capture_rng()
+    state = {
+        "model_size": t.s.cfg.model_size,
+        "tokens_seen": t.tokens_seen,
+        "train_s": t.clock.train_s,
+        "startup_s": t.clock.startup_s,
+        "curriculum": t.curriculum.state_dict(),
+        "adaptive_lr": t.adaptive.state_dict() if t.adaptive is not None else None,
+        "rollback": t.rollback.state_dict(),
+        "safe_optimizations": t.safe_opts.state_dict(),
+        "loader": t.loader.state_dict(),
+        "batch_filter": t.batch_filter.state_dict() if t.batch_filter is not None else None,
+        "swa": t.swa.state_dict() if t.swa is not None else None,
+        "rng": rng_json,
+        "log_window": t.window.state() if t.window is not None else None,
+        "train_config": t.cfg.to_dict(),
+        "model_config": t.s.model_cfg.to_dict(),
+        "data": t.s.data.to_dict(),
+    }
+    try:
+        if t.saver is not None:
+            state["loader_ranks"] = gather_objects(t.loader.state_dict(), t.dist)
+            path = t.saver.save(t.step, t.model, t.optimizer, rng_tensors, state)
+        else:
+            # Optimizer state keyed by parameter name, so any number of ranks can load it.
+            optimizer = portable_optimizer_state(get_optimizer_state_dict(t.model, t.optimizer))
+            trainer_tensors = {"optimizer": optimizer, **rng_tensors}
+            path = t.s.manager.save(t.step, t.model, trainer_tensors, state, t.swa.save if t.swa is not None else None)
+    except OSError as err:
+        if err.errno not in DISK_FULL:
+            raise
+        raise disk_full_error(t.s.manager.dir, err, state_bytes(t)) from None
+    t.log.info(f"saved checkpoint {path}" + (f" ({reason})" if reason else ""))
+    return True
+
+
+def state_bytes(t) -> int:
+    """This process's weights and optimizer state: about what one checkpoint takes on disk."""
+    tensors = [*t.params, *(v for st in t.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))]
+    return sum(x.numel() * x.element_size() for x in tensors)
+
+
+def restore(t, ckpt) -> None:
+    """Load checkpoint ``ckpt`` into trainer ``t``: model, optimizer, loop state, data position, RNGs."""
+    # On the CPU: RNG states must stay there; the optimizer moves its state to the parameters' device.
+    same_world = ckpt.world_size == t.dist.world_size
+    try:
+        if ckpt.layout == "dcp":
+            load_dcp(ckpt, t.model, t.optimizer, distributed=t.dist.enabled)
+            tensors = ckpt.load_trainer("cpu", RANK_FILE.format(t.dist.rank)) if same_world else {}
+        else:
+            tensors = ckpt.load_trainer(map_location="cpu")
+            if t.dist.enabled and t.dist.parallel == "fsdp":
+                load_single_into_sharded(ckpt, t.model, t.optimizer, tensors)
+            else:
+                ckpt.load_model(t.model)
+                load_optimizer(t.model, t.optimizer, tensors["optimizer"])
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise ValueError(f"checkpoint {ckpt.path}: its model or optimizer state does not fit this run "
+                         f"({t.cfg.optimizer}): {err}") from None
+    st = ckpt.state
+    t.step = ckpt.step
+    t.tokens_seen = int(st.get("tokens_seen", 0))
+    t.clock.train_s, t.clock.startup_s = float(st.get("train_s", 0.0)), float(st.get("startup_s", 0.0))
+    t.curriculum.load_state_dict(st["curriculum"], t.device)
+    if t.swa is not None:
+        t.swa.load(ckpt.path, st.get("swa"))
+    if t.adaptive is not None and st.get("adaptive_lr"):
+        t.adaptive.load_state_dict(st["adaptive_lr"])
+    if st.get("rollback"):
+        t.rollback.load_state_dict(st["rollback"])
+    if t.batch_filter is not None and st.get("batch_filter"):
+        t.batch_filter.load_state_dict(st["batch_filter"])
+    if t.seq_schedule is not None:  # the loader of the stage the checkpoint was in
+        t.replace_loader(t.seq_schedule.stage_of_length(st["loader"]["seq_len"]))
+    t.loader.load_state_dict(st["loader"])
+    t.saved_window = st.get("log_window")
+    if same_world:
+        restore_rng(st["rng"], {k: v for k, v in tensors.items() if k in ("torch", "cuda")})
+    else:
+        t.log.warning(f"{ckpt.path} was written by {ckpt.world_size} process(es), this run has "
+                      f"{t.dist.world_size}: model and optimizer restored; the data continues at the same "
+                      f"row of the epoch but batches are now shared out among {t.dist.world_size}, and the "
+                      "random number streams restart from the seed, so the run is not bit-identical to an "
+                      "uninterrupted one")
+    t.log.info(f"resumed from {ckpt.path} at step {t.step}")
+
+
+def last_good_checkpoint(t):
+    """The newest checkpoint that verifies (rank 0 decides), or None."""
+    path = None
+    if t.dist.is_main:
+        try:
+            ckpt = t.s.manager.latest_good()
+        except CheckpointError:
+            ckpt = None
+        path = None if ckpt is None else str(ckpt.path)
+    path = broadcast_object(path, t.dist)
+    return None if path is None else verify(path)
+
+
+def roll_back_to(t, good) -> None:
+    """Continue from checkpoint ``good``, keeping the rollback count and switched-off optimizations."""
+    policy = t.rollback.state_dict()
+    restore(t, good)
+    if t.clock.t0 is not None:  # training time restarts from the checkpoint's count
+        t.clock.start()
+    t.rollback.load_state_dict(policy)  # the checkpoint's own (older) count would allow endless retries
+    t.finite.reset()
+    t.batches = None
+    if t.train_step.graphs is not None:
+        t.train_step.graphs.reset()
+    t.window = t.new_window()
+    t.safe_opts.restarted_at(t.step)
+
+
+def continue_after_switch(t) -> None:
+    """An optimization was switched off: go on from the last good checkpoint (or from here without one)."""
+    good = last_good_checkpoint(t)
+    if good is not None:
+        roll_back_to(t, good)
+    else:
+        t.window = t.new_window()
+
+
+def handle_divergence(t) -> bool:
+    """Roll back to the last good checkpoint with a lower LR (True), or explain and stop (False)."""
+    cfg, w = t.cfg, t.window
+    values = w.means()
+    where = (f"training diverged by step {t.step} (last {w.steps} steps: mean loss {values[0]:.4g}, grad "
+             f"norm {values[5]:.4g})")
+    if t.saver is not None:
+        t.saver.finish()  # a pending save was checked before it started: it is good
+    good = last_good_checkpoint(t)
+    record = {"kind": "divergence", "step": t.step, "loss": values[0], "grad_norm": values[5],
+              "rollbacks": t.rollback.rollbacks}
+    if good is None:
+        t.metrics.write({**record, "action": "stop"})
+        t.log.warning(f"{where}; no checkpoint was saved before it, so there is nothing to roll back to: "
+                      f"start again with a lower --lr (this run used {cfg.lr:g})")
+        return False
+    if not t.rollback.may_roll_back():
+        t.metrics.write({**record, "action": "stop", "good_checkpoint": str(good.path)})
+        lower = cfg.lr * t.rollback.lr_scale * cfg.rollback_lr_factor
+        t.log.warning(f"{where} after {t.rollback.rollbacks} rollback(s); nothing from the diverged state "
+                      f"was saved. The last good checkpoint is {good.path} (step {good.step}): resume from it "
+                      f"with a lower learning rate: hydra-lm train --out {t.s.run_dir} --lr {lower:.3g}")
+        return False
+    t.safe_opts.note_divergence(t.step)
+    roll_back_to(t, good)
+    t.rollback.record_rollback()
+    t.metrics.write({**record, "action": "rollback", "to_step": good.step, "checkpoint": str(good.path),
+                     "lr_scale": t.rollback.lr_scale})
+    t.log.warning(f"{where}: rolled back to {good.path} (step {good.step}) with the learning rate "
+                  f"x{t.rollback.lr_scale:g} (rollback {t.rollback.rollbacks} of {cfg.max_rollbacks})")
+    return True
