@@ -120,16 +120,17 @@ def test_flops_budget_and_dense_depths_match_what_they_promise(tiny_data, tmp_pa
 def test_custom_variant_sets_the_routing_curriculum_and_its_flops(tiny_data, tmp_path):
     shared = {"model_size": "debug", "device": "cpu", "batch_size": 4, "seq_len": 32,
               "model": {"dim": 64, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden": 128}}
-    plan = plan_compare(str(tiny_data), str(tmp_path / "cmp"), parse_budget("flops=2e10"), ["hydra"],
-                        ["early:mor_enable_pct=0.0,mod_enable_pct=0.0,mod_force_enable_pct=0.0,mod_capacity=0.5"],
-                        4, shared)
-    hydra, early = plan.runs
-    assert early.values["mor_enable_pct"] == 0.0 and early.values["mod_force_enable_pct"] == 0.0
-    assert early.model_cfg.mod_capacity == 0.5 and "mor_enable_pct" not in hydra.values
-    # Routing from the first step is cheaper per step, so the same FLOPs buy more steps.
-    assert early.values["max_steps"] > hydra.values["max_steps"]
-    train = plan.base.replace(mor_enable_pct=0.0, mod_enable_pct=0.0, mod_force_enable_pct=0.0)
-    assert planned_flops(early.model_cfg, train, early.values["max_steps"], 128) >= 2e10
+    late = "late:mor_enable_pct=0.3,mod_enable_pct=0.1,mod_force_enable_pct=0.15,mod_capacity=0.5"
+    plan = plan_compare(str(tiny_data), str(tmp_path / "cmp"), parse_budget("flops=2e10"), ["hydra"], [late], 4,
+                        shared)
+    hydra, late = plan.runs
+    assert late.values["mor_enable_pct"] == 0.3 and late.values["mod_force_enable_pct"] == 0.15
+    assert late.model_cfg.mod_capacity == 0.5 and "mor_enable_pct" not in hydra.values
+    # A dense start is dearer per step, so the same FLOPs buy fewer steps.
+    assert late.values["max_steps"] < hydra.values["max_steps"]
+    train = plan.base.replace(mor_enable_pct=0.3, mod_enable_pct=0.1, mod_force_enable_pct=0.15)
+    assert planned_flops(late.model_cfg, train, late.values["max_steps"], 128) >= 2e10
+    assert planned_flops(late.model_cfg, train, late.values["max_steps"] - 1, 128) < 2e10
     with pytest.raises(ValueError, match="curriculum settings"):
         parse_custom_variant("bad:mor_enable=0.1")
 

@@ -28,12 +28,15 @@ def run_plan(curriculum, steps, losses=None, log_every=1):
 
 
 def test_plan_from_percentages_and_short_run_override():
-    short = CurriculumPlan.from_config(TrainConfig(max_steps=200))
+    default = CurriculumPlan.from_config(TrainConfig(max_steps=200))
+    assert (default.mod_gate_step, default.mod_force_step, default.mor_step) == (0, 0, 0)  # routing from step 0
+    phases = dict(mod_enable_pct=0.1, mod_force_enable_pct=0.15, mor_enable_pct=0.3)
+    short = CurriculumPlan.from_config(TrainConfig(max_steps=200, **phases))
     assert (short.mod_gate_step, short.mod_force_step, short.mor_step) == (20, 30, 60)
     assert short.loss_gate is None  # short run: no gate by default
-    kept = CurriculumPlan.from_config(TrainConfig(max_steps=200, no_short_run_override=True))
+    kept = CurriculumPlan.from_config(TrainConfig(max_steps=200, no_short_run_override=True, **phases))
     assert kept.loss_gate == 5.0 and kept.mod_gate_step == 20
-    long = CurriculumPlan.from_config(TrainConfig(max_steps=5000))
+    long = CurriculumPlan.from_config(TrainConfig(max_steps=5000, **phases))
     assert (long.mod_gate_step, long.mod_force_step, long.mor_step, long.loss_gate) == (500, 750, 1500, 5.0)
     off = CurriculumPlan.from_config(TrainConfig(max_steps=5000, mod_off=True, mor_off=True))
     assert off.mod_gate_step is None and off.mor_step is None

@@ -49,7 +49,7 @@ class HydraConfig:
     # Routing (MoD arXiv 2404.02258, MoR arXiv 2507.10524)
     sharing: str = "sequence"  # "sequence": block b repeated R times; "middle_cycle": first/last unshared
     mod_enabled: bool = True
-    mod_capacity: float = 0.75  # fraction of the row that enters a MoD-routed block
+    mod_capacity: float = 0.125  # fraction of the row that enters a MoD-routed block (best per GPU-second measured)
     mod_every: int = 2  # every mod_every-th block is MoD-routed (1 = all blocks)
     mor_enabled: bool = True  # False: fixed depth, every recursion runs every (MoD-selected) token
     mor_routing: str = "expert"  # "expert" (expert-choice, hierarchical) or "token" (token-choice)

@@ -1,7 +1,9 @@
-"""The MoD / MoR routing curriculum (seed T4).
+"""The MoD / MoR routing curriculum.
 
-Routers that start on a random network route on noise, so training starts dense and switches
-routing on in phases, all measured in optimizer steps of the whole run (``max_steps``):
+By default every router is on from the first step: a dense start spends the most expensive
+steps of a run at full depth, and at equal training time it ended clearly worse. A run may still
+start dense (routers that start on a random network route on noise) and switch routing on in
+phases, all measured in optimizer steps of the whole run (``max_steps``):
 
 * MoD is off until ``mod_enable_pct``. From there it switches on as soon as the CE-loss EMA is
   below ``mod_loss_gate`` (5.0), and at ``mod_force_enable_pct`` whatever the loss.

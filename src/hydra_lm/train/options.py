@@ -129,11 +129,12 @@ class TrainConfig:
     fp8_format: str = opt("e4m3", "--experimental_fp8: e4m3 everywhere, or e5m2 for the output gradients (e4m3 "
                                   "forward)", type=str, choices=("e4m3", "e5m2"))
 
-    # --- MoD / MoR curriculum (T4)
-    mod_enable_pct: float = opt(0.10, "MoD may switch on from this fraction of the run (loss gate)", type=float)
-    mod_force_enable_pct: float = opt(0.15, "MoD switches on here whatever the loss", type=float)
+    # --- MoD / MoR curriculum. Routing from the first step is the default: at equal training time
+    # it ended clearly lower than a late switch-on (benchmarks/BENCHMARKS.md); the phases stay available.
+    mod_enable_pct: float = opt(0.0, "MoD may switch on from this fraction of the run (loss gate)", type=float)
+    mod_force_enable_pct: float = opt(0.0, "MoD switches on here whatever the loss", type=float)
     mod_loss_gate: float = opt(5.0, "MoD switches on early once the CE loss EMA is below this", type=float)
-    mor_enable_pct: float = opt(0.30, "MoR adaptive depth switches on from this fraction of the run", type=float)
+    mor_enable_pct: float = opt(0.0, "MoR adaptive depth switches on from this fraction of the run", type=float)
     mor_ramp: bool = opt(False, "after mor_enable_pct, move the MoR depth capacities from full depth to the "
                                 "configured ones in 4 equal levels over mor_ramp_pct of the run", type=bool)
     mor_ramp_pct: float = opt(0.2, "--mor_ramp: fraction of the run the ramp spans", type=float)
