@@ -354,8 +354,10 @@ def compiled_decode_unit(backend=None):
     backend = DECODE_BACKEND if backend is None else backend
     fn = _compiled_units.get(backend)
     if fn is None:
-        # Python floats (norm eps) as constants, as in compile_units: no restart of the analysis.
-        fn = torch._dynamo.config.patch(specialize_float=True)(
+        # Python floats (norm eps) as constants, as in compile_units: no restart of the analysis. Each
+        # (batch, cache length, dtype, layer stack) is a graph of its own; past Dynamo's default limit
+        # of 8 per function a bench over several batch sizes would silently fall back to eager units.
+        fn = torch._dynamo.config.patch(specialize_float=True, recompile_limit=64)(
             torch.compile(run_cached_unit, backend=backend, dynamic=False, fullgraph=True))
         _compiled_units[backend] = fn
     return fn
