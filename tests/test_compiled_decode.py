@@ -1,9 +1,11 @@
-"""The compiled one-token decode step (``generate(compile_step=True)``, opt-in) against the
-eager step: the same greedy tokens, one graph without breaks, no recompilation per position."""
+"""The compiled one-token decode step (``generate(compile_step=True)``, opt-in): every routed unit runs
+one compiled ``run_cached_unit``, routing stays eager. Against the eager step: the same greedy tokens,
+one graph for all units and blocks, no recompilation per unit or per position."""
 
 import pytest
 import torch
 
+import hydra_lm
 from hydra_lm.model import hydra as hydra_module
 
 from support import TINY, tiny_model
@@ -13,7 +15,7 @@ from test_causal_routing import _calibrate, _drift
 @pytest.fixture
 def aot_eager(monkeypatch):
     # Dynamo's trace and AOT's functionalized cache updates, without code generation: inductor's C++
-    # backend fails on this graph in some CPU builds (the CUDA path generates Triton; see test_gpu.py).
+    # backend fails on some of these graphs in some CPU builds (the CUDA path generates Triton; see test_gpu.py).
     monkeypatch.setattr(hydra_module, "DECODE_BACKEND", "aot_eager")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -21,31 +23,76 @@ def aot_eager(monkeypatch):
     torch._dynamo.reset()
 
 
+def _compiled_unit_calls(monkeypatch) -> list:
+    calls = []
+    compiled = hydra_module.compiled_decode_unit
+
+    def counting(backend=None):
+        unit = compiled(backend)
+        return lambda *args: calls.append(1) or unit(*args)
+
+    monkeypatch.setattr(hydra_module, "compiled_decode_unit", counting)
+    return calls
+
+
+def _full_forward_tokens(model, prompt, n: int) -> torch.Tensor:
+    tokens = prompt
+    for _ in range(n):
+        tokens = torch.cat((tokens, model(tokens)["logits"][:, -1].argmax(-1)[:, None]), dim=1)
+    return tokens
+
+
 @pytest.mark.parametrize("overrides", [{}, dict(mor_routing="token")], ids=["hydra", "token_choice"])
-def test_compiled_decode_step_gives_the_eager_steps_greedy_tokens(aot_eager, overrides):
+def test_compiled_decode_step_gives_the_eager_steps_greedy_tokens(aot_eager, monkeypatch, overrides):
     model = tiny_model(**overrides)
     _drift(model)
     _calibrate(model, batches=5)  # causal routing with calibrated thresholds, as after training
     model = model.double().eval()
     prompt = torch.randint(0, TINY["vocab_size"], (3, 7), generator=torch.Generator().manual_seed(0))
     eager = model.generate(prompt, max_new_tokens=20, compile_step=False)
-    # A position is a value in a tensor buffer: a recompilation per position (or per call) raises here.
+    calls = _compiled_unit_calls(monkeypatch)
+    # Every unit of every block, at every position, hits the first unit's graph: a recompilation per
+    # unit (a guard on its layers or caches), per position or per call raises here.
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = model.generate(prompt, max_new_tokens=20, compile_step=True)
         longer = model.generate(prompt, max_new_tokens=25, compile_step=True)  # same cache bucket: reused
     assert torch.equal(compiled, eager) and torch.equal(longer[:, :27], eager)
+    units = TINY["n_blocks"] * TINY["recursions"]
+    assert len(calls) == units * (19 + 24)  # the steps after the first token; the prompt's prefill runs eager
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"], dict(counters["graph_break"])  # a break would hint at a host sync
     assert counters["stats"]["unique_graphs"] == 1
-    tokens = prompt  # and both are what repeated full forwards pick
-    for _ in range(20):
-        tokens = torch.cat((tokens, model(tokens)["logits"][:, -1].argmax(-1)[:, None]), dim=1)
-    assert torch.equal(compiled, tokens)
+    assert torch.equal(compiled, _full_forward_tokens(model, prompt, 20))  # and what full forwards pick
+
+
+def test_compiled_decode_step_of_the_100M_layout_is_one_graph(aot_eager):
+    """The 100M preset's layout (8 blocks x 4 recursions, MoD on every second block, so the first
+    unit of the others has no router), narrowed: its 32 units share one graph."""
+    torch.manual_seed(0)
+    model = hydra_lm.create_model("100M", vocab_size=128, dim=64, n_heads=2, n_kv_heads=1, mlp_hidden=128,
+                                  max_seq_len=64).eval()
+    prompt = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    eager = model.generate(prompt, max_new_tokens=4)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(model.generate(prompt, max_new_tokens=4, compile_step=True), eager)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_units_of_different_layer_stacks_compile_one_graph_each(aot_eager):
+    """middle_cycle: a one-layer first and last block around a shared two-layer middle block (with a
+    recursion embedding): two unit signatures, two graphs, then no recompilation."""
+    model = tiny_model(sharing="middle_cycle", n_blocks=4).double().eval()
+    prompt = torch.randint(0, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(0))
+    eager = model.generate(prompt, max_new_tokens=8)
+    assert torch.equal(model.generate(prompt, max_new_tokens=8, compile_step=True), eager)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(model.generate(prompt, max_new_tokens=8, compile_step=True), eager)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
 def test_compile_step_is_opt_in(monkeypatch):
     calls = []
-    monkeypatch.setattr(hydra_module, "compiled_decode_forward", lambda backend=None: calls.append(backend))
+    monkeypatch.setattr(hydra_module, "compiled_decode_unit", lambda backend=None: calls.append(backend))
     model = tiny_model().eval()
     model.generate(torch.zeros(1, 3, dtype=torch.long), max_new_tokens=3)
     assert calls == []

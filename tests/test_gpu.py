@@ -146,9 +146,10 @@ def test_graph_captured_decoding_matches_eager_decoding(overrides):
 
 
 def test_compiled_decode_step_matches_the_eager_step():
-    """generate(compile_step=True) on CUDA (the step compiled, then captured): in float64 the eager loop's greedy
-    tokens, one graph without breaks or recompiles; in bf16 (the 100M preset's layout, shrunk) the
-    eager step's logits within bf16 tolerance, teacher-forced so that a flipped tie cannot diverge."""
+    """generate(compile_step=True) on CUDA (the routed units compiled, the step captured): in float64 the eager
+    loop's greedy tokens, one graph for all units without breaks or recompiles; in bf16 (the 100M preset's
+    layout, shrunk) one graph for its 32 units and the eager step's logits within bf16 tolerance,
+    teacher-forced so that a flipped tie cannot diverge."""
     from hydra_lm.model.hydra import DecodeStep
 
     torch._dynamo.reset()
@@ -162,6 +163,8 @@ def test_compiled_decode_step_matches_the_eager_step():
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
 
+    torch._dynamo.reset()
+    counters.clear()
     torch.manual_seed(0)
     big = hydra_lm.create_model("100M", vocab_size=1024, dim=256, n_heads=2, n_kv_heads=1,
                                 max_seq_len=256).cuda().eval()
@@ -172,7 +175,9 @@ def test_compiled_decode_step_matches_the_eager_step():
             caches = big.init_cache(4, 64)
             big.forward_cached(ids[:, :8], 0, caches)
             step = DecodeStep(big, caches, 4, ids.device, graphed=True, compiled=compiled)
-            steps.append([step(ids[:, t:t + 1], t).float().clone() for t in range(8, 40)])
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                steps.append([step(ids[:, t:t + 1], t).float().clone() for t in range(8, 40)])
+    assert counters["stats"]["unique_graphs"] == 1
     for t, (want, got) in enumerate(zip(*steps)):
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05, msg=f"position {8 + t}")
 

@@ -60,10 +60,29 @@ def run_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, doc, weig
     return xc + delta
 
 
+def run_cached_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, weight):
+    """``run_unit`` on new tokens appended to the unit's ``caches`` (updated in place): what a compiled
+    decode step compiles (``hydra.compiled_decode_unit``). A function of its own so that its compiled
+    graphs and recompile count are separate from the training units' (``compile_units``)."""
+    return run_unit(layers, xc, rec, pos, rope, caches, valid, None, weight)
+
+
 def _gather_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2:
         return x.gather(1, order)
     return x.gather(1, order[..., None].expand(-1, -1, x.shape[-1]))
+
+
+def _uniform_unit_inputs(xc: torch.Tensor, valid, weight):
+    """(valid, weight) of a cached unit as tensors of one dtype whatever gated it (an all-true mask
+    and weight 1 where nothing did; an expert-choice gate and a token-choice one in the dtype of the
+    wider): the unit computes exactly what it would with None, and every unit of the model calls the
+    compiled unit with the same signature, so they share one graph."""
+    dtype = torch.promote_types(xc.dtype, torch.float32)
+    if valid is None:
+        valid = torch.ones(xc.shape[:2], dtype=torch.bool, device=xc.device)
+    weight = xc.new_ones(xc.shape[:2], dtype=dtype) if weight is None else weight.to(dtype)
+    return valid, weight
 
 
 class RecursiveBlock(nn.Module):
@@ -129,11 +148,13 @@ class RecursiveBlock(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding, mode: str,
-                caches: list[list[AttentionCache]] | None = None, doc: torch.Tensor | None = None):
+                caches: list[list[AttentionCache]] | None = None, doc: torch.Tensor | None = None,
+                cached_unit=None):
         """Returns (x, {"mod": [losses], "mor": [losses]}, [stats per router]).
 
         ``doc`` [B, T]: document index of each position; attention, convs and value shift then stay
-        inside a document (gathered along with the positions when tokens are compacted)."""
+        inside a document (gathered along with the positions when tokens are compacted).
+        ``cached_unit`` (with ``caches``): a compiled ``run_cached_unit`` that runs every unit."""
         b, seq_len, dim = x.shape
         counts = self.tokens_per_depth(seq_len)
         losses: dict[str, list[torch.Tensor]] = {"mod": [], "mor": []}
@@ -172,6 +193,9 @@ class RecursiveBlock(nn.Module):
 
             rec = None if self.rec_emb is None else self.rec_emb[j]
             weight = None if sel is None else sel.weight
+            if caches is not None and cached_unit is not None:
+                xc = cached_unit(self.layers, xc, rec, pc, rope, caches[j], *_uniform_unit_inputs(xc, vc, weight))
+                continue
             unit = run_unit
             if self.compiled_unit is not None and caches is None:
                 unit = self.compiled_unit

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import HydraConfig
 from .cuda_graphs import GraphedStep
 from .attention import CCGQAttention, GQAttention
-from .block import RecursiveBlock, TransformerLayer, run_unit
+from .block import RecursiveBlock, TransformerLayer, run_cached_unit, run_unit
 from .loss import linear_cross_entropy
 from .layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
 from .moe import MoEFeedForward, grouped_mm_dtype
@@ -165,7 +165,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         return (ce + cfg.resolved_mod_aux_weight * out["aux_loss"] + cfg.mor_aux_weight * out["ponder_loss"]
                 + cfg.moe_aux_weight * out["moe_loss"])
 
-    def _trunk(self, x, pos, mode, caches, doc=None):
+    def _trunk(self, x, pos, mode, caches, doc=None, cached_unit=None):
         mod, mor, moe, stats, loads = [], [], [], [], []
         for i, block in enumerate(self.blocks):
             block_caches = None if caches is None else caches[i]
@@ -173,7 +173,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
                 # Recompute each block in backward instead of storing its activations.
                 x, losses, block_stats = checkpoint(block, x, pos, self.rope, mode, None, doc, use_reentrant=False)
             else:
-                x, losses, block_stats = block(x, pos, self.rope, mode, block_caches, doc)
+                x, losses, block_stats = block(x, pos, self.rope, mode, block_caches, doc, cached_unit)
             mod += losses["mod"]
             mor += losses["mor"]
             stats += block_stats
@@ -200,13 +200,15 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         dtype = dtype or weight.dtype
         return [block.new_caches(batch, length, device, dtype) for block in self.blocks]
 
-    def forward_cached(self, input_ids: torch.Tensor, start: int | torch.Tensor, caches: list) -> torch.Tensor:
+    def forward_cached(self, input_ids: torch.Tensor, start: int | torch.Tensor, caches: list,
+                       unit=None) -> torch.Tensor:
         """Run new tokens at positions start.. through the model, updating ``caches``; returns the
-        last position's logits [B, V]. ``start``: an int, or a [B, 1] tensor (a graph-captured step)."""
+        last position's logits [B, V]. ``start``: an int, or a [B, 1] tensor (a graph-captured step).
+        ``unit``: a compiled ``run_cached_unit`` (``compiled_decode_unit``) that runs every routed unit."""
         b, s = input_ids.shape
         pos = (start + torch.arange(s, device=input_ids.device)).expand(b, s)
         mode = "static" if self.config.static_routing_mode else "causal"
-        x, _ = self._trunk(self.embed(input_ids), pos, mode, caches)
+        x, _ = self._trunk(self.embed(input_ids), pos, mode, caches, cached_unit=unit)
         return self.lm_head(self.norm(x[:, -1]))
 
     def decode_capturable(self) -> bool:
@@ -225,11 +227,12 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         forwards in eval (causal routing) mode would pick. ``cuda_graph`` (default: on CUDA): the
         one-token steps after the prompt are replayed as one CUDA graph (the first runs eagerly, the
         second is captured); launched one by one, the step's hundreds of small kernels leave the GPU idle.
-        ``compile_step`` (opt-in, its compilation is long: docs/python_api.md): the step is
-        ``torch.compile``d first (static shapes, see ``decode_forward``), so the graph replays fused
-        kernels instead of hundreds of tiny eager ones; the first ``generate`` of a (batch, cache
-        length) compiles, later ones reuse it. Its cache is then allocated for a power-of-two number of
-        positions (capped at ``max_seq_len``), so prompts of similar length share one compilation.
+        ``compile_step`` (opt-in until timed on a GPU: docs/python_api.md): every routed unit of the
+        step runs one ``torch.compile``d unit (``compiled_decode_unit``, static shapes), shared by all
+        units and blocks, so the graph replays fused kernels instead of many tiny eager ones; routing
+        stays eager. The first ``generate`` of a (batch, cache length) compiles, later ones reuse it.
+        Its cache is then allocated for a power-of-two number of positions (capped at ``max_seq_len``),
+        so prompts of similar length share one compilation.
         """
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [batch, length>0], got shape {tuple(input_ids.shape)}")
@@ -327,48 +330,54 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
 
 
 def decode_forward(model: HydraModel, ids: torch.Tensor, pos: torch.Tensor, caches: list, autocast: bool,
-                   dtype: torch.dtype) -> torch.Tensor:
+                   dtype: torch.dtype, unit=None) -> torch.Tensor:
     """One cached step of ``ids`` [B, 1] at positions ``pos`` [B, 1] (both tensors: a new position is
     new data, not a new Python constant to guard on), under the caller's autocast without its cast
-    cache (the cache would hold tensors across a graph capture)."""
+    cache (the cache would hold tensors across a graph capture); ``unit``: see ``forward_cached``."""
     with torch.autocast(ids.device.type, dtype=dtype, enabled=autocast, cache_enabled=False):
-        return model.forward_cached(ids, pos, caches)
+        return model.forward_cached(ids, pos, caches, unit=unit)
 
 
-# torch.compile backend of the compiled decode step. Tests on a CPU use "aot_eager": inductor's C++
-# code generation fails on this graph in some CPU builds, and the CUDA path generates Triton instead.
+# torch.compile backend of the compiled decode unit. Tests on a CPU use "aot_eager": inductor's C++
+# code generation fails on some of these graphs in some CPU builds; the CUDA path generates Triton.
 DECODE_BACKEND = "inductor"
-_compiled_decode: dict = {}
+_compiled_units: dict = {}
 
 
-def compiled_decode_forward(backend=None):
-    """``decode_forward`` under ``torch.compile`` (mode default, ``dynamic=False``): one static graph
-    per (batch, cache length, dtype), reused by every position and every later ``generate``; one
-    compiled callable per backend, so repeated steps hit the same cache entries. The step reads no
-    device value on the host (routing keeps every entry and masks it), so the graph has no break and
-    can be captured in a CUDA graph around it."""
+def compiled_decode_unit(backend=None):
+    """``run_cached_unit`` (a routed unit's layer stack on new tokens, appending to its caches in
+    place) under ``torch.compile`` with static shapes and ``fullgraph=True``: in a one-token step every
+    unit runs on [B, 1] entries (causal routing masks, it does not compact), so one graph per (batch,
+    cache length, dtype, layer stack) serves every unit of every block and every position. The
+    layers, the caches and the unit's inputs are arguments, not constants: Dynamo guards on their
+    types and shapes, not on which unit they belong to. One compiled callable per backend."""
     backend = DECODE_BACKEND if backend is None else backend
-    fn = _compiled_decode.get(backend)
+    fn = _compiled_units.get(backend)
     if fn is None:
-        fn = _compiled_decode[backend] = torch.compile(decode_forward, backend=backend, dynamic=False)
+        # Python floats (norm eps) as constants, as in compile_units: no restart of the analysis. Each
+        # (batch, cache length, dtype, layer stack) is a graph of its own; past Dynamo's default limit
+        # of 8 per function a bench over several batch sizes would silently fall back to eager units.
+        fn = torch._dynamo.config.patch(specialize_float=True, recompile_limit=64)(
+            torch.compile(run_cached_unit, backend=backend, dynamic=False, fullgraph=True))
+        _compiled_units[backend] = fn
     return fn
 
 
 class DecodeStep:
-    """One-token decoding step on fixed input buffers (token, position), compiled when ``compiled``
-    (``compiled_decode_forward``; ``backend`` for torch.compile) and replayed as a CUDA graph when
-    ``graphed`` (the first call runs, and compiles, eagerly; the second is captured). The logits it
-    returns are overwritten by the next call."""
+    """One-token decoding step on fixed input buffers (token, position), its routed units compiled when
+    ``compiled`` (``compiled_decode_unit``; ``backend`` for torch.compile) and the whole step replayed
+    as a CUDA graph when ``graphed`` (the first call runs, and compiles, eagerly; the second is
+    captured). The logits it returns are overwritten by the next call."""
 
     def __init__(self, model: HydraModel, caches: list, batch: int, device: torch.device, graphed: bool,
                  compiled: bool = False, backend=None):
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         autocast, dtype = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
-        forward = compiled_decode_forward(backend) if compiled else decode_forward
+        unit = compiled_decode_unit(backend) if compiled else None
 
         def step() -> torch.Tensor:
-            return forward(model, self.ids, self.pos, caches, autocast, dtype)
+            return decode_forward(model, self.ids, self.pos, caches, autocast, dtype, unit)
 
         self._run = GraphedStep(step, warmup=1) if graphed else step
 
