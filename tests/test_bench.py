@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import hydra_lm
-import hydra_lm.bench
+import hydra_lm.diagnostics.bench
 import hydra_lm.cli
-from hydra_lm.bench import run_bench
-from hydra_lm.bench_options import BenchConfig
+from hydra_lm.diagnostics.bench import run_bench
+from hydra_lm.diagnostics.bench_options import BenchConfig
 
 
 def tiny(**changes) -> BenchConfig:
@@ -97,7 +97,7 @@ def test_bench_on_the_cpu_defaults_to_eager_and_times_the_trainers_step(monkeypa
 
 
 def test_random_doc_ids_look_like_the_loaders():
-    from hydra_lm.bench import random_doc_ids
+    from hydra_lm.diagnostics.bench import random_doc_ids
 
     doc = random_doc_ids(8, 4096, mean_len=400, seed=0)
     assert torch.equal(doc, random_doc_ids(8, 4096, mean_len=400, seed=0))
@@ -134,7 +134,7 @@ def test_bench_applies_model_overrides_and_writes_a_profile(tmp_path, capsys):
 
 
 def test_kernel_categories():
-    from hydra_lm.step_profile import kernel_category
+    from hydra_lm.diagnostics.step_profile import kernel_category
 
     assert kernel_category("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "gemm"
     assert kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
@@ -149,7 +149,7 @@ def test_kernel_categories():
 
 @pytest.mark.slow
 def test_routing_efficiency_compares_with_the_same_model_unrouted():
-    from hydra_lm.bench import format_report
+    from hydra_lm.diagnostics.bench import format_report
     from hydra_lm.model.accounting import dense_flops_per_token, executed_flops_per_token
 
     report = run_bench(tiny(arch="both", routing_efficiency=True))
@@ -165,7 +165,7 @@ def test_routing_efficiency_compares_with_the_same_model_unrouted():
 
 
 def test_kernel_summary_per_step_category_and_top():
-    from hydra_lm.step_profile import format_profile, summarize_kernels
+    from hydra_lm.diagnostics.step_profile import format_profile, summarize_kernels
 
     gemm, pointwise = "nvjet_sm90_tst_192x192", "triton_poi_fused_add_0"
     launches = [(gemm, 300.0), (pointwise, 50.0)] * 2 + [(gemm, 200.0)]  # (name, us) over 2 steps
@@ -183,7 +183,7 @@ def test_decode_rate_counts_only_the_steady_one_token_steps(monkeypatch):
     10 ms, whatever the prefill costs (counted, it would pull the rate below 32 tokens / 0.38 s)."""
     import time
 
-    from hydra_lm.bench import decode_tokens_per_s
+    from hydra_lm.diagnostics.bench import decode_tokens_per_s
 
     model = hydra_lm.create_model("debug", vocab_size=512, max_seq_len=64).eval()
     steps = []

@@ -233,7 +233,7 @@ def test_causal_mode_is_causal_on_gpu():
 @pytest.mark.xfail(strict=True, reason="torch 2.11: the compiled flex kernel reading captured document ids is wrong "
                                        "on CUDA (pytorch/pytorch#175545); flex is refused on CUDA until this passes")
 def test_flex_document_attention_matches_the_dense_mask_on_gpu():
-    from hydra_lm.bench import random_doc_ids
+    from hydra_lm.diagnostics.bench import random_doc_ids
     from hydra_lm.model import doc_attention as da
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -248,7 +248,7 @@ def test_flex_document_attention_matches_the_dense_mask_on_gpu():
 
 
 def test_flex_document_masks_are_refused_on_cuda_with_a_clear_error():
-    from hydra_lm.bench import random_doc_ids
+    from hydra_lm.diagnostics.bench import random_doc_ids
     from hydra_lm.model import doc_attention as da
 
     model = hydra_lm.create_model("debug", vocab_size=1024, max_seq_len=512).cuda().train()

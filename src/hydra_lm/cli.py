@@ -12,11 +12,11 @@ from .train.options import OPTIMIZERS
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from .info import print_info
+    from .diagnostics.info import print_info
 
     print_info(args.model_size, seq_len=args.seq_len, arch=args.arch, vocab_size=args.vocab_size)
     if args.memory:
-        from .memory_estimate import describe_memory
+        from .diagnostics.memory_estimate import describe_memory
 
         print("\n".join(describe_memory(args.model_size, args.batch_size, args.seq_len, args.optimizer, args.arch,
                                         args.vocab_size)))
@@ -24,8 +24,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import format_report, run_bench, write_json
-    from .bench_options import bench_config
+    from .diagnostics.bench import format_report, run_bench, write_json
+    from .diagnostics.bench_options import bench_config
 
     cfg = bench_config(args, args.model_overrides)
     if cfg.doc_mask_backend:
@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS), help="optimizer for --memory")
     info.set_defaults(func=_cmd_info)
 
-    from .bench_options import FIELDS as bench_fields
+    from .diagnostics.bench_options import FIELDS as bench_fields
     from .train.flags import add_field_arguments
 
     bench = sub.add_parser("bench", help="time training steps (and inference) of a preset and its dense baseline; "

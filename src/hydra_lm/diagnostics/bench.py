@@ -22,18 +22,18 @@ from typing import Any, Callable
 
 import torch
 
-from .model.factory import create_model
+from ..model.factory import create_model
 from .bench_options import BenchConfig
-from .model.accounting import dense_flops_per_token, executed_flops_per_token, kv_cache_bytes_per_token
-from .model.attention_backend import get_attention_backend, sdpa_kernel_only
-from .model.doc_attention import get_doc_mask_backend, resolve_doc_mask_backend
-from .model.hydra import DecodeStep
+from ..model.accounting import dense_flops_per_token, executed_flops_per_token, kv_cache_bytes_per_token
+from ..model.attention_backend import get_attention_backend, sdpa_kernel_only
+from ..model.doc_attention import get_doc_mask_backend, resolve_doc_mask_backend
+from ..model.hydra import DecodeStep
 from .step_profile import format_profile, profile_steps
-from .train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
-from .train.optim import build_optimizer
-from .train.options import TrainConfig
-from .train.run import pick_device
-from .train.step import TrainStep
+from ..train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
+from ..train.optim import build_optimizer
+from ..train.options import TrainConfig
+from ..train.run import pick_device
+from ..train.step import TrainStep
 
 # AdamW's learning rate in a timed step (the value does not change the time).
 BENCH_LR = 3e-4

@@ -14,15 +14,15 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .config import preset_config
-from .model import HydraModel
+from ..config import preset_config
+from ..model import HydraModel
 
 MB = 2 ** 20
 
 
 def optimizer_state_bytes(model: torch.nn.Module, optimizer: str) -> int:
     """Bytes of optimizer state for fp32 parameters."""
-    from .train.optim import NOT_MUON
+    from ..train.optim import NOT_MUON
 
     total = 0
     for name, p in model.named_parameters():

@@ -8,8 +8,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .model.attention_backend import SDPA_KERNELS
-from .train.options import TrainConfig, opt
+from ..model.attention_backend import SDPA_KERNELS
+from ..train.options import TrainConfig, opt
 
 _TRAIN = {f.name: f for f in dataclasses.fields(TrainConfig)}
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .config import preset_config
-from .model import HydraModel
-from .model.accounting import (count_parameters, dense_flops_per_token, executed_flops_per_token,
+from ..config import preset_config
+from ..model import HydraModel
+from ..model.accounting import (count_parameters, dense_flops_per_token, executed_flops_per_token,
                                kv_cache_bytes_per_token, unit_token_counts)
 
 
