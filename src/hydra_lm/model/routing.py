@@ -15,12 +15,12 @@ calibrated threshold follows the drift, so the causal path executes the capacity
 One global threshold cannot take exactly k tokens of every row: top-k's boundary moves with the row
 (rows whose logits run high have a higher boundary), so the rule compares a token's logit with the
 mean of the logits of the row's PREVIOUS candidates instead of with zero: it admits a token iff
-``r - m > threshold``, where ``m = (sum of the previous candidates' logits + center) / (their count
-+ 1)`` (a prefix mean shrunk towards the calibrated mean logit ``center``, which stands in for it at
-the row's first candidate). ``m`` is causal, so decoding keeps it exactly as a running sum and count
-of the unit's candidates in the decode cache (``AttentionCache.route``). On a small model trained on
-the built-in corpus this raises the top-k/threshold agreement by several points over the global
-threshold (the study is recorded in docs/routing.md).
+``r - m > threshold``, where ``m = (sum of the previous candidates' logits + PREFIX_PRIOR * center)
+/ (their count + PREFIX_PRIOR)`` (a prefix mean shrunk towards the calibrated mean logit ``center``,
+which carries it over the row's first candidates). ``m`` is causal, so decoding keeps it exactly as
+a running sum and count of the unit's candidates in the decode cache (``AttentionCache.route``). On
+a small model trained on the built-in corpus this raises the top-k/threshold agreement by several
+points over the global threshold (the study is recorded in docs/routing.md).
 
 Every function here keeps shapes static (k is a Python int derived from the sequence length), so a
 routed training step has no host synchronisation and compiles with ``fullgraph=True``.
