@@ -32,10 +32,13 @@ class AttentionCache:
     slot_valid: torch.Tensor  # [B, L] bool: this position entered the unit
     conv: torch.Tensor | None = None  # [B, P, C] last P pre-conv q/k latents of routed tokens (CCGQA)
     shift: torch.Tensor | None = None  # [B, c] value-shift projection of the previous routed token (CCGQA)
+    # [B, 2] (sum of logits, count) of the unit's earlier candidates: the decode state of the expert-choice
+    # router gating this unit (routing.ExpertChoiceRouter.relative); on the unit's first layer only.
+    route: torch.Tensor | None = None
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.slot_valid, self.conv, self.shift)
-                   if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.slot_valid, self.conv, self.shift,
+                                                          self.route) if t is not None)
 
 
 def empty_kv_cache(batch: int, kv_heads: int, length: int, head_dim: int, device, dtype) -> AttentionCache:

@@ -143,8 +143,13 @@ class RecursiveBlock(nn.Module):
         return counts
 
     def new_caches(self, batch: int, length: int, device, dtype) -> list[list[AttentionCache]]:
-        return [[layer.attn.new_cache(batch, length, device, dtype) for layer in self.layers]
-                for _ in range(self.recursions)]
+        caches = [[layer.attn.new_cache(batch, length, device, dtype) for layer in self.layers]
+                  for _ in range(self.recursions)]
+        for router in self.routers.values():  # expert-choice: the running prefix sum of its candidates' logits
+            for j in router.depths:
+                caches[j][0].route = torch.zeros(batch, 2, device=device,
+                                                 dtype=torch.promote_types(dtype or torch.float32, torch.float32))
+        return caches
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding, mode: str,
@@ -170,7 +175,8 @@ class RecursiveBlock(nn.Module):
             if router is not None and not self._active(router):
                 sel = pass_through(xc, vc, seq_len)
             elif router is not None:
-                sel = router.select(xc, vc, counts[j], mode, seq_len, depth=j, decision=decision)
+                state = None if caches is None else caches[j][0].route
+                sel = router.select(xc, vc, counts[j], mode, seq_len, depth=j, decision=decision, state=state)
                 if sel.aux_loss is not None:
                     losses[router.kind].append(sel.aux_loss)
             if sel is not None:
