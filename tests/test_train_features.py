@@ -7,6 +7,8 @@ import json
 import pytest
 import torch
 
+import hydra_lm
+
 from hydra_lm.cli import main
 from hydra_lm.train import optim
 from hydra_lm.train.options import TrainConfig
@@ -51,8 +53,11 @@ def test_compiled_training_gives_the_eager_numbers(tiny_data, tmp_path, monkeypa
     monkeypatch.setattr(torch, "compile", lambda model, mode=None, options=None, **kw:
                         compile_fn(model, backend=counter, **kw))
     torch._dynamo.reset()
-    assert train(tiny_data, tmp_path / "eager") == 0
-    assert train(tiny_data, tmp_path / "compiled", "--compile", *scope) == 0  # the CPU's default is eager
+    # MoR at full depth during these 3 steps: with MoR routing on, the layers reach the trace inlined,
+    # not as nested regions (test_layer_regions_survive_mor_routing below).
+    phase = ["--mor_enable_pct", "1"]
+    assert train(tiny_data, tmp_path / "eager", *phase) == 0
+    assert train(tiny_data, tmp_path / "compiled", "--compile", *scope, *phase) == 0  # the CPU's default is eager
     eager = [r["loss"] for r in records(tmp_path / "eager", "train")]
     assert eager == pytest.approx([r["loss"] for r in records(tmp_path / "compiled", "train")], rel=1e-5)
     if scope:
@@ -65,6 +70,22 @@ def test_compiled_training_gives_the_eager_numbers(tiny_data, tmp_path, monkeypa
         assert len(units) == 3 and len(masked) == 1, [g.graph for g in counter.graphs]
     log = (tmp_path / "compiled" / "train.log").read_text()
     assert ("routed units" in log) == (not scope) and ("layer regions" in log) == bool(scope)
+
+
+@pytest.mark.xfail(strict=True, reason="known: with MoR routing on, Dynamo inlines the layers instead of "
+                                       "keeping them as nested compile regions (found 2026-11-23, open)")
+def test_layer_regions_survive_mor_routing():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = hydra_lm.create_model("debug", vocab_size=300, dim=64, n_heads=2, n_kv_heads=1, mlp_hidden=128)
+    model.set_curriculum(mod_active=True, mor_active=True)
+    model.use_layer_regions(True)
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    ids = torch.randint(0, 300, (4, 32))
+    torch.compile(model, backend=counter)(ids, ids)
+    regions = {n.target for g in counter.graphs for n in g.graph.nodes if str(n.target).startswith("subgraph")}
+    assert regions
 
 
 @pytest.mark.slow
