@@ -1,6 +1,7 @@
 """Run safety under injected faults: divergence (NaN gradients), the run-directory lock, quarantined
 checkpoints, and one-line errors for bad input and a full disk."""
 
+import contextlib
 import errno
 import json
 import math
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -345,5 +347,25 @@ def test_under_torchrun_rank_0_holds_the_lock_and_a_second_launch_is_refused(tin
         assert f"is in use by another trainer (pid {holder} on host " in second.stderr, second.stderr[-3000:]
         assert first.poll() is None  # the first launch trains on, undisturbed
     finally:
+        # The launcher starts its workers in sessions of their own: stop them by pid, or they train on.
+        workers = descendants(first.pid)
         os.killpg(first.pid, signal.SIGKILL)
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         first.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from /proc: a process's parent is field 4 of its stat line)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
