@@ -120,13 +120,13 @@ def test_flops_budget_and_dense_depths_match_what_they_promise(tiny_data, tmp_pa
 def test_custom_variant_sets_the_routing_curriculum_and_its_flops(tiny_data, tmp_path):
     shared = {"model_size": "debug", "device": "cpu", "batch_size": 4, "seq_len": 32,
               "model": {"dim": 64, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden": 128}}
-    late = "late:mor_enable_pct=0.3,mod_enable_pct=0.1,mod_force_enable_pct=0.15,mod_capacity=0.5"
+    late = "late:mor_enable_pct=0.3,mod_enable_pct=0.1,mod_force_enable_pct=0.15,mor_gate_scale=0.2"
     plan = plan_compare(str(tiny_data), str(tmp_path / "cmp"), parse_budget("flops=2e10"), ["hydra"], [late], 4,
                         shared)
     hydra, late = plan.runs
     assert late.values["mor_enable_pct"] == 0.3 and late.values["mod_force_enable_pct"] == 0.15
-    assert late.model_cfg.mod_capacity == 0.5 and "mor_enable_pct" not in hydra.values
-    # A dense start is dearer per step, so the same FLOPs buy fewer steps.
+    assert late.model_cfg.mor_gate_scale == 0.2 and "mor_enable_pct" not in hydra.values
+    # The same model starting dense is dearer per step, so the same FLOPs buy fewer steps.
     assert late.values["max_steps"] < hydra.values["max_steps"]
     train = plan.base.replace(mor_enable_pct=0.3, mod_enable_pct=0.1, mod_force_enable_pct=0.15)
     assert planned_flops(late.model_cfg, train, late.values["max_steps"], 128) >= 2e10

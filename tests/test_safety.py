@@ -135,11 +135,7 @@ def test_a_second_trainer_on_the_same_directory_is_refused_until_the_first_dies(
     first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.monotonic() + 120
-        while not (run / "metrics.jsonl").is_file() or '"kind": "train"' not in (run / "metrics.jsonl").read_text():
-            assert first.poll() is None, first.stderr.read().decode()
-            assert time.monotonic() < deadline, "the first trainer did not start"
-            time.sleep(0.2)
+        wait_for_training(first, run, 120)
         in_progress = run / "checkpoints" / ".tmp-hydra_debug_step100000-4242"  # the first trainer's half-written save
         in_progress.mkdir(parents=True)
         assert train(tiny_data, run, "--max_steps", "2") == 2
@@ -330,15 +326,11 @@ def test_under_torchrun_rank_0_holds_the_lock_and_a_second_launch_is_refused(tin
                 "--no-eval_at_start"]
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # A session of its own: the launcher and its workers are stopped together at the end.
+    # A session of its own, so that the launcher is stopped with anything it left in its group.
     first = subprocess.Popen(launch("100000"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
                              start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
-        while not (run / "metrics.jsonl").is_file() or '"kind": "train"' not in (run / "metrics.jsonl").read_text():
-            assert first.poll() is None, first.stderr.read().decode()
-            assert time.monotonic() < deadline, "the first launch did not start training"
-            time.sleep(0.5)
+        wait_for_training(first, run, 180)
         holder = json.loads((run / ".lock").read_text())["pid"]
         worker_env = open(f"/proc/{holder}/environ", "rb").read().split(b"\0")
         assert b"RANK=0" in worker_env and holder != first.pid  # rank 0's worker, not the launcher
@@ -354,6 +346,15 @@ def test_under_torchrun_rank_0_holds_the_lock_and_a_second_launch_is_refused(tin
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         first.wait()
+
+
+def wait_for_training(proc: subprocess.Popen, run, seconds: float) -> None:
+    """Until the trainer started by ``proc`` has logged a training step (its stderr shown if it died)."""
+    deadline = time.monotonic() + seconds
+    while not (run / "metrics.jsonl").is_file() or '"kind": "train"' not in (run / "metrics.jsonl").read_text():
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline, "the trainer did not start training"
+        time.sleep(0.2)
 
 
 def descendants(pid: int) -> list[int]:
