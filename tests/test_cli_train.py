@@ -149,6 +149,22 @@ def test_resume_with_another_tokenizer_is_refused(tiny_data, tmp_path, capsys):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # nothing lost
 
 
+def test_a_run_saved_before_the_kernel_fields_resumes_and_loads(tiny_data, tmp_path, capsys):
+    """Runs recorded before HydraConfig had attention_backend / doc_mask_backend take their defaults."""
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "2", "--save_every", "2") == 0
+    states = [(p, "model_config") for p in run.glob("checkpoints/*/state.json")]
+    for path, key in [(run / "config.json", "model"), *states]:
+        record = json.loads(path.read_text())
+        assert record[key].pop("attention_backend") == "auto" and record[key].pop("doc_mask_backend") == "auto"
+        path.write_text(json.dumps(record))
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run), "--device", "cpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 2
+    assert main(["train", "--out", str(run), "--max_steps", "3"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_corrupt_checkpoint_errors_for_eval_and_resume_falls_back(tiny_data, tmp_path, capsys):
     run = tmp_path / "run"

@@ -249,18 +249,24 @@ def test_flex_document_attention_matches_the_dense_mask_on_gpu():
 
 def test_flex_document_masks_are_refused_on_cuda_with_a_clear_error():
     from hydra_lm.diagnostics.bench import random_doc_ids
-    from hydra_lm.model import doc_attention as da
 
     model = hydra_lm.create_model("debug", vocab_size=1024, max_seq_len=512).cuda().train()
     ids = _ids(2, 256, 1024)
     doc = random_doc_ids(2, 256, mean_len=100, device="cuda")
-    try:
-        da.set_doc_mask_backend("flex")
-        with pytest.raises(ValueError, match="disabled on CUDA.*--doc_mask_backend sdpa"):
-            model(ids, doc_ids=doc)
-    finally:
-        da.set_doc_mask_backend("auto")
+    flex = hydra_lm.create_model("debug", vocab_size=1024, max_seq_len=512, doc_mask_backend="flex").cuda().train()
+    with pytest.raises(ValueError, match="disabled on CUDA.*--model.doc_mask_backend sdpa"):
+        flex(ids, doc_ids=doc)
     assert torch.isfinite(model(ids, targets=torch.roll(ids, -1, 1), doc_ids=doc)["loss"])  # auto: dense mask
+
+
+def test_a_missing_attention_package_is_named_on_the_first_cuda_forward():
+    from hydra_lm.model.attention_backend import FLASH_ATTN_AVAILABLE
+
+    if FLASH_ATTN_AVAILABLE:
+        pytest.skip("flash-attn is installed")
+    model = hydra_lm.create_model("debug", vocab_size=1024, max_seq_len=512, attention_backend="flash").cuda()
+    with pytest.raises(ValueError, match="pip install flash-attn.*--model.attention_backend auto"):
+        model(_ids(2, 64, 1024))
 
 
 def test_bench_defaults_run_the_fast_path(tmp_path):

@@ -28,10 +28,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .diagnostics.bench_options import bench_config
 
     cfg = bench_config(args, args.model_overrides)
-    if cfg.doc_mask_backend:
-        from .model.doc_attention import set_doc_mask_backend
-
-        set_doc_mask_backend(cfg.doc_mask_backend)
 
     def on_row(partial: dict) -> None:  # a run killed later still leaves the rows it finished
         r = partial["rows"][-1]

@@ -22,11 +22,12 @@ from typing import Any, Callable
 
 import torch
 
+from ..config import HydraConfig
 from ..model.factory import create_model
 from .bench_options import BenchConfig
 from ..model.accounting import dense_flops_per_token, executed_flops_per_token, kv_cache_bytes_per_token
-from ..model.attention_backend import get_attention_backend, sdpa_kernel_only
-from ..model.doc_attention import get_doc_mask_backend, resolve_doc_mask_backend
+from ..model.attention_backend import sdpa_kernel_only
+from ..model.doc_attention import resolve_doc_mask_backend
 from ..model.hydra import DecodeStep
 from .step_profile import format_profile, profile_steps
 from ..train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
@@ -105,7 +106,7 @@ def attention_kernels(model, ids: torch.Tensor, doc: torch.Tensor | None, device
     from torch.profiler import ProfilerActivity, profile
 
     found = set()
-    if doc is not None and resolve_doc_mask_backend(device) == "flex":
+    if doc is not None and resolve_doc_mask_backend(model.config.doc_mask_backend, device) == "flex":
         found.add("flex")  # every layer gets doc ids, so no SDPA call remains to profile
         return sorted(found)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -118,10 +119,10 @@ def attention_kernels(model, ids: torch.Tensor, doc: torch.Tensor | None, device
     return sorted(found)
 
 
-def doc_mask_path(doc: torch.Tensor | None, device: torch.device) -> str:
+def doc_mask_path(model, doc: torch.Tensor | None, device: torch.device) -> str:
     if doc is None:
         return "none"
-    return "flex" if resolve_doc_mask_backend(device) == "flex" else "dense-mask"
+    return "flex" if resolve_doc_mask_backend(model.config.doc_mask_backend, device) == "flex" else "dense-mask"
 
 
 def bench_training(model, cfg: BenchConfig, plan: SpeedPlan, device: torch.device) -> dict[str, Any]:
@@ -152,7 +153,7 @@ def bench_training(model, cfg: BenchConfig, plan: SpeedPlan, device: torch.devic
     flops = executed_flops_per_token(model.config, seq) * batch * seq
     result = {"tokens_per_s": batch * seq / median, "step_ms": median * 1e3, "executed_tflops": flops / median / 1e12,
               "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
-              "first_step_s": first, "attention_kernels": kernels, "doc_mask_path": doc_mask_path(doc, device),
+              "first_step_s": first, "attention_kernels": kernels, "doc_mask_path": doc_mask_path(model, doc, device),
               "docs_per_row": None if doc is None else float(doc[:, -1].float().mean() + 1)}
     if cfg.profile is not None:
         result["profile"] = profile_steps(step, 3, device, cfg.profile, tag=model.config.arch)
@@ -231,7 +232,9 @@ def run_bench(cfg: BenchConfig, on_row: Callable[[dict[str, Any]], None] | None 
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
         "measured_bf16_peak_tflops": peak, "datasheet_bf16_peak_tflops": datasheet_peak(dev),
-        "attention_backend": get_attention_backend(), "doc_mask_backend": get_doc_mask_backend(),
+        # Kernels are model config (--model.attention_backend, --model.doc_mask_backend), shared by both archs.
+        "attention_backend": cfg.model.get("attention_backend", HydraConfig.attention_backend),
+        "doc_mask_backend": cfg.model.get("doc_mask_backend", HydraConfig.doc_mask_backend),
         "batch": cfg.batch_size, "seq_len": cfg.seq_len, "compile": plan.compile,
         "compile_mode": plan.compile_mode if plan.compile else None, "cuda_graph": plan.cuda_graph,
         "document_masking": cfg.document_masking, "ce_impl": plan.ce_impl, "chunked_ce_size": plan.ce_chunk_size,

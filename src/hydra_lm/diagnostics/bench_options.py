@@ -38,9 +38,6 @@ class BenchConfig:
     sdpa_kernel: str = opt("auto", "force one SDPA kernel (auto: PyTorch's choice)", type=str, choices=SDPA_KERNELS)
     document_masking: bool = opt(False, "pass doc_ids like the trainer (documents of geometric length, mean 400 "
                                         "tokens)", type=bool)
-    doc_mask_backend: str | None = opt(None, "document-masked attention: FlexAttention or a dense SDPA mask (default: "
-                                             "HYDRA_DOC_MASK_BACKEND, else auto = the dense mask; flex is refused on "
-                                             "CUDA)", type=str, choices=("auto", "flex", "sdpa"))
     conv_impl: str = opt("taps", "CCGQA convs as fused shifted taps, or F.conv1d (cuDNN) for comparison", type=str,
                          choices=("taps", "conv1d"))
     inference: bool = opt(False, "also time prefill and steady-state decoding", type=bool)

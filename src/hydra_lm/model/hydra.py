@@ -64,10 +64,12 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
     def _build_blocks(cfg: HydraConfig) -> list[RecursiveBlock]:
         def layer() -> TransformerLayer:
             if cfg.arch == "dense":
-                attn = GQAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+                attn = GQAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.attention_backend,
+                                   cfg.doc_mask_backend)
             else:
                 attn = CCGQAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.conv_seq_kernel,
-                                     cfg.conv_ch_kernel, cfg.qk_mean, cfg.value_shift, cfg.norm_eps)
+                                     cfg.conv_ch_kernel, cfg.qk_mean, cfg.value_shift, cfg.norm_eps,
+                                     cfg.attention_backend, cfg.doc_mask_backend)
             return TransformerLayer(cfg.dim, cfg.mlp_hidden, attn, cfg.norm_eps)
 
         if cfg.arch == "dense":
