@@ -47,8 +47,9 @@ def test_prepare_train_eval_generate(tiny_data, tmp_path, capsys):
     assert main(["generate", "--run", str(run), "--prompt", "the quick", "--max_new_tokens", "12", "--seed", "3"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("the quick") and len(text) > len("the quick")
-    assert main(["generate", "--run", str(run), "--prompt", "the quick", "--max_new_tokens", "12", "--seed", "3"]) == 0
-    assert capsys.readouterr().out == text  # seeded sampling is reproducible
+    assert main(["generate", "--run", str(run), "--prompt", "the quick", "--max_new_tokens", "12", "--seed", "3",
+                 "--compile_step"]) == 0
+    assert capsys.readouterr().out == text  # seeded sampling is reproducible, also with the compiled step
 
 
 @pytest.mark.parametrize("split_at", [5])

@@ -146,7 +146,7 @@ def test_graph_captured_decoding_matches_eager_decoding(overrides):
 
 
 def test_compiled_decode_step_matches_the_eager_step():
-    """generate(compile_step=True) on CUDA (the routed units compiled, the step captured): in float64 the eager
+    """generate() on CUDA (by default the routed units compiled, the step captured): in float64 the eager
     loop's greedy tokens, one graph for all units without breaks or recompiles; in bf16 (the 100M preset's
     layout, shrunk) one graph for its 32 units and the eager step's logits within bf16 tolerance,
     teacher-forced so that a flipped tie cannot diverge."""
@@ -158,8 +158,8 @@ def test_compiled_decode_step_matches_the_eager_step():
     prompt = _ids(3, 7, TINY["vocab_size"])
     eager = model.generate(prompt, max_new_tokens=20, cuda_graph=False, compile_step=False)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert torch.equal(model.generate(prompt, max_new_tokens=20, compile_step=True), eager)
-        assert torch.equal(model.generate(prompt, max_new_tokens=25, compile_step=True)[:, :27], eager)
+        assert torch.equal(model.generate(prompt, max_new_tokens=20), eager)
+        assert torch.equal(model.generate(prompt, max_new_tokens=25)[:, :27], eager)
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
 
@@ -284,7 +284,7 @@ def test_bench_defaults_run_the_fast_path(tmp_path):
     assert (report["compile"], report["compile_mode"], report["cuda_graph"]) == ("units", "default", True)
     for row in report["rows"]:
         assert row["ce_impl"] == "chunked" and row["tokens_per_s"] > 0 and row["decode_cuda_graph"]
-        assert not row["decode_compiled"]  # compiling the decode step is opt-in
+        assert row["decode_compiled"]  # on CUDA the decode step's units compile by default
         rates = [row[f"decode_tokens_per_s_batch{b}"] for b in (1, 8, 32, 128)]
         # a steady decode step of this model takes well over 10 microseconds: no division by ~0
         assert all(0 < r < b / 1e-5 for r, b in zip(rates, (1, 8, 32, 128))), rates

@@ -114,7 +114,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .train import generate_text
 
     print(generate_text(args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                        args.seed, args.checkpoint, args.device))
+                        args.seed, args.checkpoint, args.device, args.compile_step))
     return 0
 
 
@@ -233,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--checkpoint", default=None)
     gen.add_argument("--device", default="auto")
+    gen.add_argument("--compile_step", default=None, action=argparse.BooleanOptionalAction,
+                     help="torch.compile the decode step's routed units (default: on CUDA; the first call compiles; "
+                          "--no-compile_step: eager kernels, no compile wait)")
     gen.set_defaults(func=_cmd_generate)
 
     quick = sub.add_parser("quickstart", help="prepare the default corpus, train the debug preset for a few "

@@ -28,7 +28,7 @@ from .bench_options import BenchConfig
 from ..model.accounting import dense_flops_per_token, executed_flops_per_token, kv_cache_bytes_per_token
 from ..model.attention_backend import sdpa_kernel_only
 from ..model.doc_attention import resolve_doc_mask_backend
-from ..model.hydra import DecodeStep
+from ..model.hydra import DecodeStep, decode_compiles
 from .step_profile import format_profile, profile_steps
 from ..train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
 from ..train.optim import build_optimizer
@@ -177,11 +177,11 @@ def _routing_efficiency(model, routed: dict[str, Any], cfg: BenchConfig, plan: S
 
 
 @torch.no_grad()
-def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, repeats: int = 3,
-                        compiled: bool | None = None) -> float:
+def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, compiled: bool,
+                        repeats: int = 3) -> float:
     """Steady-state decoding of ``batch`` rows: a prompt of ``length`` tokens is prefilled, then
-    ``length`` one-token steps (greedy, compiled and CUDA-graphed where ``generate`` does so;
-    ``compiled`` overrides) are timed on their own, median of ``repeats``. Prefill, the first eager
+    ``length`` one-token steps (greedy, CUDA-graphed where ``generate`` does so, units compiled when
+    ``compiled``) are timed on their own, median of ``repeats``. Prefill, the first eager
     step (and its compilation) and the graph's capture happen before the clock starts: timing whole
     ``generate`` calls would fold them (and their noise, larger than a short decode at batch 1) into
     the per-token cost."""
@@ -189,7 +189,7 @@ def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, re
     caches = model.init_cache(batch, 2 * length)
     first = model.forward_cached(prompt, 0, caches).argmax(-1)
     graphed = model.decode_capturable()
-    step = DecodeStep(model, caches, batch, device, graphed, graphed if compiled is None else compiled)
+    step = DecodeStep(model, caches, batch, device, graphed, compiled)
     for position in (length, length + 1):  # eager warm-up, then the capture; rewritten by the timed steps
         step(first[:, None], position)
 
@@ -210,7 +210,7 @@ def bench_inference(model, cfg: BenchConfig, device: torch.device) -> dict[str, 
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         model(ids)  # warm-up
         result["prefill_tokens_per_s"] = ids.numel() / _timed(lambda: model(ids), device)
-        compiled = cfg.decode_compile
+        compiled = decode_compiles(device, cfg.decode_compile)
         for batch in cfg.decode_batch_sizes():
             result[f"decode_tokens_per_s_batch{batch}"] = decode_tokens_per_s(model, batch, cfg.new_tokens, device,
                                                                               compiled=compiled)

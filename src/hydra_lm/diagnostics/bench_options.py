@@ -43,9 +43,9 @@ class BenchConfig:
     inference: bool = opt(False, "also time prefill and steady-state decoding", type=bool)
     new_tokens: int = opt(128, "--inference: prompt length and decode steps timed, per batch size", type=int)
     decode_batches: str = opt("1,8,32,128", "--inference: decode batch sizes, comma-separated", type=str)
-    decode_compile: bool = opt(False, "--inference: torch.compile the decode step's routed units (one graph shared by "
-                                      "all) before its CUDA graph is captured (opt-in; as generate(compile_step=True))",
-                               type=bool)
+    decode_compile: bool | None = opt(None, "--inference: torch.compile the decode step's routed units (one graph "
+                                             "shared by all) before its CUDA graph is captured (default: on CUDA, "
+                                             "as generate; --no-decode_compile: eager kernels)", type=bool)
     vocab_size: int = opt(50257, "vocabulary size", type=int)
     device: str = opt("auto", "auto (cuda if available), cpu or cuda[:N]", type=str)
     json: str | None = opt(None, "also write the report here", type=str)
