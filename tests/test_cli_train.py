@@ -187,7 +187,7 @@ def test_corrupt_checkpoint_errors_for_eval_and_resume_falls_back(tiny_data, tmp
 @pytest.mark.slow
 def test_quickstart_runs_end_to_end_on_a_stand_in_corpus(tiny_data, tmp_path, monkeypatch, capsys):
     import hydra_lm.data
-    from hydra_lm.train.quickstart import quickstart
+    from hydra_lm.quickstart import quickstart
 
     prepared = []
     monkeypatch.setattr(hydra_lm.data, "prepare_data", lambda inputs, out: prepared.append(inputs) or tiny_data)

@@ -85,7 +85,7 @@ def _cmd_scaling(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from .train import eval_run
+    from .infer import eval_run
     from .train.evaluate import routing_warnings
 
     result = eval_run(args.run, args.checkpoint, data=args.data, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -111,7 +111,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .train import generate_text
+    from .infer import generate_text
 
     print(generate_text(args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                         args.seed, args.checkpoint, args.device, args.compile_step))
@@ -119,7 +119,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .train import export_model
+    from .infer import export_model
 
     path = export_model(args.run, args.out, args.checkpoint)
     print(f"wrote {path}: the full model in one safetensors file (use it with --checkpoint {path})")
@@ -127,7 +127,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> int:
-    from .train.quickstart import quickstart
+    from .quickstart import quickstart
 
     return quickstart(args.out, args.max_steps, args.seed, args.prompt, args.max_new_tokens, args.device)
 

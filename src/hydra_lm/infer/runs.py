@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_model
 
-from ..model.factory import create_model
 from ..config import HydraConfig
-from .checkpoint import EXPORT_FORMAT, Checkpoint, resolve_checkpoint
-from .data_io import ValSet, open_data
-from .evaluate import evaluate
-from .run import CONFIG_JSON, pick_device
-from .sharded_checkpoint import load_dcp
+from ..model.factory import create_model
+from ..train.checkpoint import EXPORT_FORMAT, Checkpoint, resolve_checkpoint
+from ..train.data_io import ValSet, open_data
+from ..train.evaluate import evaluate
+from ..train.run import CONFIG_JSON, pick_device
+from ..train.sharded_checkpoint import load_dcp
 
 
 @dataclass
