@@ -42,11 +42,13 @@ def test_bench_document_masking_reports_the_mask_path_and_kernels(tmp_path, caps
     out = tmp_path / "bench.json"
     code = hydra_lm.cli.main(["bench", "--model_size", "debug", "--arch", "hydra", "--vocab_size", "512",
                               "--batch_size", "2", "--seq_len", "64", "--steps", "1", "--warmup", "0", "--no-compile",
-                              "--document_masking", "--conv_impl", "conv1d", "--device", "cpu", "--json", str(out)])
+                              "--document_masking", "--conv_impl", "conv1d", "--device", "cpu", "--json", str(out),
+                              "--model.doc_mask_backend", "sdpa"])
     assert code == 0
     report = json.loads(out.read_text())
     row = report["rows"][0]
     assert report["document_masking"] and report["conv_impl"] == "conv1d" and report["compile"] is None
+    assert (report["doc_mask_backend"], report["attention_backend"]) == ("sdpa", "auto")  # model config fields
     assert row["doc_mask_path"] == "dense-mask"  # CPU: the dense SDPA mask
     assert row["attention_kernels"] and all(k in ("math", "flash/cpu") for k in row["attention_kernels"])
     assert row["docs_per_row"] >= 1
@@ -194,6 +196,6 @@ def test_decode_rate_counts_only_the_steady_one_token_steps(monkeypatch):
         return torch.zeros(ids.shape[0], 512)
 
     monkeypatch.setattr(model, "forward_cached", forward_cached)
-    rate = decode_tokens_per_s(model, batch=4, length=8, device=torch.device("cpu"), repeats=2)
+    rate = decode_tokens_per_s(model, batch=4, length=8, device=torch.device("cpu"), compiled=False, repeats=2)
     assert 4 / 0.02 < rate <= 4 / 0.01
     assert steps == [8] + [1] * (2 + 2 * 8)  # prefill, two warm-up steps, two timed runs of 8 steps

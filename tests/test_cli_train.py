@@ -47,8 +47,9 @@ def test_prepare_train_eval_generate(tiny_data, tmp_path, capsys):
     assert main(["generate", "--run", str(run), "--prompt", "the quick", "--max_new_tokens", "12", "--seed", "3"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("the quick") and len(text) > len("the quick")
-    assert main(["generate", "--run", str(run), "--prompt", "the quick", "--max_new_tokens", "12", "--seed", "3"]) == 0
-    assert capsys.readouterr().out == text  # seeded sampling is reproducible
+    assert main(["generate", "--run", str(run), "--prompt", "the quick", "--max_new_tokens", "12", "--seed", "3",
+                 "--compile_step"]) == 0
+    assert capsys.readouterr().out == text  # seeded sampling is reproducible, also with the compiled step
 
 
 @pytest.mark.parametrize("split_at", [5])
@@ -149,6 +150,22 @@ def test_resume_with_another_tokenizer_is_refused(tiny_data, tmp_path, capsys):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # nothing lost
 
 
+def test_a_run_saved_before_the_kernel_fields_resumes_and_loads(tiny_data, tmp_path, capsys):
+    """Runs recorded before HydraConfig had attention_backend / doc_mask_backend take their defaults."""
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "2", "--save_every", "2") == 0
+    states = [(p, "model_config") for p in run.glob("checkpoints/*/state.json")]
+    for path, key in [(run / "config.json", "model"), *states]:
+        record = json.loads(path.read_text())
+        assert record[key].pop("attention_backend") == "auto" and record[key].pop("doc_mask_backend") == "auto"
+        path.write_text(json.dumps(record))
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run), "--device", "cpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 2
+    assert main(["train", "--out", str(run), "--max_steps", "3"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_corrupt_checkpoint_errors_for_eval_and_resume_falls_back(tiny_data, tmp_path, capsys):
     run = tmp_path / "run"
@@ -170,7 +187,7 @@ def test_corrupt_checkpoint_errors_for_eval_and_resume_falls_back(tiny_data, tmp
 @pytest.mark.slow
 def test_quickstart_runs_end_to_end_on_a_stand_in_corpus(tiny_data, tmp_path, monkeypatch, capsys):
     import hydra_lm.data
-    from hydra_lm.train.quickstart import quickstart
+    from hydra_lm.quickstart import quickstart
 
     prepared = []
     monkeypatch.setattr(hydra_lm.data, "prepare_data", lambda inputs, out: prepared.append(inputs) or tiny_data)

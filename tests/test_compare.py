@@ -11,7 +11,8 @@ from hydra_lm.diagnostics.compare import parse_budget, plan_compare, planned_flo
 from hydra_lm.diagnostics.scaling import fit_power_law
 from hydra_lm.diagnostics.variants import parameter_count, parse_custom_variant
 from hydra_lm.model.accounting import executed_flops_per_token
-from hydra_lm.train import eval_run, lr_at
+from hydra_lm.infer import eval_run
+from hydra_lm.train import lr_at
 from support import TINY_RUN, records, write_corpus
 
 PLOTS = ("loss_vs_tokens.png", "loss_vs_flops.png", "loss_vs_seconds.png", "routing_exec_fraction.png",

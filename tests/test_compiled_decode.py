@@ -1,6 +1,7 @@
-"""The compiled one-token decode step (``generate(compile_step=True)``, opt-in): every routed unit runs
-one compiled ``run_cached_unit``, routing stays eager. Against the eager step: the same greedy tokens,
-one graph for all units and blocks, no recompilation per unit or per position."""
+"""The compiled one-token decode step (``generate``'s default on CUDA, ``compile_step=True`` elsewhere):
+every routed unit runs one compiled ``run_cached_unit``, routing stays eager. Against the eager step: the
+same greedy tokens, one graph for all units and blocks, no recompilation per unit or per position. On a
+CPU the unit compiles with "aot_eager" (``compiled_decode_unit``)."""
 
 import pytest
 import torch
@@ -13,10 +14,7 @@ from test_causal_routing import _calibrate, _drift
 
 
 @pytest.fixture
-def aot_eager(monkeypatch):
-    # Dynamo's trace and AOT's functionalized cache updates, without code generation: inductor's C++
-    # backend fails on some of these graphs in some CPU builds (the CUDA path generates Triton; see test_gpu.py).
-    monkeypatch.setattr(hydra_module, "DECODE_BACKEND", "aot_eager")
+def fresh_dynamo():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     yield
@@ -27,8 +25,8 @@ def _compiled_unit_calls(monkeypatch) -> list:
     calls = []
     compiled = hydra_module.compiled_decode_unit
 
-    def counting(backend=None):
-        unit = compiled(backend)
+    def counting(device):
+        unit = compiled(device)
         return lambda *args: calls.append(1) or unit(*args)
 
     monkeypatch.setattr(hydra_module, "compiled_decode_unit", counting)
@@ -43,7 +41,7 @@ def _full_forward_tokens(model, prompt, n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(mor_routing="token")], ids=["hydra", "token_choice"])
-def test_compiled_decode_step_gives_the_eager_steps_greedy_tokens(aot_eager, monkeypatch, overrides):
+def test_compiled_decode_step_gives_the_eager_steps_greedy_tokens(fresh_dynamo, monkeypatch, overrides):
     model = tiny_model(**overrides)
     _drift(model)
     _calibrate(model, batches=5)  # causal routing with calibrated thresholds, as after training
@@ -65,7 +63,7 @@ def test_compiled_decode_step_gives_the_eager_steps_greedy_tokens(aot_eager, mon
     assert torch.equal(compiled, _full_forward_tokens(model, prompt, 20))  # and what full forwards pick
 
 
-def test_compiled_decode_step_of_the_100M_layout_is_one_graph(aot_eager):
+def test_compiled_decode_step_of_the_100M_layout_is_one_graph(fresh_dynamo):
     """The 100M preset's layout (8 blocks x 4 recursions, MoD on every second block, so the first
     unit of the others has no router), narrowed: its 32 units share one graph."""
     torch.manual_seed(0)
@@ -78,7 +76,7 @@ def test_compiled_decode_step_of_the_100M_layout_is_one_graph(aot_eager):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
-def test_units_of_different_layer_stacks_compile_one_graph_each(aot_eager):
+def test_units_of_different_layer_stacks_compile_one_graph_each(fresh_dynamo):
     """middle_cycle: a one-layer first and last block around a shared two-layer middle block (with a
     recursion embedding): two unit signatures, two graphs, then no recompilation."""
     model = tiny_model(sharing="middle_cycle", n_blocks=4).double().eval()
@@ -90,9 +88,13 @@ def test_units_of_different_layer_stacks_compile_one_graph_each(aot_eager):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
-def test_compile_step_is_opt_in(monkeypatch):
+def test_the_step_compiles_by_default_on_cuda_only(monkeypatch):
+    assert hydra_module.decode_compiles(torch.device("cuda"), None)
+    assert not hydra_module.decode_compiles(torch.device("cuda"), False)  # the opt-out
+    assert not hydra_module.decode_compiles(torch.device("cpu"), None)
+    assert hydra_module.decode_compiles(torch.device("cpu"), True)
     calls = []
-    monkeypatch.setattr(hydra_module, "compiled_decode_unit", lambda backend=None: calls.append(backend))
+    monkeypatch.setattr(hydra_module, "compiled_decode_unit", lambda device: calls.append(device))
     model = tiny_model().eval()
     model.generate(torch.zeros(1, 3, dtype=torch.long), max_new_tokens=3)
-    assert calls == []
+    assert calls == []  # a CPU generate runs eager units unless asked

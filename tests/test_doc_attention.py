@@ -21,12 +21,6 @@ def flex_backward_on_cpu(monkeypatch):
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
 
 
-@pytest.fixture
-def doc_backend():
-    yield da.set_doc_mask_backend
-    da.set_doc_mask_backend("auto")
-
-
 def _qkv(b=2, h_q=4, h_k=2, n=300, d=16, dtype=torch.float64, grad=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(b, h, n, d, generator=g, dtype=dtype).requires_grad_(grad) for h in (h_q, h_k, h_k)]
@@ -85,34 +79,33 @@ def test_compiled_flex_kernel_uses_the_block_tables_correctly():
         torch.testing.assert_close(compiled(q, k, v, doc), _dense(q, k, v, doc), rtol=1e-5, atol=1e-5)
 
 
-def test_backend_switch(doc_backend):
-    assert da.resolve_doc_mask_backend("cpu") == "sdpa"
-    assert da.resolve_doc_mask_backend("cuda") == "sdpa"
-    doc_backend("flex")
-    assert da.get_doc_mask_backend() == "flex" and da.resolve_doc_mask_backend("cpu") == "flex"
-    with pytest.raises(ValueError, match="disabled on CUDA.*--doc_mask_backend sdpa"):  # wrong there (torch 2.11)
-        da.resolve_doc_mask_backend("cuda")
-    with pytest.raises(ValueError, match="choose one of"):
-        doc_backend("dense")
+def test_backend_resolution():
+    assert da.resolve_doc_mask_backend("auto", "cpu") == "sdpa"
+    assert da.resolve_doc_mask_backend("auto", "cuda") == "sdpa"
+    assert da.resolve_doc_mask_backend("flex", "cpu") == "flex"
+    with pytest.raises(ValueError, match="disabled on CUDA.*--model.doc_mask_backend sdpa"):  # wrong there (torch 2.11)
+        da.resolve_doc_mask_backend("flex", "cuda")
+    with pytest.raises(ValueError, match=r"HydraConfig.doc_mask_backend='dense': must be one of"):
+        tiny_model(doc_mask_backend="dense")
 
 
 @pytest.mark.parametrize("overrides", [{}, {"arch": "dense", "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}],
                          ids=["hydra", "dense"])
-def test_model_gives_the_same_loss_and_gradients_with_flex(overrides, doc_backend, flex_backward_on_cpu,
-                                                          monkeypatch):
+def test_model_gives_the_same_loss_and_gradients_with_flex(overrides, flex_backward_on_cpu, monkeypatch):
     # Routed units attend over compacted rows with their own doc ids: flex must see those.
     calls = []
     flex = da._flex_doc_attention
     monkeypatch.setattr(da, "_flex_doc_attention", lambda q, k, v, doc: calls.append(doc.shape) or flex(q, k, v, doc))
-    model = tiny_model(**overrides).double().train()
     ids = torch.randint(0, TINY["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(4))
     doc = torch.tensor([[0] * 13 + [1] * 20 + [2] * 15, [0] * 40 + [1] * 8])
+    # Two models of the same weights in one process, each with the backend of its own config.
+    models = {b: tiny_model(doc_mask_backend=b, **overrides).double().train() for b in ("sdpa", "flex")}
     results = []
-    for backend in ("sdpa", "flex"):
-        doc_backend(backend)
-        model.zero_grad(set_to_none=True)
+    for backend, model in models.items():
+        seen = len(calls)
         loss = model(ids, targets=torch.roll(ids, -1, 1), doc_ids=doc)["loss"]
         loss.backward()
+        assert (len(calls) > seen) == (backend == "flex")
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert calls and (overrides or min(n for _, n in calls) < 48), "flex ran, on compacted rows when routed"
@@ -122,18 +115,15 @@ def test_model_gives_the_same_loss_and_gradients_with_flex(overrides, doc_backen
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=0, atol=1e-10, msg=name)
 
 
-def test_flex_gets_the_autocast_dtype_like_sdpa(doc_backend, monkeypatch):
+def test_flex_gets_the_autocast_dtype_like_sdpa(monkeypatch):
     seen = []
     flex = da._flex_doc_attention
     monkeypatch.setattr(da, "_flex_doc_attention", lambda q, k, v, doc: seen.append({q.dtype, k.dtype, v.dtype})
                         or flex(q, k, v, doc))
-    model = tiny_model().eval()
     ids = torch.randint(0, TINY["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
     doc = torch.tensor([[0] * 15 + [1] * 25, [0] * 40])
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        doc_backend("sdpa")
-        ref = model(ids, doc_ids=doc)["logits"].float()
-        doc_backend("flex")
-        out = model(ids, doc_ids=doc)["logits"].float()
+        ref = tiny_model(doc_mask_backend="sdpa").eval()(ids, doc_ids=doc)["logits"].float()
+        out = tiny_model(doc_mask_backend="flex").eval()(ids, doc_ids=doc)["logits"].float()
     assert seen and all(s == {torch.bfloat16} for s in seen)
     torch.testing.assert_close(out, ref, rtol=0, atol=3e-2)

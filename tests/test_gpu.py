@@ -146,7 +146,7 @@ def test_graph_captured_decoding_matches_eager_decoding(overrides):
 
 
 def test_compiled_decode_step_matches_the_eager_step():
-    """generate(compile_step=True) on CUDA (the routed units compiled, the step captured): in float64 the eager
+    """generate() on CUDA (by default the routed units compiled, the step captured): in float64 the eager
     loop's greedy tokens, one graph for all units without breaks or recompiles; in bf16 (the 100M preset's
     layout, shrunk) one graph for its 32 units and the eager step's logits within bf16 tolerance,
     teacher-forced so that a flipped tie cannot diverge."""
@@ -158,8 +158,8 @@ def test_compiled_decode_step_matches_the_eager_step():
     prompt = _ids(3, 7, TINY["vocab_size"])
     eager = model.generate(prompt, max_new_tokens=20, cuda_graph=False, compile_step=False)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert torch.equal(model.generate(prompt, max_new_tokens=20, compile_step=True), eager)
-        assert torch.equal(model.generate(prompt, max_new_tokens=25, compile_step=True)[:, :27], eager)
+        assert torch.equal(model.generate(prompt, max_new_tokens=20), eager)
+        assert torch.equal(model.generate(prompt, max_new_tokens=25)[:, :27], eager)
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
 
@@ -249,18 +249,24 @@ def test_flex_document_attention_matches_the_dense_mask_on_gpu():
 
 def test_flex_document_masks_are_refused_on_cuda_with_a_clear_error():
     from hydra_lm.diagnostics.bench import random_doc_ids
-    from hydra_lm.model import doc_attention as da
 
     model = hydra_lm.create_model("debug", vocab_size=1024, max_seq_len=512).cuda().train()
     ids = _ids(2, 256, 1024)
     doc = random_doc_ids(2, 256, mean_len=100, device="cuda")
-    try:
-        da.set_doc_mask_backend("flex")
-        with pytest.raises(ValueError, match="disabled on CUDA.*--doc_mask_backend sdpa"):
-            model(ids, doc_ids=doc)
-    finally:
-        da.set_doc_mask_backend("auto")
+    flex = hydra_lm.create_model("debug", vocab_size=1024, max_seq_len=512, doc_mask_backend="flex").cuda().train()
+    with pytest.raises(ValueError, match="disabled on CUDA.*--model.doc_mask_backend sdpa"):
+        flex(ids, doc_ids=doc)
     assert torch.isfinite(model(ids, targets=torch.roll(ids, -1, 1), doc_ids=doc)["loss"])  # auto: dense mask
+
+
+def test_a_missing_attention_package_is_named_on_the_first_cuda_forward():
+    from hydra_lm.model.attention_backend import FLASH_ATTN_AVAILABLE
+
+    if FLASH_ATTN_AVAILABLE:
+        pytest.skip("flash-attn is installed")
+    model = hydra_lm.create_model("debug", vocab_size=1024, max_seq_len=512, attention_backend="flash").cuda()
+    with pytest.raises(ValueError, match="pip install flash-attn.*--model.attention_backend auto"):
+        model(_ids(2, 64, 1024))
 
 
 def test_bench_defaults_run_the_fast_path(tmp_path):
@@ -278,7 +284,7 @@ def test_bench_defaults_run_the_fast_path(tmp_path):
     assert (report["compile"], report["compile_mode"], report["cuda_graph"]) == ("units", "default", True)
     for row in report["rows"]:
         assert row["ce_impl"] == "chunked" and row["tokens_per_s"] > 0 and row["decode_cuda_graph"]
-        assert not row["decode_compiled"]  # compiling the decode step is opt-in
+        assert row["decode_compiled"]  # on CUDA the decode step's units compile by default
         rates = [row[f"decode_tokens_per_s_batch{b}"] for b in (1, 8, 32, 128)]
         # a steady decode step of this model takes well over 10 microseconds: no division by ~0
         assert all(0 < r < b / 1e-5 for r, b in zip(rates, (1, 8, 32, 128))), rates

@@ -1,5 +1,5 @@
 """The package's import graph (read from the source with ``ast``, imports inside functions included):
-no cycles, and the model and data packages depend only on lower modules."""
+no cycles, the model and data packages depend only on lower modules, and training not on infer/."""
 
 import ast
 from pathlib import Path
@@ -77,6 +77,16 @@ def test_the_checker_sees_imports_and_cycles():
 
 def test_import_graph_has_no_cycles():
     assert find_cycle(import_graph()) is None
+
+
+def test_training_knows_nothing_of_using_runs():
+    """train/ is for training: infer/ (using finished runs), diagnostics and the CLI build on it, never the reverse."""
+    graph = import_graph()
+    above = ("hydra_lm.infer", "hydra_lm.diagnostics", "hydra_lm.cli", "hydra_lm.quickstart")
+    wrong = [(m, t) for m, targets in graph.items() if m.startswith("hydra_lm.train") for t in targets
+             if t.startswith(above)]
+    assert not wrong, wrong
+    assert "hydra_lm.train.checkpoint" in graph["hydra_lm.infer.runs"]  # the checker sees infer's imports
 
 
 def test_packages_import_downward_only():

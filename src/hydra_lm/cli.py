@@ -28,10 +28,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .diagnostics.bench_options import bench_config
 
     cfg = bench_config(args, args.model_overrides)
-    if cfg.doc_mask_backend:
-        from .model.doc_attention import set_doc_mask_backend
-
-        set_doc_mask_backend(cfg.doc_mask_backend)
 
     def on_row(partial: dict) -> None:  # a run killed later still leaves the rows it finished
         r = partial["rows"][-1]
@@ -89,7 +85,7 @@ def _cmd_scaling(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from .train import eval_run
+    from .infer import eval_run
     from .train.evaluate import routing_warnings
 
     result = eval_run(args.run, args.checkpoint, data=args.data, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -115,15 +111,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .train import generate_text
+    from .infer import generate_text
 
     print(generate_text(args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                        args.seed, args.checkpoint, args.device))
+                        args.seed, args.checkpoint, args.device, args.compile_step))
     return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .train import export_model
+    from .infer import export_model
 
     path = export_model(args.run, args.out, args.checkpoint)
     print(f"wrote {path}: the full model in one safetensors file (use it with --checkpoint {path})")
@@ -131,7 +127,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> int:
-    from .train.quickstart import quickstart
+    from .quickstart import quickstart
 
     return quickstart(args.out, args.max_steps, args.seed, args.prompt, args.max_new_tokens, args.device)
 
@@ -237,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--checkpoint", default=None)
     gen.add_argument("--device", default="auto")
+    gen.add_argument("--compile_step", default=None, action=argparse.BooleanOptionalAction,
+                     help="torch.compile the decode step's routed units (default: on CUDA; the first call compiles; "
+                          "--no-compile_step: eager kernels, no compile wait)")
     gen.set_defaults(func=_cmd_generate)
 
     quick = sub.add_parser("quickstart", help="prepare the default corpus, train the debug preset for a few "

@@ -13,6 +13,8 @@ ARCHS = ("hydra", "dense")
 SHARING = ("sequence", "middle_cycle")
 MOR_ROUTING = ("expert", "token")
 MOR_SCHEDULES = ("paper", "layer_aware")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "xformers")
+DOC_MASK_BACKENDS = ("auto", "flex", "sdpa")
 
 
 @dataclass
@@ -68,6 +70,11 @@ class HydraConfig:
     moe_aux_weight: float = 0.01
     moe_router_jitter: float = 0.01
 
+    # Kernels: how attention is computed, not what (model/attention_backend.py, model/doc_attention.py).
+    # Per model, so two models in one process may differ.
+    attention_backend: str = "auto"  # "auto"/"sdpa": PyTorch SDPA; "flash": flash-attn; "xformers" (CUDA only)
+    doc_mask_backend: str = "auto"  # document-masked attention: "auto"/"sdpa" dense SDPA mask; "flex" (CPU only)
+
     # Filled in by the preset that built this config (informational)
     preset: str | None = field(default=None, compare=False)
 
@@ -93,6 +100,8 @@ class HydraConfig:
         _choice(self, "sharing", SHARING)
         _choice(self, "mor_routing", MOR_ROUTING)
         _choice(self, "mor_capacity_schedule", MOR_SCHEDULES)
+        _choice(self, "attention_backend", ATTENTION_BACKENDS)
+        _choice(self, "doc_mask_backend", DOC_MASK_BACKENDS)
         for name in ("vocab_size", "dim", "n_blocks", "recursions", "n_layers", "n_heads", "n_kv_heads",
                      "compression_factor", "mlp_hidden", "max_seq_len", "conv_seq_kernel", "conv_ch_kernel",
                      "mod_every", "moe_num_experts", "moe_num_layers", "moe_top_k", "moe_hidden"):

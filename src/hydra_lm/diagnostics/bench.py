@@ -22,12 +22,13 @@ from typing import Any, Callable
 
 import torch
 
+from ..config import HydraConfig
 from ..model.factory import create_model
 from .bench_options import BenchConfig
 from ..model.accounting import dense_flops_per_token, executed_flops_per_token, kv_cache_bytes_per_token
-from ..model.attention_backend import get_attention_backend, sdpa_kernel_only
-from ..model.doc_attention import get_doc_mask_backend, resolve_doc_mask_backend
-from ..model.hydra import DecodeStep
+from ..model.attention_backend import sdpa_kernel_only
+from ..model.doc_attention import resolve_doc_mask_backend
+from ..model.hydra import DecodeStep, decode_compiles
 from .step_profile import format_profile, profile_steps
 from ..train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
 from ..train.optim import build_optimizer
@@ -105,7 +106,7 @@ def attention_kernels(model, ids: torch.Tensor, doc: torch.Tensor | None, device
     from torch.profiler import ProfilerActivity, profile
 
     found = set()
-    if doc is not None and resolve_doc_mask_backend(device) == "flex":
+    if doc is not None and resolve_doc_mask_backend(model.config.doc_mask_backend, device) == "flex":
         found.add("flex")  # every layer gets doc ids, so no SDPA call remains to profile
         return sorted(found)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -118,10 +119,10 @@ def attention_kernels(model, ids: torch.Tensor, doc: torch.Tensor | None, device
     return sorted(found)
 
 
-def doc_mask_path(doc: torch.Tensor | None, device: torch.device) -> str:
+def doc_mask_path(model, doc: torch.Tensor | None, device: torch.device) -> str:
     if doc is None:
         return "none"
-    return "flex" if resolve_doc_mask_backend(device) == "flex" else "dense-mask"
+    return "flex" if resolve_doc_mask_backend(model.config.doc_mask_backend, device) == "flex" else "dense-mask"
 
 
 def bench_training(model, cfg: BenchConfig, plan: SpeedPlan, device: torch.device) -> dict[str, Any]:
@@ -152,7 +153,7 @@ def bench_training(model, cfg: BenchConfig, plan: SpeedPlan, device: torch.devic
     flops = executed_flops_per_token(model.config, seq) * batch * seq
     result = {"tokens_per_s": batch * seq / median, "step_ms": median * 1e3, "executed_tflops": flops / median / 1e12,
               "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
-              "first_step_s": first, "attention_kernels": kernels, "doc_mask_path": doc_mask_path(doc, device),
+              "first_step_s": first, "attention_kernels": kernels, "doc_mask_path": doc_mask_path(model, doc, device),
               "docs_per_row": None if doc is None else float(doc[:, -1].float().mean() + 1)}
     if cfg.profile is not None:
         result["profile"] = profile_steps(step, 3, device, cfg.profile, tag=model.config.arch)
@@ -176,11 +177,11 @@ def _routing_efficiency(model, routed: dict[str, Any], cfg: BenchConfig, plan: S
 
 
 @torch.no_grad()
-def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, repeats: int = 3,
-                        compiled: bool | None = None) -> float:
+def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, compiled: bool,
+                        repeats: int = 3) -> float:
     """Steady-state decoding of ``batch`` rows: a prompt of ``length`` tokens is prefilled, then
-    ``length`` one-token steps (greedy, compiled and CUDA-graphed where ``generate`` does so;
-    ``compiled`` overrides) are timed on their own, median of ``repeats``. Prefill, the first eager
+    ``length`` one-token steps (greedy, CUDA-graphed where ``generate`` does so, units compiled when
+    ``compiled``) are timed on their own, median of ``repeats``. Prefill, the first eager
     step (and its compilation) and the graph's capture happen before the clock starts: timing whole
     ``generate`` calls would fold them (and their noise, larger than a short decode at batch 1) into
     the per-token cost."""
@@ -188,7 +189,7 @@ def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, re
     caches = model.init_cache(batch, 2 * length)
     first = model.forward_cached(prompt, 0, caches).argmax(-1)
     graphed = model.decode_capturable()
-    step = DecodeStep(model, caches, batch, device, graphed, graphed if compiled is None else compiled)
+    step = DecodeStep(model, caches, batch, device, graphed, compiled)
     for position in (length, length + 1):  # eager warm-up, then the capture; rewritten by the timed steps
         step(first[:, None], position)
 
@@ -209,7 +210,7 @@ def bench_inference(model, cfg: BenchConfig, device: torch.device) -> dict[str, 
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         model(ids)  # warm-up
         result["prefill_tokens_per_s"] = ids.numel() / _timed(lambda: model(ids), device)
-        compiled = cfg.decode_compile
+        compiled = decode_compiles(device, cfg.decode_compile)
         for batch in cfg.decode_batch_sizes():
             result[f"decode_tokens_per_s_batch{batch}"] = decode_tokens_per_s(model, batch, cfg.new_tokens, device,
                                                                               compiled=compiled)
@@ -231,7 +232,9 @@ def run_bench(cfg: BenchConfig, on_row: Callable[[dict[str, Any]], None] | None 
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
         "measured_bf16_peak_tflops": peak, "datasheet_bf16_peak_tflops": datasheet_peak(dev),
-        "attention_backend": get_attention_backend(), "doc_mask_backend": get_doc_mask_backend(),
+        # Kernels are model config (--model.attention_backend, --model.doc_mask_backend), shared by both archs.
+        "attention_backend": cfg.model.get("attention_backend", HydraConfig.attention_backend),
+        "doc_mask_backend": cfg.model.get("doc_mask_backend", HydraConfig.doc_mask_backend),
         "batch": cfg.batch_size, "seq_len": cfg.seq_len, "compile": plan.compile,
         "compile_mode": plan.compile_mode if plan.compile else None, "cuda_graph": plan.cuda_graph,
         "document_masking": cfg.document_masking, "ce_impl": plan.ce_impl, "chunked_ce_size": plan.ce_chunk_size,

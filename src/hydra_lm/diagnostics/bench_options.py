@@ -38,17 +38,14 @@ class BenchConfig:
     sdpa_kernel: str = opt("auto", "force one SDPA kernel (auto: PyTorch's choice)", type=str, choices=SDPA_KERNELS)
     document_masking: bool = opt(False, "pass doc_ids like the trainer (documents of geometric length, mean 400 "
                                         "tokens)", type=bool)
-    doc_mask_backend: str | None = opt(None, "document-masked attention: FlexAttention or a dense SDPA mask (default: "
-                                             "HYDRA_DOC_MASK_BACKEND, else auto = the dense mask; flex is refused on "
-                                             "CUDA)", type=str, choices=("auto", "flex", "sdpa"))
     conv_impl: str = opt("taps", "CCGQA convs as fused shifted taps, or F.conv1d (cuDNN) for comparison", type=str,
                          choices=("taps", "conv1d"))
     inference: bool = opt(False, "also time prefill and steady-state decoding", type=bool)
     new_tokens: int = opt(128, "--inference: prompt length and decode steps timed, per batch size", type=int)
     decode_batches: str = opt("1,8,32,128", "--inference: decode batch sizes, comma-separated", type=str)
-    decode_compile: bool = opt(False, "--inference: torch.compile the decode step's routed units (one graph shared by "
-                                      "all) before its CUDA graph is captured (opt-in; as generate(compile_step=True))",
-                               type=bool)
+    decode_compile: bool | None = opt(None, "--inference: torch.compile the decode step's routed units (one graph "
+                                             "shared by all) before its CUDA graph is captured (default: on CUDA, "
+                                             "as generate; --no-decode_compile: eager kernels)", type=bool)
     vocab_size: int = opt(50257, "vocabulary size", type=int)
     device: str = opt("auto", "auto (cuda if available), cpu or cuda[:N]", type=str)
     json: str | None = opt(None, "also write the report here", type=str)

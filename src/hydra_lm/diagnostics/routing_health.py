@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..train.data_io import ValSet, open_data
-from ..train.inference import load_run
+from ..infer import load_run
 from ..train.evaluate import FRAC_WARN, GAP_WARN
 
 # The evaluation's own warning thresholds: one rule for training logs, `hydra-lm eval` and reports.

@@ -65,12 +65,13 @@ def _same_doc(doc: torch.Tensor, s: int) -> torch.Tensor:
     return doc == (doc if s == 0 else F.pad(doc, (s, 0), value=-1)[:, : doc.shape[1]])
 
 
-def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention over the whole (compacted) row; with ``doc`` [B, N], only within a document
-    (FlexAttention or a dense SDPA mask: ``doc_attention.set_doc_mask_backend``)."""
+def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor | None,
+                   backend: str = "auto", doc_backend: str = "auto") -> torch.Tensor:
+    """Causal attention over the whole (compacted) row; with ``doc`` [B, N], only within a document.
+    ``backend`` / ``doc_backend``: ``HydraConfig.attention_backend`` / ``HydraConfig.doc_mask_backend``."""
     if doc is None:
-        return flexible_attention(q, k, v, is_causal=True)
-    return doc_causal_attention(q, k, v, doc)
+        return flexible_attention(q, k, v, is_causal=True, backend=backend)
+    return doc_causal_attention(q, k, v, doc, doc_backend)
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
@@ -106,9 +107,11 @@ class CCGQAttention(nn.Module):
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, conv_seq_kernel: int = 3,
-                 conv_ch_kernel: int = 2, qk_mean: bool = True, value_shift: bool = True, eps: float = 1e-6):
+                 conv_ch_kernel: int = 2, qk_mean: bool = True, value_shift: bool = True, eps: float = 1e-6,
+                 backend: str = "auto", doc_backend: str = "auto"):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.backend, self.doc_backend = backend, doc_backend  # HydraConfig.attention_backend / doc_mask_backend
         self.q_dim, self.kv_dim = n_heads * head_dim, n_kv_heads * head_dim
         self.qk_mean, self.value_shift, self.eps = qk_mean, value_shift, eps
         self.v_prev_dim = self.kv_dim // 2 if value_shift else 0
@@ -172,7 +175,8 @@ class CCGQAttention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         v = v.reshape(b, n, h_k, d).transpose(1, 2)
-        y = cached_attention(q, k, v, pos, valid, cache) if cache is not None else full_attention(q, k, v, doc)
+        y = cached_attention(q, k, v, pos, valid, cache) if cache is not None else \
+            full_attention(q, k, v, doc, self.backend, self.doc_backend)
         return self.out(y.transpose(1, 2).reshape(b, n, self.q_dim))
 
     def causal_convs(self, qk: torch.Tensor, history: torch.Tensor | None = None,
@@ -232,9 +236,11 @@ class CCGQAttention(nn.Module):
 class GQAttention(nn.Module):
     """Standard grouped-query attention with RoPE (the dense baseline's attention)."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, backend: str = "auto",
+                 doc_backend: str = "auto"):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.backend, self.doc_backend = backend, doc_backend  # HydraConfig.attention_backend / doc_mask_backend
         self.q_dim, self.kv_dim = n_heads * head_dim, n_kv_heads * head_dim
         self.qkv = nn.Linear(dim, self.q_dim + 2 * self.kv_dim, bias=False)
         self.out = nn.Linear(self.q_dim, dim, bias=False)
@@ -251,5 +257,6 @@ class GQAttention(nn.Module):
         q = apply_rotary(q.reshape(b, n, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
         k = apply_rotary(k.reshape(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
         v = v.reshape(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        y = cached_attention(q, k, v, pos, valid, cache) if cache is not None else full_attention(q, k, v, doc)
+        y = cached_attention(q, k, v, pos, valid, cache) if cache is not None else \
+            full_attention(q, k, v, doc, self.backend, self.doc_backend)
         return self.out(y.transpose(1, 2).reshape(b, n, self.q_dim))

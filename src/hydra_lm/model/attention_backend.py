@@ -1,8 +1,9 @@
 """Which kernel computes softmax attention: PyTorch SDPA (default; picks flash / cuDNN / efficient /
-math itself), the FlashAttention package, or xFormers, chosen once per process.
+math itself), the FlashAttention package, or xFormers, chosen per model by ``HydraConfig.attention_backend``.
 
-The packages are optional and imported lazily; asking for one that is missing is an error that
-says what to install, never a silent fallback.
+The packages are optional and imported lazily; a model asking for one that is missing fails on its
+first CUDA forward with an error that says what to install, never a silent fallback. The check waits
+for a CUDA call so that such a model still loads (and runs on SDPA) on a machine without the package.
 """
 
 from __future__ import annotations
@@ -13,40 +14,30 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "sdpa", "flash", "xformers")
+from ..config import ATTENTION_BACKENDS
+
 FLASH_ATTN_AVAILABLE = importlib.util.find_spec("flash_attn") is not None
 XFORMERS_AVAILABLE = importlib.util.find_spec("xformers") is not None
-
-_backend = "auto"
-
-
-def set_attention_backend(name: str) -> None:
-    """Select ``auto`` (SDPA; it dispatches to the fastest kernel PyTorch has), ``sdpa``, ``flash``
-    (flash-attn package) or ``xformers``."""
-    global _backend
-    if name not in BACKENDS:
-        raise ValueError(f"attention backend {name!r}: choose one of {list(BACKENDS)}")
-    if name == "flash" and not FLASH_ATTN_AVAILABLE:
-        raise ValueError("attention backend 'flash' needs the flash-attn package: pip install flash-attn")
-    if name == "xformers" and not XFORMERS_AVAILABLE:
-        raise ValueError("attention backend 'xformers' needs the xformers package: pip install xformers")
-    _backend = name
-
-
-def get_attention_backend() -> str:
-    return _backend
+_PACKAGES = {"flash": ("flash-attn", FLASH_ATTN_AVAILABLE), "xformers": ("xformers", XFORMERS_AVAILABLE)}
 
 
 def flexible_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True,
-                       attn_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """Attention over [B, H, N, D] tensors; k/v may have fewer heads (grouped-query attention)."""
+                       attn_mask: torch.Tensor | None = None, scale: float | None = None,
+                       backend: str = "auto") -> torch.Tensor:
+    """Attention over [B, H, N, D] tensors; k/v may have fewer heads (grouped-query attention).
+    ``backend``: ``HydraConfig.attention_backend``; the packages serve unmasked CUDA calls, SDPA the rest."""
     gqa = q.shape[1] != k.shape[1]
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-    backend = _backend
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: choose one of {list(ATTENTION_BACKENDS)}")
     if attn_mask is not None or not q.is_cuda or backend in ("auto", "sdpa"):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal and attn_mask is None,
                                               scale=scale, enable_gqa=gqa)
+    package, available = _PACKAGES[backend]
+    if not available:
+        raise ValueError(f"HydraConfig.attention_backend={backend!r} needs the {package} package: pip install "
+                         f"{package}, or set attention_backend='auto' (--model.attention_backend auto)")
     if backend == "flash":
         from flash_attn import flash_attn_func  # takes [B, N, H, D] and handles GQA itself
 

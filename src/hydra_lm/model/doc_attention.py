@@ -1,7 +1,7 @@
 """Causal attention that stays inside a document (rows packing several documents).
 
-Two ways to compute the same function, chosen per process with ``set_doc_mask_backend`` (``hydra-lm
-bench --doc_mask_backend``):
+Two ways to compute the same function, chosen per model by ``HydraConfig.doc_mask_backend``
+(``--model.doc_mask_backend`` on the command line):
 
 * ``"sdpa"``: a dense [B, 1, N, N] boolean mask for SDPA. Runs anywhere, but a mask rules out
   SDPA's flash kernel and costs O(N^2) memory per row;
@@ -24,34 +24,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-DOC_MASK_BACKENDS = ("auto", "flex", "sdpa")
+from ..config import DOC_MASK_BACKENDS
+
 FLEX_BLOCK = 128  # FlexAttention's default tile; the block mask is built at this granularity
 
 
-_doc_backend = "auto"
-
-
-def set_doc_mask_backend(name: str) -> None:
-    """``"auto"`` (the dense mask), ``"flex"`` (FlexAttention; CPU only, see above) or ``"sdpa"`` (dense mask)."""
-    global _doc_backend
-    if name not in DOC_MASK_BACKENDS:
-        raise ValueError(f"document-mask backend {name!r}: choose one of {list(DOC_MASK_BACKENDS)}")
-    _doc_backend = name
-
-
-def get_doc_mask_backend() -> str:
-    return _doc_backend
-
-
-def resolve_doc_mask_backend(device: torch.device | str) -> str:
-    """The path a document-masked attention call on ``device`` takes: "flex" or "sdpa"."""
-    if _doc_backend == "flex" and torch.device(device).type == "cuda":
+def resolve_doc_mask_backend(backend: str, device: torch.device | str) -> str:
+    """The path a document-masked attention call on ``device`` takes for ``HydraConfig.doc_mask_backend``:
+    "flex" or "sdpa"."""
+    if backend not in DOC_MASK_BACKENDS:
+        raise ValueError(f"document-mask backend {backend!r}: choose one of {list(DOC_MASK_BACKENDS)}")
+    if backend == "flex" and torch.device(device).type == "cuda":
         raise ValueError("FlexAttention document masks are disabled on CUDA: with torch 2.11 the compiled flex "
                          "kernel reading document ids gave wrong results on an H100 (see model/doc_attention.py); "
-                         "use the dense mask: --doc_mask_backend sdpa or set_doc_mask_backend('sdpa')")
-    if _doc_backend != "auto":
-        return _doc_backend
-    return "sdpa"
+                         "use the dense mask: HydraConfig.doc_mask_backend='sdpa' (--model.doc_mask_backend sdpa)")
+    return "sdpa" if backend == "auto" else backend
 
 
 def dense_doc_mask(doc: torch.Tensor) -> torch.Tensor:
@@ -108,9 +95,11 @@ def _flex_doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: 
     return flex_attention(q, k, v, block_mask=doc_block_mask(doc), enable_gqa=q.shape[1] != k.shape[1])
 
 
-def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
-    """Causal attention within documents. q [B, h_q, N, d]; k, v [B, h_k, N, d]; doc [B, N]."""
-    if resolve_doc_mask_backend(q.device) == "sdpa":
+def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor,
+                         backend: str = "auto") -> torch.Tensor:
+    """Causal attention within documents. q [B, h_q, N, d]; k, v [B, h_k, N, d]; doc [B, N];
+    ``backend``: ``HydraConfig.doc_mask_backend``."""
+    if resolve_doc_mask_backend(backend, q.device) == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_doc_mask(doc),
                                               enable_gqa=q.shape[1] != k.shape[1])
     device = q.device.type

@@ -64,10 +64,12 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
     def _build_blocks(cfg: HydraConfig) -> list[RecursiveBlock]:
         def layer() -> TransformerLayer:
             if cfg.arch == "dense":
-                attn = GQAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+                attn = GQAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.attention_backend,
+                                   cfg.doc_mask_backend)
             else:
                 attn = CCGQAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.conv_seq_kernel,
-                                     cfg.conv_ch_kernel, cfg.qk_mean, cfg.value_shift, cfg.norm_eps)
+                                     cfg.conv_ch_kernel, cfg.qk_mean, cfg.value_shift, cfg.norm_eps,
+                                     cfg.attention_backend, cfg.doc_mask_backend)
             return TransformerLayer(cfg.dim, cfg.mlp_hidden, attn, cfg.norm_eps)
 
         if cfg.arch == "dense":
@@ -220,15 +222,15 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
                  generator: torch.Generator | None = None, cuda_graph: bool | None = None,
-                 compile_step: bool = False) -> torch.Tensor:
+                 compile_step: bool | None = None) -> torch.Tensor:
         """Prompt [B, T] -> [B, T + max_new_tokens] (stops early once every row emitted ``eos_token_id``).
 
         ``temperature=0`` is greedy decoding; it yields exactly the tokens that repeated full
         forwards in eval (causal routing) mode would pick. ``cuda_graph`` (default: on CUDA): the
         one-token steps after the prompt are replayed as one CUDA graph (the first runs eagerly, the
         second is captured); launched one by one, the step's hundreds of small kernels leave the GPU idle.
-        ``compile_step`` (opt-in until timed on a GPU: docs/python_api.md): every routed unit of the
-        step runs one ``torch.compile``d unit (``compiled_decode_unit``, static shapes), shared by all
+        ``compile_step`` (default: on CUDA, eager on the CPU; ``False`` opts out): every routed unit of
+        the step runs one ``torch.compile``d unit (``compiled_decode_unit``, static shapes), shared by all
         units and blocks, so the graph replays fused kernels instead of many tiny eager ones; routing
         stays eager. The first ``generate`` of a (batch, cache length) compiles, later ones reuse it.
         Its cache is then allocated for a power-of-two number of positions (capped at ``max_seq_len``),
@@ -251,7 +253,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         if graphed and not capturable:
             raise ValueError("cuda_graph=True needs the model and the prompt on a CUDA device and, with MoE, bf16 "
                              "(weights or autocast); pass cuda_graph=False")
-        compiled = compile_step
+        compiled = decode_compiles(input_ids.device, compile_step)
         # Free slots are masked out, so a longer cache gives the same tokens; bucketing its length
         # keeps the compiled step's static shapes (and its compilations) few.
         length = min(self.config.max_seq_len, max(64, 1 << (total - 1).bit_length())) if compiled else total
@@ -338,20 +340,26 @@ def decode_forward(model: HydraModel, ids: torch.Tensor, pos: torch.Tensor, cach
         return model.forward_cached(ids, pos, caches, unit=unit)
 
 
-# torch.compile backend of the compiled decode unit. Tests on a CPU use "aot_eager": inductor's C++
-# code generation fails on some of these graphs in some CPU builds; the CUDA path generates Triton.
-DECODE_BACKEND = "inductor"
+def decode_compiles(device: torch.device, compile_step: bool | None) -> bool:
+    """Whether a decode step on ``device`` runs compiled units: ``compile_step``, or by default on CUDA
+    (faster there at every batch size measured, benchmarks/BENCHMARKS.md) and not on the CPU, where the
+    unit compiles without code generation (``compiled_decode_unit``), so it would buy nothing."""
+    return torch.device(device).type == "cuda" if compile_step is None else compile_step
+
+
 _compiled_units: dict = {}
 
 
-def compiled_decode_unit(backend=None):
+def compiled_decode_unit(device: torch.device):
     """``run_cached_unit`` (a routed unit's layer stack on new tokens, appending to its caches in
     place) under ``torch.compile`` with static shapes and ``fullgraph=True``: in a one-token step every
     unit runs on [B, 1] entries (causal routing masks, it does not compact), so one graph per (batch,
     cache length, dtype, layer stack) serves every unit of every block and every position. The
     layers, the caches and the unit's inputs are arguments, not constants: Dynamo guards on their
-    types and shapes, not on which unit they belong to. One compiled callable per backend."""
-    backend = DECODE_BACKEND if backend is None else backend
+    types and shapes, not on which unit they belong to. One compiled callable per device type."""
+    # Inductor generates Triton on CUDA; on the CPU "aot_eager" (Dynamo's trace and AOT's functionalized
+    # cache updates, no code generation): inductor's C++ codegen fails on some of these graphs in some builds.
+    backend = "inductor" if torch.device(device).type == "cuda" else "aot_eager"
     fn = _compiled_units.get(backend)
     if fn is None:
         # Python floats (norm eps) as constants, as in compile_units: no restart of the analysis. Each
@@ -365,16 +373,16 @@ def compiled_decode_unit(backend=None):
 
 class DecodeStep:
     """One-token decoding step on fixed input buffers (token, position), its routed units compiled when
-    ``compiled`` (``compiled_decode_unit``; ``backend`` for torch.compile) and the whole step replayed
-    as a CUDA graph when ``graphed`` (the first call runs, and compiles, eagerly; the second is
-    captured). The logits it returns are overwritten by the next call."""
+    ``compiled`` (``compiled_decode_unit``) and the whole step replayed as a CUDA graph when ``graphed``
+    (the first call runs, and compiles, eagerly; the second is captured). The logits it returns are
+    overwritten by the next call."""
 
     def __init__(self, model: HydraModel, caches: list, batch: int, device: torch.device, graphed: bool,
-                 compiled: bool = False, backend=None):
+                 compiled: bool):
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         autocast, dtype = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
-        unit = compiled_decode_unit(backend) if compiled else None
+        unit = compiled_decode_unit(device) if compiled else None
 
         def step() -> torch.Tensor:
             return decode_forward(model, self.ids, self.pos, caches, autocast, dtype, unit)

@@ -1,11 +1,11 @@
-"""Training system: config layers, the loop, schedules, curriculum, checkpoints, eval and sampling."""
+"""Training system: config layers, the loop, schedules, curriculum, checkpoints, evaluation during training
+(using a finished run: ``hydra_lm.infer``)."""
 
 from __future__ import annotations
 
 from .checkpoint import CheckpointError, CheckpointManager, resolve_checkpoint, verify
 from .curriculum import Curriculum, CurriculumPlan
 from .evaluate import evaluate
-from .inference import eval_run, export_model, generate_text, load_run
 from .options import TrainConfig
 from .pretest import get_history, get_summary, print_summary, run_pretests_for_checkpoint
 from .run import setup_run
@@ -20,13 +20,9 @@ __all__ = [
     "CurriculumPlan",
     "TrainConfig",
     "Trainer",
-    "eval_run",
     "evaluate",
-    "export_model",
-    "generate_text",
     "get_history",
     "get_summary",
-    "load_run",
     "lr_at",
     "print_summary",
     "run_pretests_for_checkpoint",

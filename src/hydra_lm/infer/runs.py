@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_model
 
-from ..model.factory import create_model
 from ..config import HydraConfig
-from .checkpoint import EXPORT_FORMAT, Checkpoint, resolve_checkpoint
-from .data_io import ValSet, open_data
-from .evaluate import evaluate
-from .run import CONFIG_JSON, pick_device
-from .sharded_checkpoint import load_dcp
+from ..model.factory import create_model
+from ..train.checkpoint import EXPORT_FORMAT, Checkpoint, resolve_checkpoint
+from ..train.data_io import ValSet, open_data
+from ..train.evaluate import evaluate
+from ..train.run import CONFIG_JSON, pick_device
+from ..train.sharded_checkpoint import load_dcp
 
 
 @dataclass
@@ -126,8 +126,9 @@ def eval_run(run_dir: str | Path, checkpoint: str | Path | None = None, data: st
 
 def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,
                   top_k: int | None = 50, top_p: float | None = None, seed: int = 0,
-                  checkpoint: str | Path | None = None, device: str = "auto") -> str:
-    """Prompt in, prompt + continuation out, decoded with the run's tokenizer (causal routing)."""
+                  checkpoint: str | Path | None = None, device: str = "auto", compile_step: bool | None = None) -> str:
+    """Prompt in, prompt + continuation out, decoded with the run's tokenizer (causal routing);
+    ``compile_step`` as ``HydraModel.generate`` (default: compiled units on CUDA)."""
     run = load_run(run_dir, checkpoint, device)
     tok = run_tokenizer(run)
     # Prepared documents start with the separator, so the prompt is framed as the start of one.
@@ -145,7 +146,7 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 100, t
     gen = torch.Generator(device=run.device).manual_seed(seed)
     x = torch.tensor([ids], dtype=torch.long, device=run.device)
     out = run.model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                             eos_token_id=tok.eos_id, generator=gen)
+                             eos_token_id=tok.eos_id, generator=gen, compile_step=compile_step)
     new = out[0, len(ids):].tolist()
     if tok.eos_id in new:
         new = new[:new.index(tok.eos_id)]

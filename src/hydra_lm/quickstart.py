@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .inference import generate_text
-from .run import setup_run
-from .trainer import train
+from .infer import generate_text
+from .train.run import setup_run
+from .train.trainer import train
 
 # Measured on 2 idle CPU cores: ~25 s for the corpus and tokenizer, ~2 s per step, ~5 s per evaluation.
 QUICKSTART = dict(model_size="debug", max_steps=150, batch_size=16, seq_len=128, lr=3e-3, warmup_steps=15,
@@ -38,7 +38,7 @@ def _eval_records(run_dir: Path) -> list[dict[str, Any]]:
 def quickstart(out: str | Path = "hydra-quickstart", max_steps: int | None = None, seed: int = 0,
                prompt: str = "def ", max_new_tokens: int = 80, device: str = "auto",
                overrides: dict[str, Any] | None = None) -> int:
-    from ..data import prepare_data
+    from .data import prepare_data
 
     start = time.perf_counter()
     out = Path(out).expanduser()
