@@ -28,7 +28,7 @@ class HydraConfig:
     arch: str = "hydra"
     vocab_size: int = 50257
     dim: int = 512
-    n_blocks: int = 2  # unique recursive blocks (the seed's n_mor_blocks)
+    n_blocks: int = 2  # unique recursive blocks (``n_mor_blocks`` in the original HYDRA code)
     recursions: int = 2  # applications of each block's shared weights
     n_layers: int | None = None  # dense arch only; default n_blocks
     n_heads: int = 4  # latent query heads (hydra) / query heads (dense)
@@ -221,16 +221,16 @@ def _check_types(values: dict[str, Any], cls: type) -> None:
 
 # One table for every preset. Columns: dim, n_blocks, recursions, n_heads, n_kv_heads (latent heads;
 # head_dim = dim / (4 * n_heads) is 32 up to width 768 and 64 above), dense layers for the baseline,
-# and the seed's advertised parameter count (for reference; README lists the true counts).
+# and the parameter count the original HYDRA release advertised (for reference; README lists the true counts).
 PRESETS: dict[str, dict[str, Any]] = {
-    "debug": dict(dim=512, n_blocks=2, recursions=2, n_heads=4, n_kv_heads=2, seed_params=33e6),
-    "50M": dict(dim=512, n_blocks=8, recursions=3, n_heads=4, n_kv_heads=2, seed_params=50e6),
-    "100M": dict(dim=768, n_blocks=8, recursions=4, n_heads=6, n_kv_heads=2, seed_params=104e6),
-    "250M": dict(dim=1024, n_blocks=10, recursions=4, n_heads=4, n_kv_heads=1, seed_params=198e6),
-    "500M": dict(dim=1280, n_blocks=16, recursions=4, n_heads=5, n_kv_heads=1, seed_params=426e6),
-    "750M": dict(dim=1536, n_blocks=18, recursions=4, n_heads=6, n_kv_heads=2, seed_params=665e6),
-    "1B": dict(dim=1792, n_blocks=20, recursions=4, n_heads=7, n_kv_heads=1, seed_params=973e6),
-    "1.5B": dict(dim=2048, n_blocks=22, recursions=4, n_heads=8, n_kv_heads=2, seed_params=1369e6),
+    "debug": dict(dim=512, n_blocks=2, recursions=2, n_heads=4, n_kv_heads=2, advertised_params=33e6),
+    "50M": dict(dim=512, n_blocks=8, recursions=3, n_heads=4, n_kv_heads=2, advertised_params=50e6),
+    "100M": dict(dim=768, n_blocks=8, recursions=4, n_heads=6, n_kv_heads=2, advertised_params=104e6),
+    "250M": dict(dim=1024, n_blocks=10, recursions=4, n_heads=4, n_kv_heads=1, advertised_params=198e6),
+    "500M": dict(dim=1280, n_blocks=16, recursions=4, n_heads=5, n_kv_heads=1, advertised_params=426e6),
+    "750M": dict(dim=1536, n_blocks=18, recursions=4, n_heads=6, n_kv_heads=2, advertised_params=665e6),
+    "1B": dict(dim=1792, n_blocks=20, recursions=4, n_heads=7, n_kv_heads=1, advertised_params=973e6),
+    "1.5B": dict(dim=2048, n_blocks=22, recursions=4, n_heads=8, n_kv_heads=2, advertised_params=1369e6),
 }
 
 
@@ -251,7 +251,7 @@ def preset_config(name: str, **overrides: Any) -> HydraConfig:
     """The config of a named preset, with ``overrides`` applied (unknown keys raise ``ValueError``)."""
     key = _lookup_preset(name)
     check_keys(overrides)
-    values = {k: v for k, v in PRESETS[key].items() if k != "seed_params"}
+    values = {k: v for k, v in PRESETS[key].items() if k != "advertised_params"}
     if overrides.get("arch") == "dense":
         # The dense baseline keeps width, MLP and depth-in-unique-layers; its attention is full-width GQA.
         values["n_heads"] = values["dim"] // 64
@@ -259,7 +259,3 @@ def preset_config(name: str, **overrides: Any) -> HydraConfig:
     values.update(overrides)
     values["preset"] = key
     return HydraConfig(**values)
-
-
-def seed_param_count(name: str) -> float:
-    return PRESETS[_lookup_preset(name)]["seed_params"]

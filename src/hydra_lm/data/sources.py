@@ -1,7 +1,7 @@
 """Resolve ``prepare_data`` inputs into an ordered list of sources, each a file or a dataset.
 
-Inputs may be files, directories (walked recursively), globs, named local data sets of the seed
-project (``small_chat``, ``nemotron``, ``finefineweb``, found through ``HYDRA_*`` variables),
+Inputs may be files, directories (walked recursively), globs, named local data sets of the original
+HYDRA project (``small_chat``, ``nemotron``, ``finefineweb``, found through ``HYDRA_*`` variables),
 ``hf:NAME[:CONFIG][:SPLIT]``, or nothing, which selects the embedded default corpus: the source
 of the running interpreter's standard library, present on every machine without a download.
 """
@@ -135,7 +135,7 @@ def _dir_sources(root: Path) -> list[Source]:
 
 
 def named_data_dir(name: str) -> Path:
-    """Directory of a named seed data set, from its variable, ``HYDRA_DATA_ROOT``, or the seed's mount."""
+    """Directory of a named data set, from its variable, ``HYDRA_DATA_ROOT``, or the original project's mount."""
     variable, sub = NAMED_SETS[name]
     if variable and os.environ.get(variable):
         path = Path(os.environ[variable]).expanduser()

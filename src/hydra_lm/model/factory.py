@@ -25,7 +25,8 @@ def create_model(preset_or_config: str | HydraConfig | dict = "debug", **overrid
 def create_ccgqa_mod_mor_model(vocab_size: int, dim: int, n_mor_blocks: int, recursions: int, n_heads: int,
                                n_kv_heads: int, compression_factor: int = 4, capacity_ratio: float = 0.75,
                                **kw: Any) -> HydraModel:
-    """The seed's Quick Start constructor.
+    """A constructor with the argument names of the original HYDRA quick start (``n_mor_blocks``,
+    ``capacity_ratio``), for code written against it.
 
     ``n_heads``/``n_kv_heads`` are latent heads: their size is ``dim / (compression_factor * n_heads)``.
     Extra keyword arguments are ``HydraConfig`` fields.

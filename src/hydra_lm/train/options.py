@@ -1,6 +1,6 @@
 """The trainer's settings: one typed dataclass whose fields are the CLI flags and the config-file keys.
 
-``None`` on a field means "automatic": ``resolve`` fills it from the per-size table (T11), the
+``None`` on a field means "automatic": ``resolve`` fills it from the per-size table, the
 run mode and the device, after the layers (defaults < saved run < config file < CLI) are merged.
 The speed settings (compile, cuda_graph, chunked_ce) stay None in the saved config, so a resumed run
 follows the device it resumes on; ``compile_policy.resolve_speed_options`` decides them.
@@ -278,7 +278,7 @@ def _coerce(key: str, value: Any, where: str) -> Any:
     return value
 
 
-# Per-size defaults (T11): batch size and gradient accumulation from the seed's tables for a 32 GB
+# Per-size defaults: batch size and gradient accumulation from the original HYDRA release's tables for a 32 GB
 # GPU; learning rates shrink with width, as usual for AdamW at these scales.
 SIZE_DEFAULTS: dict[str, dict[str, Any]] = {
     "debug": dict(batch_size=32, grad_accum=1, grad_clip=1.0, lr=1e-3),
@@ -295,7 +295,7 @@ SIZE_DEFAULTS: dict[str, dict[str, Any]] = {
 # weight's RMS; Sophia clips its update to 0.01 x LR; Muon scales its update to AdamW's RMS.
 OPTIMIZER_LR_SCALE = {"adamw": 1.0, "adam8bit": 1.0, "adafactor": 10.0, "lion": 0.3, "clion": 0.3, "muon": 1.0,
                       "sophia": 50.0}
-# The seed's 8-bit-Adam table (seq_len 1024/2048) trades batch for accumulation on the big sizes.
+# The original release's 8-bit-Adam table (seq_len 1024/2048) trades batch for accumulation on the big sizes.
 ADAM8BIT_BATCH = {"500M": (4, 15), "750M": (4, 16), "1B": (2, 30)}
 # A CPU cannot afford the GPU batches; these make the debug preset learn visibly in minutes on two cores.
 CPU_DEFAULTS = dict(batch_size=16, grad_accum=1, seq_len=128, lr=2e-3)
