@@ -13,6 +13,7 @@ from hydra_lm.diagnostics.variants import parameter_count, parse_custom_variant
 from hydra_lm.model.accounting import executed_flops_per_token
 from hydra_lm.infer import eval_run
 from hydra_lm.train import lr_at
+from hydra_lm.train.options import OPTIMIZER_LR_SCALE
 from support import TINY_RUN, records, write_corpus
 
 PLOTS = ("loss_vs_tokens.png", "loss_vs_flops.png", "loss_vs_seconds.png", "routing_exec_fraction.png",
@@ -134,6 +135,24 @@ def test_custom_variant_sets_the_routing_curriculum_and_its_flops(tiny_data, tmp
     assert planned_flops(late.model_cfg, train, late.values["max_steps"] - 1, 128) < 2e10
     with pytest.raises(ValueError, match="curriculum settings"):
         parse_custom_variant("bad:mor_enable=0.1")
+
+
+def test_custom_variant_compares_optimizers_at_one_batch_with_their_own_learning_rates(tiny_data, tmp_path):
+    shared = {"model_size": "debug", "device": "cpu", "batch_size": 4, "seq_len": 32,
+              "model": {"dim": 64, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden": 128}}
+    plan = plan_compare(str(tiny_data), str(tmp_path / "cmp"), parse_budget("tokens=1024"), [],
+                        ["adamw:optimizer=adamw", "lion:optimizer=lion", "muon:optimizer=muon,adamw_lr=0.003",
+                         "slow:lr=1e-4"], 2, shared)
+    runs = {r.variant.name: r.values for r in plan.runs}
+    adamw, lion, muon, slow = runs["adamw"], runs["lion"], runs["muon"], runs["slow"]
+    assert {v["batch_size"] for v in runs.values()} == {4} and {v["max_steps"] for v in runs.values()} == {8}
+    assert lion["optimizer"] == "lion" and lion["lr"] == pytest.approx(OPTIMIZER_LR_SCALE["lion"] * adamw["lr"])
+    assert lion["min_lr"] == pytest.approx(lion["lr"] / 10)  # the schedule follows the optimizer's own LR
+    assert muon["optimizer"] == "muon" and muon["adamw_lr"] == 0.003 and "optimizer" not in slow
+    assert slow["lr"] == 1e-4 and slow["min_lr"] == pytest.approx(1e-5)
+    assert all(r.model_cfg == plan.runs[0].model_cfg for r in plan.runs)  # one model, four trainings
+    with pytest.raises(ValueError, match="optimizer settings"):
+        parse_custom_variant("bad:optimiser=lion")
 
 
 def test_time_budget_stops_on_training_time_and_resumes_it(tiny_data, tmp_path, capsys):

@@ -183,8 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                               f"{' '.join(DEFAULT_VARIANTS)} unless --variant is given)")
     compare.add_argument("--variant", dest="custom_variants", action="append", default=None,
                          metavar="NAME:field=value,...", help="a custom variant: HydraConfig fields on top of the "
-                         "preset and the routing curriculum's settings (mod_enable_pct, mor_enable_pct, ...); "
-                         "repeatable; arch=dense allowed")
+                         "preset, the routing curriculum's settings (mod_enable_pct, mor_enable_pct, ...) and the "
+                         "optimizer's (optimizer, lr, min_lr, adamw_lr, weight_decay); repeatable; arch=dense allowed")
     compare.add_argument("--evals", type=int, default=8, help="evaluations spread evenly over the budget")
     compare.set_defaults(func=_cmd_compare)
 

@@ -157,7 +157,7 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
     on_cuda = pick_device(shared.get("device", "auto")).type == "cuda"
     base = resolve(TrainConfig(**{**shared, "data": str(info.path), "model_size": preset}), preset, on_cuda)
     pinned = {"model_size": preset, "batch_size": base.batch_size, "grad_accum": base.grad_accum,
-              "seq_len": base.seq_len, "lr": base.lr, "min_lr": base.min_lr}
+              "seq_len": base.seq_len}
 
     def model_config(overrides: dict[str, Any]) -> HydraConfig:
         cfg = base.replace(arch=overrides.get("arch", "hydra"),
@@ -170,8 +170,12 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
     runs = []
     for v in variants:
         model_cfg = model_config(v.overrides)
-        values = {**shared, **pinned, **v.train, "data": str(info.path), "out": str(out_dir / "runs" / v.name),
-                  "arch": v.arch,
+        # Batch and sequence length are shared; the learning rates follow the variant's optimizer (its
+        # per-size default) unless the variant or the shared flags give them.
+        own = resolve(TrainConfig(**{**shared, **v.train, "data": str(info.path), "model_size": preset}), preset,
+                      on_cuda)
+        values = {**shared, **pinned, "lr": own.lr, "min_lr": own.min_lr, **v.train, "data": str(info.path),
+                  "out": str(out_dir / "runs" / v.name), "arch": v.arch,
                   "model": {**base.model, **{k: x for k, x in v.overrides.items() if k != "arch"}}}
         if budget.kind == "seconds":
             steps = shared.get("max_steps") or SECONDS_CLOCK_STEPS

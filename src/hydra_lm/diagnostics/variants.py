@@ -28,9 +28,12 @@ BUILTIN_VARIANTS = {
 }
 DEFAULT_VARIANTS = ("hydra", "dense", "dense-flops")
 # Trainer settings a custom variant may set too: when routing switches on is part of a routing
-# setting's cost (a run that routes late spends its first steps at full depth).
+# setting's cost (a run that routes late spends its first steps at full depth), and the optimizer
+# with its learning rates (comparing optimizers at one budget; batch and schedule stay shared).
 CURRICULUM_FIELDS = ("mod_enable_pct", "mod_force_enable_pct", "mod_loss_gate", "mor_enable_pct", "mor_ramp",
                      "mor_ramp_pct", "mod_off", "mor_off")
+OPTIMIZER_FIELDS = ("optimizer", "lr", "min_lr", "adamw_lr", "weight_decay")
+TRAIN_FIELDS = CURRICULUM_FIELDS + OPTIMIZER_FIELDS
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -39,7 +42,7 @@ class Variant:
     name: str
     overrides: dict[str, Any] = field(default_factory=dict)  # HydraConfig fields, arch included
     description: str = ""
-    train: dict[str, Any] = field(default_factory=dict)  # CURRICULUM_FIELDS of the trainer
+    train: dict[str, Any] = field(default_factory=dict)  # TRAIN_FIELDS of the trainer
 
     @property
     def arch(self) -> str:
@@ -47,8 +50,8 @@ class Variant:
 
 
 def parse_custom_variant(spec: str) -> Variant:
-    """``NAME:field=value,field=value``: HydraConfig fields (values parsed like ``--model.FIELD VALUE``)
-    and the routing curriculum's trainer settings (CURRICULUM_FIELDS)."""
+    """``NAME:field=value,field=value``: HydraConfig fields (values parsed like ``--model.FIELD VALUE``),
+    the routing curriculum's trainer settings and the optimizer's (TRAIN_FIELDS)."""
     name, sep, body = spec.partition(":")
     name = name.strip()
     if not sep or not _NAME.match(name):
@@ -63,14 +66,15 @@ def parse_custom_variant(spec: str) -> Variant:
         if not eq or not key.strip():
             raise ValueError(f"--variant {spec!r}: {item!r} is not field=value")
         key = key.strip()
-        (train if key in CURRICULUM_FIELDS else overrides)[key] = parse_value(raw.strip())
+        (train if key in TRAIN_FIELDS else overrides)[key] = parse_value(raw.strip())
     if not overrides and not train:
         raise ValueError(f"--variant {spec!r}: no field=value given; to train the preset as is use --variants hydra")
     try:
         check_keys(overrides)
     except ValueError as err:
         raise ValueError(f"--variant {name}: {err} (or one of the curriculum settings "
-                         f"{', '.join(CURRICULUM_FIELDS)})") from None
+                         f"{', '.join(CURRICULUM_FIELDS)}, or the optimizer settings {', '.join(OPTIMIZER_FIELDS)})"
+                         ) from None
     described = {**overrides, **train}
     return Variant(name, overrides, "custom: " + ", ".join(f"{k}={v}" for k, v in described.items()), train)
 
