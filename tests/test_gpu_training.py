@@ -83,3 +83,13 @@ def test_cuda_graph_with_compilation_matches_the_same_compilation(tiny_data, tmp
     close(losses(tmp_path / "graph"), losses(tmp_path / "compiled"), rel=3e-3)
     log = (tmp_path / "graph" / "train.log").read_text()
     assert ("routed units" in log) == (not scope) and log.count("captured as CUDA graphs") == 2
+
+
+def test_each_run_reports_its_own_peak_memory_when_one_process_trains_several(tiny_data, tmp_path):
+    """`hydra-lm compare` trains its variants in one process: a small run after a large one must not
+    report the large one's peak."""
+    big = ["--batch_size", "64", "--model.dim", "256"]
+    assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "big"), *COMMON, *EAGER, *big]) == 0
+    assert train(tiny_data, tmp_path / "small", *EAGER) == 0
+    peak = {name: max(r["memory_mb"] for r in records(tmp_path / name, "train")) for name in ("big", "small")}
+    assert peak["small"] < 0.5 * peak["big"], peak

@@ -444,6 +444,8 @@ class Trainer:
 
 def train(setup: RunSetup) -> int:
     """Run a configured training job; returns the process exit status (130 when interrupted)."""
+    if setup.device.type == "cuda":  # the peak reported is this run's, also when a process trains several
+        torch.cuda.reset_peak_memory_stats(setup.device)
     try:
         trainer = Trainer(setup)
         if setup.dist.is_main:
