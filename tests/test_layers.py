@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from hydra_lm.model import attention_backend, layers
-from hydra_lm.model.accounting import compute_memory_footprint
-from hydra_lm.model.attention import GQAttention
+from hydra_lm.diagnostics.memory_estimate import compute_memory_footprint
+from hydra_lm.model.attention import CCGQAttention, GQAttention, set_attention_backend
 from support import tiny_model
 
 
@@ -53,6 +53,19 @@ def test_flexible_attention_expands_gqa_and_validates_backends():
         tiny_model(attention_backend="magic")
     model = tiny_model(attention_backend="sdpa", arch="dense", n_layers=2, n_heads=4, n_kv_heads=2)
     assert {m.backend for m in model.modules() if isinstance(m, GQAttention)} == {"sdpa"}
+
+
+def test_set_attention_backend_switches_a_built_model_and_its_config_together():
+    model = tiny_model()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    before = model(ids)["logits"]
+    set_attention_backend(model, "sdpa")
+    kernels = {m.backend for m in model.modules() if isinstance(m, CCGQAttention)}
+    assert kernels == {"sdpa"} and model.config.attention_backend == "sdpa"
+    torch.testing.assert_close(model(ids)["logits"], before)  # on a CPU every backend is SDPA
+    with pytest.raises(ValueError, match="attention_backend='magic': must be one of"):
+        set_attention_backend(model, "magic")
+    assert model.config.attention_backend == "sdpa"  # a refused name changes nothing
 
 
 def test_gradient_checkpoint_mixin_and_memory_footprint():

@@ -1,4 +1,5 @@
-"""``hydra-lm info --memory``: peak training memory of a preset for a batch shape and an optimizer.
+"""``hydra-lm info --memory`` and ``compute_memory_footprint``: peak training memory of a preset or a
+built model for a batch shape and an optimizer.
 
 Weights, gradients and optimizer state are counted from the parameter shapes. Activations are
 measured, not guessed: one forward pass runs on fake tensors (shapes only, no memory) and every
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..config import preset_config
+from ..config import HydraConfig, preset_config
 from ..model import HydraModel
 
 MB = 2 ** 20
@@ -45,13 +46,26 @@ def optimizer_state_bytes(model: torch.nn.Module, optimizer: str) -> int:
 
 def estimate_training_memory(model_size: str, batch_size: int, seq_len: int, optimizer: str = "adamw",
                              arch: str = "hydra", vocab_size: int | None = None) -> dict[str, float]:
-    """MB per part and ``peak_mb``, their sum."""
-    if batch_size < 1 or seq_len < 1:
-        raise ValueError(f"--batch_size {batch_size} and --seq_len {seq_len} must be >= 1")
+    """MB per part and ``peak_mb``, their sum, for a preset."""
     overrides = {"arch": arch, "max_seq_len": max(seq_len, 2048)}
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
-    cfg = preset_config(model_size, **overrides)
+    return measure_training_memory(preset_config(model_size, **overrides), batch_size, seq_len, optimizer)
+
+
+def compute_memory_footprint(model: HydraModel, batch_size: int, seq_len: int,
+                             optimizer: str = "adamw") -> dict[str, float]:
+    """The same estimate for a built model: its config and its gradient-checkpointing setting."""
+    return measure_training_memory(model.config, batch_size, seq_len, optimizer,
+                                   model.gradient_checkpointing, model.checkpoint_every)
+
+
+def measure_training_memory(cfg: HydraConfig, batch_size: int, seq_len: int, optimizer: str = "adamw",
+                            gradient_checkpointing: bool = False, checkpoint_every: int = 1) -> dict[str, float]:
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"--batch_size {batch_size} and --seq_len {seq_len} must be >= 1")
+    if seq_len > cfg.max_seq_len:
+        cfg = cfg.replace(max_seq_len=seq_len)
     saved: dict[int, int] = {}
 
     def keep(t: torch.Tensor) -> torch.Tensor:
@@ -61,6 +75,7 @@ def estimate_training_memory(model_size: str, batch_size: int, seq_len: int, opt
 
     with FakeTensorMode():
         model = HydraModel(cfg)
+        model.gradient_checkpointing, model.checkpoint_every = gradient_checkpointing, checkpoint_every
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             model(ids, targets=ids)

@@ -87,30 +87,3 @@ def kv_cache_bytes_per_token(cfg: HydraConfig, seq_len: int, bytes_per_value: in
         allocated += n_layers * per_layer
         occupied += n_layers * per_layer * k / seq_len
     return {"allocated": allocated, "occupied": occupied}
-
-
-def compute_memory_footprint(model, batch_size: int, seq_len: int, param_bytes: int = 4,
-                             activation_bytes: int = 2, optimizer: str = "adamw") -> dict[str, float]:
-    """Rough training memory in MB: weights, gradients, optimizer state and activations.
-
-    Activations are estimated per executed unit as ~34 * dim values per routed token plus the
-    attention inputs (the usual transformer rule of thumb); gradient checkpointing keeps one
-    residual per block instead. A planning estimate, not a measurement.
-    """
-    cfg = model.config
-    n = model.num_parameters()
-    states = {"adamw": 2, "adam8bit": 0.5, "adafactor": 0.1, "lion": 1, "sgd": 0}
-    if optimizer not in states:
-        raise ValueError(f"optimizer {optimizer!r}: choose one of {sorted(states)}")
-    mb = 1024 ** 2
-    weights = n * param_bytes / mb
-    grads = n * param_bytes / mb
-    opt = n * 4 * states[optimizer] / mb
-    routed_tokens = sum(k * layers for _, layers, k in unit_token_counts(cfg, seq_len))
-    if getattr(model, "gradient_checkpointing", False):
-        acts = len(model.blocks) * seq_len * cfg.dim
-    else:
-        acts = routed_tokens * 34 * cfg.dim
-    acts = (acts + seq_len * cfg.vocab_size * 2) * batch_size * activation_bytes / mb  # + logits (fp32)
-    return {"weights_mb": weights, "gradients_mb": grads, "optimizer_mb": opt, "activations_mb": acts,
-            "estimated_training_mb": weights + grads + opt + acts}

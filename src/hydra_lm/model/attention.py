@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import ATTENTION_BACKENDS
 from .attention_backend import flexible_attention
 from .doc_attention import doc_causal_attention
 from .layers import RotaryEmbedding, apply_rotary
@@ -260,3 +261,17 @@ class GQAttention(nn.Module):
         y = cached_attention(q, k, v, pos, valid, cache) if cache is not None else \
             full_attention(q, k, v, doc, self.backend, self.doc_backend)
         return self.out(y.transpose(1, 2).reshape(b, n, self.q_dim))
+
+
+def set_attention_backend(model: nn.Module, backend: str) -> None:
+    """Switch a built model's attention kernel (``HydraConfig.attention_backend``: auto, sdpa, flash,
+    xformers). The config field chooses it at construction; this changes it afterwards, in the model's
+    config too, so the two never disagree. A compiled model recompiles on its next call."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        model.config = config.replace(attention_backend=backend)  # validates the name
+    elif backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: choose one of {list(ATTENTION_BACKENDS)}")
+    for module in model.modules():
+        if isinstance(module, (CCGQAttention, GQAttention)):
+            module.backend = backend
