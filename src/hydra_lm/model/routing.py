@@ -133,7 +133,8 @@ class ExpertChoiceRouter(Router):
         Returns what a top-k step reads next, from the same work: (``relative(r, None)`` and
         ``threshold()`` after the update, ``topk_boundary(boundary_of, k)`` or None); the two
         boundaries come from one top-k over both tensors."""
-        keep = torch.where(self.center_weight > 0, THRESHOLD_DECAY, 0.0)
+        # In the buffers' dtype: a multi-tensor op may otherwise multiply by the wider value.
+        keep = torch.where(self.center_weight > 0, THRESHOLD_DECAY, 0.0).to(self.threshold_sum.dtype)
         # Each buffer: x * decay + (1 - decay) * new value, as x.mul_(decay).add_(value, alpha=1 - decay);
         # the updates that need no new value run as one multi-tensor op per step (the same arithmetic).
         torch._foreach_mul_([self.center_sum, self.center_weight], THRESHOLD_DECAY)
@@ -237,7 +238,7 @@ class _LogitsOfParameters(torch.autograd.Function):
 def _prefix_mean(r: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
     """Mean of each row's previous entries and ``center`` (one pseudo-entry): ``ExpertChoiceRouter.relative``
     on a row whose entries are all candidates, whatever the calibration state."""
-    count = torch.arange(r.shape[1], device=r.device, dtype=r.dtype) + PREFIX_PRIOR
+    count = torch.arange(PREFIX_PRIOR, PREFIX_PRIOR + r.shape[1], device=r.device, dtype=r.dtype)  # exact integers
     return (r.cumsum(1) - r + PREFIX_PRIOR * center) / count
 
 
