@@ -170,6 +170,9 @@ class RecursiveBlock(nn.Module):
 
         routers = self.all_routers()
         gates = {j: r for r in routers for j in r.depths}
+        # One view per depth from one op: backward stacks the depths' gradients once, where indexing per
+        # depth would write each into a zeroed [R, E] tensor and add the R of them.
+        recs = None if self.rec_emb is None else self.rec_emb.unbind(0)
         for j in range(self.recursions):
             router, sel = gates.get(j), None
             if router is not None and not self._active(router):
@@ -197,7 +200,7 @@ class RecursiveBlock(nn.Module):
                         if loss is not None:
                             losses[r.kind].append(loss)
 
-            rec = None if self.rec_emb is None else self.rec_emb[j]
+            rec = None if recs is None else recs[j]
             weight = None if sel is None else sel.weight
             if caches is not None and cached_unit is not None:
                 xc = cached_unit(self.layers, xc, rec, pc, rope, caches[j], *_uniform_unit_inputs(xc, vc, weight))

@@ -124,17 +124,32 @@ class ExpertChoiceRouter(Router):
         return torch.where(w > 0, self.center_sum / w.clamp(min=1e-12), torch.zeros_like(w))
 
     @torch.no_grad()
-    def calibrate(self, r: torch.Tensor, k: int) -> None:
+    def calibrate(self, r: torch.Tensor, k: int, boundary_of: torch.Tensor | None = None):
         """Fold one batch's candidate logits ``r`` [B, N] into the running center (their mean) and then
         the running threshold (the top-k boundary of the logits relative to their prefix means), in
         place: no host sync, and a captured CUDA graph replays it. A threshold calibrated by the former
-        rule (raw logits: no center yet) restarts."""
-        keep = torch.where(self.center_weight > 0, THRESHOLD_DECAY, 0.0)
-        self.center_sum.mul_(THRESHOLD_DECAY).add_(r.mean().to(self.center_sum.dtype), alpha=1 - THRESHOLD_DECAY)
-        self.center_weight.mul_(THRESHOLD_DECAY).add_(1 - THRESHOLD_DECAY)
-        boundary = topk_boundary(r - _prefix_mean(r, self.center().to(r.dtype)), k)
-        self.threshold_sum.mul_(keep).add_(boundary.to(self.threshold_sum.dtype), alpha=1 - THRESHOLD_DECAY)
-        self.threshold_weight.mul_(keep).add_(1 - THRESHOLD_DECAY)
+        rule (raw logits: no center yet) restarts.
+
+        Returns what a top-k step reads next, from the same work: (``relative(r, None)`` and
+        ``threshold()`` after the update, ``topk_boundary(boundary_of, k)`` or None); the two
+        boundaries come from one top-k over both tensors."""
+        # In the buffers' dtype: a multi-tensor op may otherwise multiply by the wider value.
+        keep = torch.where(self.center_weight > 0, THRESHOLD_DECAY, 0.0).to(self.threshold_sum.dtype)
+        # Each buffer: x * decay + (1 - decay) * new value, as x.mul_(decay).add_(value, alpha=1 - decay);
+        # the updates that need no new value run as one multi-tensor op per step (the same arithmetic).
+        torch._foreach_mul_([self.center_sum, self.center_weight], THRESHOLD_DECAY)
+        torch._foreach_mul_([self.threshold_sum, self.threshold_weight], keep)
+        torch._foreach_add_([self.center_weight, self.threshold_weight], 1 - THRESHOLD_DECAY)
+        self.center_sum.add_(r.mean().to(self.center_sum.dtype), alpha=1 - THRESHOLD_DECAY)
+        # The weights are now >= 1 - THRESHOLD_DECAY: center() and threshold() without their guards
+        # (the same values, fewer ops).
+        relative = r - _prefix_mean(r, (self.center_sum / self.center_weight).to(r.dtype))
+        if boundary_of is None:
+            boundary, other = topk_boundary(relative, k), None
+        else:
+            boundary, other = topk_boundaries(torch.stack((relative, boundary_of.to(r.dtype))), k).unbind(0)
+        self.threshold_sum.add_(boundary.to(self.threshold_sum.dtype), alpha=1 - THRESHOLD_DECAY)
+        return relative, self.threshold_sum / self.threshold_weight, other
 
     def relative(self, r: torch.Tensor, valid: torch.Tensor | None, state: torch.Tensor | None = None) -> torch.Tensor:
         """``r - m``: each candidate's logit relative to the shrunk mean of the row's previous candidates
@@ -159,8 +174,17 @@ class ExpertChoiceRouter(Router):
         with torch.autocast(x.device.type, enabled=False):
             return F.linear(x.to(dtype), self.proj.weight.to(dtype), self.proj.bias.to(dtype)).squeeze(-1)
 
+    def logits_of_parameters(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """``self.logits(x.detach())`` (the logits as a function of the router's weight and bias only)
+        from ``r = self.logits(x)``: the same values and gradients without a second matmul over ``x``."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            return _LogitsOfParameters.apply(r, x.detach().to(dtype), self.proj.weight.to(dtype),
+                                             self.proj.bias.to(dtype))
+
     def gate(self, r: torch.Tensor) -> torch.Tensor:
-        return self.gate_scale * torch.sigmoid(r)
+        # A scale of 1 (the MoD routers) is no multiplication: one kernel less each way, the same values.
+        return torch.sigmoid(r) if self.gate_scale == 1.0 else self.gate_scale * torch.sigmoid(r)
 
     def select(self, x, valid, k, mode, row_len, depth=0, decision=None, state=None) -> Selection:
         r = self.logits(x)
@@ -172,18 +196,18 @@ class ExpertChoiceRouter(Router):
             top = torch.topk(r, k, dim=1, sorted=False).indices
             order = torch.sort(top, dim=1).values
             chosen = torch.zeros_like(r).scatter_(1, order, 1.0)
-            boundary = topk_boundary(r.detach(), k)
-            if self.training:
-                self.calibrate(r.detach(), k)
-            s = self.relative(r.detach(), None)
+            if self.training:  # the threshold's update also gives the relative logits and the boundary
+                s, threshold, boundary = self.calibrate(r.detach(), k, boundary_of=r.detach())
+            else:
+                s, threshold, boundary = self.relative(r.detach(), None), self.threshold(), topk_boundary(r.detach(), k)
             # The router learns to predict its own top-k choice relative to the boundary, so that
             # r > threshold reproduces top-k causally. Shift-invariant like top-k itself, it sharpens
             # the separation without fighting the language-model loss over the logits' level.
             # Detached input: this loss trains the router only.
-            r_aux = self.logits(x.detach())
+            r_aux = self.logits_of_parameters(x, r)
             aux = F.binary_cross_entropy_with_logits(r_aux - boundary, chosen)
             weight = self.gate(r.gather(1, order))
-            agree = ((s > self.threshold()).float() == chosen).float().mean()
+            agree = ((s > threshold).float() == chosen).float().mean()
             frac = torch.full((), k / row_len, device=x.device)
             return Selection(order, weight, None, aux, torch.stack((frac, weight.mean(), agree)))
         if mode == "causal":
@@ -192,22 +216,46 @@ class ExpertChoiceRouter(Router):
         raise ValueError(f"routing mode {mode!r}: must be one of {ROUTING_MODES}")
 
 
+class _LogitsOfParameters(torch.autograd.Function):
+    """``F.linear(x, weight, bias).squeeze(-1)`` for ``x`` [..., E] that needs no gradient, given its value
+    ``r`` (computed already): the forward returns ``r``, the backward gives the weight and bias the
+    gradients that linear's backward gives them (``addmm``'s, as ``F.linear`` runs it on rows of ``x``)."""
+
+    @staticmethod
+    def forward(ctx, r, x, weight, bias):
+        ctx.save_for_backward(x)
+        return r.view_as(r)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        g = grad.reshape(-1, 1)
+        grad_weight = g.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[2] else None
+        grad_bias = g.sum(0) if ctx.needs_input_grad[3] else None
+        return None, None, grad_weight, grad_bias
+
+
 def _prefix_mean(r: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
     """Mean of each row's previous entries and ``center`` (one pseudo-entry): ``ExpertChoiceRouter.relative``
     on a row whose entries are all candidates, whatever the calibration state."""
-    count = torch.arange(r.shape[1], device=r.device, dtype=r.dtype) + PREFIX_PRIOR
+    count = torch.arange(PREFIX_PRIOR, PREFIX_PRIOR + r.shape[1], device=r.device, dtype=r.dtype)  # exact integers
     return (r.cumsum(1) - r + PREFIX_PRIOR * center) / count
 
 
 def topk_boundary(r: torch.Tensor, k: int) -> torch.Tensor:
     """The logit separating the batch's b*k highest logits from the rest (midpoint of the two values
     around the cut), pooled over rows: the threshold that admits exactly the capacity's fraction."""
-    flat = r.reshape(-1)
-    n_sel = r.shape[0] * k
-    if n_sel >= flat.numel():  # everything is chosen: any threshold below the smallest logit
-        return flat.min() - 1.0
-    top = torch.topk(flat, n_sel + 1, sorted=True).values
-    return 0.5 * (top[-2] + top[-1])
+    return topk_boundaries(r[None], k)[0]
+
+
+def topk_boundaries(r: torch.Tensor, k: int) -> torch.Tensor:
+    """``topk_boundary`` of each of the S batches of logits ``r`` [S, B, N], by one top-k: [S]."""
+    flat = r.reshape(r.shape[0], -1)
+    n_sel = r.shape[1] * k
+    if n_sel >= flat.shape[1]:  # everything is chosen: any threshold below the smallest logit
+        return flat.amin(1) - 1.0
+    top = torch.topk(flat, n_sel + 1, dim=1, sorted=True).values
+    return 0.5 * (top[:, -2] + top[:, -1])
 
 
 def masked_selection(chosen: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor | None, row_len: int,

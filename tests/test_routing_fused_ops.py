@@ -1,0 +1,93 @@
+"""The training step's routing runs fewer ops (benchmarks/op_counts.py) for the same numbers: each shortcut
+against the plain computation it replaces, bit for bit."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hydra_lm.model.routing import (PREFIX_PRIOR, THRESHOLD_DECAY, ExpertChoiceRouter, topk_boundaries,
+                                    topk_boundary)
+
+from support import tiny_model
+
+
+def _reference_calibrate(router: ExpertChoiceRouter, r: torch.Tensor, k: int) -> None:
+    """The update as first written: one op per buffer and step, guarded center()."""
+    keep = torch.where(router.center_weight > 0, THRESHOLD_DECAY, 0.0)
+    router.center_sum.mul_(THRESHOLD_DECAY).add_(r.mean(), alpha=1 - THRESHOLD_DECAY)
+    router.center_weight.mul_(THRESHOLD_DECAY).add_(1 - THRESHOLD_DECAY)
+    count = torch.arange(r.shape[1], dtype=r.dtype) + PREFIX_PRIOR
+    prefix = (r.cumsum(1) - r + PREFIX_PRIOR * router.center()) / count
+    flat = (r - prefix).reshape(-1)
+    top = torch.topk(flat, r.shape[0] * k + 1, sorted=True).values
+    router.threshold_sum.mul_(keep).add_(0.5 * (top[-2] + top[-1]), alpha=1 - THRESHOLD_DECAY)
+    router.threshold_weight.mul_(keep).add_(1 - THRESHOLD_DECAY)
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_calibrate_returns_what_relative_threshold_and_topk_boundary_give(fresh):
+    torch.manual_seed(0)
+    router = ExpertChoiceRouter(16, 1)
+    if not fresh:  # calibrated before, with a drifted logit level
+        for _ in range(3):
+            router.calibrate(torch.randn(3, 40) + 2.0, 10)
+    reference = copy.deepcopy(router)
+    r = torch.randn(3, 40) * 3
+    relative, threshold, boundary = router.calibrate(r, 10, boundary_of=r)
+    _reference_calibrate(reference, r, 10)
+    for name, buf in router.named_buffers():
+        assert torch.equal(buf, dict(reference.named_buffers())[name]), name
+    assert torch.equal(relative, reference.relative(r, None))
+    assert torch.equal(threshold, reference.threshold())
+    assert torch.equal(boundary, topk_boundary(r, 10))
+    assert router.calibrate(r, 10)[2] is None
+
+
+def test_topk_boundaries_of_stacked_logits_are_each_ones_boundary():
+    r = torch.randn(2, 4, 25)
+    for k in (1, 7, 25):  # k = 25: every logit is chosen
+        got = topk_boundaries(r, k)
+        assert torch.equal(got, torch.stack([topk_boundary(r[0], k), topk_boundary(r[1], k)]))
+    assert torch.equal(topk_boundary(r[0], 25), r[0].min() - 1.0)
+
+
+def test_aux_logits_reuse_the_logits_with_the_gradients_of_a_second_linear():
+    torch.manual_seed(0)
+    router = ExpertChoiceRouter(8, 1)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    r = router.logits(x)
+    g = torch.randn(2, 5)
+    fused = router.logits_of_parameters(x, r)
+    assert torch.equal(fused, r)
+    w_fused, b_fused = torch.autograd.grad((fused * g).sum(), [router.proj.weight, router.proj.bias])
+    plain = F.linear(x.detach(), router.proj.weight, router.proj.bias).squeeze(-1)
+    w_plain, b_plain = torch.autograd.grad((plain * g).sum(), [router.proj.weight, router.proj.bias])
+    assert torch.equal(w_fused, w_plain) and torch.equal(b_fused, b_plain)
+    (router.logits_of_parameters(x, router.logits(x)) * g).sum().backward()
+    assert x.grad is None  # the aux loss trains the router only
+
+
+def test_recursion_embedding_gradient_is_the_sum_over_depths_of_indexing_each():
+    torch.manual_seed(0)
+    model = tiny_model(recursions=3)
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    model(ids, targets=ids)["loss"].backward()
+    block = model.blocks[0]
+    got = block.rec_emb.grad.clone()
+
+    class Indexed(torch.nn.Module):  # rec_emb[j] per depth, as first written
+        def __init__(self, rec):
+            super().__init__()
+            self.rec = rec
+
+        def unbind(self, dim):
+            return [self.rec[j] for j in range(self.rec.shape[0])]
+
+    model.zero_grad()
+    for b in model.blocks:
+        b.rec_emb = Indexed(b._parameters.pop("rec_emb"))
+    model(ids, targets=ids)["loss"].backward()
+    assert torch.equal(got, block.rec_emb.rec.grad)
