@@ -4,6 +4,8 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from hydra_lm.train.compile_policy import compile_units, use_layer_regions
+
 from support import TINY, tiny_model
 
 
@@ -52,7 +54,7 @@ def test_unit_compile_reuses_one_graph_and_keeps_the_state_dict():
     model, reference = tiny_model().train(), tiny_model().train()
     keys = list(model.state_dict())
     counter = CompileCounterWithBackend("aot_eager")
-    assert model.compile_units(backend=counter) is model
+    assert compile_units(model, backend=counter) is model
     doc = torch.tensor([[0] * 20 + [1] * 12] * 2)
     for seed in (1, 2):
         ids, targets = _batch(seed)
@@ -68,7 +70,7 @@ def test_layer_regions_trace_each_unit_size_once_and_match_eager():
     torch._dynamo.reset()
     model, reference = tiny_model().train(), tiny_model().train()
     counter = CompileCounterWithBackend("aot_eager")
-    model.use_layer_regions(True)
+    use_layer_regions(model, True)
     compiled = torch.compile(model, fullgraph=True, backend=counter)
     ids, targets = _batch(1)
     out = compiled(ids, targets=targets)
@@ -97,7 +99,7 @@ def test_compile_units_matches_eager_with_few_graphs():
     for m in (model, reference):
         m.ce_impl, m.ce_chunk_size = "chunked", 24
     counter = CompileCounterWithBackend("aot_eager")
-    model.compile_units(backend=counter)
+    compile_units(model, backend=counter)
     for seed in (1, 2):
         ids, targets = _batch(seed)
         out, ref = model(ids, targets=targets), reference(ids, targets=targets)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import hydra_lm
+from hydra_lm.train.compile_policy import compile_units, use_layer_regions
 from support import TINY, tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -47,7 +48,7 @@ def test_cuda_graph_training_steps_match_eager(scope, ce_impl):
     twin = hydra_lm.create_model("debug", vocab_size=1024, max_seq_len=512).cuda().train()
     twin.load_state_dict(model.state_dict())
     model.ce_impl = twin.ce_impl = ce_impl
-    model.use_layer_regions(scope == "regions")
+    use_layer_regions(model, scope == "regions")
     graphed = torch.compile(model, fullgraph=True, mode="reduce-overhead")
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (model, twin)]
     ids = _ids(4, 256, 1024)  # one input buffer, refilled in place like a data pipeline's
@@ -80,8 +81,8 @@ def test_whole_step_cuda_graph_matches_ungraphed_steps(scope):
     twin.load_state_dict(model.state_dict())
     model.ce_impl = twin.ce_impl = "chunked"
     if scope == "units":
-        model.compile_units()
-        twin.compile_units()
+        compile_units(model)
+        compile_units(twin)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True, capturable=True) for m in (model, twin)]
     ids = torch.zeros(4, 256, dtype=torch.long, device="cuda")
 

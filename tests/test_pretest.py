@@ -12,6 +12,7 @@ import torch
 import hydra_lm.model.hydra as hydra_module
 from hydra_lm.cli import main
 from hydra_lm.train import get_history, get_summary, print_summary, run_pretests_for_checkpoint
+from hydra_lm.train.compile_policy import compile_units
 from hydra_lm.train.step import TrainStep
 from support import TINY_RUN, records
 
@@ -130,7 +131,7 @@ def test_the_pretest_copy_runs_its_units_eagerly_and_leaves_the_runs_compiled_un
     from hydra_lm.train import pretest
     from support import tiny_model
 
-    model = tiny_model().compile_units(backend="eager")
+    model = compile_units(tiny_model(), backend="eager")
     copies, real_init = [], pretest._Path.__init__
 
     def init(self, model, *args, **kwargs):

@@ -11,6 +11,7 @@ import hydra_lm
 
 from hydra_lm.cli import main
 from hydra_lm.train import optim
+from hydra_lm.train.compile_policy import use_layer_regions
 from hydra_lm.train.options import TrainConfig
 from support import TINY_RUN, prepare, records, write_corpus
 
@@ -79,7 +80,7 @@ def test_layer_regions_survive_mor_routing():
 
     model = hydra_lm.create_model("debug", vocab_size=300, dim=64, n_heads=2, n_kv_heads=1, mlp_hidden=128)
     model.set_curriculum(mod_active=True, mor_active=True)
-    model.use_layer_regions(True)
+    use_layer_regions(model, True)
     counter = CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
     ids = torch.randint(0, 300, (4, 32))

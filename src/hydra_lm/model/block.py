@@ -46,7 +46,7 @@ _run_layer_region = torch.compiler.nested_compile_region(_run_layer)
 def run_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, doc, weight, regions: bool = False):
     """One routed unit: the layer stack on the unit's tokens ``xc`` (plus the recursion embedding
     ``rec``), written back as ``xc + weight * (stack(u) - u)`` for valid entries. A free function
-    of its inputs, so ``HydraModel.compile_units`` compiles it once for every block and depth."""
+    of its inputs, so ``train.compile_policy.compile_units`` compiles it once for every block and depth."""
     u = xc if rec is None else xc + rec.to(xc.dtype)
     h = u
     run = _run_layer_region if regions and caches is None else _run_layer
@@ -63,7 +63,7 @@ def run_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, doc, weig
 def run_cached_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, weight):
     """``run_unit`` on new tokens appended to the unit's ``caches`` (updated in place): what a compiled
     decode step compiles (``hydra.compiled_decode_unit``). A function of its own so that its compiled
-    graphs and recompile count are separate from the training units' (``compile_units``)."""
+    graphs and recompile count are separate from the training units' (``compile_policy.compile_units``)."""
     return run_unit(layers, xc, rec, pos, rope, caches, valid, None, weight)
 
 
@@ -111,8 +111,8 @@ class RecursiveBlock(nn.Module):
         self.mor_active = True
         # The MoR ramp: 0 runs every block-entering token at every depth, 1 the configured fractions.
         self.mor_ramp = 1.0
-        self.layer_regions = False  # HydraModel.compile_regions: layers as nested compile regions
-        self.compiled_unit = None  # HydraModel.compile_units: a compiled run_unit, shared by all blocks
+        self.layer_regions = False  # compile_policy.use_layer_regions: layers as nested compile regions
+        self.compiled_unit = None  # compile_policy.compile_units: a compiled run_unit, shared by all blocks
 
     # ------------------------------------------------------------------ routers
     def all_routers(self) -> list[Router]:

@@ -1,7 +1,7 @@
 """A step of work (a whole training step, one decoding step) captured as one CUDA graph.
 
 ``torch.compile(mode="reduce-overhead")`` graphs only what inductor compiled: with routing left
-eager (``HydraModel.compile_units``) or not compiled at all, a HYDRA step is bound by the host
+eager (``train.compile_policy.compile_units``) or not compiled at all, a HYDRA step is bound by the host
 issuing thousands of small kernels. Capturing at the PyTorch level instead graphs everything the
 step launches (eager routing, compiled layers, loss, optimizer) and replays it with one launch.
 PyTorch's ``make_graphed_callables`` graphs modules, not an optimizer step or a decode loop's

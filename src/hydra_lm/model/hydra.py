@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import HydraConfig
 from .cuda_graphs import GraphedStep
 from .attention import CCGQAttention, GQAttention
-from .block import RecursiveBlock, TransformerLayer, run_cached_unit, run_unit
+from .block import RecursiveBlock, TransformerLayer, run_cached_unit
 from .loss import linear_cross_entropy
 from .layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
 from .moe import MoEFeedForward, grouped_mm_dtype
@@ -54,7 +54,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         # over tokens), "liger" (Liger's fused kernel, CUDA) or "auto" (liger on CUDA when usable).
         self.ce_impl = "naive"
         self.ce_chunk_size = 4096
-        self.ce_compile: dict | None = None  # compile_units: torch.compile backend/mode of the loss's chunks
+        self.ce_compile: dict | None = None  # compile_policy.compile_units: compile settings of the loss chunks
         self._init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -138,7 +138,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.config.max_seq_len}; "
                              "raise HydraConfig.max_seq_len or feed shorter sequences")
         # A tensor of its own, not a view: routed units pass gathered positions (not views) to the
-        # same compiled unit, and a view would make its guards differ (compile_units).
+        # same compiled unit, and a view would make its guards differ (compile_policy.compile_units).
         pos = torch.arange(t, device=input_ids.device).repeat(b, 1)
         x, out = self._trunk(self.embed(input_ids), pos, self.routing_mode(routing), None, doc_ids)
         ce, logits = self._head(x, targets)
@@ -278,40 +278,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         finally:
             self.train(was_training)
 
-    # ------------------------------------------------------------------ compilation and kernels
-    def compile_units(self, **kwargs) -> "HydraModel":
-        """Compile what every routed unit repeats, once: ``block.run_unit`` (recursion embedding, the
-        layer stack, the gated residual update) with dynamic token counts (default ``dynamic=True,
-        fullgraph=True``), so all 32 units of the 100M preset share one graph, and the fused chunked
-        loss's per-chunk work (``ce_impl`` other than "naive"). Routing (routers, top-k, gathers,
-        scatters) runs eager. Cold compile is short; pair it with a whole-step CUDA graph
-        (``hydra_lm.model.cuda_graphs.GraphedStep``) so the eager kernels cost no launch time
-        (benchmarks/BENCHMARKS.md). Returns the model; parameter names and the state dict are unchanged."""
-        kwargs = {"fullgraph": True, "dynamic": True, **kwargs}
-        if kwargs.get("mode") == "default":
-            del kwargs["mode"]  # torch.compile takes options or a mode, not both
-        if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
-            # Inductor's mixed-order reduction fusion (norm backward) guards on the unit's token
-            # count against a size threshold, which compiles the unit a second time (~25 s, H100).
-            kwargs["options"] = {"triton.mix_order_reduction": False, **kwargs.get("options", {})}
-        # Python floats (norm eps) as constants: traced as symbols they make Dynamo restart the
-        # whole analysis of the unit (about 20 s of a cold compile on an H100).
-        unit = torch._dynamo.config.patch(specialize_float=True)(torch.compile(run_unit, **kwargs))
-        for block in self.blocks:
-            block.compiled_unit = unit
-        for moe in self.moe_blocks.values():
-            moe.compile(**kwargs)
-        self.ce_compile = {"backend": kwargs.get("backend", "inductor"), "mode": kwargs.get("mode")}
-        return self
-
-    def use_layer_regions(self, on: bool = True) -> None:
-        """Mark (or unmark) the transformer layers as nested compile regions for a later
-        ``torch.compile`` of this model or of a wrapper around it (no effect in eager mode): layers
-        called with the same token count share one Dynamo trace and one inductor compilation (7 layer
-        graphs instead of 32 for the 100M preset; routing stays inside the one graph)."""
-        for block in self.blocks:
-            block.layer_regions = bool(on)
-
+    # ------------------------------------------------------------------ kernels
     def set_conv_impl(self, impl: str) -> None:
         """CCGQA convolutions as fused shifted taps (``"taps"``, default) or ``"conv1d"`` (cuDNN on
         CUDA; document-masked rows always use taps). Same function, kept for measurement."""
@@ -362,7 +329,7 @@ def compiled_decode_unit(device: torch.device):
     backend = "inductor" if torch.device(device).type == "cuda" else "aot_eager"
     fn = _compiled_units.get(backend)
     if fn is None:
-        # Python floats (norm eps) as constants, as in compile_units: no restart of the analysis. Each
+        # Python floats (norm eps) as constants, as in compile_policy.compile_units: no restart of the analysis. Each
         # (batch, cache length, dtype, layer stack) is a graph of its own; past Dynamo's default limit
         # of 8 per function a bench over several batch sizes would silently fall back to eager units.
         fn = torch._dynamo.config.patch(specialize_float=True, recompile_limit=64)(

@@ -3,7 +3,7 @@ defaults per device and process count, and the one place that refuses combinatio
 
 The settings ``compile``, ``cuda_graph`` and ``chunked_ce`` are None for "automatic":
 
-- CUDA, one process: compile the routed units (``HydraModel.compile_units``: one dynamic graph for
+- CUDA, one process: compile the routed units (``compile_units``: one dynamic graph for
   every unit, routing eager), capture the whole step as CUDA graphs, fuse head and loss in chunks.
   On an H100 (100M preset) this starts in about 36 s and is within a few percent of the fastest
   steady state (benchmarks/BENCHMARKS.md).
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..model.block import run_unit
 from ..model.loss import resolve_impl
 
 
@@ -124,10 +125,45 @@ def apply_speed_plan(model, wrapped: torch.nn.Module, plan: SpeedPlan):
     (the model, or its FSDP2/DDP wrapper) itself, or a compiled module around it."""
     model.ce_impl, model.ce_chunk_size = plan.ce_impl, plan.ce_chunk_size
     if plan.compile == "units":
-        model.compile_units(mode=plan.compile_mode)  # compiled in place; routing stays eager
+        compile_units(model, mode=plan.compile_mode)  # compiled in place; routing stays eager
         return wrapped
     if plan.compile == "regions":
-        model.use_layer_regions(True)
+        use_layer_regions(model, True)
     if plan.compile is not None:
         return torch.compile(wrapped, mode=plan.compile_mode)
     return wrapped
+
+
+def compile_units(model, **kwargs):
+    """Compile what every routed unit of a ``HydraModel`` repeats, once: ``block.run_unit`` (recursion
+    embedding, the layer stack, the gated residual update) with dynamic token counts (default
+    ``dynamic=True, fullgraph=True``), so all 32 units of the 100M preset share one graph, and the
+    fused chunked loss's per-chunk work (``ce_impl`` other than "naive"). Routing (routers, top-k,
+    gathers, scatters) runs eager; pair it with a whole-step CUDA graph
+    (``hydra_lm.model.cuda_graphs.GraphedStep``) so the eager kernels cost no launch time. Returns the
+    model; parameter names and the state dict are unchanged."""
+    kwargs = {"fullgraph": True, "dynamic": True, **kwargs}
+    if kwargs.get("mode") == "default":
+        del kwargs["mode"]  # torch.compile takes options or a mode, not both
+    if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
+        # Inductor's mixed-order reduction fusion (norm backward) guards on the unit's token count
+        # against a size threshold, which would compile the unit a second time.
+        kwargs["options"] = {"triton.mix_order_reduction": False, **kwargs.get("options", {})}
+    # Python floats (norm eps) as constants: traced as symbols they make Dynamo restart the whole
+    # analysis of the unit.
+    unit = torch._dynamo.config.patch(specialize_float=True)(torch.compile(run_unit, **kwargs))
+    for block in model.blocks:
+        block.compiled_unit = unit
+    for moe in model.moe_blocks.values():
+        moe.compile(**kwargs)
+    model.ce_compile = {"backend": kwargs.get("backend", "inductor"), "mode": kwargs.get("mode")}
+    return model
+
+
+def use_layer_regions(model, on: bool = True) -> None:
+    """Mark (or unmark) a ``HydraModel``'s transformer layers as nested compile regions for a later
+    ``torch.compile`` of the model or of a wrapper around it (no effect in eager mode): layers called
+    with the same token count share one Dynamo trace and one inductor compilation (7 layer graphs
+    instead of 32 for the 100M preset; routing stays inside the one graph)."""
+    for block in model.blocks:
+        block.layer_regions = bool(on)
