@@ -3,7 +3,7 @@
 Builds a preset's layout at a narrow width, runs a few warm-up steps, then profiles one step and counts
 the outermost ATen ops (those called from Python or by the autograd engine, not from inside another op;
 views, allocations and casts to the same dtype are skipped) by name, forward and backward apart. With
-``--compile`` the routed units are compiled as the trainer does (``HydraModel.compile_units``) and ops
+``--compile`` the routed units are compiled as the trainer does (``train.compile_policy.compile_units``) and ops
 inside the compiled graphs are not counted (each call is one graph); what remains is the eager routing,
 gathers, scatters and the autograd engine's gradient sums. Gradients are kept between steps, as in a
 CUDA-graphed step (which zeroes them in place), so ``AccumulateGrad`` adds into them. CPU counts are a
@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from hydra_lm.config import preset_config
 from hydra_lm.model.hydra import HydraModel
+from hydra_lm.train.compile_policy import compile_units
 
 # Ops that launch no kernel (views, allocation, metadata, host scalars).
 NO_KERNEL = {"view", "_unsafe_view", "expand", "t", "transpose", "reshape", "slice", "select", "split",
@@ -82,7 +83,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq_len", type=int, default=256)
-    p.add_argument("--compile", action="store_true", help="compile the routed units (HydraModel.compile_units)")
+    p.add_argument("--compile", action="store_true", help="compile the routed units (compile_policy.compile_units)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU (cast cache off, as under CUDA graphs)")
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args()
@@ -93,7 +94,7 @@ def main() -> None:
     model = HydraModel(cfg)
     model.ce_impl = "chunked"
     if args.compile:
-        model.compile_units()
+        compile_units(model)
     x = torch.randint(0, args.vocab, (args.batch, args.seq_len))
     y = torch.randint(0, args.vocab, (args.batch, args.seq_len))
     for _ in range(3):  # warm-up (compilation), and gradients that exist
