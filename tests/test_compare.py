@@ -8,6 +8,7 @@ import pytest
 
 from hydra_lm.cli import main
 from hydra_lm.diagnostics.compare import parse_budget, plan_compare, planned_flops
+from hydra_lm.diagnostics.report import _own_optimizers
 from hydra_lm.diagnostics.scaling import fit_power_law
 from hydra_lm.diagnostics.variants import parameter_count, parse_custom_variant
 from hydra_lm.model.accounting import executed_flops_per_token
@@ -42,7 +43,8 @@ def test_compare_trains_reports_and_skips_finished_variants(tiny_data, tmp_path,
     for v in results["variants"].values():
         assert v["status"] == "finished" and v["steps"] == 8 and v["tokens"] == 8 * 128
         assert [p["step"] for p in v["evals"]] == [0, 4, 8]
-        assert v["executed_flops"] > 0 and v["train_s"] > 0 and v["tokens_per_s"] > 0
+        assert v["executed_flops"] > 0 and v["train_s"] > 0 and v["tokens_per_s"] > 0 and v["peak_memory_mb"] > 0
+        assert (v["optimizer"], v["lr"]) == ("adamw", results["settings"]["lr"])
         assert v["evals"][-1]["flops"] == pytest.approx(v["executed_flops"])
         # The reported final losses are what `hydra-lm eval` measures on the saved checkpoint.
         ev = eval_run(out / v["run_dir"], max_batches=2, device="cpu")
@@ -153,6 +155,14 @@ def test_custom_variant_compares_optimizers_at_one_batch_with_their_own_learning
     assert all(r.model_cfg == plan.runs[0].model_cfg for r in plan.runs)  # one model, four trainings
     with pytest.raises(ValueError, match="optimizer settings"):
         parse_custom_variant("bad:optimiser=lion")
+    # The report names the variants whose optimizer or learning rate is not the shared one.
+    shared_lr = plan.base.lr
+    results = {"settings": {"optimizer": "adamw", "lr": shared_lr, "min_lr": shared_lr / 10},
+               "variants": {name: {"optimizer": v.get("optimizer", "adamw"), "lr": v["lr"], "min_lr": v["min_lr"]}
+                            for name, v in runs.items()}}
+    line = _own_optimizers(results)
+    assert "lion: lion" in line and "muon: muon" in line and "slow: adamw, 0.0001 -> 1e-05" in line
+    assert "adamw:" not in line
 
 
 def test_time_budget_stops_on_training_time_and_resumes_it(tiny_data, tmp_path, capsys):

@@ -8,7 +8,7 @@ from typing import Any
 from ..train.checkpoint import write_text_atomic
 from .routing_health import GAP_TOLERANCE, STARVATION_TOLERANCE
 
-COLUMNS = ("variant", "params", "tokens", "exec FLOPs", "train s", "causal", "top-k", "gap", "tok/s")
+COLUMNS = ("variant", "params", "tokens", "exec FLOPs", "train s", "causal", "top-k", "gap", "tok/s", "peak MB")
 
 
 def _num(value: Any, spec: str) -> str:
@@ -23,7 +23,7 @@ def table_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
         rows.append((label, f"{v['params'] / 1e6:.2f}M", f"{v['tokens']:,}", _num(v["executed_flops"], ".3g"),
                      _num(v["train_s"], ".1f"), _num(final.get("val_loss_causal"), ".4f"),
                      _num(final.get("val_loss_topk"), ".4f"), _num(final.get("gap"), "+.4f"),
-                     _num(v["tokens_per_s"], ",.0f")))
+                     _num(v["tokens_per_s"], ",.0f"), _num(v.get("peak_memory_mb"), ",.0f")))
     return rows
 
 
@@ -39,6 +39,15 @@ def _markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> lis
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
+def _own_optimizers(results: dict[str, Any]) -> str:
+    """The variants trained with another optimizer or learning rate than the shared settings."""
+    s = results["settings"]
+    own = [f"{name}: {v['optimizer']}, {v['lr']:g} -> {v['min_lr']:g}" for name, v in results["variants"].items()
+           if "lr" in v and (v["optimizer"] != s.get("optimizer", "adamw") or v["lr"] != s["lr"]
+                             or v["min_lr"] != s["min_lr"])]
+    return f" Optimizer and learning rate of their own: {'; '.join(own)}." if own else ""
+
+
 def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None:
     s, budget = results["settings"], results["budget"]
     spacing = (f"every 1/{s['evals']} of the training-time budget" if budget["kind"] == "seconds"
@@ -49,7 +58,8 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
         f"Budget **{budget['kind']} = {budget['value']:g}** per variant on `{results['data']}`: preset "
         f"{s['model_size']}, batch {s['batch_size']} x {s['seq_len']} tokens x accumulation {s['grad_accum']} "
         f"({s['tokens_per_step']:,} tokens/step), learning rate {s['lr']:g} -> {s['min_lr']:g} ({s['schedule']}), "
-        f"seed {s['seed']}" + (f", model overrides {s['model_overrides']}" if s["model_overrides"] else "") + ".",
+        f"seed {s['seed']}" + (f", model overrides {s['model_overrides']}" if s["model_overrides"] else "") + "."
+        + _own_optimizers(results),
         f"Validation loss is measured at the start, {spacing}, and at the end, with causal routing (what "
         "generation does) and top-k routing (teacher-forced). Executed FLOPs count the tokens each routed unit "
         "really processes, following the routing curriculum; training seconds exclude evaluation, checkpoints "
