@@ -47,7 +47,7 @@ def optimizer_state_bytes(model: torch.nn.Module, optimizer: str) -> int:
 def estimate_training_memory(model_size: str, batch_size: int, seq_len: int, optimizer: str = "adamw",
                              arch: str = "hydra", vocab_size: int | None = None) -> dict[str, float]:
     """MB per part and ``peak_mb``, their sum, for a preset."""
-    overrides = {"arch": arch, "max_seq_len": max(seq_len, 2048)}
+    overrides = {"arch": arch}
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
     return measure_training_memory(preset_config(model_size, **overrides), batch_size, seq_len, optimizer)
@@ -62,6 +62,7 @@ def compute_memory_footprint(model: HydraModel, batch_size: int, seq_len: int,
 
 def measure_training_memory(cfg: HydraConfig, batch_size: int, seq_len: int, optimizer: str = "adamw",
                             gradient_checkpointing: bool = False, checkpoint_every: int = 1) -> dict[str, float]:
+    """The estimate itself, from a config: one forward on fake tensors, saved activations summed."""
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"--batch_size {batch_size} and --seq_len {seq_len} must be >= 1")
     if seq_len > cfg.max_seq_len:
