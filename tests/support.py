@@ -12,13 +12,16 @@ import hydra_lm
 from hydra_lm.cli import main
 
 # Small enough for CPU tests, big enough to exercise every path: 3 blocks x 3 recursions, GQA 2:1
-# in a latent of dim/4, MoD on every block so that routing changes the compacted sequences.
+# in a latent of dim/4, MoD on every block so that routing changes the compacted sequences, and
+# each MoR depth keeping half of the previous one's tokens (the default schedule, at a capacity that
+# leaves the deepest depth more than a token or two of a short row).
 TINY = dict(vocab_size=97, dim=64, n_blocks=3, recursions=3, n_heads=2, n_kv_heads=1, mlp_hidden=96,
-            max_seq_len=128, mod_every=1, mod_capacity=0.5)
+            max_seq_len=128, mod_every=1, mod_capacity=0.5, mor_capacity=0.5)
 
 VARIANTS = {
     "hydra": {},
     "mod_every_2": dict(mod_every=2, mod_capacity=0.75),
+    "paper_schedule": dict(mor_capacity_schedule="paper"),
     "layer_aware": dict(mor_capacity_schedule="layer_aware"),
     "token_choice": dict(mor_routing="token"),
     "middle_cycle": dict(sharing="middle_cycle", n_blocks=4),

@@ -125,8 +125,12 @@ def _record_unit_sizes(model):
     return sizes, hooks
 
 
-def test_topk_runs_exactly_the_configured_tokens_per_unit():
-    model = tiny_model(mod_capacity=0.75).train()
+# MoD at 0.75 in each of the 3 blocks, then MoR: (R-j)/R of that (paper), or half of the previous
+# depth (geometric at 0.5: 40 * 0.75 * 0.25 = 7.5 rounds to 8)
+@pytest.mark.parametrize("schedule, per_block", [(dict(mor_capacity_schedule="paper"), [30, 20, 10]),
+                                                 (dict(mor_capacity=0.5), [30, 15, 8])], ids=["paper", "geometric"])
+def test_topk_runs_exactly_the_configured_tokens_per_unit(schedule, per_block):
+    model = tiny_model(mod_capacity=0.75, **schedule).train()
     t = 40
     sizes, hooks = _record_unit_sizes(model)
     model(_ids(2, t))
@@ -134,8 +138,7 @@ def test_topk_runs_exactly_the_configured_tokens_per_unit():
         h.remove()
     expected = list(model.tokens_per_unit(t).values())
     assert [n for _, n in sizes] == expected
-    # MoD at 0.75, then MoR (R-j)/R of that: 30, 20, 10 tokens per row in each of the 3 blocks
-    assert expected == [30, 20, 10] * 3
+    assert expected == per_block * 3
 
 
 def test_static_mode_runs_every_token_through_every_unit():
@@ -162,7 +165,7 @@ def test_deeper_recursions_take_a_subset_of_the_shallower_ones():
     model(_ids(2, 40))
     n_candidates, order = chosen[0]
     assert n_candidates == 20  # depth 1 picks among the 20 tokens MoD let into depth 0
-    assert order.shape == (2, 13) and bool((order.diff(dim=1) > 0).all())  # sorted: causal order kept
+    assert order.shape == (2, 10) and bool((order.diff(dim=1) > 0).all())  # sorted: causal order kept
 
 
 def test_routers_learn_from_the_language_model_loss_and_all_parameters_get_gradients(variant):
@@ -207,7 +210,7 @@ def test_curriculum_switches_routing_off_and_on():
     out = model(_ids(2, 40))
     for h in hooks:
         h.remove()
-    assert [n for _, n in sizes] == [20, 13, 7] * 3 and float(out["aux_loss"]) > 0
+    assert [n for _, n in sizes] == [20, 10, 5] * 3 and float(out["aux_loss"]) > 0
 
 
 def test_causal_mode_routes_by_threshold_only():

@@ -78,7 +78,8 @@ def test_compiled_training_gives_the_eager_numbers(tiny_data, tmp_path, monkeypa
 def test_layer_regions_survive_mor_routing():
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    model = hydra_lm.create_model("debug", vocab_size=300, dim=64, n_heads=2, n_kv_heads=1, mlp_hidden=128)
+    model = hydra_lm.create_model("debug", vocab_size=300, dim=64, n_heads=2, n_kv_heads=1, mlp_hidden=128,
+                                    mor_capacity_schedule="paper")
     model.set_curriculum(mod_active=True, mor_active=True)
     use_layer_regions(model, True)
     counter = CompileCounterWithBackend("aot_eager")

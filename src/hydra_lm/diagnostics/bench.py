@@ -209,7 +209,8 @@ def bench_inference(model, cfg: BenchConfig, device: torch.device) -> dict[str, 
     ids = torch.randint(0, model.config.vocab_size, (8, cfg.seq_len), device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         model(ids)  # warm-up
-        result["prefill_tokens_per_s"] = ids.numel() / _timed(lambda: model(ids), device)
+        result["prefill_tokens_per_s"] = ids.numel() / statistics.median(_timed(lambda: model(ids), device)
+                                                                         for _ in range(3))
         compiled = decode_compiles(device, cfg.decode_compile)
         for batch in cfg.decode_batch_sizes():
             result[f"decode_tokens_per_s_batch{batch}"] = decode_tokens_per_s(model, batch, cfg.new_tokens, device,

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..config import HydraConfig, preset_config
 from ..model.accounting import executed_flops_per_token
@@ -113,6 +114,9 @@ def run_compare(data: str | None, out: str | None, budget: str, variant_names: l
             continue
         print(f"compare: training {run.variant.name} ({i}/{len(runs)}): {run.variant.description} -> {run.run_dir}",
               flush=True)
+        # Each variant is a new model: the previous ones' compiled graphs only count against Dynamo's
+        # recompile limit of the functions every model shares (the routed unit).
+        torch._dynamo.reset()
         code = train(setup_run(run.values))
         if code == 130:
             print(f"compare: interrupted; run the same command again to resume {run.variant.name}", flush=True)

@@ -50,7 +50,8 @@ def describe(model_size: str, seq_len: int = 1024, arch: str = "hydra", vocab_si
             f"convs k_seq={cfg.conv_seq_kernel}, k_ch={cfg.conv_ch_kernel}",
             f"routing: MoD capacity {cfg.mod_capacity if cfg.mod_enabled else 1.0} on every {cfg.mod_every}. block, "
             f"MoR {cfg.mor_routing}-choice ({'on' if cfg.mor_enabled else 'off'}, "
-            f"{cfg.mor_capacity_schedule} schedule), "
+            f"{cfg.mor_capacity_schedule} schedule"
+            f"{f' keeping {cfg.mor_capacity:g} of each depth' if cfg.mor_capacity_schedule == 'geometric' else ''}), "
             f"gate scale {cfg.mor_gate_scale}",
         ]
     else:

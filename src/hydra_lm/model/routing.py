@@ -345,6 +345,7 @@ def depth_fractions(cfg: HydraConfig, index: int, n_routable: int) -> list[float
     MoR "paper": (R-j)/R for j = 0..R-1 (the MoR paper's balanced hierarchical filtering).
     "layer_aware": the deepest depth keeps 60% of tokens in the first block rising to 80% in the
     last, with depths in between interpolated linearly.
+    "geometric": mor_capacity**j, so a few tokens reach the deep recursions and most pay for one.
     """
     mod = cfg.mod_capacity if cfg.mod_enabled and index % cfg.mod_every == cfg.mod_every - 1 else 1.0
     r = cfg.recursions
@@ -352,6 +353,8 @@ def depth_fractions(cfg: HydraConfig, index: int, n_routable: int) -> list[float
         mor = [1.0] * r
     elif cfg.mor_capacity_schedule == "paper":
         mor = [(r - j) / r for j in range(r)]
+    elif cfg.mor_capacity_schedule == "geometric":
+        mor = [cfg.mor_capacity**j for j in range(r)]
     else:
         position = index / max(1, n_routable - 1)
         deepest = 0.6 + 0.2 * position

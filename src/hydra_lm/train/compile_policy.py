@@ -150,8 +150,10 @@ def compile_units(model, **kwargs):
         # against a size threshold, which would compile the unit a second time.
         kwargs["options"] = {"triton.mix_order_reduction": False, **kwargs.get("options", {})}
     # Python floats (norm eps) as constants: traced as symbols they make Dynamo restart the whole
-    # analysis of the unit.
-    unit = torch._dynamo.config.patch(specialize_float=True)(torch.compile(run_unit, **kwargs))
+    # analysis of the unit. Dynamic shapes still specialize a unit of one token per row (deep geometric
+    # MoR depths) and evaluation's full rows: past Dynamo's default 8 graphs per function the fullgraph
+    # compile would fail, so the limit is raised as for the decode unit.
+    unit = torch._dynamo.config.patch(specialize_float=True, recompile_limit=64)(torch.compile(run_unit, **kwargs))
     for block in model.blocks:
         block.compiled_unit = unit
     for moe in model.moe_blocks.values():

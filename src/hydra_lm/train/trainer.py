@@ -94,6 +94,8 @@ class Trainer:
         self.use_doc_ids = cfg.document_masking
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world_size
         self.peak_flops = measure_peak_flops(self.device) if self.device.type == "cuda" else None
+        if self.device.type == "cuda":  # this run's peak: not the FLOP probe's matrices nor an earlier run's
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.stop_request = StopRequest(self.log)
         self._valset: ValSet | None = None
         monitor = AnomalyMonitor(cfg.experimental_safety_window, cfg.experimental_loss_spike_threshold,
@@ -444,8 +446,6 @@ class Trainer:
 
 def train(setup: RunSetup) -> int:
     """Run a configured training job; returns the process exit status (130 when interrupted)."""
-    if setup.device.type == "cuda":  # the peak reported is this run's, also when a process trains several
-        torch.cuda.reset_peak_memory_stats(setup.device)
     try:
         trainer = Trainer(setup)
         if setup.dist.is_main:
