@@ -99,6 +99,49 @@ def test_sigint_saves_a_checkpoint_and_the_run_resumes(tiny_data, tmp_path):
     assert [r["step"] for r in records(run, "train")][-2:] == [step + 1, step + 2]
 
 
+def test_a_step_that_fails_after_a_stop_signal_stops_the_run_as_interrupted(tiny_data, tmp_path, monkeypatch,
+                                                                             capsys):
+    """A signal to the whole process group (Ctrl-C, `timeout`, a scheduler) also stops the compiler's
+    helper processes, so a compiling step fails: the run says why, keeps its last checkpoint and
+    resumes from it."""
+    from hydra_lm.train.step import TrainStep
+
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "4", "--save_every", "2", "--no-eval_at_start") == 0
+    micro, calls = TrainStep.micro, []
+
+    def compile_killed(self, inputs):
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGTERM)
+            raise RuntimeError("SubprocPool closed")
+        return micro(self, inputs)
+    monkeypatch.setattr(TrainStep, "micro", compile_killed)
+    assert main(["train", "--out", str(run), "--max_steps", "8"]) == 130
+    assert "failed after SIGTERM (RuntimeError: SubprocPool closed" in (run / "train.log").read_text()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if "step" in p.name)[-1].endswith("step4")
+    monkeypatch.setattr(TrainStep, "micro", micro)
+    assert main(["train", "--out", str(run), "--max_steps", "8"]) == 0
+    assert [r["step"] for r in records(run, "train")][-2:] == [4, 8]  # logged every 4 steps
+
+
+def test_a_step_that_never_finishes_after_a_stop_signal_exits_the_process(monkeypatch):
+    from hydra_lm.train import stop_signal
+
+    exits, messages = [], []
+    monkeypatch.setattr(stop_signal.os, "_exit", exits.append)
+    log = type("Log", (), {"info": messages.append, "warning": messages.append})()
+    request = stop_signal.StopRequest(log, grace_s=0.05)
+    request._handler(signal.SIGTERM, None)
+    time.sleep(0.5)
+    assert exits == [130] and "did not finish within" in messages[-1]
+    finished = stop_signal.StopRequest(log, grace_s=0.2)
+    finished._handler(signal.SIGTERM, None)
+    finished.uninstall()  # the step finished and the checkpoint was saved in time
+    time.sleep(0.5)
+    assert exits == [130]
+
+
 # ---------------------------------------------------------------------- bad input
 def err_of(capsys):
     err = capsys.readouterr().err.strip().splitlines()

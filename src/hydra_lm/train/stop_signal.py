@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 import time
 
 REPEATED_SIGNAL_S = 2.0  # signals closer together than this count as one request
+# A signal sent to the whole process group (Ctrl-C, `timeout`, a scheduler) also reaches the
+# compiler's helper processes (inductor's workers, g++, ptxas): a step that is compiling then fails
+# or, seen on an H100, waits forever for a dead worker. After this long the process exits instead.
+STEP_GRACE_S = 300.0
+EXIT_INTERRUPTED = 130
 
 
 class StopRequest:
-    """``reason`` is the first signal's name once one arrived; a second one stops at once."""
+    """``reason`` is the first signal's name once one arrived; a second one stops at once, and so does
+    a step in progress that has not finished ``grace_s`` after the first."""
 
-    def __init__(self, log):
+    def __init__(self, log, grace_s: float = STEP_GRACE_S):
         self.log = log
+        self.grace_s = grace_s
         self.reason: str | None = None
         self._at: float | None = None
         self._previous: dict = {}
+        self._watchdog: threading.Timer | None = None
 
     def _handler(self, signum, frame) -> None:
         now = time.monotonic()
@@ -28,6 +38,26 @@ class StopRequest:
         self._at = now
         self.reason = signal.Signals(signum).name
         self.log.info(f"{self.reason} received: saving a checkpoint after the step in progress")
+        self._watchdog = threading.Timer(self.grace_s, self._give_up)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def _give_up(self) -> None:
+        self.log.warning(f"the step in progress did not finish within {self.grace_s:.0f} s of {self.reason} (a "
+                       "compilation whose helper processes the signal stopped too?): exiting without a new "
+                       "checkpoint; the last one saved is intact")
+        os._exit(EXIT_INTERRUPTED)
+
+    def step_failed(self, error: BaseException) -> bool:
+        """Whether a step that raised ``error`` failed because of the stop request (reported, then the
+        run stops as interrupted) rather than on its own (the caller re-raises)."""
+        if self.reason is None:
+            return False
+        self.log.warning(f"the step in progress failed after {self.reason} ({type(error).__name__}: "
+                       f"{str(error).splitlines()[0] if str(error) else ''}; a signal to the process group also "
+                       "stops the compiler's helper processes): stopping without a new checkpoint; the last one "
+                       "saved is intact")
+        return True
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -37,6 +67,8 @@ class StopRequest:
                 pass
 
     def uninstall(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}

@@ -41,9 +41,8 @@ from .resume import continue_after_switch, handle_divergence, restore, save_chec
 from .seq_len_schedule import SeqLenSchedule, carry_over
 from .sharded_checkpoint import ShardedSaver
 from .step import TrainStep
-from .stop_signal import StopRequest
+from .stop_signal import EXIT_INTERRUPTED, StopRequest
 
-EXIT_INTERRUPTED = 130
 
 
 class Trainer:
@@ -216,6 +215,11 @@ class Trainer:
         self.metrics = metrics
         try:
             return self._loop()
+        except Exception as error:
+            if not self.stop_request.step_failed(error):
+                raise
+            self.log.info(f"resume with: hydra-lm train --out {self.s.run_dir}")
+            return EXIT_INTERRUPTED
         finally:
             metrics.close()
             self.loader.close()
