@@ -5,6 +5,7 @@ import torch
 
 import hydra_lm
 from hydra_lm.model.block import TransformerLayer
+from hydra_lm.model.routing import RANK_MIN_CANDIDATES, rank_admits
 
 from support import TINY, tiny_model
 
@@ -82,6 +83,21 @@ def test_incremental_decode_matches_full_forward(variant):
     for t in range(prefill, 30):
         logits = model.forward_cached(ids[:, t:t + 1], t, caches)
         torch.testing.assert_close(logits, full[:, t], rtol=0, atol=1e-9)
+
+
+def test_incremental_decode_matches_full_forward_where_deep_routers_rank():
+    """Rows long enough that every depth's router has more than RANK_MIN_CANDIDATES earlier
+    candidates, so the causal rank rule decides at every depth, from the decode cache's history."""
+    model = tiny_model(mod_capacity=0.75, mor_capacity=0.75).double().eval()
+    ids = _ids(2, 90)
+    full = model(ids)
+    assert float(full["routing_stats"][:, 0].min()) * 90 > RANK_MIN_CANDIDATES
+    caches = model.init_cache(2, 90)
+    logits = model.forward_cached(ids[:, :50], 0, caches)
+    torch.testing.assert_close(logits, full["logits"][:, 49], rtol=0, atol=1e-9)
+    for t in range(50, 90):
+        logits = model.forward_cached(ids[:, t:t + 1], t, caches)
+        torch.testing.assert_close(logits, full["logits"][:, t], rtol=0, atol=1e-9)
 
 
 def test_greedy_generate_equals_repeated_full_forwards(variant):
@@ -213,17 +229,44 @@ def test_curriculum_switches_routing_off_and_on():
     assert [n for _, n in sizes] == [20, 10, 5] * 3 and float(out["aux_loss"]) > 0
 
 
-def test_causal_mode_routes_by_threshold_only():
+def test_causal_mode_routes_the_first_candidates_of_a_row_by_threshold():
     model = tiny_model(n_blocks=1, recursions=1, mod_capacity=0.5).double().eval()
     router = model.blocks[0].routers["0"]
     with torch.no_grad():
         router.proj.bias.fill_(-50.0)  # every logit negative: nothing enters the block
-    ids = _ids()
+    ids = _ids(2, RANK_MIN_CANDIDATES)  # no token has enough earlier candidates to be ranked
     out = model(ids)
     assert float(out["routing_stats"][0, 0]) == 0.0
     x = model.embed(ids)
     expected = model.lm_head(model.norm(x))  # the block was skipped entirely
     torch.testing.assert_close(out["logits"], expected)
+
+
+def test_causal_rank_rule_admits_a_candidate_iff_few_earlier_ones_rank_above_it():
+    torch.manual_seed(0)
+    s, valid = torch.randn(3, 60, dtype=torch.float64), torch.rand(3, 60) > 0.3
+    threshold, capacity = torch.tensor(0.5, dtype=torch.float64), 0.25
+    got = rank_admits(s, valid, capacity, threshold)
+    for b in range(3):
+        for i in range(60):
+            earlier = [float(s[b, j]) for j in range(i) if valid[b, j]]
+            if len(earlier) < RANK_MIN_CANDIDATES:
+                want = float(s[b, i]) > 0.5
+            else:
+                want = sum(e > float(s[b, i]) for e in earlier) < capacity * len(earlier)
+            assert bool(got[b, i]) == want, (b, i)
+
+
+def test_causal_rank_rule_holds_the_capacity_where_a_threshold_drifts():
+    """Logits of text unlike the training batches: shifted and spread out. A threshold fitted before
+    admits a share unrelated to the capacity; the rank among the row's earlier candidates keeps it."""
+    torch.manual_seed(0)
+    fitted = torch.randn(8, 1024)
+    threshold = torch.quantile(fitted, 0.875)  # admits 1/8 of the fitted logits
+    shifted = 3.0 * torch.randn(8, 1024) + 1.0
+    assert float((shifted > threshold).float().mean()) > 0.3
+    share = rank_admits(shifted, None, 0.125, threshold).float().mean()
+    assert abs(float(share) - 0.125) < 0.02
 
 
 # ---------------------------------------------------------------------------- MoE

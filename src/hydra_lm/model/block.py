@@ -142,12 +142,25 @@ class RecursiveBlock(nn.Module):
             counts.append(previous)
         return counts
 
+    def depth_capacities(self) -> list[float]:
+        """Share of its candidates that each depth keeps (its fraction of the row over the previous
+        depth's), the MoR ramp applied as in ``tokens_per_depth``: the causal rank rule's targets."""
+        entry, previous, shares = self.depth_fractions[0], 1.0, []
+        for j, frac in enumerate(self.depth_fractions):
+            if j > 0 and self.mor_ramp != 1.0:
+                frac = entry + self.mor_ramp * (frac - entry)
+            shares.append(frac / previous)
+            previous = frac
+        return shares
+
     def new_caches(self, batch: int, length: int, device, dtype) -> list[list[AttentionCache]]:
         caches = [[layer.attn.new_cache(batch, length, device, dtype) for layer in self.layers]
                   for _ in range(self.recursions)]
-        for router in self.routers.values():  # expert-choice: the running prefix sum of its candidates' logits
+        # Expert-choice routers: the running (sum, count) of the unit's candidates' logits, then their
+        # relative logits in order (the rank rule's history) and one spare column (routing.rank_admits).
+        for router in self.routers.values():
             for j in router.depths:
-                caches[j][0].route = torch.zeros(batch, 2, device=device,
+                caches[j][0].route = torch.zeros(batch, 2 + length + 1, device=device,
                                                  dtype=torch.promote_types(dtype or torch.float32, torch.float32))
         return caches
 
@@ -162,6 +175,7 @@ class RecursiveBlock(nn.Module):
         ``cached_unit`` (with ``caches``): a compiled ``run_cached_unit`` that runs every unit."""
         b, seq_len, dim = x.shape
         counts = self.tokens_per_depth(seq_len)
+        capacities = self.depth_capacities() if mode == "causal" else None
         losses: dict[str, list[torch.Tensor]] = {"mod": [], "mor": []}
         stats: list[torch.Tensor] = []
         parents: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -179,7 +193,8 @@ class RecursiveBlock(nn.Module):
                 sel = pass_through(xc, vc, seq_len)
             elif router is not None:
                 state = None if caches is None else caches[j][0].route
-                sel = router.select(xc, vc, counts[j], mode, seq_len, depth=j, decision=decision, state=state)
+                sel = router.select(xc, vc, counts[j], mode, seq_len, depth=j, decision=decision, state=state,
+                                    capacity=None if capacities is None else capacities[j], doc=doc)
                 if sel.aux_loss is not None:
                     losses[router.kind].append(sel.aux_loss)
             if sel is not None:

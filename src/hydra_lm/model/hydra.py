@@ -2,8 +2,8 @@
 
 Routing modes (see ``routing.py``):
 * ``model.train()``: expert-choice top-k with fixed k per unit (static shapes);
-* ``model.eval()``: causal threshold routing (a token enters a unit iff its router logit exceeds the
-  router's calibrated threshold, see ``routing.py``) unless
+* ``model.eval()``: causal routing (a token enters a unit iff few enough of the row's earlier candidates
+  rank above it, or by the router's calibrated threshold at a row's start, see ``routing.py``) unless
   ``model.eval_routing = "topk"`` (teacher-forced top-k, not an autoregressive number);
 * ``static_routing_mode``: every token runs every unit, weighted by its gate.
 ``generate`` always decodes with causal routing (or static, when configured) and an incremental cache.
@@ -129,7 +129,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 routing: str | None = None, doc_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Logits [B, T, V], ``aux_loss`` (MoD routers), ``ponder_loss`` (MoR routers), ``moe_loss``,
-        ``routing_stats`` [n_routers, 3] (executed fraction, mean gate, top-k/threshold agreement);
+        ``routing_stats`` [n_routers, 3] (executed fraction, mean gate, top-k/causal-rule agreement);
         with ``targets``: ``ce_loss`` and ``loss`` (CE plus the weighted router losses); when
         ``model.ce_impl`` is not "naive" the loss is fused with the head and ``logits`` is omitted.
         ``doc_ids`` [B, T] (documents packed in a row): nothing crosses a document boundary."""

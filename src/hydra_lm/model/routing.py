@@ -1,26 +1,26 @@
-"""Token routing shared by MoD and MoR: expert-choice top-k with a FIXED k, causal threshold mode,
-static (soft) mode, and token-choice depth routing.
+"""Token routing shared by MoD and MoR: expert-choice top-k with a FIXED k, causal mode (rank among
+earlier candidates, calibrated threshold at a row's start), static (soft) mode, and token-choice
+depth routing.
 
 A routing variant is a ``Router`` subclass; ``build_routers`` is the one place that decides, from the
 ``HydraConfig``, which router gates which depth of which block. ``RecursiveBlock`` only asks routers
 for selections, whatever their kind.
 
-Causal routing (generation, and the causal eval) admits a token iff its logit exceeds the router's
-calibrated threshold: a running mean, over training batches, of the logit that separates a batch's
-top-k from the rest. Top-k is invariant to a shift of all logits, so the logits drift freely during
-training (the language-model loss pushes on them through the gate); a fixed threshold such as r > 0
-then admits a fraction of tokens unrelated to the capacity, and the error compounds over depths. The
-calibrated threshold follows the drift, so the causal path executes the capacity's fraction.
+Causal routing (generation, and the causal eval) cannot see a row's later tokens, so it cannot take
+the row's top-k. It takes top-k's rule over the past instead (``rank_admits``): a candidate enters
+the unit iff fewer than the unit's capacity share of the row's EARLIER candidates rank above it, by
+``r - m``, the logit relative to ``m``, the mean of the row's previous candidates' logits shrunk
+towards the router's calibrated mean logit (``m = (their sum + PREFIX_PRIOR * center) / (their
+count + PREFIX_PRIOR)``). A rank holds the admitted share at the capacity whatever the logits do on
+text unlike the training batches, where a threshold drifts with them.
 
-One global threshold cannot take exactly k tokens of every row: top-k's boundary moves with the row
-(rows whose logits run high have a higher boundary), so the rule compares a token's logit with the
-mean of the logits of the row's PREVIOUS candidates instead of with zero: it admits a token iff
-``r - m > threshold``, where ``m = (sum of the previous candidates' logits + PREFIX_PRIOR * center)
-/ (their count + PREFIX_PRIOR)`` (a prefix mean shrunk towards the calibrated mean logit ``center``,
-which carries it over the row's first candidates). ``m`` is causal, so decoding keeps it exactly as
-a running sum and count of the unit's candidates in the decode cache (``AttentionCache.route``). On
-a small model trained on the built-in corpus this raises the top-k/threshold agreement by several
-points over the global threshold (the study is recorded in docs/routing.md).
+A row's first ``RANK_MIN_CANDIDATES`` candidates have too few predecessors to rank among: they
+enter iff ``r - m`` exceeds the router's calibrated threshold, a running mean over training batches
+of the value separating a batch's top-k from the rest (top-k ignores a shift of all logits, so they
+drift freely in training and a fixed threshold such as r > 0 would admit a share unrelated to the
+capacity). Everything is causal, so decoding keeps it exactly: each routed unit's cache holds the
+running sum and count of its candidates' logits and their relative logits in order
+(``AttentionCache.route``). The studies behind both rules are in docs/routing.md.
 
 Every function here keeps shapes static (k is a Python int derived from the sequence length), so a
 routed training step has no host synchronisation and compiles with ``fullgraph=True``.
@@ -51,6 +51,11 @@ THRESHOLD_DECAY = 0.95
 # a row's first candidates, where it has few predecessors to average.
 PREFIX_PRIOR = 16.0
 THRESHOLD_BUFFERS = ("threshold_sum", "threshold_weight", "center_sum", "center_weight")
+# Causal rank rule: a candidate with at least this many earlier candidates in its row is admitted iff
+# fewer than the router's capacity share of them rank above it; earlier ones fall back to the threshold.
+RANK_MIN_CANDIDATES = 16
+# Queries per chunk of the rank rule's [B, queries, candidates] comparison (bounds its memory).
+RANK_CHUNK = 1024
 
 
 @dataclass
@@ -85,8 +90,12 @@ class Router(nn.Module):
         return None, None
 
     def select(self, x: torch.Tensor, valid: torch.Tensor | None, k: int, mode: str, row_len: int,
-               depth: int = 0, decision: torch.Tensor | None = None, state: torch.Tensor | None = None) -> Selection:
-        """``state``: the router's decode state of this depth (``AttentionCache.route``), None without a cache."""
+               depth: int = 0, decision: torch.Tensor | None = None, state: torch.Tensor | None = None,
+               capacity: float | None = None, doc: torch.Tensor | None = None) -> Selection:
+        """``state``: the router's decode state of this depth (``AttentionCache.route``), None without a cache.
+        ``capacity``: the share of this depth's candidates that top-k takes on a long row (the causal
+        rule's target, the same however many tokens a decode call brings; default ``k / x.shape[1]``).
+        ``doc`` [B, N]: the candidates' documents; causal statistics then look inside a document only."""
         raise NotImplementedError
 
 
@@ -151,18 +160,20 @@ class ExpertChoiceRouter(Router):
         self.threshold_sum.add_(boundary.to(self.threshold_sum.dtype), alpha=1 - THRESHOLD_DECAY)
         return relative, self.threshold_sum / self.threshold_weight, other
 
-    def relative(self, r: torch.Tensor, valid: torch.Tensor | None, state: torch.Tensor | None = None) -> torch.Tensor:
+    def relative(self, r: torch.Tensor, valid: torch.Tensor | None, state: torch.Tensor | None = None,
+                 doc: torch.Tensor | None = None) -> torch.Tensor:
         """``r - m``: each candidate's logit relative to the shrunk mean of the row's previous candidates
-        (valid ones; ``state`` [B, 2]: the (sum, count) of the candidates of earlier decode calls, updated
-        in place). Before any calibration (and for a checkpoint of the former rule) ``r`` itself."""
+        (valid ones; ``state`` [B, 2 + ...]: the (sum, count) of the candidates of earlier decode calls in
+        its first two columns, updated in place). Before any calibration (and for a checkpoint of the
+        former rule) ``r`` itself. With ``doc`` [B, N] the previous candidates are those of the same document."""
         v = torch.ones_like(r) if valid is None else valid.to(r.dtype)
         rv = r * v
-        total = rv.cumsum(1) - rv
-        count = v.cumsum(1) - v
+        total = _prefix_sum(rv, doc)
+        count = _prefix_sum(v, doc)
         if state is not None:
             total = total + state[:, :1].to(r.dtype)
-            count = count + state[:, 1:].to(r.dtype)
-            state.add_(torch.stack((rv.sum(1), v.sum(1)), 1).to(state.dtype))
+            count = count + state[:, 1:2].to(r.dtype)
+            state[:, :2].add_(torch.stack((rv.sum(1), v.sum(1)), 1).to(state.dtype))
         center = self.center().to(r.dtype)
         m = (total + PREFIX_PRIOR * center) / (count + PREFIX_PRIOR)
         return torch.where(self.center_weight > 0, r - m, r)
@@ -186,7 +197,8 @@ class ExpertChoiceRouter(Router):
         # A scale of 1 (the MoD routers) is no multiplication: one kernel less each way, the same values.
         return torch.sigmoid(r) if self.gate_scale == 1.0 else self.gate_scale * torch.sigmoid(r)
 
-    def select(self, x, valid, k, mode, row_len, depth=0, decision=None, state=None) -> Selection:
+    def select(self, x, valid, k, mode, row_len, depth=0, decision=None, state=None, capacity=None,
+               doc=None) -> Selection:
         r = self.logits(x)
         if mode == "static":
             weight = self.gate(r)
@@ -199,7 +211,8 @@ class ExpertChoiceRouter(Router):
             if self.training:  # the threshold's update also gives the relative logits and the boundary
                 s, threshold, boundary = self.calibrate(r.detach(), k, boundary_of=r.detach())
             else:
-                s, threshold, boundary = self.relative(r.detach(), None), self.threshold(), topk_boundary(r.detach(), k)
+                s, threshold = self.relative(r.detach(), None, None, doc), self.threshold()
+                boundary = topk_boundary(r.detach(), k)
             # The router learns to predict its own top-k choice relative to the boundary, so that
             # r > threshold reproduces top-k causally. Shift-invariant like top-k itself, it sharpens
             # the separation without fighting the language-model loss over the logits' level.
@@ -207,11 +220,16 @@ class ExpertChoiceRouter(Router):
             r_aux = self.logits_of_parameters(x, r)
             aux = F.binary_cross_entropy_with_logits(r_aux - boundary, chosen)
             weight = self.gate(r.gather(1, order))
-            agree = ((s > threshold).float() == chosen).float().mean()
+            # Agreement of the causal rule with top-k: in evaluation the rank rule that causal mode runs;
+            # in training steps its threshold fallback only (the rank costs [B, N, N] per router).
+            causal = s > threshold if self.training else rank_admits(s, None, k / x.shape[1], threshold, None, doc)
+            agree = (causal.float() == chosen).float().mean()
             frac = torch.full((), k / row_len, device=x.device)
             return Selection(order, weight, None, aux, torch.stack((frac, weight.mean(), agree)))
         if mode == "causal":
-            chosen = self.relative(r.detach(), valid, state) > self.threshold()  # a decision: no gradient
+            s = self.relative(r.detach(), valid, state, doc)  # a decision: no gradient
+            chosen = rank_admits(s, valid, k / x.shape[1] if capacity is None else capacity, self.threshold(), state,
+                                 doc)
             return masked_selection(chosen, self.gate(r), valid, row_len, aux_loss=r.new_zeros(()))
         raise ValueError(f"routing mode {mode!r}: must be one of {ROUTING_MODES}")
 
@@ -235,6 +253,19 @@ class _LogitsOfParameters(torch.autograd.Function):
         return None, None, grad_weight, grad_bias
 
 
+def _prefix_sum(x: torch.Tensor, doc: torch.Tensor | None) -> torch.Tensor:
+    """Sum of each entry's predecessors in its row [B, N], within its document when ``doc`` is given
+    (documents are contiguous runs of the row)."""
+    before = x.cumsum(1) - x
+    if doc is None:
+        return before
+    starts = torch.ones_like(doc, dtype=torch.bool)
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    index = torch.arange(doc.shape[1], device=doc.device).expand_as(doc)
+    first = torch.where(starts, index, 0).cummax(1).values  # each entry's document start
+    return before - before.gather(1, first)
+
+
 def _prefix_mean(r: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
     """Mean of each row's previous entries and ``center`` (one pseudo-entry): ``ExpertChoiceRouter.relative``
     on a row whose entries are all candidates, whatever the calibration state."""
@@ -256,6 +287,38 @@ def topk_boundaries(r: torch.Tensor, k: int) -> torch.Tensor:
         return flat.amin(1) - 1.0
     top = torch.topk(flat, n_sel + 1, dim=1, sorted=True).values
     return 0.5 * (top[:, -2] + top[:, -1])
+
+
+def rank_admits(s: torch.Tensor, valid: torch.Tensor | None, capacity: float, threshold: torch.Tensor,
+                state: torch.Tensor | None = None, doc: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal admission [B, N] of candidates with relative logits ``s`` [B, N] (in causal order): a
+    candidate is admitted iff fewer than ``capacity`` of the row's earlier candidates rank above it
+    (top-k's rule, over the past only), or, with fewer than ``RANK_MIN_CANDIDATES`` earlier ones, iff
+    ``s > threshold``. A rank holds the admitted share at the capacity on any text, where a threshold
+    fitted on training batches drifts with the logits (docs/routing.md).
+
+    ``state`` [B, 2 + H + 1] (decode): column 1 counts the candidates of earlier calls, already
+    including this call's (``ExpertChoiceRouter.relative`` ran first); columns 2.. hold their relative
+    logits in order, and this call's valid ones are appended (the last column takes the invalid ones).
+    ``doc`` [B, N] (full forwards of packed rows): only earlier candidates of the same document count."""
+    v = torch.ones_like(s, dtype=torch.bool) if valid is None else valid
+    n = s.shape[1]
+    earlier = torch.ones(n, n, dtype=torch.bool, device=s.device).tril(-1)  # [i, j]: j before i
+    past = earlier[None] & v[:, None, :]  # [B, i, j]: j is an earlier candidate of i
+    if doc is not None:
+        past = past & (doc[:, :, None] == doc[:, None, :])
+    count = past.sum(-1)
+    above = torch.cat([((s[:, None, :] > s[:, i:i + RANK_CHUNK, None]) & past[:, i:i + RANK_CHUNK]).sum(-1)
+                       for i in range(0, n, RANK_CHUNK)], dim=1)
+    if state is not None:
+        history = state[:, 2:]
+        n_before = (state[:, 1] - v.sum(1)).long()  # candidates of the earlier calls
+        held = torch.arange(history.shape[1], device=s.device)[None] < n_before[:, None]
+        above = above + ((history[:, None, :] > s[..., None].to(history.dtype)) & held[:, None, :]).sum(-1)
+        count = count + n_before[:, None]
+        slot = torch.where(v, n_before[:, None] + v.long().cumsum(1) - 1, history.shape[1] - 1)
+        history.scatter_(1, slot, s.to(history.dtype))
+    return torch.where(count >= RANK_MIN_CANDIDATES, above < capacity * count, s > threshold)
 
 
 def masked_selection(chosen: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor | None, row_len: int,
@@ -330,7 +393,8 @@ class TokenChoiceRouter(Router):
         weights = [reach[..., j] if mode == "static" else chosen_p for j in range(self.recursions)]
         return torch.stack([depth.float(), *weights], dim=-1), loss
 
-    def select(self, x, valid, k, mode, row_len, depth=0, decision=None, state=None) -> Selection:
+    def select(self, x, valid, k, mode, row_len, depth=0, decision=None, state=None, capacity=None,
+               doc=None) -> Selection:
         weight = decision[..., 1 + depth]
         if mode == "static":
             frac = (torch.ones_like(weight) if valid is None else valid.float()).sum(1).mean() / row_len
