@@ -177,9 +177,7 @@ def _successor_batches(seeds, b: int = 8, t: int = 48):
 
 
 @pytest.mark.slow
-def test_prefix_relative_threshold_agrees_with_topk_more_than_a_global_threshold(monkeypatch):
-    import copy
-
+def test_rank_rule_does_as_well_as_the_threshold_alone_on_text_like_the_training_batches(monkeypatch):
     from hydra_lm.model import routing
 
     torch.manual_seed(0)
@@ -190,32 +188,18 @@ def test_prefix_relative_threshold_agrees_with_topk_more_than_a_global_threshold
         model(**batch)["loss"].backward()
         opt.step()
         opt.zero_grad()
-    calib, val = _successor_batches(range(500, 510)), _successor_batches(range(10_000, 10_006))
-
-    def calibrate(m):
-        m.train()
-        with torch.no_grad():
-            for batch in calib:
-                m(batch["input_ids"])
-
-    prefix = model
-    calibrate(prefix)
-    old = copy.deepcopy(model)  # the former rule: a threshold on the raw logit, calibrated the same way
-    for router in _routers(old):
-        router.threshold_sum.zero_()
-        router.threshold_weight.zero_()
+    val = _successor_batches(range(10_000, 10_006))
+    rank = evaluate(model, val, torch.device("cpu"))
     with monkeypatch.context() as patch:
-        patch.setattr(routing, "_prefix_mean", lambda r, center: torch.zeros_like(r))
-        calibrate(old)
-    for router in _routers(old):
-        router.center_weight.zero_()
-    new_result, old_result = evaluate(prefix, val, torch.device("cpu")), evaluate(old, val, torch.device("cpu"))
-    assert all(float(r.center_weight) > 0 for r in _routers(prefix))
-    print("agreement", new_result["val_agreement"], old_result["val_agreement"], "gap", new_result["val_gap"],
-          old_result["val_gap"])
-    assert new_result["val_agreement"] > old_result["val_agreement"], (new_result, old_result)
-    assert max(abs(r["exec_causal"] - r["target"]) for r in new_result["routing"].values()) < 0.06
-    assert new_result["val_gap"] < 0.05, new_result
+        patch.setattr(routing, "RANK_PRIOR", 1e9)  # the pseudo-candidates outweigh any row: the threshold alone
+        threshold = evaluate(model, val, torch.device("cpu"))
+
+    def off_target(result):
+        return max(abs(r["exec_causal"] - r["target"]) for r in result["routing"].values())
+    # In distribution, on rows of 48 tokens, the rank costs nothing (its gain is on text unlike the
+    # training batches: test_model.py's shifted logits).
+    assert rank["val_agreement"] >= threshold["val_agreement"] - 0.005 and off_target(rank) < 0.07
+    assert rank["val_gap"] < 0.05 and rank["val_gap"] <= threshold["val_gap"] + 0.01
 
 
 def test_a_checkpoint_of_the_former_rule_keeps_its_raw_logit_threshold(tmp_path):
@@ -255,5 +239,6 @@ def test_decode_carries_the_prefix_statistic_of_each_routed_unit():
     for t in range(20):
         logits = model.forward_cached(ids[:, t:t + 1], t, caches)
         torch.testing.assert_close(logits, full[:, t], rtol=0, atol=1e-8)
-    assert all(float(r[:, 1].min()) > 0 for r in routes)  # every unit's running count advanced
-    assert float(routes[0][:, 1].max()) == 20  # the first routed unit sees every token
+    assert all(float(r[:, 2].sum(1).min()) > 0 for r in routes)  # every unit kept some candidates
+    assert bool((routes[0][:, 2].sum(1) == 20).all())  # the first routed unit sees every token
+

@@ -5,7 +5,7 @@ import torch
 
 import hydra_lm
 from hydra_lm.model.block import TransformerLayer
-from hydra_lm.model.routing import RANK_MIN_CANDIDATES, rank_admits
+from hydra_lm.model.routing import RANK_PRIOR, rank_admits
 
 from support import TINY, tiny_model
 
@@ -86,12 +86,12 @@ def test_incremental_decode_matches_full_forward(variant):
 
 
 def test_incremental_decode_matches_full_forward_where_deep_routers_rank():
-    """Rows long enough that every depth's router has more than RANK_MIN_CANDIDATES earlier
-    candidates, so the causal rank rule decides at every depth, from the decode cache's history."""
+    """Rows long enough that every depth's router has more earlier candidates than the rank rule's
+    pseudo-candidates, so ranks decide at every depth, from the decode cache's history."""
     model = tiny_model(mod_capacity=0.75, mor_capacity=0.75).double().eval()
     ids = _ids(2, 90)
     full = model(ids)
-    assert float(full["routing_stats"][:, 0].min()) * 90 > RANK_MIN_CANDIDATES
+    assert float(full["routing_stats"][:, 0].min()) * 90 > RANK_PRIOR
     caches = model.init_cache(2, 90)
     logits = model.forward_cached(ids[:, :50], 0, caches)
     torch.testing.assert_close(logits, full["logits"][:, 49], rtol=0, atol=1e-9)
@@ -234,7 +234,7 @@ def test_causal_mode_routes_the_first_candidates_of_a_row_by_threshold():
     router = model.blocks[0].routers["0"]
     with torch.no_grad():
         router.proj.bias.fill_(-50.0)  # every logit negative: nothing enters the block
-    ids = _ids(2, RANK_MIN_CANDIDATES)  # no token has enough earlier candidates to be ranked
+    ids = _ids(2, int(RANK_PRIOR))  # too few earlier candidates to outweigh the threshold's pseudo-candidates
     out = model(ids)
     assert float(out["routing_stats"][0, 0]) == 0.0
     x = model.embed(ids)
@@ -242,7 +242,7 @@ def test_causal_mode_routes_the_first_candidates_of_a_row_by_threshold():
     torch.testing.assert_close(out["logits"], expected)
 
 
-def test_causal_rank_rule_admits_a_candidate_iff_few_earlier_ones_rank_above_it():
+def test_causal_rank_rule_admits_a_candidate_iff_little_of_what_came_before_ranks_above_it():
     torch.manual_seed(0)
     s, valid = torch.randn(3, 60, dtype=torch.float64), torch.rand(3, 60) > 0.3
     threshold, capacity = torch.tensor(0.5, dtype=torch.float64), 0.25
@@ -250,11 +250,9 @@ def test_causal_rank_rule_admits_a_candidate_iff_few_earlier_ones_rank_above_it(
     for b in range(3):
         for i in range(60):
             earlier = [float(s[b, j]) for j in range(i) if valid[b, j]]
-            if len(earlier) < RANK_MIN_CANDIDATES:
-                want = float(s[b, i]) > 0.5
-            else:
-                want = sum(e > float(s[b, i]) for e in earlier) < capacity * len(earlier)
-            assert bool(got[b, i]) == want, (b, i)
+            above = sum(e > float(s[b, i]) for e in earlier) + (RANK_PRIOR if float(s[b, i]) <= 0.5 else 0)
+            assert bool(got[b, i]) == (above < capacity * (len(earlier) + RANK_PRIOR)), (b, i)
+    assert not got[:, 0].any() or bool((s[:, 0][got[:, 0]] > 0.5).all())  # a row's first: the threshold
 
 
 def test_causal_rank_rule_holds_the_capacity_where_a_threshold_drifts():

@@ -33,8 +33,8 @@ class AttentionCache:
     slot_valid: torch.Tensor  # [B, L] bool: this position entered the unit
     conv: torch.Tensor | None = None  # [B, P, C] last P pre-conv q/k latents of routed tokens (CCGQA)
     shift: torch.Tensor | None = None  # [B, c] value-shift projection of the previous routed token (CCGQA)
-    # [B, 2 + L + 1] (sum of logits, count, relative logits in order) of the unit's earlier candidates: the
-    # decode state of the expert-choice router gating this unit (routing.rank_admits); on its first layer only.
+    # [B, 3, L] per position (raw logit, relative logit, 1 if a candidate of the unit): the decode state of
+    # the expert-choice router gating this unit (routing.ExpertChoiceRouter.decode_admits); first layer only.
     route: torch.Tensor | None = None
 
     def nbytes(self) -> int:

@@ -156,11 +156,11 @@ class RecursiveBlock(nn.Module):
     def new_caches(self, batch: int, length: int, device, dtype) -> list[list[AttentionCache]]:
         caches = [[layer.attn.new_cache(batch, length, device, dtype) for layer in self.layers]
                   for _ in range(self.recursions)]
-        # Expert-choice routers: the running (sum, count) of the unit's candidates' logits, then their
-        # relative logits in order (the rank rule's history) and one spare column (routing.rank_admits).
+        # Expert-choice routers: per position, the candidate's raw and relative logits and whether it was
+        # one (routing.ExpertChoiceRouter.decode_admits).
         for router in self.routers.values():
             for j in router.depths:
-                caches[j][0].route = torch.zeros(batch, 2 + length + 1, device=device,
+                caches[j][0].route = torch.zeros(batch, 3, length, device=device,
                                                  dtype=torch.promote_types(dtype or torch.float32, torch.float32))
         return caches
 
@@ -194,7 +194,7 @@ class RecursiveBlock(nn.Module):
             elif router is not None:
                 state = None if caches is None else caches[j][0].route
                 sel = router.select(xc, vc, counts[j], mode, seq_len, depth=j, decision=decision, state=state,
-                                    capacity=None if capacities is None else capacities[j], doc=doc)
+                                    capacity=None if capacities is None else capacities[j], doc=doc, pos=pc)
                 if sel.aux_loss is not None:
                     losses[router.kind].append(sel.aux_loss)
             if sel is not None:

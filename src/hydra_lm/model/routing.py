@@ -7,20 +7,20 @@ A routing variant is a ``Router`` subclass; ``build_routers`` is the one place t
 for selections, whatever their kind.
 
 Causal routing (generation, and the causal eval) cannot see a row's later tokens, so it cannot take
-the row's top-k. It takes top-k's rule over the past instead (``rank_admits``): a candidate enters
-the unit iff fewer than the unit's capacity share of the row's EARLIER candidates rank above it, by
+the row's top-k. It takes top-k's rule over the past instead (``rank_admits``, ``rank_decision``): a
+candidate enters the unit iff less than the unit's capacity share of what came before it ranks above it, by
 ``r - m``, the logit relative to ``m``, the mean of the row's previous candidates' logits shrunk
 towards the router's calibrated mean logit (``m = (their sum + PREFIX_PRIOR * center) / (their
 count + PREFIX_PRIOR)``). A rank holds the admitted share at the capacity whatever the logits do on
 text unlike the training batches, where a threshold drifts with them.
 
-A row's first ``RANK_MIN_CANDIDATES`` candidates have too few predecessors to rank among: they
-enter iff ``r - m`` exceeds the router's calibrated threshold, a running mean over training batches
-of the value separating a batch's top-k from the rest (top-k ignores a shift of all logits, so they
-drift freely in training and a fixed threshold such as r > 0 would admit a share unrelated to the
-capacity). Everything is causal, so decoding keeps it exactly: each routed unit's cache holds the
-running sum and count of its candidates' logits and their relative logits in order
-(``AttentionCache.route``). The studies behind both rules are in docs/routing.md.
+The router's calibrated threshold enters as ``RANK_PRIOR`` pseudo-candidates (all above a token
+under it, none above one over it), so a row's first tokens follow the threshold and later ones
+their rank. The threshold is a running mean over training batches of the value separating a batch's
+top-k from the rest (top-k ignores a shift of all logits, so they drift freely in training and a
+fixed threshold such as r > 0 would admit a share unrelated to the capacity). Everything is causal,
+so decoding keeps it exactly: each routed unit's cache holds, per position, the candidate's raw and
+relative logits (``AttentionCache.route``). The studies behind both rules are in docs/routing.md.
 
 Every function here keeps shapes static (k is a Python int derived from the sequence length), so a
 routed training step has no host synchronisation and compiles with ``fullgraph=True``.
@@ -51,11 +51,10 @@ THRESHOLD_DECAY = 0.95
 # a row's first candidates, where it has few predecessors to average.
 PREFIX_PRIOR = 16.0
 THRESHOLD_BUFFERS = ("threshold_sum", "threshold_weight", "center_sum", "center_weight")
-# Causal rank rule: a candidate with at least this many earlier candidates in its row is admitted iff
-# fewer than the router's capacity share of them rank above it; earlier ones fall back to the threshold.
-RANK_MIN_CANDIDATES = 16
-# Queries per chunk of the rank rule's [B, queries, candidates] comparison (bounds its memory).
-RANK_CHUNK = 1024
+# Causal rank rule: the calibrated threshold counts as this many pseudo-candidates beside the row's
+# earlier candidates (all above a token under it, none above one over it), so a row's first tokens
+# follow the threshold and later ones their rank among what came before.
+RANK_PRIOR = 16.0
 
 
 @dataclass
@@ -91,11 +90,13 @@ class Router(nn.Module):
 
     def select(self, x: torch.Tensor, valid: torch.Tensor | None, k: int, mode: str, row_len: int,
                depth: int = 0, decision: torch.Tensor | None = None, state: torch.Tensor | None = None,
-               capacity: float | None = None, doc: torch.Tensor | None = None) -> Selection:
+               capacity: float | None = None, doc: torch.Tensor | None = None,
+               pos: torch.Tensor | None = None) -> Selection:
         """``state``: the router's decode state of this depth (``AttentionCache.route``), None without a cache.
         ``capacity``: the share of this depth's candidates that top-k takes on a long row (the causal
         rule's target, the same however many tokens a decode call brings; default ``k / x.shape[1]``).
-        ``doc`` [B, N]: the candidates' documents; causal statistics then look inside a document only."""
+        ``doc`` [B, N]: the candidates' documents; causal statistics then look inside a document only.
+        ``pos`` [B, N]: the candidates' positions (with ``state``: where the decode state keeps them)."""
         raise NotImplementedError
 
 
@@ -160,23 +161,34 @@ class ExpertChoiceRouter(Router):
         self.threshold_sum.add_(boundary.to(self.threshold_sum.dtype), alpha=1 - THRESHOLD_DECAY)
         return relative, self.threshold_sum / self.threshold_weight, other
 
-    def relative(self, r: torch.Tensor, valid: torch.Tensor | None, state: torch.Tensor | None = None,
-                 doc: torch.Tensor | None = None) -> torch.Tensor:
+    def relative(self, r: torch.Tensor, valid: torch.Tensor | None, doc: torch.Tensor | None = None) -> torch.Tensor:
         """``r - m``: each candidate's logit relative to the shrunk mean of the row's previous candidates
-        (valid ones; ``state`` [B, 2 + ...]: the (sum, count) of the candidates of earlier decode calls in
-        its first two columns, updated in place). Before any calibration (and for a checkpoint of the
-        former rule) ``r`` itself. With ``doc`` [B, N] the previous candidates are those of the same document."""
+        (valid ones; with ``doc`` [B, N], of the same document). Before any calibration (and for a
+        checkpoint of the former rule) ``r`` itself."""
         v = torch.ones_like(r) if valid is None else valid.to(r.dtype)
-        rv = r * v
-        total = _prefix_sum(rv, doc)
-        count = _prefix_sum(v, doc)
-        if state is not None:
-            total = total + state[:, :1].to(r.dtype)
-            count = count + state[:, 1:2].to(r.dtype)
-            state[:, :2].add_(torch.stack((rv.sum(1), v.sum(1)), 1).to(state.dtype))
+        return self._relative(r, _prefix_sum(r * v, doc), _prefix_sum(v, doc))
+
+    def _relative(self, r: torch.Tensor, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         center = self.center().to(r.dtype)
         m = (total + PREFIX_PRIOR * center) / (count + PREFIX_PRIOR)
         return torch.where(self.center_weight > 0, r - m, r)
+
+    def decode_admits(self, r: torch.Tensor, valid: torch.Tensor | None, pos: torch.Tensor, capacity: float,
+                      state: torch.Tensor) -> torch.Tensor:
+        """Causal admission of new candidates at positions ``pos`` [B, n] from the unit's decode state
+        ``state`` [B, 3, L] (per position: raw logit, relative logit, 1 if a candidate), updated in place.
+        Slots are indexed by position, like the K/V cache's, so re-decoding a position overwrites it."""
+        v = torch.ones_like(r) if valid is None else valid.to(r.dtype)
+        state[:, 0].scatter_(1, pos, r.to(state.dtype))
+        state[:, 2].scatter_(1, pos, v.to(state.dtype))
+        slots = torch.arange(state.shape[2], device=r.device)
+        earlier = (slots[None, None, :] < pos[..., None]) & (state[:, 2, None, :] > 0)  # [B, n, L]
+        count = earlier.to(r.dtype).sum(-1)
+        total = torch.where(earlier, state[:, 0, None, :].to(r.dtype), 0.0).sum(-1)
+        s = self._relative(r, total, count)
+        state[:, 1].scatter_(1, pos, s.to(state.dtype))
+        above = (earlier & (state[:, 1, None, :] > s[..., None].to(state.dtype))).to(r.dtype).sum(-1)
+        return rank_decision(s, above, count, capacity, self.threshold())
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         # One fp32 (or wider) column outside autocast: autocast would first copy the whole [B, N, E]
@@ -198,7 +210,7 @@ class ExpertChoiceRouter(Router):
         return torch.sigmoid(r) if self.gate_scale == 1.0 else self.gate_scale * torch.sigmoid(r)
 
     def select(self, x, valid, k, mode, row_len, depth=0, decision=None, state=None, capacity=None,
-               doc=None) -> Selection:
+               doc=None, pos=None) -> Selection:
         r = self.logits(x)
         if mode == "static":
             weight = self.gate(r)
@@ -211,7 +223,7 @@ class ExpertChoiceRouter(Router):
             if self.training:  # the threshold's update also gives the relative logits and the boundary
                 s, threshold, boundary = self.calibrate(r.detach(), k, boundary_of=r.detach())
             else:
-                s, threshold = self.relative(r.detach(), None, None, doc), self.threshold()
+                s, threshold = self.relative(r.detach(), None, doc), self.threshold()
                 boundary = topk_boundary(r.detach(), k)
             # The router learns to predict its own top-k choice relative to the boundary, so that
             # r > threshold reproduces top-k causally. Shift-invariant like top-k itself, it sharpens
@@ -222,14 +234,16 @@ class ExpertChoiceRouter(Router):
             weight = self.gate(r.gather(1, order))
             # Agreement of the causal rule with top-k: in evaluation the rank rule that causal mode runs;
             # in training steps its threshold fallback only (the rank costs [B, N, N] per router).
-            causal = s > threshold if self.training else rank_admits(s, None, k / x.shape[1], threshold, None, doc)
+            causal = s > threshold if self.training else rank_admits(s, None, k / x.shape[1], threshold, doc)
             agree = (causal.float() == chosen).float().mean()
             frac = torch.full((), k / row_len, device=x.device)
             return Selection(order, weight, None, aux, torch.stack((frac, weight.mean(), agree)))
         if mode == "causal":
-            s = self.relative(r.detach(), valid, state, doc)  # a decision: no gradient
-            chosen = rank_admits(s, valid, k / x.shape[1] if capacity is None else capacity, self.threshold(), state,
-                                 doc)
+            capacity = k / x.shape[1] if capacity is None else capacity
+            if state is None:  # a decision: no gradient
+                chosen = rank_admits(self.relative(r.detach(), valid, doc), valid, capacity, self.threshold(), doc)
+            else:
+                chosen = self.decode_admits(r.detach(), valid, pos, capacity, state)
             return masked_selection(chosen, self.gate(r), valid, row_len, aux_loss=r.new_zeros(()))
         raise ValueError(f"routing mode {mode!r}: must be one of {ROUTING_MODES}")
 
@@ -290,35 +304,31 @@ def topk_boundaries(r: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def rank_admits(s: torch.Tensor, valid: torch.Tensor | None, capacity: float, threshold: torch.Tensor,
-                state: torch.Tensor | None = None, doc: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal admission [B, N] of candidates with relative logits ``s`` [B, N] (in causal order): a
-    candidate is admitted iff fewer than ``capacity`` of the row's earlier candidates rank above it
-    (top-k's rule, over the past only), or, with fewer than ``RANK_MIN_CANDIDATES`` earlier ones, iff
-    ``s > threshold``. A rank holds the admitted share at the capacity on any text, where a threshold
-    fitted on training batches drifts with the logits (docs/routing.md).
-
-    ``state`` [B, 2 + H + 1] (decode): column 1 counts the candidates of earlier calls, already
-    including this call's (``ExpertChoiceRouter.relative`` ran first); columns 2.. hold their relative
-    logits in order, and this call's valid ones are appended (the last column takes the invalid ones).
-    ``doc`` [B, N] (full forwards of packed rows): only earlier candidates of the same document count."""
+                doc: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal admission [B, N] of candidates with relative logits ``s`` [B, N] in causal order (a full
+    forward; decoding: ``ExpertChoiceRouter.decode_admits``): ``rank_decision`` over each candidate's
+    earlier candidates in the row (of the same document, with ``doc`` [B, N])."""
     v = torch.ones_like(s, dtype=torch.bool) if valid is None else valid
     n = s.shape[1]
     earlier = torch.ones(n, n, dtype=torch.bool, device=s.device).tril(-1)  # [i, j]: j before i
     past = earlier[None] & v[:, None, :]  # [B, i, j]: j is an earlier candidate of i
     if doc is not None:
         past = past & (doc[:, :, None] == doc[:, None, :])
-    count = past.sum(-1)
-    above = torch.cat([((s[:, None, :] > s[:, i:i + RANK_CHUNK, None]) & past[:, i:i + RANK_CHUNK]).sum(-1)
-                       for i in range(0, n, RANK_CHUNK)], dim=1)
-    if state is not None:
-        history = state[:, 2:]
-        n_before = (state[:, 1] - v.sum(1)).long()  # candidates of the earlier calls
-        held = torch.arange(history.shape[1], device=s.device)[None] < n_before[:, None]
-        above = above + ((history[:, None, :] > s[..., None].to(history.dtype)) & held[:, None, :]).sum(-1)
-        count = count + n_before[:, None]
-        slot = torch.where(v, n_before[:, None] + v.long().cumsum(1) - 1, history.shape[1] - 1)
-        history.scatter_(1, slot, s.to(history.dtype))
-    return torch.where(count >= RANK_MIN_CANDIDATES, above < capacity * count, s > threshold)
+    count = past.to(s.dtype).sum(-1)
+    above = (past & (s[:, None, :] > s[:, :, None])).to(s.dtype).sum(-1)
+    return rank_decision(s, above, count, capacity, threshold)
+
+
+def rank_decision(s: torch.Tensor, above: torch.Tensor, count: torch.Tensor, capacity: float,
+                  threshold: torch.Tensor) -> torch.Tensor:
+    """Top-k's rule over the past: admit a candidate iff less than ``capacity`` of what came before it
+    ranks above it, where what came before is its ``count`` earlier candidates (``above`` of them with a
+    higher relative logit ``s``) and ``RANK_PRIOR`` pseudo-candidates standing for the calibrated
+    threshold (all above ``s`` if ``s <= threshold``, none otherwise). A row's first candidates thus
+    follow the threshold, later ones their rank: the admitted share holds at the capacity on text
+    unlike the training batches, where the threshold alone drifts with the logits (docs/routing.md)."""
+    pseudo = RANK_PRIOR * (s <= threshold).to(above.dtype)
+    return (above + pseudo) < capacity * (count + RANK_PRIOR)
 
 
 def masked_selection(chosen: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor | None, row_len: int,
@@ -394,7 +404,7 @@ class TokenChoiceRouter(Router):
         return torch.stack([depth.float(), *weights], dim=-1), loss
 
     def select(self, x, valid, k, mode, row_len, depth=0, decision=None, state=None, capacity=None,
-               doc=None) -> Selection:
+               doc=None, pos=None) -> Selection:
         weight = decision[..., 1 + depth]
         if mode == "static":
             frac = (torch.ones_like(weight) if valid is None else valid.float()).sum(1).mean() / row_len
