@@ -95,3 +95,14 @@ def test_each_run_reports_its_own_peak_memory_when_one_process_trains_several(ti
     peak = {name: max(r["memory_mb"] for r in records(tmp_path / name, "train")) for name in ("alone", "big", "after")}
     assert peak["big"] > 1.3 * peak["alone"], peak
     assert peak["after"] == pytest.approx(peak["alone"], rel=0.05), peak
+
+
+def test_compare_compiles_many_routed_variants_in_one_process(tiny_data, tmp_path):
+    """Each variant is a new model but the compiled routed unit is one function: the graphs of earlier
+    variants (and geometric MoR depths of one token per row) must not exhaust Dynamo's recompile limit."""
+    variants = [f"--variant=c{i}:mor_capacity={c},mod_capacity={m}"
+                for i, (c, m) in enumerate([(0.5, 0.5), (0.25, 0.5), (0.125, 0.25), (0.0625, 0.125), (0.03, 0.5)])]
+    code = main(["compare", "--data", str(tiny_data), "--out", str(tmp_path / "cmp"), *GPU_RUN, "--budget",
+                 "tokens=1536", "--evals", "1", "--experimental_skip_pretest", *variants])
+    assert code == 0
+    assert all(records(tmp_path / "cmp" / "runs" / f"c{i}", "eval") for i in range(5))
