@@ -183,11 +183,11 @@ class ExpertChoiceRouter(Router):
         state[:, 2].scatter_(1, pos, v.to(state.dtype))
         slots = torch.arange(state.shape[2], device=r.device)
         earlier = (slots[None, None, :] < pos[..., None]) & (state[:, 2, None, :] > 0)  # [B, n, L]
-        count = earlier.to(r.dtype).sum(-1)
+        count = earlier.sum(-1).to(r.dtype)
         total = torch.where(earlier, state[:, 0, None, :].to(r.dtype), 0.0).sum(-1)
         s = self._relative(r, total, count)
         state[:, 1].scatter_(1, pos, s.to(state.dtype))
-        above = (earlier & (state[:, 1, None, :] > s[..., None].to(state.dtype))).to(r.dtype).sum(-1)
+        above = (earlier & (state[:, 1, None, :] > s[..., None].to(state.dtype))).sum(-1).to(r.dtype)
         return rank_decision(s, above, count, capacity, self.threshold())
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -314,8 +314,8 @@ def rank_admits(s: torch.Tensor, valid: torch.Tensor | None, capacity: float, th
     past = earlier[None] & v[:, None, :]  # [B, i, j]: j is an earlier candidate of i
     if doc is not None:
         past = past & (doc[:, :, None] == doc[:, None, :])
-    count = past.to(s.dtype).sum(-1)
-    above = (past & (s[:, None, :] > s[:, :, None])).to(s.dtype).sum(-1)
+    count = past.sum(-1).to(s.dtype)  # summed as integers: no [B, N, N] float temporary
+    above = (past & (s[:, None, :] > s[:, :, None])).sum(-1).to(s.dtype)
     return rank_decision(s, above, count, capacity, threshold)
 
 
