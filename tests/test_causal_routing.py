@@ -199,7 +199,7 @@ def test_rank_rule_does_as_well_as_the_threshold_alone_on_text_like_the_training
     # In distribution, on rows of 48 tokens, the rank costs nothing (its gain is on text unlike the
     # training batches: test_model.py's shifted logits).
     assert rank["val_agreement"] >= threshold["val_agreement"] - 0.005 and off_target(rank) < 0.07
-    assert rank["val_gap"] < 0.05 and rank["val_gap"] <= threshold["val_gap"] + 0.01
+    assert rank["val_gap"] < 0.01  # causal within 0.01 of top-k, or below it
 
 
 def test_a_checkpoint_of_the_former_rule_keeps_its_raw_logit_threshold(tmp_path):

@@ -234,7 +234,9 @@ def test_causal_mode_routes_the_first_candidates_of_a_row_by_threshold():
     router = model.blocks[0].routers["0"]
     with torch.no_grad():
         router.proj.bias.fill_(-50.0)  # every logit negative: nothing enters the block
-    ids = _ids(2, int(RANK_PRIOR))  # too few earlier candidates to outweigh the threshold's pseudo-candidates
+    # Capacity 0.5: the threshold's 16 pseudo-candidates put 12 above each token under it, more than
+    # half of (earlier + 16) for the first 8 tokens of a row however they rank.
+    ids = _ids(2, int(RANK_PRIOR) // 2)
     out = model(ids)
     assert float(out["routing_stats"][0, 0]) == 0.0
     x = model.embed(ids)
@@ -250,7 +252,8 @@ def test_causal_rank_rule_admits_a_candidate_iff_little_of_what_came_before_rank
     for b in range(3):
         for i in range(60):
             earlier = [float(s[b, j]) for j in range(i) if valid[b, j]]
-            above = sum(e > float(s[b, i]) for e in earlier) + (RANK_PRIOR if float(s[b, i]) <= 0.5 else 0)
+            pseudo = RANK_PRIOR * ((1 + capacity) / 2 if float(s[b, i]) <= 0.5 else capacity / 2)
+            above = sum(e > float(s[b, i]) for e in earlier) + pseudo
             assert bool(got[b, i]) == (above < capacity * (len(earlier) + RANK_PRIOR)), (b, i)
     assert not got[:, 0].any() or bool((s[:, 0][got[:, 0]] > 0.5).all())  # a row's first: the threshold
 

@@ -14,13 +14,13 @@ towards the router's calibrated mean logit (``m = (their sum + PREFIX_PRIOR * ce
 count + PREFIX_PRIOR)``). A rank holds the admitted share at the capacity whatever the logits do on
 text unlike the training batches, where a threshold drifts with them.
 
-The router's calibrated threshold enters as ``RANK_PRIOR`` pseudo-candidates (all above a token
-under it, none above one over it), so a row's first tokens follow the threshold and later ones
-their rank. The threshold is a running mean over training batches of the value separating a batch's
-top-k from the rest (top-k ignores a shift of all logits, so they drift freely in training and a
-fixed threshold such as r > 0 would admit a share unrelated to the capacity). Everything is causal,
-so decoding keeps it exactly: each routed unit's cache holds, per position, the candidate's raw and
-relative logits (``AttentionCache.route``). The studies behind both rules are in docs/routing.md.
+The router's calibrated threshold enters as ``RANK_PRIOR`` pseudo-candidates (``rank_decision``),
+so a row's first tokens follow the threshold and later ones their rank. The threshold is a running
+mean over training batches of the value separating a batch's top-k from the rest (top-k ignores a
+shift of all logits, so they drift freely in training and a fixed threshold such as r > 0 would
+admit a share unrelated to the capacity). Everything is causal, so decoding keeps it exactly: each
+routed unit's cache holds, per position, the candidate's raw and relative logits
+(``AttentionCache.route``). The studies behind both rules are in docs/routing.md.
 
 Every function here keeps shapes static (k is a Python int derived from the sequence length), so a
 routed training step has no host synchronisation and compiles with ``fullgraph=True``.
@@ -52,8 +52,7 @@ THRESHOLD_DECAY = 0.95
 PREFIX_PRIOR = 16.0
 THRESHOLD_BUFFERS = ("threshold_sum", "threshold_weight", "center_sum", "center_weight")
 # Causal rank rule: the calibrated threshold counts as this many pseudo-candidates beside the row's
-# earlier candidates (all above a token under it, none above one over it), so a row's first tokens
-# follow the threshold and later ones their rank among what came before.
+# earlier candidates, so a row's first tokens follow the threshold and later ones their rank.
 RANK_PRIOR = 16.0
 
 
@@ -324,11 +323,13 @@ def rank_decision(s: torch.Tensor, above: torch.Tensor, count: torch.Tensor, cap
     """Top-k's rule over the past: admit a candidate iff less than ``capacity`` of what came before it
     ranks above it, where what came before is its ``count`` earlier candidates (``above`` of them with a
     higher relative logit ``s``) and ``RANK_PRIOR`` pseudo-candidates standing for the calibrated
-    threshold (all above ``s`` if ``s <= threshold``, none otherwise). A row's first candidates thus
-    follow the threshold, later ones their rank: the admitted share holds at the capacity on text
-    unlike the training batches, where the threshold alone drifts with the logits (docs/routing.md)."""
-    pseudo = RANK_PRIOR * (s <= threshold).to(above.dtype)
-    return (above + pseudo) < capacity * (count + RANK_PRIOR)
+    threshold. The threshold says a token under it has more than ``capacity`` of the candidates above
+    it and one over it less: the pseudo-candidates put the midpoint of each range above it,
+    ``(1 + capacity) / 2`` or ``capacity / 2``. A row's first candidates thus follow the threshold and
+    later ones their rank: the admitted share holds at the capacity on text unlike the training
+    batches, where the threshold alone drifts with the logits (docs/routing.md)."""
+    share_above = torch.where(s <= threshold, (1 + capacity) / 2, capacity / 2).to(above.dtype)
+    return (above + RANK_PRIOR * share_above) < capacity * (count + RANK_PRIOR)
 
 
 def masked_selection(chosen: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor | None, row_len: int,
