@@ -129,14 +129,18 @@ class RecursiveBlock(nn.Module):
         return self.mod_active if router.kind == "mod" else self.mor_active
 
     # ------------------------------------------------------------------ static bookkeeping
+    def fractions(self) -> list[float]:
+        """Fraction of the row each depth runs on now: the configured ones, moved by the MoR ramp."""
+        entry = self.depth_fractions[0]
+        if self.mor_ramp == 1.0:
+            return list(self.depth_fractions)
+        return [entry] + [entry + self.mor_ramp * (frac - entry) for frac in self.depth_fractions[1:]]
+
     def tokens_per_depth(self, seq_len: int) -> list[int]:
         """Tokens per row that each depth runs on in top-k mode (token-choice depths: an upper bound)."""
         fixed = {j for r in self.all_routers() if r.fixed_k for j in r.depths}
         counts, previous = [], seq_len
-        entry = self.depth_fractions[0]
-        for j, frac in enumerate(self.depth_fractions):
-            if j > 0 and self.mor_ramp != 1.0:
-                frac = entry + self.mor_ramp * (frac - entry)
+        for j, frac in enumerate(self.fractions()):
             if j in fixed:
                 previous = min(previous, max(1, round(frac * seq_len)))
             counts.append(previous)
@@ -144,14 +148,9 @@ class RecursiveBlock(nn.Module):
 
     def depth_capacities(self) -> list[float]:
         """Share of its candidates that each depth keeps (its fraction of the row over the previous
-        depth's), the MoR ramp applied as in ``tokens_per_depth``: the causal rank rule's targets."""
-        entry, previous, shares = self.depth_fractions[0], 1.0, []
-        for j, frac in enumerate(self.depth_fractions):
-            if j > 0 and self.mor_ramp != 1.0:
-                frac = entry + self.mor_ramp * (frac - entry)
-            shares.append(frac / previous)
-            previous = frac
-        return shares
+        depth's): the causal rank rule's targets."""
+        fractions = self.fractions()
+        return [frac / previous for frac, previous in zip(fractions, [1.0, *fractions])]
 
     def new_caches(self, batch: int, length: int, device, dtype) -> list[list[AttentionCache]]:
         caches = [[layer.attn.new_cache(batch, length, device, dtype) for layer in self.layers]

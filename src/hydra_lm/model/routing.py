@@ -175,8 +175,8 @@ class ExpertChoiceRouter(Router):
     def decode_admits(self, r: torch.Tensor, valid: torch.Tensor | None, pos: torch.Tensor, capacity: float,
                       state: torch.Tensor) -> torch.Tensor:
         """Causal admission of new candidates at positions ``pos`` [B, n] from the unit's decode state
-        ``state`` [B, 3, L] (per position: raw logit, relative logit, 1 if a candidate), updated in place.
-        Slots are indexed by position, like the K/V cache's, so re-decoding a position overwrites it."""
+        ``state`` [B, 3, L] (per position: raw logit, relative logit, 1 if a candidate), updated in place;
+        slots are indexed by position, like the K/V cache's."""
         v = torch.ones_like(r) if valid is None else valid.to(r.dtype)
         state[:, 0].scatter_(1, pos, r.to(state.dtype))
         state[:, 2].scatter_(1, pos, v.to(state.dtype))
