@@ -68,3 +68,8 @@ def records(run_dir: Path, kind: str | None = None) -> list[dict]:
 
 def train_losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in records(run_dir, "train")]
+
+
+def compiled_graphs(fn) -> int:
+    """Graphs Dynamo holds compiled for the function ``fn`` (every ``torch.compile`` of it)."""
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))

@@ -190,7 +190,7 @@ def test_decode_rate_counts_only_the_steady_one_token_steps(monkeypatch):
     model = hydra_lm.create_model("debug", vocab_size=512, max_seq_len=64).eval()
     steps = []
 
-    def forward_cached(ids, start, caches, unit=None):
+    def forward_cached(ids, start, caches, unit=None, select=None):
         steps.append(ids.shape[1])
         time.sleep(0.3 if ids.shape[1] > 1 else 0.01)
         return torch.zeros(ids.shape[0], 512)

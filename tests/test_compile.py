@@ -4,9 +4,11 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from hydra_lm.model.block import run_unit
+from hydra_lm.model.routing import routed_selection
 from hydra_lm.train.compile_policy import compile_units, use_layer_regions
 
-from support import TINY, tiny_model
+from support import TINY, compiled_graphs, tiny_model
 
 
 def _batch(seed):
@@ -47,7 +49,7 @@ def test_causal_eval_with_document_masks_compiles_fullgraph():
 
 
 # Routed units of three sizes (16, 11, 5 tokens); one dynamic unit graph takes every size, block and
-# batch (routers run eager; the naive loss is not compiled).
+# batch, one selection graph every router (the naive loss is not compiled).
 @pytest.mark.slow
 def test_unit_compile_reuses_one_graph_and_keeps_the_state_dict():
     torch._dynamo.reset()
@@ -61,7 +63,9 @@ def test_unit_compile_reuses_one_graph_and_keeps_the_state_dict():
         out = model(ids, targets=targets, doc_ids=doc)
         out["loss"].backward()
         torch.testing.assert_close(out["loss"], reference(ids, targets=targets, doc_ids=doc)["loss"])
-    assert counter.frame_count == 1
+    assert compiled_graphs(run_unit) == 1
+    assert compiled_graphs(routed_selection) == 1  # MoD and MoR routers alike
+    assert counter.frame_count == 2
     assert list(model.state_dict()) == keys
 
 
@@ -90,7 +94,7 @@ def test_layer_regions_trace_each_unit_size_once_and_match_eager():
 
 
 @pytest.mark.slow
-def test_compile_units_matches_eager_with_few_graphs():
+def test_compile_units_matches_eager_with_fewcompiled_graphs():
     """Units and the fused loss's chunks compiled (chunks of 24 rows: two sizes); MoD on every 2nd
     block, so ungated full-row units and gated ones occur. Loss and every gradient equal eager's,
     and a second batch compiles nothing new."""
@@ -112,5 +116,7 @@ def test_compile_units_matches_eager_with_few_graphs():
         assert (p.grad is None) == (q.grad is None), name
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, msg=name)
-    # one unit graph for gated and ungated units of every size, two loss-chunk sizes (64 = 24 + 24 + 16)
-    assert first == 3 and counter.frame_count == first
+    # one unit graph for gated and ungated units of every size, one selection graph for every router,
+    # two loss-chunk sizes (64 = 24 + 24 + 16)
+    assert compiled_graphs(run_unit) == 1 and compiled_graphs(routed_selection) == 1
+    assert first == 4 and counter.frame_count == first

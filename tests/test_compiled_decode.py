@@ -1,15 +1,18 @@
 """The compiled one-token decode step (``generate``'s default on CUDA, ``compile_step=True`` elsewhere):
-every routed unit runs one compiled ``run_cached_unit``, routing stays eager. Against the eager step: the
-same greedy tokens, one graph for all units and blocks, no recompilation per unit or per position. On a
-CPU the unit compiles with "aot_eager" (``compiled_decode_unit``)."""
+every routed unit runs one compiled ``run_cached_unit`` and every router one compiled
+``routed_selection``. Against the eager step: the same greedy tokens, one unit graph for all units and
+blocks, one selection graph per router signature, no recompilation per unit or per position. On a CPU
+they compile with "aot_eager" (``hydra._compile_for_decode``)."""
 
 import pytest
 import torch
 
 import hydra_lm
 from hydra_lm.model import hydra as hydra_module
+from hydra_lm.model.block import run_cached_unit
+from hydra_lm.model.routing import routed_selection
 
-from support import TINY, tiny_model
+from support import TINY, compiled_graphs, tiny_model
 from test_causal_routing import _calibrate, _drift
 
 
@@ -49,43 +52,48 @@ def test_compiled_decode_step_gives_the_eager_steps_greedy_tokens(fresh_dynamo, 
     prompt = torch.randint(0, TINY["vocab_size"], (3, 7), generator=torch.Generator().manual_seed(0))
     eager = model.generate(prompt, max_new_tokens=20, compile_step=False)
     calls = _compiled_unit_calls(monkeypatch)
+    compiled = model.generate(prompt, max_new_tokens=20, compile_step=True)
     # Every unit of every block, at every position, hits the first unit's graph: a recompilation per
-    # unit (a guard on its layers or caches), per position or per call raises here.
+    # unit (a guard on its layers or caches) would show here; per position or per call, below.
+    assert compiled_graphs(run_cached_unit) == 1
+    # One selection graph per router signature: whether an earlier depth masked the candidates (expert
+    # choice), or per depth (token choice reads its decision's column of that depth).
+    selections = compiled_graphs(routed_selection)
+    assert 1 <= selections <= TINY["recursions"] + 1
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = model.generate(prompt, max_new_tokens=20, compile_step=True)
         longer = model.generate(prompt, max_new_tokens=25, compile_step=True)  # same cache bucket: reused
     assert torch.equal(compiled, eager) and torch.equal(longer[:, :27], eager)
     units = TINY["n_blocks"] * TINY["recursions"]
     assert len(calls) == units * (19 + 24)  # the steps after the first token; the prompt's prefill runs eager
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"], dict(counters["graph_break"])  # a break would hint at a host sync
-    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["stats"]["unique_graphs"] == 1 + selections
     assert torch.equal(compiled, _full_forward_tokens(model, prompt, 20))  # and what full forwards pick
 
 
 def test_compiled_decode_step_of_the_100M_layout_is_one_graph(fresh_dynamo):
     """The 100M preset's layout (8 blocks x 4 recursions, MoD on every second block, so the first
-    unit of the others has no router), narrowed: its 32 units share one graph."""
+    unit of the others has no router), narrowed: its 32 units share one graph, its 28 routers two (routers
+    whose candidates an earlier depth masked, and the others)."""
     torch.manual_seed(0)
     model = hydra_lm.create_model("100M", vocab_size=128, dim=64, n_heads=2, n_kv_heads=1, mlp_hidden=128,
                                   max_seq_len=64).eval()
     prompt = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(0))
     eager = model.generate(prompt, max_new_tokens=4)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        assert torch.equal(model.generate(prompt, max_new_tokens=4, compile_step=True), eager)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(model.generate(prompt, max_new_tokens=4, compile_step=True), eager)
+    assert compiled_graphs(run_cached_unit) == 1 and compiled_graphs(routed_selection) == 2
 
 
 def test_units_of_different_layer_stacks_compile_one_graph_each(fresh_dynamo):
     """middle_cycle: a one-layer first and last block around a shared two-layer middle block (with a
-    recursion embedding): two unit signatures, two graphs, then no recompilation."""
+    recursion embedding): two unit signatures, two unit graphs, then no recompilation."""
     model = tiny_model(sharing="middle_cycle", n_blocks=4).double().eval()
     prompt = torch.randint(0, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(0))
     eager = model.generate(prompt, max_new_tokens=8)
     assert torch.equal(model.generate(prompt, max_new_tokens=8, compile_step=True), eager)
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert torch.equal(model.generate(prompt, max_new_tokens=8, compile_step=True), eager)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    assert compiled_graphs(run_cached_unit) == 2
 
 
 def test_the_step_compiles_by_default_on_cuda_only(monkeypatch):

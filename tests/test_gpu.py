@@ -5,7 +5,7 @@ import torch
 
 import hydra_lm
 from hydra_lm.train.compile_policy import compile_units, use_layer_regions
-from support import TINY, tiny_model
+from support import TINY, compiled_graphs, tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -147,22 +147,26 @@ def test_graph_captured_decoding_matches_eager_decoding(overrides):
 
 
 def test_compiled_decode_step_matches_the_eager_step():
-    """generate() on CUDA (by default the routed units compiled, the step captured): in float64 the eager
-    loop's greedy tokens, one graph for all units without breaks or recompiles; in bf16 (the 100M preset's
-    layout, shrunk) one graph for its 32 units and the eager step's logits within bf16 tolerance,
-    teacher-forced so that a flipped tie cannot diverge."""
+    """generate() on CUDA (by default the routed units and the routers' selections compiled, the step
+    captured): in float64 the eager loop's greedy tokens, one graph for all units and one per router
+    signature, without breaks or recompiles after the first step; in bf16 (the 100M preset's layout,
+    shrunk) one graph for its 32 units, two for its 28 routers, and the eager step's logits within
+    bf16 tolerance, teacher-forced so that a flipped tie cannot diverge."""
+    from hydra_lm.model.block import run_cached_unit
     from hydra_lm.model.hydra import DecodeStep
+    from hydra_lm.model.routing import routed_selection
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = tiny_model().double().cuda().eval()
     prompt = _ids(3, 7, TINY["vocab_size"])
     eager = model.generate(prompt, max_new_tokens=20, cuda_graph=False, compile_step=False)
+    assert torch.equal(model.generate(prompt, max_new_tokens=20), eager)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert torch.equal(model.generate(prompt, max_new_tokens=20), eager)
         assert torch.equal(model.generate(prompt, max_new_tokens=25)[:, :27], eager)
     counters = torch._dynamo.utils.counters
-    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"] and compiled_graphs(run_cached_unit) == 1
+    assert 1 <= compiled_graphs(routed_selection) <= 2
 
     torch._dynamo.reset()
     counters.clear()
@@ -176,9 +180,11 @@ def test_compiled_decode_step_matches_the_eager_step():
             caches = big.init_cache(4, 64)
             big.forward_cached(ids[:, :8], 0, caches)
             step = DecodeStep(big, caches, 4, ids.device, graphed=True, compiled=compiled)
+            logits = [step(ids[:, 8:9], 8).float().clone()]  # compiles (and captures on the next call)
             with torch._dynamo.config.patch(error_on_recompile=True):
-                steps.append([step(ids[:, t:t + 1], t).float().clone() for t in range(8, 40)])
-    assert counters["stats"]["unique_graphs"] == 1
+                logits += [step(ids[:, t:t + 1], t).float().clone() for t in range(9, 40)]
+            steps.append(logits)
+    assert compiled_graphs(run_cached_unit) == 1 and compiled_graphs(routed_selection) == 2
     for t, (want, got) in enumerate(zip(*steps)):
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05, msg=f"position {8 + t}")
 

@@ -89,12 +89,16 @@ def test_each_run_reports_its_own_peak_memory_when_one_process_trains_several(ti
     """`hydra-lm compare` trains its variants in one process: a small run after a large one reports
     what it reports alone, not the large one's peak (nor the MFU probe's matrices)."""
     big = ["--batch_size", "64", "--model.dim", "256"]
+    # What earlier tests of this process still hold counts in every run's peak (about 0.9 GB after the
+    # decode tests; a tiny run alone peaks at about 70 MB): compare what the runs add to it.
+    base = torch.cuda.memory_allocated() / 2**20
     assert train(tiny_data, tmp_path / "alone", *EAGER) == 0
     assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "big"), *COMMON, *EAGER, *big]) == 0
     assert train(tiny_data, tmp_path / "after", *EAGER) == 0
-    peak = {name: max(r["memory_mb"] for r in records(tmp_path / name, "train")) for name in ("alone", "big", "after")}
+    peak = {name: max(r["memory_mb"] for r in records(tmp_path / name, "train")) - base
+            for name in ("alone", "big", "after")}
     assert peak["big"] > 1.3 * peak["alone"], peak
-    assert peak["after"] == pytest.approx(peak["alone"], rel=0.05), peak
+    assert peak["after"] == pytest.approx(peak["alone"], abs=16), peak  # MB; the big run added ~40
 
 
 def test_compare_compiles_many_routed_variants_in_one_process(tiny_data, tmp_path):

@@ -15,7 +15,7 @@ from torch import nn
 from ..config import HydraConfig
 from .attention import AttentionCache
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
-from .routing import Router, build_routers, pass_through
+from .routing import Router, Selection, build_routers, pass_through, routed_selection
 
 
 class TransformerLayer(nn.Module):
@@ -113,6 +113,7 @@ class RecursiveBlock(nn.Module):
         self.mor_ramp = 1.0
         self.layer_regions = False  # compile_policy.use_layer_regions: layers as nested compile regions
         self.compiled_unit = None  # compile_policy.compile_units: a compiled run_unit, shared by all blocks
+        self.compiled_select = None  # compile_policy.compile_units: a compiled routed_selection, likewise
 
     # ------------------------------------------------------------------ routers
     def all_routers(self) -> list[Router]:
@@ -166,12 +167,13 @@ class RecursiveBlock(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding, mode: str,
                 caches: list[list[AttentionCache]] | None = None, doc: torch.Tensor | None = None,
-                cached_unit=None):
+                cached_unit=None, cached_select=None):
         """Returns (x, {"mod": [losses], "mor": [losses]}, [stats per router]).
 
         ``doc`` [B, T]: document index of each position; attention, convs and value shift then stay
         inside a document (gathered along with the positions when tokens are compacted).
-        ``cached_unit`` (with ``caches``): a compiled ``run_cached_unit`` that runs every unit."""
+        ``cached_unit``, ``cached_select`` (with ``caches``): a compiled ``run_cached_unit`` that runs every
+        unit and a compiled ``routing.routed_selection`` that runs every router."""
         b, seq_len, dim = x.shape
         counts = self.tokens_per_depth(seq_len)
         capacities = self.depth_capacities() if mode == "causal" else None
@@ -182,6 +184,7 @@ class RecursiveBlock(nn.Module):
         decision = None  # per-entry routing state a router decided on entry (Router.enter)
 
         routers = self.all_routers()
+        select = cached_select if caches is not None else self.compiled_select
         gates = {j: r for r in routers for j in r.depths}
         # One view per depth from one op: backward stacks the depths' gradients once, where indexing per
         # depth would write each into a zeroed [R, E] tensor and add the R of them.
@@ -192,8 +195,13 @@ class RecursiveBlock(nn.Module):
                 sel = pass_through(xc, vc, seq_len)
             elif router is not None:
                 state = None if caches is None else caches[j][0].route
-                sel = router.select(xc, vc, counts[j], mode, seq_len, depth=j, decision=decision, state=state,
-                                    capacity=None if capacities is None else capacities[j], doc=doc, pos=pc)
+                capacity = None if capacities is None else capacities[j]
+                if select is None:
+                    sel = router.select(xc, vc, counts[j], mode, seq_len, depth=j, decision=decision, state=state,
+                                        capacity=capacity, doc=doc, pos=pc)
+                else:
+                    sel = Selection(*select(router, xc, vc, counts[j], mode, seq_len, j, decision, state, capacity,
+                                            doc, pc))
                 if sel.aux_loss is not None:
                     losses[router.kind].append(sel.aux_loss)
             if sel is not None:

@@ -23,7 +23,7 @@ from .block import RecursiveBlock, TransformerLayer, run_cached_unit
 from .loss import linear_cross_entropy
 from .layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
 from .moe import MoEFeedForward, grouped_mm_dtype
-from .routing import ROUTING_MODES, depth_fractions
+from .routing import ROUTING_MODES, depth_fractions, routed_selection
 from .sampling import sample_next
 
 
@@ -167,7 +167,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         return (ce + cfg.resolved_mod_aux_weight * out["aux_loss"] + cfg.mor_aux_weight * out["ponder_loss"]
                 + cfg.moe_aux_weight * out["moe_loss"])
 
-    def _trunk(self, x, pos, mode, caches, doc=None, cached_unit=None):
+    def _trunk(self, x, pos, mode, caches, doc=None, cached_unit=None, cached_select=None):
         mod, mor, moe, stats, loads = [], [], [], [], []
         for i, block in enumerate(self.blocks):
             block_caches = None if caches is None else caches[i]
@@ -175,7 +175,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
                 # Recompute each block in backward instead of storing its activations.
                 x, losses, block_stats = checkpoint(block, x, pos, self.rope, mode, None, doc, use_reentrant=False)
             else:
-                x, losses, block_stats = block(x, pos, self.rope, mode, block_caches, doc, cached_unit)
+                x, losses, block_stats = block(x, pos, self.rope, mode, block_caches, doc, cached_unit, cached_select)
             mod += losses["mod"]
             mor += losses["mor"]
             stats += block_stats
@@ -203,14 +203,15 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         return [block.new_caches(batch, length, device, dtype) for block in self.blocks]
 
     def forward_cached(self, input_ids: torch.Tensor, start: int | torch.Tensor, caches: list,
-                       unit=None) -> torch.Tensor:
+                       unit=None, select=None) -> torch.Tensor:
         """Run new tokens at positions start.. through the model, updating ``caches``; returns the
         last position's logits [B, V]. ``start``: an int, or a [B, 1] tensor (a graph-captured step).
-        ``unit``: a compiled ``run_cached_unit`` (``compiled_decode_unit``) that runs every routed unit."""
+        ``unit``, ``select``: a compiled ``run_cached_unit`` (``compiled_decode_unit``) that runs every
+        routed unit and a compiled ``routed_selection`` (``compiled_decode_select``) for every router."""
         b, s = input_ids.shape
         pos = (start + torch.arange(s, device=input_ids.device)).expand(b, s)
         mode = "static" if self.config.static_routing_mode else "causal"
-        x, _ = self._trunk(self.embed(input_ids), pos, mode, caches, cached_unit=unit)
+        x, _ = self._trunk(self.embed(input_ids), pos, mode, caches, cached_unit=unit, cached_select=select)
         return self.lm_head(self.norm(x[:, -1]))
 
     def decode_capturable(self) -> bool:
@@ -231,8 +232,8 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         second is captured); launched one by one, the step's hundreds of small kernels leave the GPU idle.
         ``compile_step`` (default: on CUDA, eager on the CPU; ``False`` opts out): every routed unit of
         the step runs one ``torch.compile``d unit (``compiled_decode_unit``, static shapes), shared by all
-        units and blocks, so the graph replays fused kernels instead of many tiny eager ones; routing
-        stays eager. The first ``generate`` of a (batch, cache length) compiles, later ones reuse it.
+        units and blocks, and every router one compiled selection (``compiled_decode_select``), so the
+        graph replays fused kernels instead of many tiny eager ones. The first ``generate`` of a (batch, cache length) compiles, later ones reuse it.
         Its cache is then allocated for a power-of-two number of positions (capped at ``max_seq_len``),
         so prompts of similar length share one compilation.
         """
@@ -299,12 +300,12 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
 
 
 def decode_forward(model: HydraModel, ids: torch.Tensor, pos: torch.Tensor, caches: list, autocast: bool,
-                   dtype: torch.dtype, unit=None) -> torch.Tensor:
+                   dtype: torch.dtype, unit=None, select=None) -> torch.Tensor:
     """One cached step of ``ids`` [B, 1] at positions ``pos`` [B, 1] (both tensors: a new position is
     new data, not a new Python constant to guard on), under the caller's autocast without its cast
-    cache (the cache would hold tensors across a graph capture); ``unit``: see ``forward_cached``."""
+    cache (the cache would hold tensors across a graph capture); ``unit``, ``select``: see ``forward_cached``."""
     with torch.autocast(ids.device.type, dtype=dtype, enabled=autocast, cache_enabled=False):
-        return model.forward_cached(ids, pos, caches, unit=unit)
+        return model.forward_cached(ids, pos, caches, unit=unit, select=select)
 
 
 def decode_compiles(device: torch.device, compile_step: bool | None) -> bool:
@@ -314,7 +315,22 @@ def decode_compiles(device: torch.device, compile_step: bool | None) -> bool:
     return torch.device(device).type == "cuda" if compile_step is None else compile_step
 
 
-_compiled_units: dict = {}
+_compiled_decode_fns: dict = {}
+
+
+def _compile_for_decode(fn, device: torch.device):
+    # Inductor generates Triton on CUDA; on the CPU "aot_eager" (Dynamo's trace and AOT's functionalized
+    # cache updates, no code generation): inductor's C++ codegen fails on some of these graphs in some builds.
+    backend = "inductor" if torch.device(device).type == "cuda" else "aot_eager"
+    key = (fn.__name__, backend)
+    if key not in _compiled_decode_fns:
+        # Python floats (norm eps, capacities) as constants, as in compile_policy.compile_units: no restart
+        # of the analysis. Each (batch, cache length, dtype, layer stack or router kind) is a graph of its
+        # own; past Dynamo's default limit of 8 per function a bench over several batch sizes would
+        # silently fall back to eager.
+        _compiled_decode_fns[key] = torch._dynamo.config.patch(specialize_float=True, recompile_limit=64)(
+            torch.compile(fn, backend=backend, dynamic=False, fullgraph=True))
+    return _compiled_decode_fns[key]
 
 
 def compiled_decode_unit(device: torch.device):
@@ -324,18 +340,14 @@ def compiled_decode_unit(device: torch.device):
     cache length, dtype, layer stack) serves every unit of every block and every position. The
     layers, the caches and the unit's inputs are arguments, not constants: Dynamo guards on their
     types and shapes, not on which unit they belong to. One compiled callable per device type."""
-    # Inductor generates Triton on CUDA; on the CPU "aot_eager" (Dynamo's trace and AOT's functionalized
-    # cache updates, no code generation): inductor's C++ codegen fails on some of these graphs in some builds.
-    backend = "inductor" if torch.device(device).type == "cuda" else "aot_eager"
-    fn = _compiled_units.get(backend)
-    if fn is None:
-        # Python floats (norm eps) as constants, as in compile_policy.compile_units: no restart of the analysis. Each
-        # (batch, cache length, dtype, layer stack) is a graph of its own; past Dynamo's default limit
-        # of 8 per function a bench over several batch sizes would silently fall back to eager units.
-        fn = torch._dynamo.config.patch(specialize_float=True, recompile_limit=64)(
-            torch.compile(run_cached_unit, backend=backend, dynamic=False, fullgraph=True))
-        _compiled_units[backend] = fn
-    return fn
+    return _compile_for_decode(run_cached_unit, device)
+
+
+def compiled_decode_select(device: torch.device):
+    """``routed_selection`` compiled like ``compiled_decode_unit``: a router's causal decision on the new
+    tokens (its rank among the earlier candidates kept in the decode state, updated in place) as a few
+    fused kernels instead of some sixty small ones; one graph per router kind and capacity."""
+    return _compile_for_decode(routed_selection, device)
 
 
 class DecodeStep:
@@ -350,9 +362,10 @@ class DecodeStep:
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         autocast, dtype = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
         unit = compiled_decode_unit(device) if compiled else None
+        select = compiled_decode_select(device) if compiled else None
 
         def step() -> torch.Tensor:
-            return decode_forward(model, self.ids, self.pos, caches, autocast, dtype, unit)
+            return decode_forward(model, self.ids, self.pos, caches, autocast, dtype, unit, select)
 
         self._run = GraphedStep(step, warmup=1) if graphed else step
 

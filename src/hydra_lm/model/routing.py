@@ -115,7 +115,9 @@ class ExpertChoiceRouter(Router):
         super().__init__()
         self.depths = (depth,)
         self.kind = "mod" if depth == 0 else "mor"
-        self.gate_scale = gate_scale
+        # A tensor, not a Python float: a compiled selection would guard on the float's value and compile
+        # the MoD routers (scale 1) and the MoR routers apart. Fixed by the config, so not saved.
+        self.register_buffer("gate_scale", torch.tensor(float(gate_scale)), persistent=False)
         self.proj = nn.Linear(dim, 1)
         self.register_buffer("threshold_sum", torch.zeros((), dtype=torch.float32))
         self.register_buffer("threshold_weight", torch.zeros((), dtype=torch.float32))
@@ -205,8 +207,7 @@ class ExpertChoiceRouter(Router):
                                              self.proj.bias.to(dtype))
 
     def gate(self, r: torch.Tensor) -> torch.Tensor:
-        # A scale of 1 (the MoD routers) is no multiplication: one kernel less each way, the same values.
-        return torch.sigmoid(r) if self.gate_scale == 1.0 else self.gate_scale * torch.sigmoid(r)
+        return self.gate_scale.to(r.dtype) * torch.sigmoid(r)
 
     def select(self, x, valid, k, mode, row_len, depth=0, decision=None, state=None, capacity=None,
                doc=None, pos=None) -> Selection:
@@ -245,6 +246,16 @@ class ExpertChoiceRouter(Router):
                 chosen = self.decode_admits(r.detach(), valid, pos, capacity, state)
             return masked_selection(chosen, self.gate(r), valid, row_len, aux_loss=r.new_zeros(()))
         raise ValueError(f"routing mode {mode!r}: must be one of {ROUTING_MODES}")
+
+
+def routed_selection(router: Router, x, valid, k: int, mode: str, row_len: int, depth: int, decision, state,
+                     capacity, doc, pos) -> tuple:
+    """``router.select`` as a tuple of ``Selection``'s fields: a free function of its inputs, so that
+    ``train.compile_policy.compile_units`` (and a compiled decode step) compile it once for every router
+    of a kind. Its few dozen small ops per call (logits, top-k, calibration, the causal rank, the
+    router loss) then run as a handful of fused kernels."""
+    sel = router.select(x, valid, k, mode, row_len, depth, decision, state, capacity, doc, pos)
+    return sel.order, sel.weight, sel.valid, sel.aux_loss, sel.stats
 
 
 class _LogitsOfParameters(torch.autograd.Function):

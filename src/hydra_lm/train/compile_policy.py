@@ -4,7 +4,7 @@ defaults per device and process count, and the one place that refuses combinatio
 The settings ``compile``, ``cuda_graph`` and ``chunked_ce`` are None for "automatic":
 
 - CUDA, one process: compile the routed units (``compile_units``: one dynamic graph for
-  every unit, routing eager), capture the whole step as CUDA graphs, fuse head and loss in chunks.
+  every unit, one for every router's selection), capture the whole step as CUDA graphs, fuse head and loss in chunks.
   On an H100 (100M preset) this starts in about 36 s and is within a few percent of the fastest
   steady state (benchmarks/BENCHMARKS.md).
 - CUDA under torchrun: compile the whole model, fused loss; no CUDA graphs (FSDP2/DDP communication
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..model.block import run_unit
+from ..model.routing import routed_selection
 from ..model.loss import resolve_impl
 
 
@@ -125,7 +126,7 @@ def apply_speed_plan(model, wrapped: torch.nn.Module, plan: SpeedPlan):
     (the model, or its FSDP2/DDP wrapper) itself, or a compiled module around it."""
     model.ce_impl, model.ce_chunk_size = plan.ce_impl, plan.ce_chunk_size
     if plan.compile == "units":
-        compile_units(model, mode=plan.compile_mode)  # compiled in place; routing stays eager
+        compile_units(model, mode=plan.compile_mode)  # compiled in place; gathers and scatters stay eager
         return wrapped
     if plan.compile == "regions":
         use_layer_regions(model, True)
@@ -138,8 +139,9 @@ def compile_units(model, **kwargs):
     """Compile what every routed unit of a ``HydraModel`` repeats, once: ``block.run_unit`` (recursion
     embedding, the layer stack, the gated residual update) with dynamic token counts (default
     ``dynamic=True, fullgraph=True``), so all 32 units of the 100M preset share one graph, and the
-    fused chunked loss's per-chunk work (``ce_impl`` other than "naive"). Routing (routers, top-k,
-    gathers, scatters) runs eager; pair it with a whole-step CUDA graph
+    fused chunked loss's per-chunk work (``ce_impl`` other than "naive"), and every router's selection
+    (``routing.routed_selection``: one graph for all routers). Gathers and scatters between units run
+    eager; pair it with a whole-step CUDA graph
     (``hydra_lm.model.cuda_graphs.GraphedStep``) so the eager kernels cost no launch time. Returns the
     model; parameter names and the state dict are unchanged."""
     kwargs = {"fullgraph": True, "dynamic": True, **kwargs}
@@ -153,9 +155,13 @@ def compile_units(model, **kwargs):
     # analysis of the unit. Dynamic shapes still specialize a unit of one token per row (deep geometric
     # MoR depths) and evaluation's full rows: past Dynamo's default 8 graphs per function the fullgraph
     # compile would fail, so the limit is raised as for the decode unit.
-    unit = torch._dynamo.config.patch(specialize_float=True, recompile_limit=64)(torch.compile(run_unit, **kwargs))
+    patch = torch._dynamo.config.patch(specialize_float=True, recompile_limit=64)
+    unit = patch(torch.compile(run_unit, **kwargs))
+    # The routers' selections likewise: eager, each is a few dozen kernels of a few microseconds (top-k,
+    # calibration, router loss), which added up to a tenth of the 100M preset's step on an H100.
+    select = patch(torch.compile(routed_selection, **kwargs))
     for block in model.blocks:
-        block.compiled_unit = unit
+        block.compiled_unit, block.compiled_select = unit, select
     for moe in model.moe_blocks.values():
         moe.compile(**kwargs)
     model.ce_compile = {"backend": kwargs.get("backend", "inductor"), "mode": kwargs.get("mode")}
