@@ -15,7 +15,7 @@ from torch import nn
 from ..config import HydraConfig
 from .attention import AttentionCache
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
-from .routing import Router, Selection, build_routers, pass_through, routed_selection
+from .routing import Router, Selection, build_routers, pass_through
 
 
 class TransformerLayer(nn.Module):
