@@ -346,7 +346,8 @@ def compiled_decode_unit(device: torch.device):
 def compiled_decode_select(device: torch.device):
     """``routed_selection`` compiled like ``compiled_decode_unit``: a router's causal decision on the new
     tokens (its rank among the earlier candidates kept in the decode state, updated in place) as a few
-    fused kernels instead of some sixty small ones; one graph per router kind and capacity."""
+    fused kernels instead of some sixty small ones; one graph per capacity and per whether an earlier
+    depth masked the router's candidates."""
     return _compile_for_decode(routed_selection, device)
 
 

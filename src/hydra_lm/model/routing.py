@@ -251,8 +251,8 @@ class ExpertChoiceRouter(Router):
 def routed_selection(router: Router, x, valid, k: int, mode: str, row_len: int, depth: int, decision, state,
                      capacity, doc, pos) -> tuple:
     """``router.select`` as a tuple of ``Selection``'s fields: a free function of its inputs, so that
-    ``train.compile_policy.compile_units`` (and a compiled decode step) compile it once for every router
-    of a kind. Its few dozen small ops per call (logits, top-k, calibration, the causal rank, the
+    ``train.compile_policy.compile_units`` (and a compiled decode step) compile it once for every
+    router. Its few dozen small ops per call (logits, top-k, calibration, the causal rank, the
     router loss) then run as a handful of fused kernels."""
     sel = router.select(x, valid, k, mode, row_len, depth, decision, state, capacity, doc, pos)
     return sel.order, sel.weight, sel.valid, sel.aux_loss, sel.stats

@@ -4,9 +4,9 @@ defaults per device and process count, and the one place that refuses combinatio
 The settings ``compile``, ``cuda_graph`` and ``chunked_ce`` are None for "automatic":
 
 - CUDA, one process: compile the routed units (``compile_units``: one dynamic graph for
-  every unit, one for every router's selection), capture the whole step as CUDA graphs, fuse head and loss in chunks.
-  On an H100 (100M preset) this starts in about 36 s and is within a few percent of the fastest
-  steady state (benchmarks/BENCHMARKS.md).
+  every unit, one for every router's selection), capture the whole step as CUDA graphs, fuse head
+  and loss in chunks. On an H100 (100M preset) the first step takes about a minute (cold caches) and
+  this is the fastest steady state measured (benchmarks/BENCHMARKS.md).
 - CUDA under torchrun: compile the whole model, fused loss; no CUDA graphs (FSDP2/DDP communication
   cannot be captured) and no unit compilation (one process only).
 - CPU: eager, plain loss.
@@ -158,7 +158,7 @@ def compile_units(model, **kwargs):
     patch = torch._dynamo.config.patch(specialize_float=True, recompile_limit=64)
     unit = patch(torch.compile(run_unit, **kwargs))
     # The routers' selections likewise: eager, each is a few dozen kernels of a few microseconds (top-k,
-    # calibration, router loss), which added up to a tenth of the 100M preset's step on an H100.
+    # calibration, router loss); compiled, the 100M preset trains ~2% faster on an H100.
     select = patch(torch.compile(routed_selection, **kwargs))
     for block in model.blocks:
         block.compiled_unit, block.compiled_select = unit, select
