@@ -35,6 +35,10 @@ def test_bench_reports_training_and_inference_for_both_archs(tmp_path, capsys):
         assert row["decode_cuda_graph"] is False and row["decode_tokens_per_s_batch1"] > 0 and row["decode_len"] == 3
         assert row["decode_compiled"] is False  # CPU default: the eager step
         assert "decode_tokens_per_s_batch8" not in row
+        # the dense model runs every layer; HYDRA's step skips the routed units no token enters
+        units = [row[f"decode_units_per_step_batch{b}"] for b in (1, 32)]
+        assert 0 < units[0] <= units[1] <= row["routed_units"]
+        assert (units[1] == row["routed_units"]) == (row["arch"] == "dense")
     assert report["rows"][0]["ce_impl"] == "naive" and report["measured_bf16_peak_tflops"] is None
 
 
@@ -185,17 +189,30 @@ def test_decode_rate_counts_only_the_steady_one_token_steps(monkeypatch):
     10 ms, whatever the prefill costs (counted, it would pull the rate below 32 tokens / 0.38 s)."""
     import time
 
-    from hydra_lm.diagnostics.bench import decode_tokens_per_s
+    from hydra_lm.diagnostics import bench
 
     model = hydra_lm.create_model("debug", vocab_size=512, max_seq_len=64).eval()
     steps = []
 
-    def forward_cached(ids, start, caches, unit=None, select=None):
+    def forward_cached(ids, start, caches):
         steps.append(ids.shape[1])
-        time.sleep(0.3 if ids.shape[1] > 1 else 0.01)
+        time.sleep(0.3)
         return torch.zeros(ids.shape[0], 512)
 
+    class Step:  # stands for DecodeStep: runs 3 routed units per step
+        def __init__(self, model, caches, batch, device, graphed, compiled):
+            self.unit_calls = 0
+
+        def __call__(self, ids, position):
+            steps.append(ids.shape[1])
+            self.unit_calls += 3
+            time.sleep(0.01)
+            return torch.zeros(ids.shape[0], 512)
+
     monkeypatch.setattr(model, "forward_cached", forward_cached)
-    rate = decode_tokens_per_s(model, batch=4, length=8, device=torch.device("cpu"), compiled=False, repeats=2)
-    assert 4 / 0.02 < rate <= 4 / 0.01
-    assert steps == [8] + [1] * (2 + 2 * 8)  # prefill, two warm-up steps, two timed runs of 8 steps
+    monkeypatch.setattr(bench, "DecodeStep", Step)
+    rate, units = bench.decode_tokens_per_s(model, batch=4, length=8, device=torch.device("cpu"), compiled=False,
+                                            repeats=2)
+    assert 4 / 0.02 < rate <= 4 / 0.01 and units == 3
+    # prefill, two warm-up steps, then each timed run of 8 steps after a prefill of its own
+    assert steps == [8] + [1] * 2 + ([8] + [1] * 8) * 2

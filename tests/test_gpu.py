@@ -153,7 +153,7 @@ def test_compiled_decode_step_matches_the_eager_step():
     shrunk) one graph for its 32 units, two for its 28 routers, and the eager step's logits within
     bf16 tolerance, teacher-forced so that a flipped tie cannot diverge."""
     from hydra_lm.model.block import run_cached_unit
-    from hydra_lm.model.hydra import DecodeStep
+    from hydra_lm.model.decode_step import DecodeStep
     from hydra_lm.model.routing import routed_selection
 
     torch._dynamo.reset()

@@ -5,6 +5,7 @@ import torch
 
 import hydra_lm
 from hydra_lm.model.block import TransformerLayer
+from hydra_lm.model.decode_step import DecodeStep
 from hydra_lm.model.routing import RANK_PRIOR, rank_admits
 
 from support import TINY, tiny_model
@@ -98,6 +99,47 @@ def test_incremental_decode_matches_full_forward_where_deep_routers_rank():
     for t in range(50, 90):
         logits = model.forward_cached(ids[:, t:t + 1], t, caches)
         torch.testing.assert_close(logits, full["logits"][:, t], rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"mor_routing": "token"}, {"mod_every": 2, "mod_capacity": 0.25},
+                                       {"moe": True, "moe_num_layers": 1}, {"static_routing_mode": True}],
+                         ids=["expert_choice", "token_choice", "mod_every_2", "moe", "static"])
+def test_decode_step_skips_the_units_no_token_enters(overrides):
+    """The one-token step (``DecodeStep``) runs only the routed units that some row's token enters (a
+    forward of the same token runs them all, masked); skipping changes nothing else: the same logits
+    to the bit, step after step, and the same cache contents wherever a slot holds a unit's token."""
+    model = tiny_model(**overrides).double().eval()
+    calls = []
+    for block in model.blocks:
+        block.layers[0].register_forward_hook(lambda *_: calls.append(1))
+    ids = _ids(1, 40)
+    runs = {}
+    for stepper in ("forward", "step"):
+        caches = model.init_cache(1, 40)
+        model.forward_cached(ids[:, :5], 0, caches)
+        step = DecodeStep(model, caches, 1, ids.device, graphed=False, compiled=False)
+        calls.clear()
+        logits = [(model.forward_cached(ids[:, t:t + 1], t, caches) if stepper == "forward"
+                   else step(ids[:, t:t + 1], t)).clone() for t in range(5, 40)]
+        runs[stepper] = (logits, caches, len(calls), step.unit_calls)
+    units = sum(block.recursions for block in model.blocks)
+    assert runs["forward"][2] == units * 35
+    assert runs["step"][2] == runs["step"][3]  # the step counts what it runs
+    if overrides.get("static_routing_mode"):  # every unit, weighted by its gate
+        assert runs["step"][2] == units * 35
+    else:
+        assert 35 <= runs["step"][2] < units * 35 * 0.6  # 22-49% of them run here
+    for got, want in zip(runs["step"][0], runs["forward"][0]):
+        assert torch.equal(got, want)
+    for skipped, full in zip(sum(sum(runs["step"][1], []), []), sum(sum(runs["forward"][1], []), [])):
+        valid = full.slot_valid
+        assert torch.equal(skipped.slot_valid, valid)
+        assert torch.equal(skipped.k * valid[:, None, :, None], full.k * valid[:, None, :, None])
+        assert torch.equal(skipped.conv, full.conv) and torch.equal(skipped.shift, full.shift)
+        if full.route is not None:  # the router's decode state: the same candidates, logits where one
+            candidate = full.route[:, 2:] > 0
+            assert torch.equal(skipped.route[:, 2:], full.route[:, 2:])
+            assert torch.equal(skipped.route * candidate, full.route * candidate)
 
 
 def test_greedy_generate_equals_repeated_full_forwards(variant):

@@ -28,7 +28,7 @@ from .bench_options import BenchConfig
 from ..model.accounting import dense_flops_per_token, executed_flops_per_token, kv_cache_bytes_per_token
 from ..model.attention_backend import sdpa_kernel_only
 from ..model.doc_attention import resolve_doc_mask_backend
-from ..model.hydra import DecodeStep, decode_compiles
+from ..model.decode_step import DecodeStep, decode_compiles
 from .step_profile import format_profile, profile_steps
 from ..train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
 from ..train.optim import build_optimizer
@@ -178,28 +178,40 @@ def _routing_efficiency(model, routed: dict[str, Any], cfg: BenchConfig, plan: S
 
 @torch.no_grad()
 def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, compiled: bool,
-                        repeats: int = 3) -> float:
+                        repeats: int = 3) -> tuple[float, float]:
     """Steady-state decoding of ``batch`` rows: a prompt of ``length`` tokens is prefilled, then
     ``length`` one-token steps (greedy, CUDA-graphed where ``generate`` does so, units compiled when
     ``compiled``) are timed on their own, median of ``repeats``. Prefill, the first eager
     step (and its compilation) and the graph's capture happen before the clock starts: timing whole
     ``generate`` calls would fold them (and their noise, larger than a short decode at batch 1) into
-    the per-token cost."""
+    the per-token cost. Each timed run starts from a fresh prefill into the same (zeroed) cache: a
+    cache's positions are consumed once (``HydraModel.forward_cached``). Returns (tokens/s, routed units
+    run per step in the timed runs: the step skips the units no row's token enters)."""
     prompt = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
     caches = model.init_cache(batch, 2 * length)
-    first = model.forward_cached(prompt, 0, caches).argmax(-1)
-    graphed = model.decode_capturable()
-    step = DecodeStep(model, caches, batch, device, graphed, compiled)
-    for position in (length, length + 1):  # eager warm-up, then the capture; rewritten by the timed steps
+    tensors = [t for block in caches for depth in block for cache in depth
+               for t in (getattr(cache, f.name) for f in dataclasses.fields(cache)) if t is not None]
+
+    def prefill() -> torch.Tensor:
+        for t in tensors:  # in place: a captured step reads these very tensors
+            t.zero_()
+        return model.forward_cached(prompt, 0, caches).argmax(-1)
+
+    first = prefill()
+    step = DecodeStep(model, caches, batch, device, model.decode_capturable(), compiled)
+    for position in (length, length + 1):  # eager warm-up, then the capture
         step(first[:, None], position)
 
-    def decode() -> None:
-        token = first
-        for position in range(length, 2 * length):
-            token = step(token[:, None], position).argmax(-1)
+    def decode(token: torch.Tensor) -> float:
+        def run() -> None:
+            nonlocal token
+            for position in range(length, 2 * length):
+                token = step(token[:, None], position).argmax(-1)
+        return _timed(run, device)
 
-    seconds = statistics.median(_timed(decode, device) for _ in range(repeats))
-    return batch * length / seconds
+    before = step.unit_calls
+    seconds = statistics.median(decode(prefill()) for _ in range(repeats))
+    return batch * length / seconds, (step.unit_calls - before) / (repeats * length)
 
 
 @torch.no_grad()
@@ -213,8 +225,10 @@ def bench_inference(model, cfg: BenchConfig, device: torch.device) -> dict[str, 
                                                                          for _ in range(3))
         compiled = decode_compiles(device, cfg.decode_compile)
         for batch in cfg.decode_batch_sizes():
-            result[f"decode_tokens_per_s_batch{batch}"] = decode_tokens_per_s(model, batch, cfg.new_tokens, device,
-                                                                              compiled=compiled)
+            rate, units = decode_tokens_per_s(model, batch, cfg.new_tokens, device, compiled=compiled)
+            result[f"decode_tokens_per_s_batch{batch}"] = rate
+            result[f"decode_units_per_step_batch{batch}"] = units
+        result["routed_units"] = sum(block.recursions for block in model.blocks)
         result["decode_cuda_graph"] = model.decode_capturable()
         result["decode_compiled"] = compiled
     result["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(model.config, 2 * cfg.new_tokens)
@@ -295,8 +309,10 @@ def format_report(report: dict[str, Any]) -> str:
             graph = f" ({', '.join(step)})" if step else ""
             decode = ", ".join(f"batch {k.removeprefix('decode_tokens_per_s_batch')} {v:,.0f}" for k, v in r.items()
                                if k.startswith("decode_tokens_per_s_batch"))
+            units = "/".join(f"{v:.1f}" for k, v in r.items() if k.startswith("decode_units_per_step_batch"))
             lines.append(f"{'':<7}inference: prefill {r['prefill_tokens_per_s']:,.0f} tok/s | decode{graph} "
-                         f"{r['decode_len']} after {r['decode_len']} prompt tokens, tok/s: {decode} | KV cache "
+                         f"{r['decode_len']} after {r['decode_len']} prompt tokens, tok/s: {decode} | units run per "
+                         f"step {units} of {r['routed_units']} | KV cache "
                          f"{r['kv_cache_bytes_per_token']['allocated'] / 1024:.1f} KiB/token")
         if "routing_efficiency" in r:
             lines.append(f"{'':<7}routing: {r['routing_speedup']:.2f}x the tokens/s of the same model unrouted "

@@ -61,28 +61,18 @@ def run_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, doc, weig
 
 
 def run_cached_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, weight):
-    """``run_unit`` on new tokens appended to the unit's ``caches`` (updated in place): what a compiled
-    decode step compiles (``hydra.compiled_decode_unit``). A function of its own so that its compiled
-    graphs and recompile count are separate from the training units' (``compile_policy.compile_units``)."""
-    return run_unit(layers, xc, rec, pos, rope, caches, valid, None, weight)
+    """``run_unit`` on new tokens ``xc`` appended to the unit's ``caches``, the result written back into
+    ``xc`` (the decode step keeps its residual stream in one buffer): what the decode step runs for every unit
+    (``decode_step.DecodeStep``, compiled by ``decode_step.compiled_decode_unit``). A function of its own
+    so that its compiled graphs and recompile count are separate from the training units'
+    (``compile_policy.compile_units``)."""
+    xc.copy_(run_unit(layers, xc, rec, pos, rope, caches, valid, None, weight))
 
 
 def _gather_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2:
         return x.gather(1, order)
     return x.gather(1, order[..., None].expand(-1, -1, x.shape[-1]))
-
-
-def _uniform_unit_inputs(xc: torch.Tensor, valid, weight):
-    """(valid, weight) of a cached unit as tensors of one dtype whatever gated it (an all-true mask
-    and weight 1 where nothing did; an expert-choice gate and a token-choice one in the dtype of the
-    wider): the unit computes exactly what it would with None, and every unit of the model calls the
-    compiled unit with the same signature, so they share one graph."""
-    dtype = torch.promote_types(xc.dtype, torch.float32)
-    if valid is None:
-        valid = torch.ones(xc.shape[:2], dtype=torch.bool, device=xc.device)
-    weight = xc.new_ones(xc.shape[:2], dtype=dtype) if weight is None else weight.to(dtype)
-    return valid, weight
 
 
 class RecursiveBlock(nn.Module):
@@ -166,14 +156,13 @@ class RecursiveBlock(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding, mode: str,
-                caches: list[list[AttentionCache]] | None = None, doc: torch.Tensor | None = None,
-                cached_unit=None, cached_select=None):
+                caches: list[list[AttentionCache]] | None = None, doc: torch.Tensor | None = None):
         """Returns (x, {"mod": [losses], "mor": [losses]}, [stats per router]).
 
         ``doc`` [B, T]: document index of each position; attention, convs and value shift then stay
         inside a document (gathered along with the positions when tokens are compacted).
-        ``cached_unit``, ``cached_select`` (with ``caches``): a compiled ``run_cached_unit`` that runs every
-        unit and a compiled ``routing.routed_selection`` that runs every router."""
+        ``caches``: run the entries as new tokens appended to the units' caches (the prompt's prefill;
+        the one-token steps after it run ``decode_step.DecodeStep``)."""
         b, seq_len, dim = x.shape
         counts = self.tokens_per_depth(seq_len)
         capacities = self.depth_capacities() if mode == "causal" else None
@@ -184,7 +173,7 @@ class RecursiveBlock(nn.Module):
         decision = None  # per-entry routing state a router decided on entry (Router.enter)
 
         routers = self.all_routers()
-        select = cached_select if caches is not None else self.compiled_select
+        select = self.compiled_select if caches is None else None
         gates = {j: r for r in routers for j in r.depths}
         # One view per depth from one op: backward stacks the depths' gradients once, where indexing per
         # depth would write each into a zeroed [R, E] tensor and add the R of them.
@@ -224,9 +213,6 @@ class RecursiveBlock(nn.Module):
 
             rec = None if recs is None else recs[j]
             weight = None if sel is None else sel.weight
-            if caches is not None and cached_unit is not None:
-                xc = cached_unit(self.layers, xc, rec, pc, rope, caches[j], *_uniform_unit_inputs(xc, vc, weight))
-                continue
             unit = run_unit
             if self.compiled_unit is not None and caches is None:
                 unit = self.compiled_unit

@@ -17,13 +17,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import HydraConfig
-from .cuda_graphs import GraphedStep
 from .attention import CCGQAttention, GQAttention
-from .block import RecursiveBlock, TransformerLayer, run_cached_unit
+from .decode_step import DecodeStep, decode_compiles
+from .block import RecursiveBlock, TransformerLayer
 from .loss import linear_cross_entropy
 from .layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
 from .moe import MoEFeedForward, grouped_mm_dtype
-from .routing import ROUTING_MODES, depth_fractions, routed_selection
+from .routing import ROUTING_MODES, depth_fractions
 from .sampling import sample_next
 
 
@@ -167,7 +167,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         return (ce + cfg.resolved_mod_aux_weight * out["aux_loss"] + cfg.mor_aux_weight * out["ponder_loss"]
                 + cfg.moe_aux_weight * out["moe_loss"])
 
-    def _trunk(self, x, pos, mode, caches, doc=None, cached_unit=None, cached_select=None):
+    def _trunk(self, x, pos, mode, caches, doc=None):
         mod, mor, moe, stats, loads = [], [], [], [], []
         for i, block in enumerate(self.blocks):
             block_caches = None if caches is None else caches[i]
@@ -175,7 +175,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
                 # Recompute each block in backward instead of storing its activations.
                 x, losses, block_stats = checkpoint(block, x, pos, self.rope, mode, None, doc, use_reentrant=False)
             else:
-                x, losses, block_stats = block(x, pos, self.rope, mode, block_caches, doc, cached_unit, cached_select)
+                x, losses, block_stats = block(x, pos, self.rope, mode, block_caches, doc)
             mod += losses["mod"]
             mor += losses["mor"]
             stats += block_stats
@@ -202,16 +202,16 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         dtype = dtype or weight.dtype
         return [block.new_caches(batch, length, device, dtype) for block in self.blocks]
 
-    def forward_cached(self, input_ids: torch.Tensor, start: int | torch.Tensor, caches: list,
-                       unit=None, select=None) -> torch.Tensor:
+    def forward_cached(self, input_ids: torch.Tensor, start: int | torch.Tensor, caches: list) -> torch.Tensor:
         """Run new tokens at positions start.. through the model, updating ``caches``; returns the
-        last position's logits [B, V]. ``start``: an int, or a [B, 1] tensor (a graph-captured step).
-        ``unit``, ``select``: a compiled ``run_cached_unit`` (``compiled_decode_unit``) that runs every
-        routed unit and a compiled ``routed_selection`` (``compiled_decode_select``) for every router."""
+        last position's logits [B, V]. ``start``: an int or a [B, 1] tensor. Positions are consumed in
+        order, each once per cache (the conv and value-shift states advance with every token). Every
+        routed unit runs, on masked entries (the prompt's prefill; ``generate``'s one-token steps run
+        ``decode_step.DecodeStep``, which skips the units no token enters)."""
         b, s = input_ids.shape
         pos = (start + torch.arange(s, device=input_ids.device)).expand(b, s)
         mode = "static" if self.config.static_routing_mode else "causal"
-        x, _ = self._trunk(self.embed(input_ids), pos, mode, caches, cached_unit=unit, cached_select=select)
+        x, _ = self._trunk(self.embed(input_ids), pos, mode, caches)
         return self.lm_head(self.norm(x[:, -1]))
 
     def decode_capturable(self) -> bool:
@@ -227,13 +227,15 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         """Prompt [B, T] -> [B, T + max_new_tokens] (stops early once every row emitted ``eos_token_id``).
 
         ``temperature=0`` is greedy decoding; it yields exactly the tokens that repeated full
-        forwards in eval (causal routing) mode would pick. ``cuda_graph`` (default: on CUDA): the
-        one-token steps after the prompt are replayed as one CUDA graph (the first runs eagerly, the
-        second is captured); launched one by one, the step's hundreds of small kernels leave the GPU idle.
-        ``compile_step`` (default: on CUDA, eager on the CPU; ``False`` opts out): every routed unit of
-        the step runs one ``torch.compile``d unit (``compiled_decode_unit``, static shapes), shared by all
-        units and blocks, and every router one compiled selection (``compiled_decode_select``), so the
-        graph replays fused kernels instead of many tiny eager ones. The first ``generate`` of a (batch,
+        forwards in eval (causal routing) mode would pick. The one-token steps after the prompt
+        (``decode_step.DecodeStep``) run only the routed units that some row's new token enters.
+        ``cuda_graph`` (default: on CUDA): the ops between two routing decisions replay as one CUDA graph
+        each (the first step runs eagerly, the second captures); launched one by one, the step's hundreds
+        of small kernels leave the GPU idle. ``compile_step`` (default: on CUDA, eager on the CPU;
+        ``False`` opts out): every routed unit of the step runs one ``torch.compile``d unit
+        (``compiled_decode_unit``, static shapes), shared by all units and blocks, and every router one
+        compiled selection (``compiled_decode_select``), so the graphs replay fused kernels instead of
+        many tiny eager ones. The first ``generate`` of a (batch,
         cache length) compiles, later ones reuse it. Its cache is then allocated for a power-of-two
         number of positions (capped at ``max_seq_len``), so prompts of similar length share one compilation.
         """
@@ -297,80 +299,3 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             if not self.config.tie_embeddings:
                 n -= self.lm_head.weight.numel()
         return n
-
-
-def decode_forward(model: HydraModel, ids: torch.Tensor, pos: torch.Tensor, caches: list, autocast: bool,
-                   dtype: torch.dtype, unit=None, select=None) -> torch.Tensor:
-    """One cached step of ``ids`` [B, 1] at positions ``pos`` [B, 1] (both tensors: a new position is
-    new data, not a new Python constant to guard on), under the caller's autocast without its cast
-    cache (the cache would hold tensors across a graph capture); ``unit``, ``select``: see ``forward_cached``."""
-    with torch.autocast(ids.device.type, dtype=dtype, enabled=autocast, cache_enabled=False):
-        return model.forward_cached(ids, pos, caches, unit=unit, select=select)
-
-
-def decode_compiles(device: torch.device, compile_step: bool | None) -> bool:
-    """Whether a decode step on ``device`` runs compiled units: ``compile_step``, or by default on CUDA
-    (faster there at every batch size measured, benchmarks/BENCHMARKS.md) and not on the CPU, where the
-    unit compiles without code generation (``compiled_decode_unit``), so it would buy nothing."""
-    return torch.device(device).type == "cuda" if compile_step is None else compile_step
-
-
-_compiled_decode_fns: dict = {}
-
-
-def _compile_for_decode(fn, device: torch.device):
-    # Inductor generates Triton on CUDA; on the CPU "aot_eager" (Dynamo's trace and AOT's functionalized
-    # cache updates, no code generation): inductor's C++ codegen fails on some of these graphs in some builds.
-    backend = "inductor" if torch.device(device).type == "cuda" else "aot_eager"
-    key = (fn.__name__, backend)
-    if key not in _compiled_decode_fns:
-        # Python floats (norm eps, capacities) as constants, as in compile_policy.compile_units: no restart
-        # of the analysis. Each (batch, cache length, dtype, layer stack or router kind) is a graph of its
-        # own; past Dynamo's default limit of 8 per function a bench over several batch sizes would
-        # silently fall back to eager.
-        _compiled_decode_fns[key] = torch._dynamo.config.patch(specialize_float=True, recompile_limit=64)(
-            torch.compile(fn, backend=backend, dynamic=False, fullgraph=True))
-    return _compiled_decode_fns[key]
-
-
-def compiled_decode_unit(device: torch.device):
-    """``run_cached_unit`` (a routed unit's layer stack on new tokens, appending to its caches in
-    place) under ``torch.compile`` with static shapes and ``fullgraph=True``: in a one-token step every
-    unit runs on [B, 1] entries (causal routing masks, it does not compact), so one graph per (batch,
-    cache length, dtype, layer stack) serves every unit of every block and every position. The
-    layers, the caches and the unit's inputs are arguments, not constants: Dynamo guards on their
-    types and shapes, not on which unit they belong to. One compiled callable per device type."""
-    return _compile_for_decode(run_cached_unit, device)
-
-
-def compiled_decode_select(device: torch.device):
-    """``routed_selection`` compiled like ``compiled_decode_unit``: a router's causal decision on the new
-    tokens (its rank among the earlier candidates kept in the decode state, updated in place) as a few
-    fused kernels instead of some sixty small ones; one graph per capacity and per whether an earlier
-    depth masked the router's candidates."""
-    return _compile_for_decode(routed_selection, device)
-
-
-class DecodeStep:
-    """One-token decoding step on fixed input buffers (token, position), its routed units compiled when
-    ``compiled`` (``compiled_decode_unit``) and the whole step replayed as a CUDA graph when ``graphed``
-    (the first call runs, and compiles, eagerly; the second is captured). The logits it returns are
-    overwritten by the next call."""
-
-    def __init__(self, model: HydraModel, caches: list, batch: int, device: torch.device, graphed: bool,
-                 compiled: bool):
-        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        autocast, dtype = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
-        unit = compiled_decode_unit(device) if compiled else None
-        select = compiled_decode_select(device) if compiled else None
-
-        def step() -> torch.Tensor:
-            return decode_forward(model, self.ids, self.pos, caches, autocast, dtype, unit, select)
-
-        self._run = GraphedStep(step, warmup=1) if graphed else step
-
-    def __call__(self, ids: torch.Tensor, position: int) -> torch.Tensor:
-        self.ids.copy_(ids)
-        self.pos.fill_(position)
-        return self._run()

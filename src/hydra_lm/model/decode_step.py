@@ -1,0 +1,259 @@
+"""The one-token decoding step of ``HydraModel.generate``: a routed unit runs only when some row's new
+token enters it.
+
+A full forward (and the prompt's prefill, ``HydraModel.forward_cached``) runs every unit on masked
+entries, which keeps shapes static. A one-token step has few entries to mask and many units: with the
+presets' routing a token enters about 5 of the 100M preset's 32 units, and a step that launches all 32
+is bound by their kernels' fixed cost. So the step is a list of ops (embedding, each router's decision,
+each unit, MoE blocks, head) over fixed buffers (the residual stream ``x``, each router's mask and gate),
+and after each router's decision the host reads whether any row's token entered: if none did, the rest of
+that block is skipped. A skipped unit leaves its caches as a masked one would (no slot marked valid, conv
+and value-shift state unchanged; its router's state marks no candidate) and the residual stream
+unchanged, so the tokens are those of the full forward.
+
+On CUDA the ops between two decisions are one CUDA graph ("segment"), captured on the second call after
+an eager first call that runs every op (compiling every graph the segments use). The host still
+synchronises once per decision; a CUDA graph IF node (PyTorch >= 2.13, not in the 2.11 measured here)
+could take the decision on the device instead.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .block import run_cached_unit
+from .routing import routed_selection
+
+
+def decode_compiles(device: torch.device, compile_step: bool | None) -> bool:
+    """Whether a decode step on ``device`` runs compiled units: ``compile_step``, or by default on CUDA
+    (faster there at every batch size measured, benchmarks/BENCHMARKS.md) and not on the CPU, where the
+    unit compiles without code generation (``compiled_decode_unit``), so it would buy nothing."""
+    return torch.device(device).type == "cuda" if compile_step is None else compile_step
+
+
+_compiled_decode_fns: dict = {}
+
+
+def _compile_for_decode(fn, device: torch.device):
+    # Inductor generates Triton on CUDA; on the CPU "aot_eager" (Dynamo's trace and AOT's functionalized
+    # cache updates, no code generation): inductor's C++ codegen fails on some of these graphs in some builds.
+    backend = "inductor" if torch.device(device).type == "cuda" else "aot_eager"
+    key = (fn.__name__, backend)
+    if key not in _compiled_decode_fns:
+        # Python floats (norm eps, capacities) as constants, as in compile_policy.compile_units: no restart
+        # of the analysis. Each (batch, cache length, dtype, layer stack or router kind) is a graph of its
+        # own; past Dynamo's default limit of 8 per function a bench over several batch sizes would
+        # silently fall back to eager.
+        _compiled_decode_fns[key] = torch._dynamo.config.patch(specialize_float=True, recompile_limit=64)(
+            torch.compile(fn, backend=backend, dynamic=False, fullgraph=True))
+    return _compiled_decode_fns[key]
+
+
+def compiled_decode_unit(device: torch.device):
+    """``run_cached_unit`` (a routed unit's layer stack on new tokens, appending to its caches in
+    place) under ``torch.compile`` with static shapes and ``fullgraph=True``: every unit runs on [B, 1]
+    entries, so one graph per (batch, cache length, dtype, layer stack) serves every unit of every block
+    and every position. The layers, the caches and the unit's inputs are arguments, not constants:
+    Dynamo guards on their types and shapes, not on which unit they belong to. One compiled callable per
+    device type."""
+    return _compile_for_decode(run_cached_unit, device)
+
+
+def compiled_decode_select(device: torch.device):
+    """``routed_selection`` compiled like ``compiled_decode_unit``: a router's causal decision on the new
+    tokens (its rank among the earlier candidates kept in the decode state, updated in place) as a few
+    fused kernels instead of some sixty small ones; one graph per capacity and per whether an earlier
+    depth masked the router's candidates."""
+    return _compile_for_decode(routed_selection, device)
+
+
+@dataclass
+class _Op:
+    run: Callable[[], torch.Tensor | None]  # a decision returns the 0-dim bool "some row's token entered"
+    decides: bool = False
+    skip_to: int = -1  # a decision's next op when no token entered: the first after its block's units
+    unit: bool = False  # runs a routed unit (counted in DecodeStep.unit_calls)
+
+
+class DecodeStep:
+    """One-token decoding step on fixed input buffers (token, position): ``step(ids [B, 1], position)``
+    returns the logits [B, V] of the new tokens, overwritten by the next call. Positions are consumed in
+    order, each once per cache (the conv and value-shift states advance with every token).
+
+    ``compiled``: every unit runs one compiled ``run_cached_unit`` and every router one compiled
+    ``routed_selection`` (``compiled_decode_unit``, ``compiled_decode_select``). ``graphed`` (CUDA): the
+    ops between two decisions replay as one CUDA graph each; the first call runs every op eagerly (and
+    compiles), the second captures the segments. ``unit_calls`` counts the units run so far.
+    """
+
+    def __init__(self, model, caches: list, batch: int, device: torch.device, graphed: bool, compiled: bool):
+        device = torch.device(device)
+        self.device, self.graphed = device, graphed
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.autocast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+        weight = model.embed.weight
+        self.x = torch.zeros(batch, 1, weight.shape[1], dtype=weight.dtype, device=device)  # the residual stream
+        self.logits: torch.Tensor | None = None  # allocated by the first call (the head's output dtype)
+        self.unit_calls = 0
+        self._unit = compiled_decode_unit(device) if compiled else run_cached_unit
+        self._rope = model.rope
+        self._select = compiled_decode_select(device) if compiled else routed_selection
+        self._mode = "static" if model.config.static_routing_mode else "causal"
+        self._ops = self._build(model, caches, batch)
+        # A segment runs from its first op to the first decision at or after it (or to the head).
+        self._ends, end = [0] * len(self._ops), len(self._ops) - 1
+        for i in reversed(range(len(self._ops))):
+            end = i if self._ops[i].decides else end
+            self._ends[i] = end
+        self._units = [sum(op.unit for op in self._ops[i:self._ends[i] + 1]) for i in range(len(self._ops))]
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] | None = None
+        self._flag = torch.zeros((), dtype=torch.bool, pin_memory=graphed)
+
+    # ------------------------------------------------------------------ the ops
+    def _build(self, model, caches: list, batch: int) -> list[_Op]:
+        x, mode = self.x, self._mode
+        gate_dtype = torch.promote_types(x.dtype, torch.float32)  # the routers' logits and gates
+        # What a unit that no router gates takes: every entry, weight 1. Every unit then calls the
+        # compiled unit with the same signature (tensors of the same dtypes), so they share one graph.
+        self._all = torch.ones(batch, 1, dtype=torch.bool, device=x.device)
+        self._one = torch.ones(batch, 1, dtype=gate_dtype, device=x.device)
+        ops = [_Op(lambda: x.copy_(model.embed(self.ids)))]
+        for i, block in enumerate(model.blocks):
+            gates = {j: r for r in block.all_routers() for j in r.depths}
+            capacities = block.depth_capacities()
+            decisions, valid = [], None
+            decision = None  # a token-choice router's per-token depths ([B, 1, 1 + R]), set on entry
+            if block.depth_router is not None and block._active(block.depth_router):
+                decision = torch.zeros(batch, 1, 1 + block.recursions, dtype=torch.float32, device=x.device)
+            for j in range(block.recursions):
+                router, weight = gates.get(j), None
+                if router is not None and block._active(router):
+                    weight = torch.zeros(batch, 1, dtype=gate_dtype, device=x.device)
+                    mask = torch.zeros(batch, 1, dtype=torch.bool, device=x.device) if mode == "causal" else None
+                    route = self._route_op(router, j, capacities[j], caches[i][j][0].route, valid, mask, weight,
+                                           None if j == 0 else decision)
+                    ops.append(route)
+                    if mask is not None:
+                        decisions.append(route)
+                        valid = mask
+                if j == 0 and decision is not None:
+                    ops.append(self._enter_op(block.depth_router, valid, decision))
+                ops.append(self._unit_op(block, j, caches[i][j], valid, weight))
+            if str(i) in model.moe_blocks:
+                moe = model.moe_blocks[str(i)]
+                ops.append(_Op(lambda moe=moe: x.copy_(moe(x)[0])))
+            for route in decisions:
+                route.skip_to = len(ops) - (1 if str(i) in model.moe_blocks else 0)
+        ops.append(_Op(lambda: self._head(model)))
+        return ops
+
+    def _route_op(self, router, j: int, capacity: float, state, valid, mask, weight, decision) -> _Op:
+        x, pos, select, mode = self.x, self.pos, self._select, self._mode
+
+        def route():
+            _, gate, chosen, _, _ = select(router, x, valid, 1, mode, 1, j, decision, state, capacity, None, pos)
+            weight.copy_(gate)
+            if mask is None:  # static routing: every token runs the unit, weighted by its gate
+                return None
+            mask.copy_(chosen)  # one entry per row: the selection's order is the identity
+            return mask.any()
+
+        return _Op(route, decides=mask is not None)
+
+    def _enter_op(self, router, valid, decision) -> _Op:
+        x, mode = self.x, self._mode
+        return _Op(lambda: decision.copy_(router.enter(x, valid, mode)[0]))
+
+    def _unit_op(self, block, j: int, caches, valid, weight) -> _Op:
+        x, pos = self.x, self.pos
+
+        def unit():
+            # The recursion embedding as the training path takes it (a view from unbind): the same guards.
+            rec = None if block.rec_emb is None else block.rec_emb.unbind(0)[j]
+            self._unit(block.layers, x, rec, pos, self._rope, caches, self._all if valid is None else valid,
+                       self._one if weight is None else weight)  # updates x in place
+
+        return _Op(unit, unit=True)
+
+    def _head(self, model) -> None:
+        logits = model.lm_head(model.norm(self.x[:, -1]))
+        if self.logits is None:
+            self.logits = torch.empty_like(logits)
+        self.logits.copy_(logits)
+
+    # ------------------------------------------------------------------ running
+    def __call__(self, ids: torch.Tensor, position: int) -> torch.Tensor:
+        self.ids.copy_(ids)
+        self.pos.fill_(position)
+        if self.graphed and self._graphs is None and self.logits is not None:
+            self._capture()
+        if self.logits is None:  # the first call: every op, in order (compiles what every segment runs)
+            self._run_all()
+            return self.logits
+        i = 0
+        while i < len(self._ops):
+            end = self._ends[i]
+            self.unit_calls += self._units[i]
+            entered = self._run_segment(i)
+            op = self._ops[end]
+            i = end + 1 if not op.decides or entered else op.skip_to
+        return self.logits
+
+    def _autocast(self):
+        enabled, dtype = self.autocast
+        # Without the cast cache: it would hold tensors across a graph capture.
+        return torch.autocast(self.device.type, dtype=dtype, enabled=enabled, cache_enabled=False)
+
+    def _run_all(self) -> None:
+        side = torch.cuda.Stream() if self.graphed else None
+        if side is not None:  # warm-up away from the default stream, as a later capture requires
+            side.wait_stream(torch.cuda.current_stream())
+        with (torch.cuda.stream(side) if side is not None else nullcontext()), self._autocast():
+            for op in self._ops:
+                op.run()
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
+        self.unit_calls += sum(op.unit for op in self._ops)
+
+    def _run_segment(self, i: int) -> bool:
+        """Run the ops of the segment starting at ``i``; whether its closing decision let a token in."""
+        end = self._ends[i]
+        if self._graphs is not None:
+            graph, flag = self._graphs[i]
+            graph.replay()
+            if flag is None:
+                return True
+            torch.cuda.current_stream().synchronize()
+            return bool(self._flag)
+        with self._autocast():
+            for op in self._ops[i:end]:
+                op.run()
+            entered = self._ops[end].run()
+        return entered is None or bool(entered)
+
+    def _capture(self) -> None:
+        """One CUDA graph per segment start (the first op, and each op after a decision or a skip), all
+        in one memory pool: they replay one at a time in stream order, and everything that lives from
+        one segment to the next is in buffers allocated outside them."""
+        starts = sorted({0} | {i + 1 for i, op in enumerate(self._ops) if op.decides}
+                        | {op.skip_to for op in self._ops if op.decides})
+        pool = torch.cuda.graph_pool_handle()
+        graphs = {}
+        torch.cuda.synchronize()
+        for i in starts:
+            graph = torch.cuda.CUDAGraph()
+            end = self._ends[i]
+            with torch.cuda.graph(graph, pool=pool), self._autocast():
+                for op in self._ops[i:end]:
+                    op.run()
+                entered = self._ops[end].run()
+                if entered is not None:
+                    self._flag.copy_(entered, non_blocking=True)
+            graphs[i] = (graph, entered)
+        self._graphs = graphs
