@@ -85,6 +85,24 @@ def test_cuda_graph_with_compilation_matches_the_same_compilation(tiny_data, tmp
     assert ("routed units" in log) == (not scope) and log.count("captured as CUDA graphs") == 2
 
 
+@pytest.mark.parametrize("optimizer", ["muon", "lion", "adafactor"])
+def test_an_optimizer_that_cannot_be_captured_steps_eagerly_between_graph_replays(tiny_data, tmp_path, optimizer):
+    """By default on CUDA the forward + backward replays as a CUDA graph whatever the optimizer; one
+    that cannot be captured steps eagerly on the gradients the graph wrote: the eager trainer's losses
+    and gradient norms, and an exact resume."""
+    opt = ["--no-compile", "--optimizer", optimizer]
+    assert train(tiny_data, tmp_path / "eager", *EAGER, *opt) == 0
+    assert train(tiny_data, tmp_path / "graph", *opt) == 0
+    close(losses(tmp_path / "graph"), losses(tmp_path / "eager"), rel=1e-3)
+    log = (tmp_path / "graph" / "train.log").read_text()
+    assert "CUDA graphs of forward + backward (the optimizer steps eagerly)" in log, log
+    assert log.count("captured as CUDA graphs") == 2, log
+    pieces = tmp_path / "pieces"
+    assert train(tiny_data, pieces, *opt, "--stop_at_step", "6") == 0
+    assert main(["train", "--out", str(pieces)]) == 0
+    close(losses(pieces), losses(tmp_path / "graph"), rel=1e-5)
+
+
 def test_each_run_reports_its_own_peak_memory_when_one_process_trains_several(tiny_data, tmp_path):
     """`hydra-lm compare` trains its variants in one process: a small run after a large one reports
     what it reports alone, not the large one's peak (nor the MFU probe's matrices)."""

@@ -40,7 +40,7 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 
 @pytest.mark.parametrize("device, distributed, expected", [
-    (CUDA, False, SpeedPlan("units", "default", True, "chunked", 4096)),  # the fast path
+    (CUDA, False, SpeedPlan("units", "default", True, "chunked", 4096, update_graphed=True)),  # the fast path
     (CUDA, True, SpeedPlan("model", "default", False, "auto", 4096)),  # torchrun: whole model, no graphs
     (CPU, False, SpeedPlan(None, "default", False, "naive", 4096)),  # the CPU stays eager
 ], ids=["cuda", "torchrun", "cpu"])
@@ -52,7 +52,8 @@ def test_speed_defaults_follow_the_device_and_process_count(device, distributed,
     (dict(compile=False, cuda_graph=False, chunked_ce=False), SpeedPlan(None, "default", False, "naive", 4096)),
     (dict(compile_regions=True, compile_mode="reduce-overhead"),  # its own graphs: no whole-step capture
      SpeedPlan("regions", "reduce-overhead", False, "auto", 4096)),
-    (dict(optimizer="lion"), SpeedPlan("units", "default", False, "auto", 4096)),  # not capturable: no graphs
+    # not capturable: forward + backward graphed, the update eager
+    (dict(optimizer="lion"), SpeedPlan("units", "default", True, "chunked", 4096)),
     (dict(gradient_checkpointing=True, chunked_ce_size=512), SpeedPlan("units", "default", False, "auto", 512)),
     (dict(optimizer="sophia"), SpeedPlan(None, "default", False, "naive", 4096)),  # second derivatives: eager
 ])
@@ -65,7 +66,7 @@ def test_speed_opt_outs_and_automatic_fallbacks_on_cuda(settings, expected):
     (dict(compile=True, optimizer="sophia"), CPU, False, "drop --compile"),
     (dict(compile=True, compile_mode="reduce-overhead"), CUDA, False, "needs --compile_regions"),
     (dict(compile_regions=True, compile_mode="reduce-overhead", cuda_graph=True), CUDA, False, "not reduce-overhead"),
-    (dict(cuda_graph=True, optimizer="adafactor"), CUDA, False, "needs --optimizer adamw"),
+    (dict(cuda_graph=True, optimizer="sophia", compile=False), CUDA, False, "cannot capture --optimizer sophia"),
     (dict(cuda_graph=True, gradient_checkpointing=True), CUDA, False, "drop one of them"),
     (dict(cuda_graph=True), CPU, False, "needs a CUDA device"),
     (dict(cuda_graph=True), CUDA, True, "one process only"),

@@ -10,8 +10,9 @@ The settings ``compile``, ``cuda_graph`` and ``chunked_ce`` are None for "automa
 - CUDA under torchrun: compile the whole model, fused loss; no CUDA graphs (FSDP2/DDP communication
   cannot be captured) and no unit compilation (one process only).
 - CPU: eager, plain loss.
-- Sophia: eager, plain loss (its Hessian estimate needs second derivatives); other optimizers than
-  AdamW and gradient checkpointing: no CUDA graphs.
+- Sophia: eager, plain loss (its Hessian estimate needs second derivatives); gradient checkpointing:
+  no CUDA graphs. Optimizers other than AdamW cannot be captured: their update runs eagerly between
+  the replays of the forward + backward graph.
 
 ``compile_regions`` instead compiles the whole model with the layers as shared nested regions; with
 ``compile_mode reduce-overhead`` (no whole-step graphs) it has the fastest steady state measured at
@@ -34,9 +35,12 @@ from ..model.loss import resolve_impl
 class SpeedPlan:
     compile: str | None  # "units", "regions", "model" (whole model) or None (eager)
     compile_mode: str  # torch.compile mode
-    cuda_graph: bool  # the whole step (micro-batch forward + backward, update) as CUDA graphs
+    cuda_graph: bool  # the micro-batch forward + backward as a CUDA graph
     ce_impl: str  # the model's loss path: "naive", "chunked" or "auto" (Liger when installed)
     ce_chunk_size: int
+    # With cuda_graph: the update (clipping, optimizer step) as a second graph, for a capturable optimizer
+    # (fused AdamW, its learning rate in a device tensor); the others step eagerly between replays.
+    update_graphed: bool = False
 
     @property
     def graphs_inside_compile(self) -> bool:
@@ -47,7 +51,8 @@ class SpeedPlan:
         names = {"units": "routed units", "regions": "layer regions", "model": "whole model"}
         parts = [f"torch.compile ({self.compile_mode}, {names[self.compile]})"] if self.compile else ["eager"]
         if self.cuda_graph:
-            parts.append("whole-step CUDA graphs")
+            parts.append("whole-step CUDA graphs" if self.update_graphed else
+                         "CUDA graphs of forward + backward (the optimizer steps eagerly)")
         if self.ce_impl != "naive":
             parts.append(f"fused chunked loss ({self.ce_chunk_size} tokens per chunk)")
         return parts
@@ -80,8 +85,8 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
     if cfg.cuda_graph:  # asked for explicitly
         refuse(not reduce_overhead, "--cuda_graph already graphs the whole step: use it with --compile_mode "
                "default, not reduce-overhead (whose graphs cannot nest inside another capture)")
-        refuse(optimizer == "adamw", f"--cuda_graph needs --optimizer adamw (fused, capturable); {optimizer} "
-               "cannot be captured in a CUDA graph")
+        refuse(optimizer != "sophia", "--cuda_graph cannot capture --optimizer sophia (its Hessian steps "
+               "differentiate the backward): drop --cuda_graph")
         refuse(not checkpointing, "--cuda_graph with gradient checkpointing is not supported (recomputation saves "
                "and restores RNG states on the host); drop one of them")
         refuse(cuda, f"--cuda_graph needs a CUDA device (this run is on {device}): drop --cuda_graph")
@@ -89,7 +94,7 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
                "captured; drop --cuda_graph under torchrun")
         graphs = True
     elif cfg.cuda_graph is None:  # automatic: wherever it can run
-        graphs = cuda and not distributed and not reduce_overhead and optimizer == "adamw" and not checkpointing
+        graphs = cuda and not distributed and not reduce_overhead and optimizer != "sophia" and not checkpointing
     else:
         graphs = False
     # The fused loss's hand-written backward gives Sophia's Hessian estimate no second derivative.
@@ -108,7 +113,8 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
         resolve_impl(cfg.ce_impl, device)  # --ce_impl liger without the package or CUDA: refused now
     # A CUDA graph cannot hold Liger's kernel (it reads a token count on the host): the chunked fallback.
     ce_impl = ("chunked" if graphs and cfg.ce_impl == "auto" else cfg.ce_impl) if chunked else "naive"
-    return SpeedPlan(scope, cfg.compile_mode, graphs, ce_impl, cfg.chunked_ce_size)
+    return SpeedPlan(scope, cfg.compile_mode, graphs, ce_impl, cfg.chunked_ce_size,
+                     update_graphed=graphs and optimizer == "adamw")
 
 
 def enable_tf32(device: torch.device) -> bool:

@@ -10,26 +10,28 @@ from ..model.cuda_graphs import GraphedStep
 
 
 class GraphedTrainStep:
-    """The trainer's step as two CUDA graphs. ``micro(batch)`` copies one micro-batch into fixed device
+    """The trainer's step as CUDA graphs. ``micro(batch)`` copies one micro-batch into fixed device
     buffers and replays forward + backward, which accumulate into the gradients in place (so it can
     run ``grad_accum`` times per step); ``update()`` replays clipping, the optimizer step and the
-    in-place zeroing of the gradients. ``micro_fn(**buffers)`` and ``update_fn()`` are the eager
+    in-place zeroing of the gradients when ``graph_update`` (a capturable optimizer), else runs them
+    eagerly on the gradients the graph wrote. ``micro_fn(**buffers)`` and ``update_fn()`` are the eager
     functions; each graph is captured after ``warmup`` eager calls (see ``GraphedStep``)."""
 
     def __init__(self, micro_fn: Callable[..., Any], update_fn: Callable[[], Any], device: torch.device,
-                 warmup: int = 2):
+                 warmup: int = 2, graph_update: bool = True):
         self.device = device
         self._buffers: dict[str, torch.Tensor] = {}
         self._micro = GraphedStep(lambda: micro_fn(**self._buffers), warmup)
-        self._update = GraphedStep(update_fn, warmup)
+        self._update = GraphedStep(update_fn, warmup) if graph_update else update_fn
 
     @property
     def captured(self) -> bool:
-        return self._micro.captured and self._update.captured
+        return self._micro.captured and getattr(self._update, "captured", True)
 
     def reset(self) -> None:
         self._micro.reset()
-        self._update.reset()
+        if isinstance(self._update, GraphedStep):
+            self._update.reset()
 
     def micro(self, batch: dict[str, torch.Tensor]) -> Any:
         for name, value in batch.items():

@@ -29,8 +29,10 @@ class TrainStep:
         self.moe_load: torch.Tensor | None = None  # the last micro-batch's per-expert token shares (MoE models)
         self.graphs: GraphedTrainStep | None = None
         if plan.cuda_graph:
-            make_capturable(optimizer, device)
-            self.graphs = GraphedTrainStep(self.micro_step, self.update_step, device, graph_warmup)
+            if plan.update_graphed:
+                make_capturable(optimizer, device)
+            self.graphs = GraphedTrainStep(self.micro_step, self.update_step, device, graph_warmup,
+                                           plan.update_graphed)
 
     def autocast(self):
         if self.device.type == "cuda":
