@@ -1,4 +1,5 @@
-"""A step of work (a whole training step, one decoding step) captured as one CUDA graph.
+"""A step of work (the trainer's forward + backward, its update) captured as one CUDA graph. (The
+decode step captures its segments itself, ``decode_step.DecodeStep``: it needs several graphs per step.)
 
 ``torch.compile(mode="reduce-overhead")`` graphs only what inductor compiled: with routing left
 eager (``train.compile_policy.compile_units``) or not compiled at all, a HYDRA step is bound by the host
@@ -7,7 +8,7 @@ step launches (eager routing, compiled layers, loss, optimizer) and replays it w
 PyTorch's ``make_graphed_callables`` graphs modules, not an optimizer step or a decode loop's
 cache updates, so this small wrapper does the documented whole-network capture.
 
-Requirements of the step (all hold for a HYDRA step in top-k mode and for cached decoding): static
+Requirements of the step (all hold for a HYDRA step in top-k mode): static
 shapes, no host synchronisation, inputs read from fixed tensors that the caller refills in place;
 for training, an optimizer with ``capturable=True`` (step counter and learning rate on the device)
 and gradients that are None before the first call or kept allocated and zeroed in place; autocast
