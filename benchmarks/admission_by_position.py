@@ -55,9 +55,11 @@ def main() -> None:
         return sel
 
     routing.ExpertChoiceRouter.select = recording
-    with torch.no_grad():
-        model(ids, doc_ids=doc, routing="causal")
-    routing.ExpertChoiceRouter.select = select
+    try:
+        with torch.no_grad():
+            model(ids, doc_ids=doc, routing="causal")
+    finally:
+        routing.ExpertChoiceRouter.select = select
 
     in_doc = position_in_document(doc)
     in_row = torch.arange(args.seq_len).expand_as(doc)

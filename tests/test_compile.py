@@ -94,7 +94,7 @@ def test_layer_regions_trace_each_unit_size_once_and_match_eager():
 
 
 @pytest.mark.slow
-def test_compile_units_matches_eager_with_fewcompiled_graphs():
+def test_compile_units_matches_eager_with_few_graphs():
     """Units and the fused loss's chunks compiled (chunks of 24 rows: two sizes); MoD on every 2nd
     block, so ungated full-row units and gated ones occur. Loss and every gradient equal eager's,
     and a second batch compiles nothing new."""

@@ -223,7 +223,6 @@ class DecodeStep:
 
     def _run_segment(self, i: int) -> bool:
         """Run the ops of the segment starting at ``i``; whether its closing decision let a token in."""
-        end = self._ends[i]
         if self._graphs is not None:
             graph, flag = self._graphs[i]
             graph.replay()
@@ -232,10 +231,15 @@ class DecodeStep:
             torch.cuda.current_stream().synchronize()
             return bool(self._flag)
         with self._autocast():
-            for op in self._ops[i:end]:
-                op.run()
-            entered = self._ops[end].run()
+            entered = self._run_ops(i)
         return entered is None or bool(entered)
+
+    def _run_ops(self, i: int) -> torch.Tensor | None:
+        """The ops of the segment starting at ``i``; what its closing decision returned (None: no decision)."""
+        end = self._ends[i]
+        for op in self._ops[i:end]:
+            op.run()
+        return self._ops[end].run()
 
     def _capture(self) -> None:
         """One CUDA graph per segment start (the first op, and each op after a decision or a skip), all
@@ -248,11 +252,8 @@ class DecodeStep:
         torch.cuda.synchronize()
         for i in starts:
             graph = torch.cuda.CUDAGraph()
-            end = self._ends[i]
             with torch.cuda.graph(graph, pool=pool), self._autocast():
-                for op in self._ops[i:end]:
-                    op.run()
-                entered = self._ops[end].run()
+                entered = self._run_ops(i)
                 if entered is not None:
                     self._flag.copy_(entered, non_blocking=True)
             graphs[i] = (graph, entered)

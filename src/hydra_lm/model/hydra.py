@@ -235,9 +235,9 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         ``False`` opts out): every routed unit of the step runs one ``torch.compile``d unit
         (``compiled_decode_unit``, static shapes), shared by all units and blocks, and every router one
         compiled selection (``compiled_decode_select``), so the graphs replay fused kernels instead of
-        many tiny eager ones. The first ``generate`` of a (batch,
-        cache length) compiles, later ones reuse it. Its cache is then allocated for a power-of-two
-        number of positions (capped at ``max_seq_len``), so prompts of similar length share one compilation.
+        many tiny eager ones. The first ``generate`` of a (batch, cache length) compiles, later ones reuse
+        it. Its cache is then allocated for a power-of-two number of positions (capped at
+        ``max_seq_len``), so prompts of similar length share one compilation.
         """
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [batch, length>0], got shape {tuple(input_ids.shape)}")
