@@ -155,6 +155,9 @@ def test_custom_variant_compares_optimizers_at_one_batch_with_their_own_learning
     assert all(r.model_cfg == plan.runs[0].model_cfg for r in plan.runs)  # one model, four trainings
     with pytest.raises(ValueError, match="optimizer settings"):
         parse_custom_variant("bad:optimiser=lion")
+    # Precision is a trainer setting too: the model stays the same, the run converts its matmuls.
+    fp8 = parse_custom_variant("fp8:experimental_fp8=true,fp8_format=e5m2")
+    assert fp8.train == {"experimental_fp8": True, "fp8_format": "e5m2"} and fp8.overrides == {}
     # The report names the variants whose optimizer or learning rate is not the shared one.
     shared_lr = plan.base.lr
     results = {"settings": {"optimizer": "adamw", "lr": shared_lr, "min_lr": shared_lr / 10},

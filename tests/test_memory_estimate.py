@@ -59,6 +59,17 @@ def test_peak_estimate_is_within_15_percent_of_a_measured_cpu_run():
 
 def test_info_prints_the_memory_breakdown(capsys):
     assert main(["info", "--model_size", "debug", "--memory", "--batch_size", "2", "--seq_len", "64",
-                 "--optimizer", "lion"]) == 0
+                 "--optimizer", "lion", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "batch 2 x 64, lion (fp32): peak about" in out and "saved activations" in out
+    assert "batch 2 x 64, lion, on cpu (fp32): peak about" in out and "saved activations" in out
+
+
+def test_the_cuda_estimate_counts_bf16_activations_and_the_fused_loss():
+    cpu = estimate_training_memory("debug", 4, 256, "adamw", vocab_size=8192, device="cpu")
+    cuda = estimate_training_memory("debug", 4, 256, "adamw", vocab_size=8192, device="cuda")
+    assert cuda["weights_mb"] == cpu["weights_mb"] and cuda["optimizer_mb"] == cpu["optimizer_mb"]  # fp32 master
+    # bf16 matmul outputs and no full [B, T, V] logits kept: well under the fp32 count, above a quarter of it.
+    assert 0.25 * cpu["activations_mb"] < cuda["activations_mb"] < 0.8 * cpu["activations_mb"]
+    assert cuda["backward_mb"] < cpu["backward_mb"]  # the largest saved tensor is no longer the logits
+    with pytest.raises(ValueError, match="--device 'tpu'"):
+        estimate_training_memory("debug", 4, 256, device="tpu")

@@ -19,7 +19,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         from .diagnostics.memory_estimate import describe_memory
 
         print("\n".join(describe_memory(args.model_size, args.batch_size, args.seq_len, args.optimizer, args.arch,
-                                        args.vocab_size)))
+                                        args.vocab_size, args.device)))
     return 0
 
 
@@ -141,8 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--arch", default="hydra", choices=["hydra", "dense"])
     info.add_argument("--seq_len", type=int, default=1024, help="sequence length for the FLOP count")
     info.add_argument("--vocab_size", type=int, default=None, help="override the preset's vocabulary size")
-    info.add_argument("--memory", action="store_true", help="also estimate peak training memory (fp32) for "
-                                                            "--batch_size x --seq_len and --optimizer")
+    info.add_argument("--memory", action="store_true", help="also estimate peak training memory for "
+                                                            "--batch_size x --seq_len, --optimizer and --device")
+    info.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                      help="--memory: the trainer's defaults on this device (cuda: bf16 autocast and the fused "
+                           "loss; cpu: fp32)")
     info.add_argument("--batch_size", type=int, default=8, help="sequences per micro-batch for --memory")
     info.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS), help="optimizer for --memory")
     info.set_defaults(func=_cmd_info)

@@ -5,9 +5,12 @@ Weights, gradients and optimizer state are counted from the parameter shapes. Ac
 measured, not guessed: one forward pass runs on fake tensors (shapes only, no memory) and every
 tensor autograd saves for the backward pass is summed once per storage. The backward pass adds a
 working set of about twice the largest saved tensor (its gradient and the recomputed softmax of
-the loss). Counted in fp32, as on a CPU; under bf16 autocast most saved activations are half that.
-Checked against a CPU run's peak RSS (glibc's dynamic mmap threshold off, so freed memory is given
-back) within 15% on the debug preset.
+the loss), or on CUDA the fused loss's chunk of logits if that is larger. ``device`` picks the
+trainer's defaults there: "cpu" counts fp32 activations and the plain loss, "cuda" bf16 autocast
+and the fused chunked loss (weights, gradients and optimizer state stay fp32 on both). Checked
+against a CPU run's peak RSS (glibc's dynamic mmap threshold off, so freed memory is given back)
+within 15% on the debug preset; the CUDA figures against measured H100 runs in
+benchmarks/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..config import HydraConfig, preset_config
 from ..model import HydraModel
+
+DEVICES = ("cuda", "cpu")
 
 MB = 2 ** 20
 
@@ -45,26 +50,31 @@ def optimizer_state_bytes(model: torch.nn.Module, optimizer: str) -> int:
 
 
 def estimate_training_memory(model_size: str, batch_size: int, seq_len: int, optimizer: str = "adamw",
-                             arch: str = "hydra", vocab_size: int | None = None) -> dict[str, float]:
-    """MB per part and ``peak_mb``, their sum, for a preset."""
+                             arch: str = "hydra", vocab_size: int | None = None,
+                             device: str = "cpu") -> dict[str, float]:
+    """MB per part and ``peak_mb``, their sum, for a preset trained on ``device`` ("cpu" or "cuda")."""
     overrides = {"arch": arch}
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
-    return measure_training_memory(preset_config(model_size, **overrides), batch_size, seq_len, optimizer)
+    return measure_training_memory(preset_config(model_size, **overrides), batch_size, seq_len, optimizer,
+                                   device=device)
 
 
 def compute_memory_footprint(model: HydraModel, batch_size: int, seq_len: int,
-                             optimizer: str = "adamw") -> dict[str, float]:
+                             optimizer: str = "adamw", device: str = "cpu") -> dict[str, float]:
     """The same estimate for a built model: its config and its gradient-checkpointing setting."""
     return measure_training_memory(model.config, batch_size, seq_len, optimizer,
-                                   model.gradient_checkpointing, model.checkpoint_every)
+                                   model.gradient_checkpointing, model.checkpoint_every, device)
 
 
 def measure_training_memory(cfg: HydraConfig, batch_size: int, seq_len: int, optimizer: str = "adamw",
-                            gradient_checkpointing: bool = False, checkpoint_every: int = 1) -> dict[str, float]:
+                            gradient_checkpointing: bool = False, checkpoint_every: int = 1,
+                            device: str = "cpu") -> dict[str, float]:
     """The estimate itself, from a config: one forward on fake tensors, saved activations summed."""
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"--batch_size {batch_size} and --seq_len {seq_len} must be >= 1")
+    if device not in DEVICES:
+        raise ValueError(f"--device {device!r}: the memory estimate models one of {', '.join(DEVICES)}")
     if seq_len > cfg.max_seq_len:
         cfg = cfg.replace(max_seq_len=seq_len)
     saved: dict[int, int] = {}
@@ -74,24 +84,32 @@ def measure_training_memory(cfg: HydraConfig, batch_size: int, seq_len: int, opt
         saved[storage._cdata] = storage.nbytes()
         return t
 
+    cuda = device == "cuda"
     with FakeTensorMode():
         model = HydraModel(cfg)
         model.gradient_checkpointing, model.checkpoint_every = gradient_checkpointing, checkpoint_every
+        model.ce_impl = "chunked" if cuda else "naive"
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        # The CPU's autocast casts the same matmuls to bf16 as CUDA's: the fake tensors need no GPU.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cuda), \
+                torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             model(ids, targets=ids)
         params = sum(p.numel() for p in model.parameters()) * 4
         states = optimizer_state_bytes(model, optimizer)
+    backward = 2 * max(saved.values(), default=0)
+    if cuda:  # the fused loss's one chunk of fp32 logits and their bf16 gradient, while activations are held
+        backward = max(backward, model.ce_chunk_size * cfg.vocab_size * (4 + 2))
     parts = {"weights_mb": params / MB, "gradients_mb": params / MB, "optimizer_mb": states / MB,
-             "activations_mb": sum(saved.values()) / MB, "backward_mb": 2 * max(saved.values(), default=0) / MB}
+             "activations_mb": sum(saved.values()) / MB, "backward_mb": backward / MB}
     return {**parts, "peak_mb": sum(parts.values())}
 
 
 def describe_memory(model_size: str, batch_size: int, seq_len: int, optimizer: str = "adamw", arch: str = "hydra",
-                    vocab_size: int | None = None) -> list[str]:
-    m = estimate_training_memory(model_size, batch_size, seq_len, optimizer, arch, vocab_size)
-    return [f"training memory of {model_size} ({arch}), batch {batch_size} x {seq_len}, {optimizer} (fp32): "
-            f"peak about {m['peak_mb']:,.0f} MB",
+                    vocab_size: int | None = None, device: str = "cuda") -> list[str]:
+    m = estimate_training_memory(model_size, batch_size, seq_len, optimizer, arch, vocab_size, device)
+    precision = "bf16 autocast, fused loss" if device == "cuda" else "fp32"
+    return [f"training memory of {model_size} ({arch}), batch {batch_size} x {seq_len}, {optimizer}, on {device} "
+            f"({precision}): peak about {m['peak_mb']:,.0f} MB",
             f"  weights {m['weights_mb']:,.0f} | gradients {m['gradients_mb']:,.0f} | optimizer state "
-            f"{m['optimizer_mb']:,.0f} | saved activations {m['activations_mb']:,.0f} | backward working set "
-            f"{m['backward_mb']:,.0f} MB"]
+            f"{m['optimizer_mb']:,.0f} | saved activations {m['activations_mb']:,.0f} | working set (backward "
+            f"or loss chunk) {m['backward_mb']:,.0f} MB"]

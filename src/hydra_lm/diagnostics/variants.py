@@ -33,7 +33,9 @@ DEFAULT_VARIANTS = ("hydra", "dense", "dense-flops")
 CURRICULUM_FIELDS = ("mod_enable_pct", "mod_force_enable_pct", "mod_loss_gate", "mor_enable_pct", "mor_ramp",
                      "mor_ramp_pct", "mod_off", "mor_off")
 OPTIMIZER_FIELDS = ("optimizer", "lr", "min_lr", "adamw_lr", "weight_decay")
-TRAIN_FIELDS = CURRICULUM_FIELDS + OPTIMIZER_FIELDS
+# The matmuls' precision likewise (bf16 against float8 at one budget).
+PRECISION_FIELDS = ("experimental_fp8", "fp8_format")
+TRAIN_FIELDS = CURRICULUM_FIELDS + OPTIMIZER_FIELDS + PRECISION_FIELDS
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -51,7 +53,7 @@ class Variant:
 
 def parse_custom_variant(spec: str) -> Variant:
     """``NAME:field=value,field=value``: HydraConfig fields (values parsed like ``--model.FIELD VALUE``),
-    the routing curriculum's trainer settings and the optimizer's (TRAIN_FIELDS)."""
+    the routing curriculum's trainer settings, the optimizer's and the matmuls' precision (TRAIN_FIELDS)."""
     name, sep, body = spec.partition(":")
     name = name.strip()
     if not sep or not _NAME.match(name):
@@ -73,7 +75,8 @@ def parse_custom_variant(spec: str) -> Variant:
         check_keys(overrides)
     except ValueError as err:
         raise ValueError(f"--variant {name}: {err} (or one of the curriculum settings "
-                         f"{', '.join(CURRICULUM_FIELDS)}, or the optimizer settings {', '.join(OPTIMIZER_FIELDS)})"
+                         f"{', '.join(CURRICULUM_FIELDS)}, the optimizer settings {', '.join(OPTIMIZER_FIELDS)}, "
+                         f"or the precision settings {', '.join(PRECISION_FIELDS)})"
                          ) from None
     described = {**overrides, **train}
     return Variant(name, overrides, "custom: " + ", ".join(f"{k}={v}" for k, v in described.items()), train)
