@@ -61,7 +61,7 @@ def test_info_prints_the_memory_breakdown(capsys):
     assert main(["info", "--model_size", "debug", "--memory", "--batch_size", "2", "--seq_len", "64",
                  "--optimizer", "lion", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "batch 2 x 64, lion, on cpu (fp32): peak about" in out and "saved activations" in out
+    assert "batch 2 x 64, lion, on cpu (fp32, plain loss): peak about" in out and "saved activations" in out
 
 
 def test_the_cuda_estimate_counts_bf16_activations_and_the_fused_loss():
@@ -72,5 +72,8 @@ def test_the_cuda_estimate_counts_bf16_activations_and_the_fused_loss():
     assert 0.25 * cpu["activations_mb"] < cuda["activations_mb"] < 0.8 * cpu["activations_mb"]
     # The working set: the fused loss's chunk of 4,096 rows of fp32 logits and their bf16 gradient.
     assert cuda["backward_mb"] == pytest.approx(4096 * 8192 * 6 / 2**20)
+    # Sophia's Hessian steps keep the backward's graph (and attention's probabilities): far more.
+    sophia = estimate_training_memory("debug", 4, 256, "sophia", vocab_size=8192, device="cuda")
+    assert sophia["activations_mb"] > 2 * cuda["activations_mb"]
     with pytest.raises(ValueError, match="--device 'tpu'"):
         estimate_training_memory("debug", 4, 256, device="tpu")

@@ -41,10 +41,13 @@ def convert_to_fp8(model: nn.Module, fmt: str, device: torch.device) -> int:
         from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
     except ImportError:
         raise ValueError("--experimental_fp8 needs torchao: pip install 'hydra-lm[gpu]'") from None
-    config = Float8LinearConfig()
+    # A routed unit runs on as few tokens as its depth keeps (e.g. one per row): the weight gradient's
+    # inner dimension is that token count, and the float8 GEMM needs multiples of 16, so pad it.
+    config = Float8LinearConfig(pad_inner_dim=True)
     if fmt == "e5m2":
         try:
-            config = Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=torch.float8_e5m2))
+            config = Float8LinearConfig(pad_inner_dim=True,
+                                        cast_config_grad_output=CastConfig(target_dtype=torch.float8_e5m2))
         except TypeError:
             raise ValueError("--fp8_format e5m2 needs a torchao whose CastConfig takes target_dtype: upgrade "
                              "torchao or use --fp8_format e4m3") from None
