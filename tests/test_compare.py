@@ -89,6 +89,10 @@ def test_compare_refuses_bad_requests_with_one_line(tiny_data, tmp_path, capsys)
         (["--budget", "tokens=1k", "--variant", "dense:n_layers=3"], "built-in"),
         (["--budget", "tokens=1k", "--max_steps", "5"], "--max_steps cannot be given"),
         (["--budget", "tokens=1k", "--arch", "dense"], "variants choose the architecture"),
+        # What the device cannot run is refused before the first variant trains, naming the variant.
+        (["--budget", "tokens=1k", "--variant", "f8:experimental_fp8=true"], "--variant f8: --experimental_fp8 needs"),
+        (["--budget", "tokens=1k", "--variant", "a8:optimizer=adam8bit"], "--variant a8: --optimizer adam8bit"),
+        (["--budget", "tokens=1k", "--cuda_graph"], "--cuda_graph needs a CUDA device"),
     ]
     for extra, message in cases:
         assert compare(tiny_data, tmp_path / "x", *extra) == 2, extra

@@ -27,6 +27,9 @@ import torch
 from ..config import HydraConfig, preset_config
 from ..model.accounting import executed_flops_per_token
 from ..train.checkpoint import write_text_atomic
+from ..train.compile_policy import resolve_speed_options
+from ..train.fp8 import check_fp8_device
+from ..train.optim import check_optimizer_device
 from ..train.curriculum import CurriculumPlan
 from ..train.data_io import DataInfo, open_data
 from ..train.metrics import METRICS_FILE
@@ -158,7 +161,8 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
     customs = [parse_custom_variant(spec) for spec in custom_specs or []]
     names = list(variant_names) if variant_names else ([] if customs else list(DEFAULT_VARIANTS))
     preset = preset_config(shared.get("model_size", "debug")).preset
-    on_cuda = pick_device(shared.get("device", "auto")).type == "cuda"
+    device = pick_device(shared.get("device", "auto"))
+    on_cuda = device.type == "cuda"
     base = resolve(TrainConfig(**{**shared, "data": str(info.path), "model_size": preset}), preset, on_cuda)
     pinned = {"model_size": preset, "batch_size": base.batch_size, "grad_accum": base.grad_accum,
               "seq_len": base.seq_len}
@@ -190,9 +194,22 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
             steps = steps_for_flops(budget.value, model_cfg, base.replace(**v.train), tokens_per_step)
         values["max_steps"] = steps
         values["eval_every"] = shared.get("eval_every") or max(1, steps // evals)
+        check_on_device(v.name, own, device)
         runs.append(VariantRun(v, out_dir / "runs" / v.name, values, model_cfg))
     out_dir.mkdir(parents=True, exist_ok=True)
     return ComparePlan(out_dir, budget, runs, info, base, evals, tokens_per_step)
+
+
+def check_on_device(name: str, cfg: TrainConfig, device: torch.device) -> None:
+    """What the trainer would refuse on this device for a variant's settings, before any variant trains
+    (a precision or optimizer the device lacks would otherwise fail after the earlier variants' runs)."""
+    try:
+        resolve_speed_options(cfg, device, distributed=False)
+        check_optimizer_device(cfg.optimizer, device)
+        if cfg.experimental_fp8:
+            check_fp8_device(device)
+    except ValueError as err:
+        raise ValueError(f"--variant {name}: {err}") from None
 
 
 # ---------------------------------------------------------------------------- FLOPs accounting

@@ -96,11 +96,17 @@ def check_optimizer_features(cfg: TrainConfig, dist) -> None:
                          "shards: add --parallel ddp")
 
 
-def _adam8bit(groups: list[dict], cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """torchao's 8-bit AdamW (block-wise quantised moments), else bitsandbytes'; CUDA only (torchao would
-    run on a CPU, but builds its compiled step there for minutes, for no memory worth saving)."""
-    if device.type != "cuda":
+def check_optimizer_device(kind: str, device: torch.device) -> None:
+    """Refuse an optimizer this device cannot run (before any model is built)."""
+    # torchao's 8-bit AdamW would run on a CPU, but builds its compiled step there for minutes, for no
+    # memory worth saving.
+    if kind == "adam8bit" and device.type != "cuda":
         raise ValueError("--optimizer adam8bit (--8bit_adam) runs on CUDA only: use adamw on this device")
+
+
+def _adam8bit(groups: list[dict], cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """torchao's 8-bit AdamW (block-wise quantised moments), else bitsandbytes'; CUDA only."""
+    check_optimizer_device("adam8bit", device)
     betas = (cfg.beta1, cfg.beta2)
     try:
         from torchao.optim import AdamW8bit
