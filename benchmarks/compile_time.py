@@ -2,7 +2,7 @@
 
     python benchmarks/compile_time.py --model_size 100M --scope model     # torch.compile(model)
     python benchmarks/compile_time.py --model_size 100M --scope regions   # layers as nested regions (use_layer_regions)
-    python benchmarks/compile_time.py --model_size 100M --scope units     # HydraModel.compile_units()
+    python benchmarks/compile_time.py --model_size 100M --scope units     # compile_policy.compile_units (the CUDA default)
     python benchmarks/compile_time.py --scope regions --backend aot_eager --cprofile 40   # front end only, profiled
 
 Dynamo tracing, AOT autograd and inductor's scheduling do not depend on the device, so a CPU run
@@ -20,6 +20,7 @@ import torch
 from torch._dynamo.utils import compile_times, counters
 
 import hydra_lm
+from hydra_lm.train.compile_policy import compile_units, use_layer_regions
 
 
 def main() -> None:
@@ -40,9 +41,9 @@ def main() -> None:
     model = model.to(args.device).train()
     model.ce_impl = args.ce_impl
     if args.scope == "units":
-        step = model.compile_units(backend=args.backend)
+        step = compile_units(model, backend=args.backend)
     else:
-        model.use_layer_regions(args.scope == "regions")
+        use_layer_regions(model, args.scope == "regions")
         step = torch.compile(model, fullgraph=True, backend=args.backend)
     ids = torch.randint(0, 50257, (args.batch_size, args.seq_len), device=args.device)
     cuda = ids.device.type == "cuda"
