@@ -2,7 +2,7 @@
 
     python benchmarks/compile_time.py --model_size 100M --scope model     # torch.compile(model)
     python benchmarks/compile_time.py --model_size 100M --scope regions   # layers as nested regions (use_layer_regions)
-    python benchmarks/compile_time.py --model_size 100M --scope units     # compile_policy.compile_units (the CUDA default)
+    python benchmarks/compile_time.py --model_size 100M --scope units     # compile_policy.compile_units (CUDA default)
     python benchmarks/compile_time.py --scope regions --backend aot_eager --cprofile 40   # front end only, profiled
 
 Dynamo tracing, AOT autograd and inductor's scheduling do not depend on the device, so a CPU run
