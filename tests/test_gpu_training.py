@@ -85,7 +85,7 @@ def test_cuda_graph_with_compilation_matches_the_same_compilation(tiny_data, tmp
     assert ("routed units" in log) == (not scope) and log.count("captured as CUDA graphs") == 2
 
 
-@pytest.mark.parametrize("optimizer", ["muon", "lion", "adafactor"])
+@pytest.mark.parametrize("optimizer", ["muon", "lion", "adafactor", "sophia"])
 def test_an_optimizer_that_cannot_be_captured_steps_eagerly_between_graph_replays(tiny_data, tmp_path, optimizer):
     """By default on CUDA the forward + backward replays as a CUDA graph whatever the optimizer; one
     that cannot be captured steps eagerly on the gradients the graph wrote: the eager trainer's losses

@@ -3,6 +3,7 @@ what it cannot run; the Muon/AdamW split and the per-optimizer LR defaults."""
 
 import copy
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -88,25 +89,56 @@ def test_muon_takes_hidden_matrices_and_adamw_the_rest():
         assert torch.equal(a, b)
 
 
-def test_sophia_estimates_the_hessian_when_due():
-    from hydra_lm.train.sophia import Sophia
+def test_sophia_g_estimates_the_hessian_when_due_and_clips_its_steps():
+    from hydra_lm.train.sophia import SophiaG
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
-    opt = Sophia(model.parameters(), lr=0.1, update_period=2)
+    opt = SophiaG(model.parameters(), lr=0.1, weight_decay=0.0, update_period=2, tokens_per_batch=16)
     x = torch.randn(16, 8)
     due = []
-    for _ in range(3):
-        due.append(opt.hessian_due())
-        (model(x) ** 2).mean().backward(create_graph=due[-1])
+    for _ in range(4):
+        before = model.weight.detach().clone()
+        (model(x) ** 2).mean().backward()
         opt.step()
         opt.zero_grad()
-    assert due == [True, False, True]
-    assert opt.state[model.weight]["hessian_moment"].abs().sum() > 0
-    fresh = Sophia(torch.nn.Linear(8, 1).parameters(), lr=0.1)
-    for p in fresh.param_groups[0]["params"]:  # a checkpoint load's state initialisation: no graph
-        p.grad = torch.zeros_like(p)
-    fresh.step()
+        # Every coordinate moves by at most the LR (clipped); before any estimate, by exactly the LR.
+        moved = (model.weight - before).abs()
+        assert float(moved.max()) <= 0.1 + 1e-7
+        if not due:
+            assert torch.allclose(moved, torch.full_like(moved, 0.1))
+        due.append(opt.hessian_due())
+        if due[-1]:
+            (model(x) ** 2).mean().backward()
+            opt.update_hessian()
+            opt.zero_grad()
+    assert due == [True, False, True, False]  # after the first step, then every update_period
+    hessian = opt.state[model.weight]["hessian"]
+    assert float(hessian.min()) > 0
+    # With curvature known, a coordinate whose momentum is small against it moves less than the clip.
+    assert float((opt.state[model.weight]["exp_avg"].abs() / (0.04 * 16 * hessian)).min()) < 1
+
+
+def test_the_trainer_estimates_sophias_hessian_on_sampled_labels(tiny_data, tmp_path, monkeypatch):
+    """After steps 1 and 3 of 4 (period 2) the trainer runs one more forward + backward, on labels drawn
+    from the model's predictions, and hands its (non-zero) gradients to ``update_hessian``."""
+    from hydra_lm.train.sophia import SophiaG
+
+    seen = []
+    fold = SophiaG.update_hessian
+
+    def update_hessian(self):
+        seen.append(self.param_groups[0]["steps"])
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        assert grads and sum(float(g.abs().sum()) for g in grads) > 0
+        fold(self)
+
+    monkeypatch.setattr(SophiaG, "update_hessian", update_hessian)
+    assert train(tiny_data, tmp_path / "run", "--optimizer", "sophia", "--max_steps", "4",
+                 "--sophia_update_period", "2") == 0
+    assert seen == [1, 3]
+    losses = [loss for _, loss in train_losses(tmp_path / "run")]
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
 
 
 def test_per_optimizer_learning_rate_defaults():
@@ -116,7 +148,6 @@ def test_per_optimizer_learning_rate_defaults():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--optimizer", "sophia", "--compile"], "--optimizer sophia .* drop --compile"),
     (["--optimizer", "lion", "--cuda_graph"], "--cuda_graph needs a CUDA device"),
     (["--optimizer", "lion", "--adamw_lr", "1e-3"], "--adamw_lr sets the AdamW part of --optimizer muon"),
 ])

@@ -55,7 +55,8 @@ def test_speed_defaults_follow_the_device_and_process_count(device, distributed,
     # not capturable: forward + backward graphed, the update eager
     (dict(optimizer="lion"), SpeedPlan("units", "default", True, "chunked", 4096)),
     (dict(gradient_checkpointing=True, chunked_ce_size=512), SpeedPlan("units", "default", False, "auto", 512)),
-    (dict(optimizer="sophia"), SpeedPlan(None, "default", False, "naive", 4096)),  # second derivatives: eager
+    # Sophia-G's Hessian estimate is an ordinary backward: compiled and graphed like Lion
+    (dict(optimizer="sophia"), SpeedPlan("units", "default", True, "chunked", 4096)),
 ])
 def test_speed_opt_outs_and_automatic_fallbacks_on_cuda(settings, expected):
     assert resolve_speed_options(TrainConfig(**settings), CUDA, False) == expected
@@ -63,10 +64,8 @@ def test_speed_opt_outs_and_automatic_fallbacks_on_cuda(settings, expected):
 
 @pytest.mark.parametrize("settings, device, distributed, message", [
     (dict(compile_regions=True), CPU, False, "add --compile"),
-    (dict(compile=True, optimizer="sophia"), CPU, False, "drop --compile"),
     (dict(compile=True, compile_mode="reduce-overhead"), CUDA, False, "needs --compile_regions"),
     (dict(compile_regions=True, compile_mode="reduce-overhead", cuda_graph=True), CUDA, False, "not reduce-overhead"),
-    (dict(cuda_graph=True, optimizer="sophia", compile=False), CUDA, False, "cannot capture --optimizer sophia"),
     (dict(cuda_graph=True, gradient_checkpointing=True), CUDA, False, "drop one of them"),
     (dict(cuda_graph=True), CPU, False, "needs a CUDA device"),
     (dict(cuda_graph=True), CUDA, True, "one process only"),

@@ -7,8 +7,8 @@ tensor autograd saves for the backward pass is summed once per storage. The back
 working set of about twice the largest saved tensor (its gradient and the recomputed softmax of
 the loss), or on CUDA the fused loss's chunk of logits if that is larger. ``device`` picks the
 trainer's defaults there: "cpu" counts fp32 activations and the plain loss, "cuda" bf16 autocast
-and the fused chunked loss (weights, gradients and optimizer state stay fp32 on both). Sophia is
-counted at its Hessian steps: plain loss, SDPA's math kernel and the backward's own graph. Checked
+and the fused chunked loss (weights, gradients and optimizer state stay fp32 on both). Sophia's
+Hessian estimate adds a pass over the batch's whole logits. Checked
 against a CPU run's peak RSS (glibc's dynamic mmap threshold off, so freed memory is given back)
 within 15% on the debug preset; the CUDA figures against measured H100 runs in
 benchmarks/BENCHMARKS.md.
@@ -16,11 +16,8 @@ benchmarks/BENCHMARKS.md.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..config import HydraConfig, preset_config
 from ..model import HydraModel
@@ -89,28 +86,22 @@ def measure_training_memory(cfg: HydraConfig, batch_size: int, seq_len: int, opt
         return t
 
     cuda = device == "cuda"
-    # Sophia's Hessian steps (its peak): the plain loss, SDPA's math kernel (the one with a second
-    # derivative) and a backward that keeps its own graph, whose saved tensors count too.
-    sophia = optimizer == "sophia"
-    chunked = cuda and not sophia
     with FakeTensorMode():
         model = HydraModel(cfg)
         model.gradient_checkpointing, model.checkpoint_every = gradient_checkpointing, checkpoint_every
-        model.ce_impl = "chunked" if chunked else "naive"
+        model.ce_impl = "chunked" if cuda else "naive"
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
         # The CPU's autocast casts the same matmuls to bf16 as CUDA's: the fake tensors need no GPU.
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cuda), \
-                (sdpa_kernel(SDPBackend.MATH) if sophia else nullcontext()), \
                 torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            loss = model(ids, targets=ids)["loss"]
-            if sophia:
-                torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], create_graph=True,
-                                    allow_unused=True)
+            model(ids, targets=ids)
         params = sum(p.numel() for p in model.parameters()) * 4
         states = optimizer_state_bytes(model, optimizer)
     backward = 2 * max(saved.values(), default=0)
-    if chunked:  # the fused loss's one chunk of fp32 logits and their bf16 gradient, while activations are held
+    if cuda:  # the fused loss's one chunk of fp32 logits and their bf16 gradient, while activations are held
         backward = max(backward, model.ce_chunk_size * cfg.vocab_size * (4 + 2))
+    if optimizer == "sophia":  # its Hessian estimate's whole fp32 logits, their softmax and their gradient
+        backward = max(backward, batch_size * seq_len * cfg.vocab_size * 4 * 3)
     parts = {"weights_mb": params / MB, "gradients_mb": params / MB, "optimizer_mb": states / MB,
              "activations_mb": sum(saved.values()) / MB, "backward_mb": backward / MB}
     return {**parts, "peak_mb": sum(parts.values())}
@@ -119,8 +110,7 @@ def measure_training_memory(cfg: HydraConfig, batch_size: int, seq_len: int, opt
 def describe_memory(model_size: str, batch_size: int, seq_len: int, optimizer: str = "adamw", arch: str = "hydra",
                     vocab_size: int | None = None, device: str = "cuda") -> list[str]:
     m = estimate_training_memory(model_size, batch_size, seq_len, optimizer, arch, vocab_size, device)
-    precision = ("bf16 autocast, " if device == "cuda" else "fp32, ") + (
-        "plain loss, Hessian step" if optimizer == "sophia" else "fused loss" if device == "cuda" else "plain loss")
+    precision = "bf16 autocast, fused loss" if device == "cuda" else "fp32, plain loss"
     return [f"training memory of {model_size} ({arch}), batch {batch_size} x {seq_len}, {optimizer}, on {device} "
             f"({precision}): peak about {m['peak_mb']:,.0f} MB",
             f"  weights {m['weights_mb']:,.0f} | gradients {m['gradients_mb']:,.0f} | optimizer state "

@@ -10,9 +10,9 @@ The settings ``compile``, ``cuda_graph`` and ``chunked_ce`` are None for "automa
 - CUDA under torchrun: compile the whole model, fused loss; no CUDA graphs (FSDP2/DDP communication
   cannot be captured) and no unit compilation (one process only).
 - CPU: eager, plain loss.
-- Sophia: eager, plain loss (its Hessian estimate needs second derivatives); gradient checkpointing:
-  no CUDA graphs. Optimizers other than AdamW cannot be captured: their update runs eagerly between
-  the replays of the forward + backward graph.
+- Gradient checkpointing: no CUDA graphs. Optimizers other than AdamW cannot be captured: their
+  update (and Sophia's Hessian estimate) runs eagerly between the replays of the forward + backward
+  graph.
 
 ``compile_regions`` instead compiles the whole model with the layers as shared nested regions; with
 ``compile_mode reduce-overhead`` (no whole-step graphs) it has the fastest steady state measured at
@@ -65,16 +65,13 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
     cuda = device.type == "cuda"
     optimizer = getattr(cfg, "optimizer", "adamw")
     checkpointing = getattr(cfg, "gradient_checkpointing", False)
-    # Sophia differentiates the gradients (Hessian estimate), which compiled graphs cannot.
-    compile_on = cuda and optimizer != "sophia" if cfg.compile is None else cfg.compile
+    compile_on = cuda if cfg.compile is None else cfg.compile
     reduce_overhead = compile_on and cfg.compile_mode == "reduce-overhead"
 
     def refuse(ok: bool, msg: str) -> None:
         if not ok:
             raise ValueError(msg)
 
-    refuse(not (compile_on and optimizer == "sophia"), "--optimizer sophia differentiates the gradients (Hessian "
-           "estimate), which compiled graphs cannot: drop --compile or pick another optimizer")
     refuse(compile_on or not cfg.compile_regions, "--compile_regions chooses what --compile compiles, and "
            "compilation is off (--no-compile, or the CPU's default): add --compile")
     refuse(not (reduce_overhead and distributed), "--compile_mode reduce-overhead (CUDA graphs) works in one "
@@ -85,8 +82,6 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
     if cfg.cuda_graph:  # asked for explicitly
         refuse(not reduce_overhead, "--cuda_graph already graphs the whole step: use it with --compile_mode "
                "default, not reduce-overhead (whose graphs cannot nest inside another capture)")
-        refuse(optimizer != "sophia", "--cuda_graph cannot capture --optimizer sophia (its Hessian steps "
-               "differentiate the backward): drop --cuda_graph")
         refuse(not checkpointing, "--cuda_graph with gradient checkpointing is not supported (recomputation saves "
                "and restores RNG states on the host); drop one of them")
         refuse(cuda, f"--cuda_graph needs a CUDA device (this run is on {device}): drop --cuda_graph")
@@ -94,11 +89,10 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
                "captured; drop --cuda_graph under torchrun")
         graphs = True
     elif cfg.cuda_graph is None:  # automatic: wherever it can run
-        graphs = cuda and not distributed and not reduce_overhead and optimizer != "sophia" and not checkpointing
+        graphs = cuda and not distributed and not reduce_overhead and not checkpointing
     else:
         graphs = False
-    # The fused loss's hand-written backward gives Sophia's Hessian estimate no second derivative.
-    chunked = cuda and optimizer != "sophia" if cfg.chunked_ce is None else cfg.chunked_ce
+    chunked = cuda if cfg.chunked_ce is None else cfg.chunked_ce
     if not compile_on:
         scope = None
     elif cfg.compile_regions:

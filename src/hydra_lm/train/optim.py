@@ -77,9 +77,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
         # disagrees with the current gradient ("cautious" updates).
         return Lion(groups, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay, cautious=kind == "clion")
     if kind == "sophia":
-        from .sophia import Sophia
+        from .sophia import SophiaG
 
-        return Sophia(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, update_period=cfg.sophia_update_period)
+        return SophiaG(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, update_period=cfg.sophia_update_period,
+                       tokens_per_batch=cfg.batch_size * cfg.seq_len * cfg.grad_accum)
     if kind == "adam8bit":
         return _adam8bit(groups, cfg, device)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
@@ -89,8 +90,8 @@ def check_optimizer_features(cfg: TrainConfig, dist) -> None:
     """Refuse combinations an optimizer cannot run (one line naming what to change)."""
     kind = cfg.optimizer
     if kind == "sophia" and dist.enabled:
-        raise ValueError("--optimizer sophia works in one process only (DDP/FSDP2 cannot differentiate the "
-                         "gradients): pick another optimizer under torchrun")
+        raise ValueError("--optimizer sophia works in one process only (its Hessian estimate's extra backward "
+                         "runs on one process's batch): pick another optimizer under torchrun")
     if kind in ("muon", "adafactor") and dist.enabled and dist.parallel == "fsdp":
         raise ValueError(f"--optimizer {kind} needs whole matrices (it factors or orthogonalises them), not FSDP2 "
                          "shards: add --parallel ddp")

@@ -71,12 +71,12 @@ class TrainConfig:
     wsd_decay_pct: float = opt(0.2, "WSD: fraction of the run spent decaying to min_lr", type=float)
     optimizer: str = opt("adamw", "adamw (fused on CUDA), adam8bit (torchao, or bitsandbytes on CUDA), adafactor, "
                                   "lion, clion (cautious Lion), muon (hidden matrices; AdamW for the rest) or sophia "
-                                  "(Hutchinson Hessian); the per-size --lr default depends on it", type=str,
+                                  "(Sophia-G); the per-size --lr default depends on it", type=str,
                          choices=OPTIMIZERS)
     adamw_lr: float | None = opt(None, "--optimizer muon: peak LR of the AdamW part (embedding, norms, routers); "
                                        "default: --lr", type=float)
-    sophia_update_period: int = opt(10, "--optimizer sophia: steps between Hessian estimates (each costs a second "
-                                        "backward pass)", type=int)
+    sophia_update_period: int = opt(10, "--optimizer sophia: steps between Hessian estimates (each costs one more "
+                                        "forward + backward, on labels sampled from the model)", type=int)
     adaptive_lr: bool = opt(False, "cut the LR for a cool-down period after a loss spike", type=bool)
     adaptive_lr_spike: float = opt(2.0, "a logged loss above this multiple of its EMA is a spike", type=float)
     adaptive_lr_factor: float = opt(0.5, "LR multiplier during a cool-down", type=float)
@@ -293,9 +293,11 @@ SIZE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # Peak LR of each optimizer relative to the AdamW table above. Lion's sign updates move every
 # coordinate by the full LR (3x smaller is the usual start); torch's Adafactor LR is relative to each
-# weight's RMS; Sophia clips its update to 0.01 x LR; Muon scales its update to AdamW's RMS.
+# weight's RMS; Sophia-G clips each coordinate's step at the LR, and its Hessian estimate starts at 0,
+# so its early steps are Lion's (0.1-0.3x was best on the CPU, BENCHMARKS.md); Muon scales its update
+# to AdamW's RMS.
 OPTIMIZER_LR_SCALE = {"adamw": 1.0, "adam8bit": 1.0, "adafactor": 10.0, "lion": 0.3, "clion": 0.3, "muon": 1.0,
-                      "sophia": 50.0}
+                      "sophia": 0.3}
 # The original release's 8-bit-Adam table (seq_len 1024/2048) trades batch for accumulation on the big sizes.
 ADAM8BIT_BATCH = {"500M": (4, 15), "750M": (4, 16), "1B": (2, 30)}
 # A CPU cannot afford the GPU batches; these make the debug preset learn visibly in minutes on two cores.

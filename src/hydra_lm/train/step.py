@@ -7,8 +7,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+import torch.nn.functional as F
 
+from ..data.loader import IGNORE_INDEX
 from .compile_policy import SpeedPlan
 from .graphed_train_step import GraphedTrainStep
 from .optim import make_capturable
@@ -25,7 +26,6 @@ class TrainStep:
         self.model, self.step_model, self.optimizer, self.device, self.plan = model, step_model, optimizer, device, plan
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grad_accum, self.grad_clip = grad_accum, grad_clip
-        self.create_graph = False  # Sophia's Hessian steps: the backward keeps its graph
         self.moe_load: torch.Tensor | None = None  # the last micro-batch's per-expert token shares (MoE models)
         self.graphs: GraphedTrainStep | None = None
         if plan.cuda_graph:
@@ -59,15 +59,29 @@ class TrainStep:
         if self.plan.graphs_inside_compile and self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are consumed
         kwargs = {"doc_ids": doc_ids} if doc_ids is not None else {}
-        # Only SDPA's math kernel has a second derivative (Sophia's Hessian steps).
-        math_only = sdpa_kernel(SDPBackend.MATH) if self.create_graph else contextlib.nullcontext()
-        with self.autocast(), math_only:
+        with self.autocast():
             out = self.step_model(input_ids, targets=targets, **kwargs)
-        (out["loss"] / self.grad_accum).backward(create_graph=self.create_graph)
+        (out["loss"] / self.grad_accum).backward()
         self.moe_load = out["moe_load"].detach() if "moe_load" in out else None
         parts = torch.stack([out[k].detach().float() for k in ("loss", "ce_loss", "aux_loss", "ponder_loss",
                                                                 "moe_loss")])
         return parts, out["routing_stats"].detach().float()
+
+    def sample_hessian(self, inputs: dict[str, torch.Tensor], generator: torch.Generator) -> None:
+        """Sophia-G's curvature estimate, after an update: the gradients of the loss on labels drawn from
+        the model's own predictions for ``inputs`` (one micro-batch; padding excluded), folded into the
+        optimizer's running Hessian (``update_hessian``), then cleared. Eager, between graph replays. Its
+        forward, in training mode, also folds that batch into the routers' calibration once more."""
+        input_ids, targets = self._to_device(inputs["input_ids"]), self._to_device(inputs["targets"])
+        kwargs = {"doc_ids": self._to_device(inputs["doc_ids"])} if "doc_ids" in inputs else {}
+        with self.autocast():
+            logits = self.step_model(input_ids, **kwargs)["logits"].float().flatten(0, 1)
+        with torch.no_grad():
+            sampled = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
+            sampled = torch.where(targets.flatten() == IGNORE_INDEX, IGNORE_INDEX, sampled)
+        F.cross_entropy(logits, sampled, ignore_index=IGNORE_INDEX).backward()
+        self.optimizer.update_hessian()
+        self.optimizer.zero_grad(set_to_none=self.graphs is None)
 
     def update_step(self) -> torch.Tensor:
         """Clip (or only measure) the gradient norm, step the optimizer, clear the gradients."""

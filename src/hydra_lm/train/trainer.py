@@ -335,8 +335,6 @@ class Trainer:
         set_lr(self.optimizer, lr)
         if self.step < cfg.moe_warmup_steps:
             hold_routers(self.optimizer)
-        hessian_due = getattr(self.optimizer, "hessian_due", None)  # Sophia: this step's backward keeps its graph
-        self.train_step.create_graph = hessian_due is not None and hessian_due()
         parts = torch.zeros(5, device=self.device)  # loss, ce, aux, ponder, moe (summed over micro-batches)
         stats = None
         for i in range(cfg.grad_accum):
@@ -352,6 +350,11 @@ class Trainer:
             keep = self.batch_filter.keep(mean_across_ranks(parts[0] / cfg.grad_accum, self.dist))
             self.batch_filter.mask(self.params, keep)
         grad_norm = full_tensor(self.train_step.update())
+        hessian_due = getattr(self.optimizer, "hessian_due", None)  # Sophia-G: estimate on this step's last batch
+        if hessian_due is not None and hessian_due():
+            # Seeded by the step: a resumed run draws the same labels.
+            generator = torch.Generator(self.device).manual_seed(cfg.seed * 1_000_003 + self.step)
+            self.train_step.sample_hessian(inputs, generator)
         moe_load = self.train_step.moe_load
         if moe_load is not None:
             window.add_moe_load(moe_load)
