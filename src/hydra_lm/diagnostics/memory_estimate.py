@@ -8,10 +8,9 @@ working set of about twice the largest saved tensor (its gradient and the recomp
 the loss), or on CUDA the fused loss's chunk of logits if that is larger. ``device`` picks the
 trainer's defaults there: "cpu" counts fp32 activations and the plain loss, "cuda" bf16 autocast
 and the fused chunked loss (weights, gradients and optimizer state stay fp32 on both). Sophia's
-Hessian estimate adds a pass over the batch's whole logits. Checked
-against a CPU run's peak RSS (glibc's dynamic mmap threshold off, so freed memory is given back)
-within 15% on the debug preset; the CUDA figures against measured H100 runs in
-benchmarks/BENCHMARKS.md.
+Hessian estimate adds a pass over the batch's whole logits. Checked against a CPU run's peak RSS
+(glibc's dynamic mmap threshold off, so freed memory is given back) within 15% on the debug preset;
+the CUDA figures against measured H100 runs in benchmarks/BENCHMARKS.md.
 """
 
 from __future__ import annotations

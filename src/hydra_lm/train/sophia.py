@@ -48,10 +48,8 @@ class SophiaG(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        if closure is not None:  # the trainer computes the gradients; no caller passes one
+            raise ValueError("SophiaG.step takes no closure: compute the gradients first")
         for group in self.param_groups:
             group["steps"] += 1
             beta1 = group["betas"][0]
@@ -64,7 +62,6 @@ class SophiaG(torch.optim.Optimizer):
                 m = state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
                 ratio = (m.abs() / (state["hessian"] * scale + EPS)).clamp_(max=1.0)
                 p.addcmul_(m.sign(), ratio, value=-group["lr"])
-        return loss
 
     @torch.no_grad()
     def update_hessian(self) -> None:
