@@ -85,7 +85,22 @@ def test_cuda_graph_with_compilation_matches_the_same_compilation(tiny_data, tmp
     assert ("routed units" in log) == (not scope) and log.count("captured as CUDA graphs") == 2
 
 
-@pytest.mark.parametrize("optimizer", ["muon", "lion", "adafactor", "sophia"])
+def test_muon_replays_the_whole_step_as_cuda_graphs(tiny_data, tmp_path):
+    """Muon (train/muon.py) and the AdamW beside it step inside the update graph, with the scheduled LR
+    read from a device tensor: the eager trainer's losses, and an exact resume."""
+    opt = ["--no-compile", "--optimizer", "muon"]
+    assert train(tiny_data, tmp_path / "eager", *EAGER, *opt) == 0
+    assert train(tiny_data, tmp_path / "graph", *opt) == 0
+    close(losses(tmp_path / "graph"), losses(tmp_path / "eager"), rel=1e-3)
+    log = (tmp_path / "graph" / "train.log").read_text()
+    assert "whole-step CUDA graphs" in log and log.count("captured as CUDA graphs") == 2, log
+    pieces = tmp_path / "pieces"
+    assert train(tiny_data, pieces, *opt, "--stop_at_step", "6") == 0
+    assert main(["train", "--out", str(pieces)]) == 0
+    close(losses(pieces), losses(tmp_path / "graph"), rel=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["lion", "adafactor", "sophia"])
 def test_an_optimizer_that_cannot_be_captured_steps_eagerly_between_graph_replays(tiny_data, tmp_path, optimizer):
     """By default on CUDA the forward + backward replays as a CUDA graph whatever the optimizer; one
     that cannot be captured steps eagerly on the gradients the graph wrote: the eager trainer's losses

@@ -182,3 +182,34 @@ def test_compiled_muon_step_gives_the_eager_numbers(tiny_data, tmp_path, monkeyp
     assert counter.frame_count >= 1
     eager = [loss for _, loss in train_losses(tmp_path / "eager")]
     assert eager == pytest.approx([loss for _, loss in train_losses(tmp_path / "compiled")], rel=1e-5)
+
+
+def test_muon_step_is_torch_muon_and_takes_a_tensor_learning_rate():
+    """train/muon.py: torch.optim.Muon's update (its matrices one at a time, a float LR) from a batched
+    step whose LR may be a device tensor (what a CUDA graph replays); wide, tall and square matrices."""
+    from hydra_lm.train.muon import Muon
+
+    torch.manual_seed(0)
+    shapes = [(24, 40), (24, 40), (40, 24), (16, 16), (40, 24)]
+    start = [torch.randn(s) for s in shapes]
+    runs = {}
+    for name in ("torch", "float", "tensor"):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        if name == "torch":
+            opt = torch.optim.Muon(params, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+        else:
+            opt = Muon(params, lr=0.02 if name == "float" else torch.tensor(0.02), weight_decay=0.1)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        runs[name] = [p.detach() - s for p, s in zip(params, start)]  # what the three steps moved
+    for ours, ref in zip(runs["float"], runs["torch"]):
+        # the steps move weights by ~0.03; batched and one-at-a-time bf16 products may round differently
+        assert torch.allclose(ours, ref, rtol=0, atol=1e-5)
+        assert ref.abs().max() > 0.01  # the steps moved the weights
+    for a, b in zip(runs["tensor"], runs["float"]):  # the LR's products in fp32 rather than double
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="2-D"):
+        Muon([torch.nn.Parameter(torch.zeros(3))], lr=0.1)

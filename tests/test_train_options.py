@@ -54,6 +54,8 @@ def test_speed_defaults_follow_the_device_and_process_count(device, distributed,
      SpeedPlan("regions", "reduce-overhead", False, "auto", 4096)),
     # not capturable: forward + backward graphed, the update eager
     (dict(optimizer="lion"), SpeedPlan("units", "default", True, "chunked", 4096)),
+    # Muon's step (train/muon.py) is captured like fused AdamW's
+    (dict(optimizer="muon"), SpeedPlan("units", "default", True, "chunked", 4096, update_graphed=True)),
     (dict(gradient_checkpointing=True, chunked_ce_size=512), SpeedPlan("units", "default", False, "auto", 512)),
     # Sophia-G's Hessian estimate is an ordinary backward: compiled and graphed like Lion
     (dict(optimizer="sophia"), SpeedPlan("units", "default", True, "chunked", 4096)),

@@ -10,9 +10,9 @@ The settings ``compile``, ``cuda_graph`` and ``chunked_ce`` are None for "automa
 - CUDA under torchrun: compile the whole model, fused loss; no CUDA graphs (FSDP2/DDP communication
   cannot be captured) and no unit compilation (one process only).
 - CPU: eager, plain loss.
-- Gradient checkpointing: no CUDA graphs. Optimizers other than AdamW cannot be captured: their
-  update (and Sophia's Hessian estimate) runs eagerly between the replays of the forward + backward
-  graph.
+- Gradient checkpointing: no CUDA graphs. Optimizers other than AdamW and Muon (``CAPTURABLE_OPTIMIZERS``)
+  cannot be captured: their update (and Sophia's Hessian estimate) runs eagerly between the replays
+  of the forward + backward graph.
 
 ``compile_regions`` instead compiles the whole model with the layers as shared nested regions; with
 ``compile_mode reduce-overhead`` (no whole-step graphs) it has the fastest steady state measured at
@@ -30,6 +30,9 @@ from ..model.block import run_unit
 from ..model.routing import routed_selection
 from ..model.loss import resolve_impl
 
+# Optimizers whose step replays in a CUDA graph: fused AdamW, and Muon (train/muon.py) with AdamW beside it.
+CAPTURABLE_OPTIMIZERS = ("adamw", "muon")
+
 
 @dataclass(frozen=True)
 class SpeedPlan:
@@ -39,7 +42,7 @@ class SpeedPlan:
     ce_impl: str  # the model's loss path: "naive", "chunked" or "auto" (Liger when installed)
     ce_chunk_size: int
     # With cuda_graph: the update (clipping, optimizer step) as a second graph, for a capturable optimizer
-    # (fused AdamW, its learning rate in a device tensor); the others step eagerly between replays.
+    # (CAPTURABLE_OPTIMIZERS, the learning rate in a device tensor); the others step eagerly between replays.
     update_graphed: bool = False
 
     @property
@@ -108,7 +111,7 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
     # A CUDA graph cannot hold Liger's kernel (it reads a token count on the host): the chunked fallback.
     ce_impl = ("chunked" if graphs and cfg.ce_impl == "auto" else cfg.ce_impl) if chunked else "naive"
     return SpeedPlan(scope, cfg.compile_mode, graphs, ce_impl, cfg.chunked_ce_size,
-                     update_graphed=graphs and optimizer == "adamw")
+                     update_graphed=graphs and optimizer in CAPTURABLE_OPTIMIZERS)
 
 
 def enable_tf32(device: torch.device) -> bool:

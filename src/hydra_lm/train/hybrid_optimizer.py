@@ -13,13 +13,15 @@ from typing import Any
 
 import torch
 
+from .muon import Muon
+
 
 class MuonWithAdamW(torch.optim.Optimizer):
     def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], *, lr: float, adamw_lr: float,
                  betas: tuple[float, float], fused: bool):
-        # match_rms_adamw scales each matrix's orthogonalised update to AdamW's typical RMS, so
-        # Muon takes AdamW's learning rate and weight decay.
-        self._muon = torch.optim.Muon(muon_groups, lr=lr, adjust_lr_fn="match_rms_adamw")
+        # Muon scales each matrix's orthogonalised update to AdamW's typical RMS, so it takes AdamW's
+        # learning rate and weight decay. Both parts can be captured in a CUDA graph (a device-tensor LR).
+        self._muon = Muon(muon_groups, lr=lr)
         self._adamw = torch.optim.AdamW(adamw_groups, lr=adamw_lr, betas=betas, eps=1e-8, fused=fused)
         self._n_muon = len(self._muon.param_groups)
         super().__init__(self._muon.param_groups + self._adamw.param_groups, defaults={})

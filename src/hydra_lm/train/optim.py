@@ -124,9 +124,10 @@ def _adam8bit(groups: list[dict], cfg: TrainConfig, device: torch.device) -> tor
 
 
 def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Prepare a fused AdamW for replay in a CUDA graph: a float learning rate would be baked into the
-    captured kernels, so it moves into a device tensor (one per LR ratio) that ``set_lr`` refills; step
-    counters move to the device. Done after construction and any restore, so checkpoints stay portable."""
+    """Prepare a capturable optimizer (``compile_policy.CAPTURABLE_OPTIMIZERS``) for replay in a CUDA graph: a
+    float learning rate would be baked into the captured kernels, so it moves into a device tensor (one per
+    LR ratio) that ``set_lr`` refills; step counters move to the device. Done after construction and any
+    restore, so checkpoints stay portable."""
     base = float(optimizer.param_groups[0]["lr"]) / optimizer.param_groups[0].get("lr_ratio", 1.0)
     lrs: dict[float, torch.Tensor] = {}
     for group in optimizer.param_groups:
