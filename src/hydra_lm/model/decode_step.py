@@ -9,8 +9,7 @@ each unit, MoE blocks, head) over fixed buffers (the residual stream ``x``, each
 and after each router's decision the host reads whether any row's token entered: if none did, the rest of
 that block is skipped. A skipped unit leaves its caches as a masked one would (no slot marked valid, conv
 and value-shift state unchanged; its router's state marks no candidate) and the residual stream
-unchanged, so the tokens are those of the full forward. In a large batch some row's token almost surely
-enters a unit of high capacity: those decisions are not read (``CHECK_WORTH``).
+unchanged, so the tokens are those of the full forward.
 
 On CUDA the ops between two decisions are one CUDA graph ("segment"), captured on the second call after
 an eager first call that runs every op (compiling every graph the segments use). The host still
@@ -73,16 +72,6 @@ def compiled_decode_select(device: torch.device):
     return _compile_for_decode(routed_selection, device)
 
 
-# On CUDA a decision is read on the host (one synchronisation, and the segment after it a graph launch of
-# its own) only where it is likely to skip something: when the chance that no row's token enters the
-# unit, (1 - reach) ** batch for a token reaching the unit with probability ``reach`` (the product of the
-# capacities down to its depth), is at least this. Elsewhere the rest of the block runs without a look:
-# a unit no token entered is a masked no-op, so the tokens are the same either way. The value weighs a
-# synchronisation (~25 us) against the units it may skip (~100 us); an estimate, not yet measured. On
-# the CPU reading a decision costs nothing: every one is read.
-CHECK_WORTH = 0.2
-
-
 @dataclass
 class _Op:
     run: Callable[[], torch.Tensor | None]  # a decision returns the 0-dim bool "some row's token entered"
@@ -97,17 +86,13 @@ class DecodeStep:
     order, each once per cache (the conv and value-shift states advance with every token).
 
     ``compiled``: every unit runs one compiled ``run_cached_unit`` and every router one compiled
-    ``routed_selection`` (``compiled_decode_unit``, ``compiled_decode_select``). ``check_worth``: which
-    decisions the host reads (``CHECK_WORTH``; default: that on CUDA, every one on the CPU). ``graphed`` (CUDA): the
+    ``routed_selection`` (``compiled_decode_unit``, ``compiled_decode_select``). ``graphed`` (CUDA): the
     ops between two decisions replay as one CUDA graph each; the first call runs every op eagerly (and
     compiles), the second captures the segments. ``unit_calls`` counts the units run so far.
     """
 
-    def __init__(self, model, caches: list, batch: int, device: torch.device, graphed: bool, compiled: bool,
-                 check_worth: float | None = None):
+    def __init__(self, model, caches: list, batch: int, device: torch.device, graphed: bool, compiled: bool):
         device = torch.device(device)
-        # See CHECK_WORTH; 0 reads every decision.
-        self._check_worth = (CHECK_WORTH if device.type == "cuda" else 0.0) if check_worth is None else check_worth
         self.device, self.graphed = device, graphed
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -142,23 +127,20 @@ class DecodeStep:
         for i, block in enumerate(model.blocks):
             gates = {j: r for r in block.all_routers() for j in r.depths}
             capacities = block.depth_capacities()
-            decisions, valid, reach = [], None, 1.0
+            decisions, valid = [], None
             decision = None  # a token-choice router's per-token depths ([B, 1, 1 + R]), set on entry
             if block.depth_router is not None and block._active(block.depth_router):
                 decision = torch.zeros(batch, 1, 1 + block.recursions, dtype=torch.float32, device=x.device)
             for j in range(block.recursions):
                 router, weight = gates.get(j), None
-                reach *= capacities[j]
                 if router is not None and block._active(router):
                     weight = torch.zeros(batch, 1, dtype=gate_dtype, device=x.device)
                     mask = torch.zeros(batch, 1, dtype=torch.bool, device=x.device) if mode == "causal" else None
-                    check = mask is not None and (1 - reach) ** batch >= self._check_worth
                     route = self._route_op(router, j, capacities[j], caches[i][j][0].route, valid, mask, weight,
-                                           None if j == 0 else decision, check)
+                                           None if j == 0 else decision)
                     ops.append(route)
-                    if check:
-                        decisions.append(route)
                     if mask is not None:
+                        decisions.append(route)
                         valid = mask
                 if j == 0 and decision is not None:
                     ops.append(self._enter_op(block.depth_router, valid, decision))
@@ -171,8 +153,7 @@ class DecodeStep:
         ops.append(_Op(lambda: self._head(model)))
         return ops
 
-    def _route_op(self, router, j: int, capacity: float, state, valid, mask, weight, decision, check: bool) -> _Op:
-        """``check``: the host reads whether some row's token entered (see CHECK_WORTH)."""
+    def _route_op(self, router, j: int, capacity: float, state, valid, mask, weight, decision) -> _Op:
         x, pos, select, mode = self.x, self.pos, self._select, self._mode
 
         def route():
@@ -181,9 +162,9 @@ class DecodeStep:
             if mask is None:  # static routing: every token runs the unit, weighted by its gate
                 return None
             mask.copy_(chosen)  # one entry per row: the selection's order is the identity
-            return mask.any() if check else None
+            return mask.any()
 
-        return _Op(route, decides=check)
+        return _Op(route, decides=mask is not None)
 
     def _enter_op(self, router, valid, decision) -> _Op:
         x, mode = self.x, self._mode
