@@ -93,6 +93,8 @@ def test_compare_refuses_bad_requests_with_one_line(tiny_data, tmp_path, capsys)
         (["--budget", "tokens=1k", "--variant", "f8:experimental_fp8=true"], "--variant f8: --experimental_fp8 needs"),
         (["--budget", "tokens=1k", "--variant", "a8:optimizer=adam8bit"], "--variant a8: --optimizer adam8bit"),
         (["--budget", "tokens=1k", "--cuda_graph"], "--cuda_graph needs a CUDA device"),
+        (["--budget", "tokens=1k", "--seed", "1", "--seeds", "0", "1"], "give one of them"),
+        (["--budget", "tokens=1k", "--seeds", "0", "0"], "distinct seeds"),
     ]
     for extra, message in cases:
         assert compare(tiny_data, tmp_path / "x", *extra) == 2, extra
@@ -103,6 +105,35 @@ def test_compare_refuses_bad_requests_with_one_line(tiny_data, tmp_path, capsys)
     assert compare(no_val, tmp_path / "x", "--budget", "tokens=1k") == 2
     assert "no validation split" in capsys.readouterr().err
     assert not (tmp_path / "x" / "runs").exists()  # nothing was trained
+
+
+@pytest.mark.slow
+def test_seeds_train_every_variant_per_seed_and_report_the_spread(tiny_data, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert compare(tiny_data, out, "--budget", "tokens=512", "--variants", "hydra", "dense", "--evals", "1",
+                   "--seeds", "3", "5") == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["variants"]) == ["hydra.seed3", "hydra.seed5", "dense.seed3", "dense.seed5"]
+    assert results["settings"]["seed"] == [3, 5]
+    finals = {name: v["final"]["val_loss_causal"] for name, v in results["variants"].items()}
+    assert finals["hydra.seed3"] != finals["hydra.seed5"]  # the seed reaches model init and data order
+    for name in ("hydra", "dense"):
+        summary = results["across_seeds"][name]
+        losses = [finals[f"{name}.seed3"], finals[f"{name}.seed5"]]
+        assert summary["seeds"] == [3, 5] and summary["causal"] == losses
+        assert summary["mean"] == pytest.approx(np.mean(losses))
+        assert summary["std"] == pytest.approx(np.std(losses, ddof=1))
+        assert (summary["min"], summary["max"]) == (min(losses), max(losses))
+    report = (out / "report.md").read_text()
+    assert "## Across seeds" in report and "seeds 3, 5" in report and "| hydra | 3 5 |" in report
+    assert "Best HYDRA variant hydra" in report and "best dense variant dense" in printed
+    # A seed's run is the run a compare without --seeds trains with that --seed.
+    assert compare(tiny_data, tmp_path / "one", "--budget", "tokens=512", "--variants", "hydra", "--evals", "1",
+                   "--seed", "5") == 0
+    single = json.loads((tmp_path / "one" / "results.json").read_text())["variants"]["hydra"]
+    assert single["final"]["val_loss_causal"] == pytest.approx(finals["hydra.seed5"], abs=1e-6)
+    assert "across_seeds" not in json.loads((tmp_path / "one" / "results.json").read_text())
 
 
 def test_flops_budget_and_dense_depths_match_what_they_promise(tiny_data, tmp_path):

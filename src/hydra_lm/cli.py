@@ -74,7 +74,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     cli = cli_values(args, args.model_overrides)
     shared = {**file_values, **cli, "model": {**file_values.get("model", {}), **cli.get("model", {})}}
     return run_compare(shared.get("data"), shared.get("out"), args.budget, args.variants, args.custom_variants,
-                       args.evals, shared)
+                       args.evals, shared, args.seeds)
 
 
 def _cmd_scaling(args: argparse.Namespace) -> int:
@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "preset, the routing curriculum's settings (mod_enable_pct, mor_enable_pct, ...) and the "
                          "optimizer's (optimizer, lr, min_lr, adamw_lr, weight_decay); repeatable; arch=dense allowed")
     compare.add_argument("--evals", type=int, default=8, help="evaluations spread evenly over the budget")
+    compare.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
+                         help="train every variant once per seed (runs/NAME.seedS; instead of --seed) and report "
+                              "each variant's mean and spread over them")
     compare.set_defaults(func=_cmd_compare)
 
     scaling = sub.add_parser("scaling", help="fit L(C) = a*C^-b + c to compare results; predict and compare "

@@ -3,7 +3,9 @@ report validation loss against tokens, executed FLOPs and training time, plus ro
 
 Every variant is an ordinary run directory (``OUT/runs/NAME``) trained by the normal trainer with
 the same data order, seed, batch, sequence length, learning rate and schedule family; only the
-number of steps differs where the budget is FLOPs or seconds. A finished variant leaves
+number of steps differs where the budget is FLOPs or seconds. With ``--seeds S1 S2 ...`` every
+variant trains once per seed (``OUT/runs/NAME.seedS``; each seed sets model init and data order for
+every variant alike) and the report adds each variant's mean and spread over the seeds. A finished variant leaves
 ``compare.json`` in its run directory, so running the command again skips it; an interrupted one
 resumes from its checkpoints (the trainer does that by itself).
 
@@ -84,6 +86,8 @@ class VariantRun:
     run_dir: Path
     values: dict[str, Any]  # the trainer settings of this variant
     model_cfg: HydraConfig
+    name: str  # the run's key in results.json: the variant's name, with ".seedS" under --seeds
+    seed: int | None = None  # --seeds: the seed of this run
 
 
 @dataclass
@@ -95,34 +99,37 @@ class ComparePlan:
     base: TrainConfig  # the settings shared by every variant, resolved
     evals: int
     tokens_per_step: int
+    seeds: list[int] | None = None  # --seeds
 
 
 def run_compare(data: str | None, out: str | None, budget: str, variant_names: list[str] | None,
-                custom_specs: list[str] | None, evals: int, shared: dict[str, Any]) -> int:
+                custom_specs: list[str] | None, evals: int, shared: dict[str, Any],
+                seeds: list[int] | None = None) -> int:
     """Train what is missing, then write OUT/results.json, OUT/report.md and the plots.
-    ``shared``: trainer settings (TrainConfig keys) applied to every variant."""
+    ``shared``: trainer settings (TrainConfig keys) applied to every variant; ``seeds``: train each
+    variant once per seed."""
     from ..train import setup_run, train
     from .plots import write_compare_plots
-    from .report import format_table, write_report
+    from .report import format_seed_table, format_table, write_report
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("compare trains its variants one after another in one process: launch it without torchrun")
-    plan = plan_compare(data, out, parse_budget(budget), variant_names, custom_specs, evals, shared)
+    plan = plan_compare(data, out, parse_budget(budget), variant_names, custom_specs, evals, shared, seeds)
     out_dir, runs = plan.out, plan.runs
     for i, run in enumerate(runs, 1):
         marker = finished_marker(run)
         if marker is not None:
-            print(f"compare: {run.variant.name} ({i}/{len(runs)}) {marker['status']} earlier in {run.run_dir}: "
+            print(f"compare: {run.name} ({i}/{len(runs)}) {marker['status']} earlier in {run.run_dir}: "
                   "not retrained", flush=True)
             continue
-        print(f"compare: training {run.variant.name} ({i}/{len(runs)}): {run.variant.description} -> {run.run_dir}",
+        print(f"compare: training {run.name} ({i}/{len(runs)}): {run.variant.description} -> {run.run_dir}",
               flush=True)
         # Each variant is a new model: the previous ones' compiled graphs only count against Dynamo's
         # recompile limit of the functions every model shares (the routed unit).
         torch._dynamo.reset()
         code = train(setup_run(run.values))
         if code == 130:
-            print(f"compare: interrupted; run the same command again to resume {run.variant.name}", flush=True)
+            print(f"compare: interrupted; run the same command again to resume {run.name}", flush=True)
             return code
         write_marker(run, "finished" if code == 0 else "diverged")
     results = collect_results(plan)
@@ -130,6 +137,8 @@ def run_compare(data: str | None, out: str | None, budget: str, variant_names: l
     plots = write_compare_plots(results, out_dir)
     write_report(results, plots, out_dir / "report.md")
     print(format_table(results))
+    if results.get("across_seeds"):
+        print(format_seed_table(results))
     for line in results["warnings"]:
         print(f"warning: {line}")
     print(f"compare: wrote {out_dir / 'report.md'}, {out_dir / RESULTS} and {len(plots)} plots")
@@ -137,8 +146,14 @@ def run_compare(data: str | None, out: str | None, budget: str, variant_names: l
 
 
 def plan_compare(data: str | None, out: str | None, budget: Budget, variant_names: list[str] | None,
-                 custom_specs: list[str] | None, evals: int, shared: dict[str, Any]) -> ComparePlan:
+                 custom_specs: list[str] | None, evals: int, shared: dict[str, Any],
+                 seeds: list[int] | None = None) -> ComparePlan:
     """Check the request and work out every variant's trainer settings (nothing is trained here)."""
+    if seeds is not None:
+        if shared.get("seed") is not None:
+            raise ValueError("--seed and --seeds: give one of them (--seeds trains every variant once per seed)")
+        if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+            raise ValueError(f"--seeds {' '.join(map(str, seeds))}: give distinct seeds >= 0 (e.g. --seeds 0 1 2)")
     if not data:
         raise ValueError("--data DATA_DIR is required (a directory from `hydra-lm prepare`)")
     if not out:
@@ -183,8 +198,7 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
         own = resolve(TrainConfig(**{**shared, **v.train, "data": str(info.path), "model_size": preset}), preset,
                       on_cuda)
         values = {**shared, **pinned, "lr": own.lr, "min_lr": own.min_lr, **v.train, "data": str(info.path),
-                  "out": str(out_dir / "runs" / v.name), "arch": v.arch,
-                  "model": {**base.model, **{k: x for k, x in v.overrides.items() if k != "arch"}}}
+                  "arch": v.arch, "model": {**base.model, **{k: x for k, x in v.overrides.items() if k != "arch"}}}
         if budget.kind == "seconds":
             steps = shared.get("max_steps") or SECONDS_CLOCK_STEPS
             values["time_budget_s"] = budget.value
@@ -195,9 +209,12 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
         values["max_steps"] = steps
         values["eval_every"] = shared.get("eval_every") or max(1, steps // evals)
         check_on_device(v.name, own, device)
-        runs.append(VariantRun(v, out_dir / "runs" / v.name, values, model_cfg))
+        for seed in seeds or [None]:
+            name = v.name if seed is None else f"{v.name}.seed{seed}"
+            run_values = {**values, "out": str(out_dir / "runs" / name), **({} if seed is None else {"seed": seed})}
+            runs.append(VariantRun(v, out_dir / "runs" / name, run_values, model_cfg, name, seed))
     out_dir.mkdir(parents=True, exist_ok=True)
-    return ComparePlan(out_dir, budget, runs, info, base, evals, tokens_per_step)
+    return ComparePlan(out_dir, budget, runs, info, base, evals, tokens_per_step, seeds)
 
 
 def check_on_device(name: str, cfg: TrainConfig, device: torch.device) -> None:
@@ -329,19 +346,40 @@ def collect_results(plan: ComparePlan) -> dict[str, Any]:
     variants, warnings = {}, []
     for run in plan.runs:
         entry = variant_results(run, base.seq_len, tps, plan.out)
-        variants[run.variant.name] = entry
+        variants[run.name] = entry
         warnings += entry["warnings"]
-    return {
+    results = {
         "budget": {"kind": plan.budget.kind, "value": plan.budget.value},
         "data": str(plan.data.path),
         "settings": {"model_size": base.model_size, "batch_size": base.batch_size, "grad_accum": base.grad_accum,
                      "seq_len": base.seq_len, "tokens_per_step": tps, "optimizer": base.optimizer, "lr": base.lr,
                      "min_lr": base.min_lr,
-                     "schedule": base.schedule, "seed": base.seed, "evals": plan.evals,
-                     "model_overrides": base.model},
+                     "schedule": base.schedule, "seed": base.seed if plan.seeds is None else plan.seeds,
+                     "evals": plan.evals, "model_overrides": base.model},
         "variants": variants,
         "warnings": warnings,
     }
+    if plan.seeds is not None:
+        results["across_seeds"] = across_seeds(plan.runs, variants)
+    return results
+
+
+def across_seeds(runs: list[VariantRun], variants: dict[str, Any]) -> dict[str, Any]:
+    """Per variant, its final causal losses over the seeds (finished runs only): mean, min, max and the
+    sample standard deviation."""
+    out: dict[str, Any] = {}
+    for run in runs:
+        entry = variants[run.name]
+        summary = out.setdefault(run.variant.name, {"arch": run.variant.arch, "seeds": [], "causal": []})
+        if entry["status"] == "finished" and entry["final"] is not None:
+            summary["seeds"].append(run.seed)
+            summary["causal"].append(entry["final"]["val_loss_causal"])
+    for summary in out.values():
+        losses = np.asarray(summary["causal"], dtype=np.float64)
+        n = len(losses)
+        summary.update(mean=float(losses.mean()) if n else None, min=float(losses.min()) if n else None,
+                       max=float(losses.max()) if n else None, std=float(losses.std(ddof=1)) if n > 1 else None)
+    return out
 
 
 def variant_results(run: VariantRun, seq_len: int, tokens_per_step: int, out_dir: Path) -> dict[str, Any]:
@@ -368,6 +406,7 @@ def variant_results(run: VariantRun, seq_len: int, tokens_per_step: int, out_dir
     health = marker.get("routing_health") or {"routers": {}, "depths": None}
     gap = final["gap"] if final else None
     entry = {
+        "variant": run.variant.name, "seed": run.values.get("seed"),
         "description": run.variant.description, "arch": run.variant.arch, "overrides": run.variant.overrides,
         "run_dir": os.path.relpath(run.run_dir, out_dir), "status": marker.get("status", "unfinished"),
         "params": parameter_count(run.model_cfg),

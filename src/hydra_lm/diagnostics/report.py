@@ -27,12 +27,46 @@ def table_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
     return rows
 
 
-def format_table(results: dict[str, Any]) -> str:
-    rows = [COLUMNS, *table_rows(results)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+def _text_table(header: tuple[str, ...], body: list[tuple[str, ...]]) -> str:
+    rows = [header, *body]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
              for r in rows]
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def format_table(results: dict[str, Any]) -> str:
+    return _text_table(COLUMNS, table_rows(results))
+
+
+SEED_COLUMNS = ("variant", "seeds", "causal mean", "min", "max", "std")
+
+
+def seed_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
+    return [(name, " ".join(str(x) for x in v["seeds"]) or "-", _num(v["mean"], ".4f"), _num(v["min"], ".4f"),
+             _num(v["max"], ".4f"), _num(v["std"], ".4f")) for name, v in results["across_seeds"].items()]
+
+
+def seed_margin(results: dict[str, Any]) -> str | None:
+    """The best HYDRA variant's mean final causal loss against the best dense variant's, with both spreads."""
+    best = {}
+    for name, v in results["across_seeds"].items():
+        arch = "hydra" if v["arch"] == "hydra" else "dense"
+        if v["mean"] is not None and (arch not in best or v["mean"] < best[arch][1]["mean"]):
+            best[arch] = (name, v)
+    if len(best) < 2:
+        return None
+    (h, hv), (d, dv) = best["hydra"], best["dense"]
+    margin = dv["mean"] - hv["mean"]
+    who = "below" if margin > 0 else "above"
+    return (f"Best HYDRA variant {h} (mean {hv['mean']:.4f}, spread {hv['max'] - hv['min']:.4f} over "
+            f"{len(hv['seeds'])} seeds) ends {abs(margin):.4f} nats {who} the best dense variant {d} (mean "
+            f"{dv['mean']:.4f}, spread {dv['max'] - dv['min']:.4f} over {len(dv['seeds'])} seeds).")
+
+
+def format_seed_table(results: dict[str, Any]) -> str:
+    margin = seed_margin(results)
+    return _text_table(SEED_COLUMNS, seed_rows(results)) + (f"\n{margin}" if margin else "")
 
 
 def _markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
@@ -42,9 +76,11 @@ def _markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> lis
 def _own_optimizers(results: dict[str, Any]) -> str:
     """The variants trained with another optimizer or learning rate than the shared settings."""
     s = results["settings"]
-    own = [f"{name}: {v['optimizer']}, {v['lr']:g} -> {v['min_lr']:g}" for name, v in results["variants"].items()
-           if "lr" in v and (v["optimizer"] != s.get("optimizer", "adamw") or v["lr"] != s["lr"]
-                             or v["min_lr"] != s["min_lr"])]
+    own = list(dict.fromkeys(  # one entry per variant, however many seeds it ran
+        f"{v.get('variant', name)}: {v['optimizer']}, {v['lr']:g} -> {v['min_lr']:g}"
+        for name, v in results["variants"].items()
+        if "lr" in v and (v["optimizer"] != s.get("optimizer", "adamw") or v["lr"] != s["lr"]
+                          or v["min_lr"] != s["min_lr"])))
     return f" Optimizer and learning rate of their own: {'; '.join(own)}." if own else ""
 
 
@@ -52,13 +88,15 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
     s, budget = results["settings"], results["budget"]
     spacing = (f"every 1/{s['evals']} of the training-time budget" if budget["kind"] == "seconds"
                else f"every max(1, steps // {s['evals']}) steps")
+    seeds = (f"seeds {', '.join(map(str, s['seed']))} (every variant once per seed)" if isinstance(s["seed"], list)
+             else f"seed {s['seed']}")
     lines = [
         "# HYDRA variant comparison",
         "",
         f"Budget **{budget['kind']} = {budget['value']:g}** per variant on `{results['data']}`: preset "
         f"{s['model_size']}, batch {s['batch_size']} x {s['seq_len']} tokens x accumulation {s['grad_accum']} "
         f"({s['tokens_per_step']:,} tokens/step), learning rate {s['lr']:g} -> {s['min_lr']:g} ({s['schedule']}), "
-        f"seed {s['seed']}" + (f", model overrides {s['model_overrides']}" if s["model_overrides"] else "") + "."
+        f"{seeds}" + (f", model overrides {s['model_overrides']}" if s["model_overrides"] else "") + "."
         + _own_optimizers(results),
         f"Validation loss is measured at the start, {spacing}, and at the end, with causal routing (what "
         "generation does) and top-k routing (teacher-forced). Executed FLOPs count the tokens each routed unit "
@@ -69,6 +107,12 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
         "",
         *_markdown_table(COLUMNS, table_rows(results)),
         "",
+    ]
+    if results.get("across_seeds"):
+        margin = seed_margin(results)
+        lines += ["## Across seeds", "", "Final causal validation loss of each variant over its seeds (finished runs).",
+                  "", *_markdown_table(SEED_COLUMNS, seed_rows(results)), "", *([margin, ""] if margin else [])]
+    lines += [
         "## Variants",
         "",
     ]

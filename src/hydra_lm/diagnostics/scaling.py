@@ -84,7 +84,9 @@ def load_points(dirs: list[str | Path], x: str, group: str) -> dict[str, dict[st
         except ValueError as err:
             raise ValueError(f"{path} is not valid JSON ({err}): run the compare again") from None
         for name, v in results.get("variants", {}).items():
-            label = name if group == "variant" else ("hydra" if v.get("arch", "hydra") == "hydra" else "dense")
+            # a compare with --seeds: the runs of one variant (NAME.seedS) fit together
+            label = v.get("variant", name) if group == "variant" else (
+                "hydra" if v.get("arch", "hydra") == "hydra" else "dense")
             g = groups.setdefault(label, {"x": [], "y": []})
             for p in v.get("evals", []):
                 if p.get(key) and p.get("val_loss_causal") is not None:
