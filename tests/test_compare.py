@@ -128,12 +128,24 @@ def test_seeds_train_every_variant_per_seed_and_report_the_spread(tiny_data, tmp
     report = (out / "report.md").read_text()
     assert "## Across seeds" in report and "seeds 3, 5" in report and "| hydra | 3 5 |" in report
     assert "Best HYDRA variant hydra" in report and "best dense variant dense" in printed
+    assert "passes over the training split" not in printed  # 512 tokens: a fraction of one pass
     # A seed's run is the run a compare without --seeds trains with that --seed.
     assert compare(tiny_data, tmp_path / "one", "--budget", "tokens=512", "--variants", "hydra", "--evals", "1",
                    "--seed", "5") == 0
     single = json.loads((tmp_path / "one" / "results.json").read_text())["variants"]["hydra"]
     assert single["final"]["val_loss_causal"] == pytest.approx(finals["hydra.seed5"], abs=1e-6)
     assert "across_seeds" not in json.loads((tmp_path / "one" / "results.json").read_text())
+
+
+@pytest.mark.slow
+def test_compare_warns_when_a_run_repeats_the_training_split(tiny_data, tmp_path, capsys):
+    train_tokens = json.loads((tiny_data / "meta.json").read_text())["token_counts"]["train"]
+    budget = 128 * (train_tokens // 128 + 40)  # a little over one pass, in whole steps of 4 x 32 tokens
+    assert compare(tiny_data, tmp_path / "cmp", "--budget", f"tokens={budget}", "--variants", "dense",
+                   "--evals", "1", "--no-eval_at_start") == 0
+    dense = json.loads((tmp_path / "cmp" / "results.json").read_text())["variants"]["dense"]
+    assert dense["epochs"] == pytest.approx(budget / train_tokens) and dense["epochs"] > 1
+    assert f"dense: trained {budget / train_tokens:.1f} passes over the training split" in capsys.readouterr().out
 
 
 def test_flops_budget_and_dense_depths_match_what_they_promise(tiny_data, tmp_path):

@@ -344,8 +344,15 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
 def collect_results(plan: ComparePlan) -> dict[str, Any]:
     base, tps = plan.base, plan.tokens_per_step
     variants, warnings = {}, []
+    train_tokens = plan.data.token_counts.get("train") or 0
     for run in plan.runs:
         entry = variant_results(run, base.seq_len, tps, plan.out)
+        # Passes over the training split: repeated tokens tell the smallest (fastest) models least.
+        entry["epochs"] = entry["tokens"] / train_tokens if train_tokens else None
+        if entry["epochs"] is not None and entry["epochs"] > 1.0:
+            entry["warnings"].append(f"{run.name}: trained {entry['epochs']:.1f} passes over the training split "
+                                     f"({train_tokens:,} tokens), so it saw repeated data: prepare a larger corpus "
+                                     "for a comparison in which no run repeats")
         variants[run.name] = entry
         warnings += entry["warnings"]
     results = {
