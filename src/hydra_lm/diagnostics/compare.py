@@ -5,9 +5,9 @@ Every variant is an ordinary run directory (``OUT/runs/NAME``) trained by the no
 the same data order, seed, batch, sequence length, learning rate and schedule family; only the
 number of steps differs where the budget is FLOPs or seconds. With ``--seeds S1 S2 ...`` every
 variant trains once per seed (``OUT/runs/NAME.seedS``; each seed sets model init and data order for
-every variant alike) and the report adds each variant's mean and spread over the seeds. A finished variant leaves
-``compare.json`` in its run directory, so running the command again skips it; an interrupted one
-resumes from its checkpoints (the trainer does that by itself).
+every variant alike) and the report adds each variant's mean and spread over the seeds. A finished
+variant leaves ``compare.json`` in its run directory, so running the command again skips it; an
+interrupted one resumes from its checkpoints (the trainer does that by itself).
 
 Evaluation points: with a tokens or FLOPs budget, every ``max(1, steps // evals)`` steps plus the
 start and the last step; with a seconds budget, every ``1/evals`` of the budget's training time
