@@ -59,26 +59,26 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:  # the trainer computes the gradients; no caller passes one
             raise ValueError("Muon.step takes no closure: compute the gradients first")
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            grads = [p.grad for p in params]
-            bufs = []
-            for p in params:
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                bufs.append(state["momentum_buffer"])
             mu, lr = group["momentum"], group["lr"]
-            torch._foreach_lerp_(bufs, grads, 1 - mu)
-            updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
-            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-            by_shape: dict[tuple[int, ...], list[int]] = defaultdict(list)
-            for i, p in enumerate(params):
-                by_shape[tuple(p.shape)].append(i)
-            for shape, index in by_shape.items():
-                ortho = orthogonalize(torch.stack([updates[i] for i in index]), group["ns_steps"],
-                                      group["ns_coefficients"], group["eps"])
+            by_shape: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_shape[tuple(p.shape)].append(p)
+            # One shape at a time: the step's temporaries hold one shape's matrices, not all of them.
+            for shape, params in by_shape.items():
+                grads = [p.grad for p in params]
+                bufs = [self._momentum(p) for p in params]
+                torch._foreach_lerp_(bufs, grads, 1 - mu)
+                update = torch.stack(torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs)
+                ortho = orthogonalize(update, group["ns_steps"], group["ns_coefficients"], group["eps"])
+                del update
+                torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
                 # fp32 before the scale, as torch's add_(alpha=...) computes it
                 step = ortho.float().mul_(-lr * 0.2 * math.sqrt(max(shape)))
-                torch._foreach_add_([params[i] for i in index], list(step.unbind(0)))
+                torch._foreach_add_(params, list(step.unbind(0)))
+
+    def _momentum(self, p: torch.Tensor) -> torch.Tensor:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["momentum_buffer"]
