@@ -53,6 +53,8 @@ def test_compare_trains_reports_and_skips_finished_variants(tiny_data, tmp_path,
         assert v["final"]["val_loss_topk"] == pytest.approx(ev["val_loss_topk"], abs=1e-5)
         assert v["final"]["gap"] == pytest.approx(ev["val_loss_causal"] - ev["val_loss_topk"], abs=1e-5)
     hydra = results["variants"]["hydra"]
+    assert 0 <= hydra["final"]["val_agreement"] <= 1 and dense["final"]["val_agreement"] is None
+    assert "agree" in lines[header] and f"{hydra['final']['val_agreement']:.1%}" in lines[header + 2]
     assert hydra["routing"] and all(0 <= r["exec_causal"] <= 1 and 0 < r["target"] <= 1
                                     for r in hydra["routing"].values())
     assert len(hydra["depths"]["causal"]) == 2 and dense["routing"] == {} and dense["depths"] is None

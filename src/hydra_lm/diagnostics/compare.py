@@ -426,7 +426,8 @@ def variant_results(run: VariantRun, seq_len: int, tokens_per_step: int, out_dir
         # On CUDA the run's own peak allocated memory; on a CPU the process's peak RSS so far.
         "peak_memory_mb": max((r["memory_mb"] for r in train_rs if r.get("memory_mb") is not None), default=None),
         "optimizer": run.values.get("optimizer", "adamw"), "lr": run.values["lr"], "min_lr": run.values["min_lr"],
-        "final": None if final is None else {k: final[k] for k in ("step", "val_loss_causal", "val_loss_topk", "gap")},
+        "final": None if final is None else {k: final.get(k) for k in ("step", "val_loss_causal", "val_loss_topk",
+                                                                       "gap", "val_agreement")},
         "evals": evals,
         "routing": health["routers"],
         "depths": health["depths"],

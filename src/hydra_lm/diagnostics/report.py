@@ -8,7 +8,8 @@ from typing import Any
 from ..train.checkpoint import write_text_atomic
 from .routing_health import GAP_TOLERANCE, STARVATION_TOLERANCE
 
-COLUMNS = ("variant", "params", "tokens", "exec FLOPs", "train s", "causal", "top-k", "gap", "tok/s", "peak MB")
+COLUMNS = ("variant", "params", "tokens", "exec FLOPs", "train s", "causal", "top-k", "gap", "agree", "tok/s",
+           "peak MB")
 
 
 def _num(value: Any, spec: str) -> str:
@@ -23,6 +24,7 @@ def table_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
         rows.append((label, f"{v['params'] / 1e6:.2f}M", f"{v['tokens']:,}", _num(v["executed_flops"], ".3g"),
                      _num(v["train_s"], ".1f"), _num(final.get("val_loss_causal"), ".4f"),
                      _num(final.get("val_loss_topk"), ".4f"), _num(final.get("gap"), "+.4f"),
+                     _num(final.get("val_agreement"), ".1%"),
                      _num(v["tokens_per_s"], ",.0f"), _num(v.get("peak_memory_mb"), ",.0f")))
     return rows
 
