@@ -80,3 +80,19 @@ def test_the_cuda_estimate_counts_bf16_activations_and_the_fused_loss():
     assert long["backward_mb"] == pytest.approx(8 * 1024 * 8192 * 12 / 2**20)  # more than a loss chunk
     with pytest.raises(ValueError, match="--device 'tpu'"):
         estimate_training_memory("debug", 4, 256, device="tpu")
+
+
+def test_the_cuda_estimate_keeps_the_graphed_muon_steps_working_memory():
+    """On CUDA Muon's step replays as a graph whose memory stays allocated: 8 bytes per weight of the
+    largest group of equal-shaped hidden matrices (the debug preset's fused SwiGLU input weights)."""
+    from hydra_lm import create_model
+
+    model = create_model("debug", vocab_size=8192)
+    largest = max(sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and ".layers." in n
+                      and p.shape == shape)
+                  for shape in {p.shape for p in model.parameters() if p.dim() == 2})
+    muon = estimate_training_memory("debug", 4, 256, "muon", vocab_size=8192, device="cuda")
+    assert muon["update_mb"] == pytest.approx(8 * largest / 2**20)
+    assert muon["peak_mb"] == pytest.approx(sum(v for k, v in muon.items() if k != "peak_mb"))
+    assert estimate_training_memory("debug", 4, 256, "muon", vocab_size=8192, device="cpu")["update_mb"] == 0
+    assert estimate_training_memory("debug", 4, 256, "adamw", vocab_size=8192, device="cuda")["update_mb"] == 0

@@ -49,6 +49,19 @@ def optimizer_state_bytes(model: torch.nn.Module, optimizer: str) -> int:
     return total
 
 
+def muon_update_bytes(model: torch.nn.Module) -> int:
+    """Working memory of Muon's step replayed as a CUDA graph (train/muon.py): the graph keeps it for good.
+    The step takes one shape at a time; at its widest it holds that shape's fp32 Nesterov updates twice
+    (the list and their stack), 8 bytes per weight of the largest group of equal-shaped matrices."""
+    from ..train.optim import NOT_MUON
+
+    groups: dict[tuple[int, ...], int] = {}
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and not NOT_MUON.search(name):
+            groups[tuple(p.shape)] = groups.get(tuple(p.shape), 0) + p.numel()
+    return 8 * max(groups.values(), default=0)
+
+
 def estimate_training_memory(model_size: str, batch_size: int, seq_len: int, optimizer: str = "adamw",
                              arch: str = "hydra", vocab_size: int | None = None,
                              device: str = "cpu") -> dict[str, float]:
@@ -96,13 +109,14 @@ def measure_training_memory(cfg: HydraConfig, batch_size: int, seq_len: int, opt
             model(ids, targets=ids)
         params = sum(p.numel() for p in model.parameters()) * 4
         states = optimizer_state_bytes(model, optimizer)
+        update = muon_update_bytes(model) if cuda and optimizer == "muon" else 0
     backward = 2 * max(saved.values(), default=0)
     if cuda:  # the fused loss's one chunk of fp32 logits and their bf16 gradient, while activations are held
         backward = max(backward, model.ce_chunk_size * cfg.vocab_size * (4 + 2))
     if optimizer == "sophia":  # its Hessian estimate's whole fp32 logits, their softmax and their gradient
         backward = max(backward, batch_size * seq_len * cfg.vocab_size * 4 * 3)
     parts = {"weights_mb": params / MB, "gradients_mb": params / MB, "optimizer_mb": states / MB,
-             "activations_mb": sum(saved.values()) / MB, "backward_mb": backward / MB}
+             "activations_mb": sum(saved.values()) / MB, "backward_mb": backward / MB, "update_mb": update / MB}
     return {**parts, "peak_mb": sum(parts.values())}
 
 
@@ -114,4 +128,5 @@ def describe_memory(model_size: str, batch_size: int, seq_len: int, optimizer: s
             f"({precision}): peak about {m['peak_mb']:,.0f} MB",
             f"  weights {m['weights_mb']:,.0f} | gradients {m['gradients_mb']:,.0f} | optimizer state "
             f"{m['optimizer_mb']:,.0f} | saved activations {m['activations_mb']:,.0f} | working set (backward "
-            f"or loss chunk) {m['backward_mb']:,.0f} MB"]
+            f"or loss chunk) {m['backward_mb']:,.0f}" + (f" | the graphed update's own {m['update_mb']:,.0f}"
+                                                         if m["update_mb"] else "") + " MB"]
