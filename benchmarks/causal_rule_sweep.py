@@ -1,11 +1,18 @@
-"""Re-evaluate one checkpoint with the causal rank rule's threshold weight (``routing.RANK_PRIOR``, in
-pseudo-candidates) at several values: causal and top-k validation loss, their gap, the routers' mean
-top-k/causal agreement and the executed share of the unit tokens, causal against top-k. Evaluation only:
-the rule is a decision at inference, the trained weights and calibrated thresholds are the checkpoint's.
-A larger weight lets the calibrated threshold decide for longer into each document (the executed share
-follows the capacity more closely); a smaller one lets each token's rank among earlier ones decide sooner.
+"""Re-evaluate one checkpoint under variations of the causal routing rule: causal and top-k validation
+loss, their gap, the routers' mean top-k/causal agreement and the executed share of the unit tokens,
+causal against top-k. Evaluation only: the trained weights and calibrated thresholds are the checkpoint's.
 
-    PYTHONPATH=src python benchmarks/causal_rule_sweep.py --run RUN_DIR [--rank_prior 16 64 512] [--eval_batches 16]
+- ``--rank_prior``: the rank rule's threshold weight (``routing.RANK_PRIOR``, in pseudo-candidates). A
+  larger weight lets the calibrated threshold decide for longer into each document (the executed share
+  follows the capacity more closely); a smaller one lets each token's rank among earlier ones decide sooner.
+- ``--match_share N``: then, at the last ``--rank_prior``, N rounds that scale each router's causal capacity
+  by its target over the share it executed in the previous round, measured on the same validation batches
+  (an oracle: it shows how much of the gap an executed share at the target would close; the rest is which
+  tokens are chosen). The capacity moves the rank part of the rule only: a row's first candidates follow
+  the threshold. The agreement column is measured in the top-k pass at the unscaled capacity.
+
+    PYTHONPATH=src python benchmarks/causal_rule_sweep.py --run RUN_DIR [--rank_prior 16 64 512] \\
+        [--match_share 2] [--eval_batches 16]
 """
 
 from __future__ import annotations
@@ -14,27 +21,52 @@ import argparse
 
 from hydra_lm.infer import eval_run
 from hydra_lm.model import routing
+from hydra_lm.model.block import RecursiveBlock
+
+NAN = float("nan")
+
+
+def row(label: str, r: dict) -> str:
+    return (f"{label:>22}  {r['val_loss_causal']:.4f}  {r['val_loss_topk']:.4f}  "
+            f"{r['val_loss_causal'] - r['val_loss_topk']:+.4f}  {r.get('val_agreement', NAN):9.1%}  "
+            f"{r.get('val_exec_frac_causal', NAN):.4f} / {r.get('val_exec_frac_topk', NAN):.4f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", required=True, help="a run directory with checkpoints")
-    ap.add_argument("--rank_prior", type=float, nargs="+", default=[16.0, 64.0, 512.0])
+    ap.add_argument("--rank_prior", type=float, nargs="+", default=[routing.RANK_PRIOR])
+    ap.add_argument("--match_share", type=int, default=0, help="rounds of per-router share matching (oracle)")
     ap.add_argument("--eval_batches", type=int, default=16)
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
-    default = routing.RANK_PRIOR
-    print("rank_prior  causal    top-k     gap      agreement  executed causal / top-k")
+    prior, capacities = routing.RANK_PRIOR, RecursiveBlock.depth_capacities
+    scale: dict[str, float] = {}
+
+    def scaled_capacities(block: RecursiveBlock) -> list[float]:
+        base = capacities(block)
+        return [c * scale.get(f"{block.name}.{j}", 1.0) for j, c in enumerate(base)]
+
+    def evaluate() -> dict:
+        return eval_run(args.run, max_batches=args.eval_batches, device=args.device)
+
+    print(f"{'rule':>22}  causal    top-k     gap      agreement  executed causal / top-k")
     try:
-        for prior in args.rank_prior:
-            routing.RANK_PRIOR = prior
-            r = eval_run(args.run, max_batches=args.eval_batches, device=args.device)
-            nan = float("nan")
-            print(f"{prior:>10g}  {r['val_loss_causal']:.4f}  {r['val_loss_topk']:.4f}  "
-                  f"{r['val_loss_causal'] - r['val_loss_topk']:+.4f}  {r.get('val_agreement', nan):9.1%}  "
-                  f"{r.get('val_exec_frac_causal', nan):.4f} / {r.get('val_exec_frac_topk', nan):.4f}", flush=True)
+        for value in args.rank_prior:
+            routing.RANK_PRIOR = value
+            result = evaluate()
+            print(row(f"rank_prior {value:g}", result), flush=True)
+        RecursiveBlock.depth_capacities = scaled_capacities
+        for round_ in range(1, args.match_share + 1):
+            for name, r in result.get("routing", {}).items():  # e.g. "block3.mod0": block3, depth 0
+                block, _, kind_depth = name.partition(".")
+                key = f"{block}.{int(kind_depth.lstrip('modr'))}"
+                if r["exec_causal"] > 0:
+                    scale[key] = min(scale.get(key, 1.0) * r["target"] / r["exec_causal"], 1e3)
+            result = evaluate()
+            print(row(f"share matched, round {round_}", result), flush=True)
     finally:
-        routing.RANK_PRIOR = default
+        routing.RANK_PRIOR, RecursiveBlock.depth_capacities = prior, capacities
 
 
 if __name__ == "__main__":
