@@ -102,6 +102,21 @@ def test_bench_on_the_cpu_defaults_to_eager_and_times_the_trainers_step(monkeypa
     assert calls == ["micro", "update"] * 4 and clips == [1.0] * 4
 
 
+def test_bench_times_the_step_with_the_chosen_optimizer(monkeypatch):
+    from hydra_lm.train.muon import Muon
+
+    steps = []
+    step = Muon.step
+    monkeypatch.setattr(Muon, "step", lambda self, closure=None: steps.append(1) or step(self))
+    report = run_bench(tiny(optimizer="muon", steps=2, warmup=1))
+    assert report["optimizer"] == "muon" and report["rows"][0]["tokens_per_s"] > 0
+    assert len(steps) == 4  # first step, warm-up, two timed
+    with pytest.raises(ValueError, match="without Sophia's Hessian estimates"):
+        run_bench(tiny(optimizer="sophia"))
+    with pytest.raises(ValueError, match="runs on CUDA only"):
+        run_bench(tiny(optimizer="adam8bit"))
+
+
 def test_random_doc_ids_look_like_the_loaders():
     from hydra_lm.diagnostics.bench import random_doc_ids
 

@@ -31,7 +31,7 @@ from ..model.doc_attention import resolve_doc_mask_backend
 from ..model.decode_step import DecodeStep, decode_compiles
 from .step_profile import format_profile, profile_steps
 from ..train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
-from ..train.optim import build_optimizer
+from ..train.optim import build_optimizer, check_optimizer_device
 from ..train.options import TrainConfig
 from ..train.run import pick_device
 from ..train.step import TrainStep
@@ -126,7 +126,7 @@ def doc_mask_path(model, doc: torch.Tensor | None, device: torch.device) -> str:
 
 
 def bench_training(model, cfg: BenchConfig, plan: SpeedPlan, device: torch.device) -> dict[str, Any]:
-    """Time the trainer's step (``TrainStep``: forward + backward, clipping, AdamW with the trainer's
+    """Time the trainer's step (``TrainStep``: forward + backward, clipping, the optimizer with the trainer's
     parameter groups; graphed and compiled as ``plan`` says) on random tokens. With ``cfg.profile``,
     profile 3 more steps afterwards (kernel time by category, Chrome trace there)."""
     batch, seq = cfg.batch_size, cfg.seq_len
@@ -135,7 +135,7 @@ def bench_training(model, cfg: BenchConfig, plan: SpeedPlan, device: torch.devic
     doc = random_doc_ids(batch, seq, device=device) if cfg.document_masking else None
     with sdpa_kernel_only(cfg.sdpa_kernel):
         kernels = attention_kernels(model, ids, doc, device)  # before compiling: eager dispatch
-    optimizer = build_optimizer(model, TrainConfig(lr=BENCH_LR), device)
+    optimizer = build_optimizer(model, TrainConfig(lr=BENCH_LR, optimizer=cfg.optimizer), device)
     train_step = TrainStep(model, apply_speed_plan(model, model, plan), optimizer, device, plan)
     inputs = {"input_ids": ids, "targets": torch.roll(ids, -1, 1), **({"doc_ids": doc} if doc is not None else {})}
 
@@ -240,6 +240,7 @@ def run_bench(cfg: BenchConfig, on_row: Callable[[dict[str, Any]], None] | None 
     show and save partial results of a long (compiling) run."""
     cfg.validate()
     dev = pick_device(cfg.device)
+    check_optimizer_device(cfg.optimizer, dev)
     plan = resolve_speed_options(cfg, dev, distributed=False)
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -250,7 +251,7 @@ def run_bench(cfg: BenchConfig, on_row: Callable[[dict[str, Any]], None] | None 
         # Kernels are model config (--model.attention_backend, --model.doc_mask_backend), shared by both archs.
         "attention_backend": cfg.model.get("attention_backend", HydraConfig.attention_backend),
         "doc_mask_backend": cfg.model.get("doc_mask_backend", HydraConfig.doc_mask_backend),
-        "batch": cfg.batch_size, "seq_len": cfg.seq_len, "compile": plan.compile,
+        "batch": cfg.batch_size, "seq_len": cfg.seq_len, "optimizer": cfg.optimizer, "compile": plan.compile,
         "compile_mode": plan.compile_mode if plan.compile else None, "cuda_graph": plan.cuda_graph,
         "document_masking": cfg.document_masking, "ce_impl": plan.ce_impl, "chunked_ce_size": plan.ce_chunk_size,
         "sdpa_kernel": cfg.sdpa_kernel, "conv_impl": cfg.conv_impl, "model_overrides": dict(cfg.model),
@@ -289,7 +290,8 @@ def format_report(report: dict[str, Any]) -> str:
               f"bf16 peak measured {num(r0['measured_bf16_peak_tflops'])} / datasheet "
               f"{num(r0['datasheet_bf16_peak_tflops'])} TFLOP/s",
               f"attention {r0['attention_backend']} (SDPA kernel: {r0['sdpa_kernel']})",
-              f"batch {r0['batch']} x {r0['seq_len']}", ", ".join(r0["speed"]),
+              f"batch {r0['batch']} x {r0['seq_len']}", f"optimizer {r0.get('optimizer', 'adamw')}",
+              ", ".join(r0["speed"]),
               f"document masking {'on' if r0['document_masking'] else 'off'} (backend {r0['doc_mask_backend']})",
               f"convs {r0['conv_impl']}"]
     if r0.get("model_overrides"):

@@ -27,6 +27,7 @@ class BenchConfig:
     batch_size: int = opt(16, "sequences per step", type=int)
     seq_len: int = opt(1024, "tokens per sequence", type=int)
     steps: int = opt(20, "timed steps (median reported)", type=int)
+    optimizer: str = _as_train("optimizer")
     warmup: int = opt(5, "untimed steps after the first", type=int)
     compile: bool | None = _as_train("compile")
     compile_mode: str = _as_train("compile_mode")
@@ -74,6 +75,10 @@ class BenchConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.warmup < 0:
             raise ValueError(f"warmup={self.warmup} must be >= 0")
+        if self.optimizer == "sophia":
+            raise ValueError("--optimizer sophia: bench times the trainer's step without Sophia's Hessian estimates "
+                             "(an extra forward + backward every few steps); time it with `hydra-lm train` or "
+                             "`hydra-lm compare`")
         if self.inference:
             self.decode_batch_sizes()
 
