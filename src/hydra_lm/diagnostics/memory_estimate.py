@@ -28,7 +28,7 @@ MB = 2 ** 20
 
 def optimizer_state_bytes(model: torch.nn.Module, optimizer: str) -> int:
     """Bytes of optimizer state for fp32 parameters."""
-    from ..train.optim import NOT_MUON
+    from ..train.optim import takes_muon
 
     total = 0
     for name, p in model.named_parameters():
@@ -43,7 +43,7 @@ def optimizer_state_bytes(model: torch.nn.Module, optimizer: str) -> int:
             # Factored second moment for matrices: one row and one column vector; full for vectors.
             total += 4 * (p.shape[:-1].numel() + p.shape[:-2].numel() * p.shape[-1] if p.dim() >= 2 else n)
         elif optimizer == "muon":
-            total += 4 * n if p.dim() == 2 and not NOT_MUON.search(name) else 8 * n
+            total += 4 * n if takes_muon(name, p) else 8 * n
         else:
             raise ValueError(f"--optimizer {optimizer!r}: no memory model for it")
     return total
@@ -53,11 +53,11 @@ def muon_update_bytes(model: torch.nn.Module) -> int:
     """Working memory of Muon's step replayed as a CUDA graph (train/muon.py): the graph keeps it for good.
     The step takes one shape at a time; at its widest it holds that shape's fp32 Nesterov updates twice
     (the list and their stack), 8 bytes per weight of the largest group of equal-shaped matrices."""
-    from ..train.optim import NOT_MUON
+    from ..train.optim import takes_muon
 
     groups: dict[tuple[int, ...], int] = {}
     for name, p in model.named_parameters():
-        if p.dim() == 2 and not NOT_MUON.search(name):
+        if takes_muon(name, p):
             groups[tuple(p.shape)] = groups.get(tuple(p.shape), 0) + p.numel()
     return 8 * max(groups.values(), default=0)
 

@@ -60,6 +60,7 @@ class Muon(torch.optim.Optimizer):
             raise ValueError("Muon.step takes no closure: compute the gradients first")
         for group in self.param_groups:
             mu, lr = group["momentum"], group["lr"]
+            decay = 1 - lr * group["weight_decay"]
             by_shape: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
             for p in group["params"]:
                 if p.grad is not None:
@@ -72,7 +73,7 @@ class Muon(torch.optim.Optimizer):
                 update = torch.stack(torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs)
                 ortho = orthogonalize(update, group["ns_steps"], group["ns_coefficients"], group["eps"])
                 del update
-                torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+                torch._foreach_mul_(params, decay)
                 # fp32 before the scale, as torch's add_(alpha=...) computes it
                 step = ortho.float().mul_(-lr * 0.2 * math.sqrt(max(shape)))
                 torch._foreach_add_(params, list(step.unbind(0)))

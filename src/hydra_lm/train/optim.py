@@ -17,6 +17,11 @@ from .options import TrainConfig
 NOT_MUON = re.compile(r"(^|\.)(embed|lm_head|routers|depth_router|router|rec_emb)(\.|$)")
 
 
+def takes_muon(name: str, p: torch.Tensor) -> bool:
+    """Whether ``--optimizer muon`` gives parameter ``name`` to Muon (a hidden 2-D weight) or to AdamW."""
+    return p.dim() == 2 and not NOT_MUON.search(name)
+
+
 def param_groups(model: nn.Module, weight_decay: float,
                  place: Callable[[str, torch.Tensor], tuple[str, float, float]] | None = None) -> list[dict]:
     """Groups of parameters sharing (optimizer part, LR ratio, weight decay), in first-seen order.
@@ -42,7 +47,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
     adamw_ratio = (cfg.adamw_lr or cfg.lr) / cfg.lr if kind == "muon" else 1.0
 
     def place(name: str, p: torch.Tensor) -> tuple[str, float, float]:
-        if kind == "muon" and p.dim() == 2 and not NOT_MUON.search(name):
+        if kind == "muon" and takes_muon(name, p):
             return "muon", 1.0, 1.0
         moe = moe_placement(name, cfg)
         if moe is not None:
