@@ -86,13 +86,17 @@ def test_incremental_decode_matches_full_forward(variant):
         torch.testing.assert_close(logits, full[:, t], rtol=0, atol=1e-9)
 
 
-def test_incremental_decode_matches_full_forward_where_deep_routers_rank():
+def test_incremental_decode_matches_full_forward_where_deep_routers_rank(monkeypatch):
     """Rows long enough that every depth's router has more earlier candidates than the rank rule's
-    pseudo-candidates, so ranks decide at every depth, from the decode cache's history."""
+    pseudo-candidates (fewer of them than the default here, to keep the rows short), so ranks decide at
+    every depth, from the decode cache's history."""
+    from hydra_lm.model import routing
+
+    monkeypatch.setattr(routing, "RANK_PRIOR", 16.0)
     model = tiny_model(mod_capacity=0.75, mor_capacity=0.75).double().eval()
     ids = _ids(2, 90)
     full = model(ids)
-    assert float(full["routing_stats"][:, 0].min()) * 90 > RANK_PRIOR
+    assert float(full["routing_stats"][:, 0].min()) * 90 > routing.RANK_PRIOR
     caches = model.init_cache(2, 90)
     logits = model.forward_cached(ids[:, :50], 0, caches)
     torch.testing.assert_close(logits, full["logits"][:, 49], rtol=0, atol=1e-9)
@@ -276,8 +280,8 @@ def test_causal_mode_routes_the_first_candidates_of_a_row_by_threshold():
     router = model.blocks[0].routers["0"]
     with torch.no_grad():
         router.proj.bias.fill_(-50.0)  # every logit negative: nothing enters the block
-    # Capacity 0.5: the threshold's 16 pseudo-candidates put 12 above each token under it, more than
-    # half of (earlier + 16) for the first 8 tokens of a row however they rank.
+    # Capacity 0.5: the threshold's RANK_PRIOR pseudo-candidates put 3/4 of them above each token under
+    # it, more than half of (earlier + RANK_PRIOR) for a row's first RANK_PRIOR / 2 tokens however they rank.
     ids = _ids(2, int(RANK_PRIOR) // 2)
     out = model(ids)
     assert float(out["routing_stats"][0, 0]) == 0.0
@@ -286,7 +290,11 @@ def test_causal_mode_routes_the_first_candidates_of_a_row_by_threshold():
     torch.testing.assert_close(out["logits"], expected)
 
 
-def test_causal_rank_rule_admits_a_candidate_iff_little_of_what_came_before_ranks_above_it():
+def test_causal_rank_rule_admits_a_candidate_iff_little_of_what_came_before_ranks_above_it(monkeypatch):
+    from hydra_lm.model import routing
+
+    monkeypatch.setattr(routing, "RANK_PRIOR", 8.0)  # lighter than the default, so ranks decide within 60 tokens
+    RANK_PRIOR = routing.RANK_PRIOR
     torch.manual_seed(0)
     s, valid = torch.randn(3, 60, dtype=torch.float64), torch.rand(3, 60) > 0.3
     threshold, capacity = torch.tensor(0.5, dtype=torch.float64), 0.25
@@ -300,16 +308,24 @@ def test_causal_rank_rule_admits_a_candidate_iff_little_of_what_came_before_rank
     assert not got[:, 0].any() or bool((s[:, 0][got[:, 0]] > 0.5).all())  # a row's first: the threshold
 
 
-def test_causal_rank_rule_holds_the_capacity_where_a_threshold_drifts():
+def test_causal_rank_rule_pulls_a_drifted_threshold_back_to_the_capacity():
     """Logits of text unlike the training batches: shifted and spread out. A threshold fitted before
-    admits a share unrelated to the capacity; the rank among the row's earlier candidates keeps it."""
+    admits a share unrelated to the capacity; the ranks among the row's earlier candidates bring most of
+    it back, and all of it as far as the threshold's weight allows."""
+    from hydra_lm.model import routing
+
     torch.manual_seed(0)
     fitted = torch.randn(8, 1024)
     threshold = torch.quantile(fitted, 0.875)  # admits 1/8 of the fitted logits
     shifted = 3.0 * torch.randn(8, 1024) + 1.0
-    assert float((shifted > threshold).float().mean()) > 0.3
-    share = rank_admits(shifted, None, 0.125, threshold).float().mean()
-    assert abs(float(share) - 0.125) < 0.02
+    drifted = float((shifted > threshold).float().mean())
+    assert drifted > 0.4
+    share = float(rank_admits(shifted, None, 0.125, threshold).float().mean())
+    assert abs(share - 0.125) < 0.25 * (drifted - 0.125)  # the default weight: 0.19 against 0.48
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(routing, "RANK_PRIOR", 16.0)  # a light threshold: the ranks decide nearly everywhere
+        share = float(rank_admits(shifted, None, 0.125, threshold).float().mean())
+    assert abs(share - 0.125) < 0.02
 
 
 # ---------------------------------------------------------------------------- MoE

@@ -157,9 +157,9 @@ class TrainConfig:
                                        "with --compile_mode reduce-overhead the fastest steady state at low MoD "
                                        "capacity, but minutes of cold compile", type=bool)
     cuda_graph: bool | None = opt(None, "capture the training step (forward, backward; clipping and the update "
-                                        "too with adamw, the others step eagerly) as CUDA graphs and replay them "
-                                        "(default: on CUDA in one process, without sophia, gradient checkpointing "
-                                        "or reduce-overhead)", type=bool)
+                                        "too with adamw and muon, the others step eagerly) as CUDA graphs and "
+                                        "replay them (default: on CUDA in one process, without sophia, gradient "
+                                        "checkpointing or reduce-overhead)", type=bool)
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass", type=bool)
     checkpoint_every: int | None = opt(None, "gradient checkpointing every N blocks (implies "
                                              "--gradient_checkpointing)", type=int)
