@@ -97,6 +97,8 @@ def test_compare_refuses_bad_requests_with_one_line(tiny_data, tmp_path, capsys)
         (["--budget", "tokens=1k", "--cuda_graph"], "--cuda_graph needs a CUDA device"),
         (["--budget", "tokens=1k", "--seed", "1", "--seeds", "0", "1"], "give one of them"),
         (["--budget", "tokens=1k", "--seeds", "0", "0"], "distinct seeds"),
+        (["--budget", "tokens=1k", "--gpus", "0"], "at least 1"),
+        (["--budget", "tokens=1k", "--gpus", "2"], "this machine has 0 CUDA GPU(s)"),
     ]
     for extra, message in cases:
         assert compare(tiny_data, tmp_path / "x", *extra) == 2, extra
@@ -137,6 +139,34 @@ def test_seeds_train_every_variant_per_seed_and_report_the_spread(tiny_data, tmp
     single = json.loads((tmp_path / "one" / "results.json").read_text())["variants"]["hydra"]
     assert single["final"]["val_loss_causal"] == pytest.approx(finals["hydra.seed5"], abs=1e-6)
     assert "across_seeds" not in json.loads((tmp_path / "one" / "results.json").read_text())
+
+
+@pytest.mark.slow
+def test_gpus_train_the_runs_in_parallel_workers_with_the_sequential_results(tiny_data, tmp_path, monkeypatch,
+                                                                            capsys):
+    import torch
+
+    # Two workers, one per (pretended) GPU; on this CPU machine each trains on the CPU.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    out = tmp_path / "cmp"
+    assert compare(tiny_data, out, "--budget", "tokens=512", "--variants", "hydra", "dense", "--evals", "1",
+                   "--gpus", "2") == 0
+    printed = capsys.readouterr().out
+    assert "GPU 0 trains hydra" in printed and "GPU 1 trains dense" in printed
+    for gpu, name in enumerate(("hydra", "dense")):
+        log = (out / f"compare.gpu{gpu}.log").read_text()
+        assert f"CUDA_VISIBLE_DEVICES={gpu}): {name}" in log and f"compare: training {name}" in log
+    results = json.loads((out / "results.json").read_text())
+    assert [v["status"] for v in results["variants"].values()] == ["finished", "finished"]
+    # The same run as one trained in this process.
+    assert compare(tiny_data, tmp_path / "one", "--budget", "tokens=512", "--variants", "dense", "--evals", "1") == 0
+    single = json.loads((tmp_path / "one" / "results.json").read_text())["variants"]["dense"]
+    assert single["final"]["val_loss_causal"] == pytest.approx(results["variants"]["dense"]["final"]["val_loss_causal"],
+                                                               abs=1e-6)
+    # Everything finished: a second call trains nothing and starts no worker.
+    assert compare(tiny_data, out, "--budget", "tokens=512", "--variants", "hydra", "dense", "--evals", "1",
+                   "--gpus", "2") == 0
+    assert "GPU 0 trains" not in capsys.readouterr().out
 
 
 @pytest.mark.slow

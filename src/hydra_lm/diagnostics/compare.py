@@ -104,19 +104,49 @@ class ComparePlan:
 
 def run_compare(data: str | None, out: str | None, budget: str, variant_names: list[str] | None,
                 custom_specs: list[str] | None, evals: int, shared: dict[str, Any],
-                seeds: list[int] | None = None) -> int:
+                seeds: list[int] | None = None, gpus: int = 1) -> int:
     """Train what is missing, then write OUT/results.json, OUT/report.md and the plots.
     ``shared``: trainer settings (TrainConfig keys) applied to every variant; ``seeds``: train each
-    variant once per seed."""
-    from ..train import setup_run, train
+    variant once per seed; ``gpus``: train that many runs at a time, one per CUDA GPU of this host."""
     from .plots import write_compare_plots
     from .report import format_seed_table, format_table, write_report
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("compare trains its variants one after another in one process: launch it without torchrun")
+        raise ValueError("compare trains its variants one after another in one process: launch it without torchrun; "
+                         "--gpus N trains N of them at a time, one per GPU")
+    if gpus < 1:
+        raise ValueError(f"--gpus {gpus}: give the number of GPUs to train on at a time, at least 1")
+    request = (data, out, budget, variant_names, custom_specs, evals, shared, seeds)
     plan = plan_compare(data, out, parse_budget(budget), variant_names, custom_specs, evals, shared, seeds)
-    out_dir, runs = plan.out, plan.runs
+    if gpus > 1:
+        code = train_on_gpus(plan, request, gpus)
+    else:
+        code = train_runs(plan, [run.name for run in plan.runs])
+    if code == 130:
+        return code
+    out_dir = plan.out
+    results = collect_results(plan)
+    write_text_atomic(out_dir / RESULTS, json.dumps(results, indent=1))
+    plots = write_compare_plots(results, out_dir)
+    write_report(results, plots, out_dir / "report.md")
+    print(format_table(results))
+    if results.get("across_seeds"):
+        print(format_seed_table(results))
+    for line in results["warnings"]:
+        print(f"warning: {line}")
+    print(f"compare: wrote {out_dir / 'report.md'}, {out_dir / RESULTS} and {len(plots)} plots")
+    return 0 if all(v["status"] == "finished" for v in results["variants"].values()) else 1
+
+
+def train_runs(plan: ComparePlan, names: list[str]) -> int:
+    """Train the runs of ``plan`` named in ``names`` that are not finished, one after another, in this
+    process. 130 when interrupted (the same command resumes), else 0."""
+    from ..train import setup_run, train
+
+    runs = plan.runs
     for i, run in enumerate(runs, 1):
+        if run.name not in names:
+            continue
         marker = finished_marker(run)
         if marker is not None:
             print(f"compare: {run.name} ({i}/{len(runs)}) {marker['status']} earlier in {run.run_dir}: "
@@ -132,17 +162,55 @@ def run_compare(data: str | None, out: str | None, budget: str, variant_names: l
             print(f"compare: interrupted; run the same command again to resume {run.name}", flush=True)
             return code
         write_marker(run, "finished" if code == 0 else "diverged")
-    results = collect_results(plan)
-    write_text_atomic(out_dir / RESULTS, json.dumps(results, indent=1))
-    plots = write_compare_plots(results, out_dir)
-    write_report(results, plots, out_dir / "report.md")
-    print(format_table(results))
-    if results.get("across_seeds"):
-        print(format_seed_table(results))
-    for line in results["warnings"]:
-        print(f"warning: {line}")
-    print(f"compare: wrote {out_dir / 'report.md'}, {out_dir / RESULTS} and {len(plots)} plots")
-    return 0 if all(v["status"] == "finished" for v in results["variants"].values()) else 1
+    return 0
+
+
+def train_on_gpus(plan: ComparePlan, request: tuple, gpus: int) -> int:
+    """Train the unfinished runs ``gpus`` at a time: one worker process per GPU (``CUDA_VISIBLE_DEVICES``),
+    each taking every ``gpus``-th unfinished run in the plan's order and logging to OUT/compare.gpuI.log.
+    Every run still has a whole GPU to itself; they share the host's CPUs, which matters for seconds
+    budgets only while another worker compiles (compilation is not counted as training time)."""
+    import multiprocessing
+
+    found = torch.cuda.device_count()
+    if gpus > found:
+        raise ValueError(f"--gpus {gpus}: this machine has {found} CUDA GPU(s); give at most {found} "
+                         "(or leave --gpus out to train the variants one after another)")
+    missing = [run.name for run in plan.runs if finished_marker(run) is None]
+    shares = [missing[i::gpus] for i in range(gpus)]
+    context = multiprocessing.get_context("spawn")  # fresh processes: CUDA_VISIBLE_DEVICES before CUDA starts
+    workers = []
+    for gpu, names in enumerate(shares):
+        if not names:
+            continue
+        log = plan.out / f"compare.gpu{gpu}.log"
+        print(f"compare: GPU {gpu} trains {', '.join(names)} (log: {log})", flush=True)
+        worker = context.Process(target=_gpu_worker, args=(gpu, names, request, str(log)))
+        worker.start()
+        workers.append((gpu, worker))
+    codes = []
+    for gpu, worker in workers:
+        worker.join()
+        codes.append(worker.exitcode)
+        if worker.exitcode not in (0, None):
+            print(f"compare: the worker on GPU {gpu} exited with {worker.exitcode}; see "
+                  f"{plan.out / f'compare.gpu{gpu}.log'}", flush=True)
+    return 130 if 130 in codes else 0
+
+
+def _gpu_worker(gpu: int, names: list[str], request: tuple, log: str) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    import sys
+
+    with open(log, "a", buffering=1) as stream:
+        sys.stdout = sys.stderr = stream
+        os.dup2(stream.fileno(), 1)  # the compile workers' and native libraries' output too
+        os.dup2(stream.fileno(), 2)
+        print(f"compare: worker of GPU {gpu} (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}): "
+              f"{', '.join(names)}", flush=True)
+        data, out, budget, variant_names, custom_specs, evals, shared, seeds = request
+        plan = plan_compare(data, out, parse_budget(budget), variant_names, custom_specs, evals, shared, seeds)
+        sys.exit(train_runs(plan, names))
 
 
 def plan_compare(data: str | None, out: str | None, budget: Budget, variant_names: list[str] | None,
