@@ -146,16 +146,18 @@ def test_gpus_train_the_runs_in_parallel_workers_with_the_sequential_results(tin
                                                                             capsys):
     import torch
 
-    # Two workers, one per (pretended) GPU; on this CPU machine each trains on the CPU.
+    # Two workers, one per (pretended) GPU; on this CPU machine each trains on the CPU. The GPUs are the
+    # ones CUDA_VISIBLE_DEVICES leaves this process, by their names there.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     out = tmp_path / "cmp"
     assert compare(tiny_data, out, "--budget", "tokens=512", "--variants", "hydra", "dense", "--evals", "1",
                    "--gpus", "2") == 0
     printed = capsys.readouterr().out
     assert "GPU 0 trains hydra" in printed and "GPU 1 trains dense" in printed
-    for gpu, name in enumerate(("hydra", "dense")):
+    for gpu, device, name in ((0, 3, "hydra"), (1, 5, "dense")):
         log = (out / f"compare.gpu{gpu}.log").read_text()
-        assert f"CUDA_VISIBLE_DEVICES={gpu}): {name}" in log and f"compare: training {name}" in log
+        assert f"CUDA_VISIBLE_DEVICES={device}): {name}" in log and f"compare: training {name}" in log
     results = json.loads((out / "results.json").read_text())
     assert [v["status"] for v in results["variants"].values()] == ["finished", "finished"]
     # The same run as one trained in this process.

@@ -168,14 +168,17 @@ def train_runs(plan: ComparePlan, names: list[str]) -> int:
 def train_on_gpus(plan: ComparePlan, request: tuple, gpus: int) -> int:
     """Train the unfinished runs ``gpus`` at a time: one worker process per GPU (``CUDA_VISIBLE_DEVICES``),
     each taking every ``gpus``-th unfinished run in the plan's order and logging to OUT/compare.gpuI.log.
-    Every run still has a whole GPU to itself; they share the host's CPUs, which matters for seconds
-    budgets only while another worker compiles (compilation is not counted as training time)."""
+    Every run still has a whole GPU to itself; they share the host's CPUs, which may slow one worker's
+    steps while another compiles (compilation is not counted as training time, steps are)."""
     import multiprocessing
 
     found = torch.cuda.device_count()
     if gpus > found:
         raise ValueError(f"--gpus {gpus}: this machine has {found} CUDA GPU(s); give at most {found} "
                          "(or leave --gpus out to train the variants one after another)")
+    # The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (all of them when it is unset).
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    devices = visible or [str(i) for i in range(found)]
     missing = [run.name for run in plan.runs if finished_marker(run) is None]
     shares = [missing[i::gpus] for i in range(gpus)]
     context = multiprocessing.get_context("spawn")  # fresh processes: CUDA_VISIBLE_DEVICES before CUDA starts
@@ -185,7 +188,7 @@ def train_on_gpus(plan: ComparePlan, request: tuple, gpus: int) -> int:
             continue
         log = plan.out / f"compare.gpu{gpu}.log"
         print(f"compare: GPU {gpu} trains {', '.join(names)} (log: {log})", flush=True)
-        worker = context.Process(target=_gpu_worker, args=(gpu, names, request, str(log)))
+        worker = context.Process(target=_gpu_worker, args=(gpu, devices[gpu], names, request, str(log)))
         worker.start()
         workers.append((gpu, worker))
     codes = []
@@ -198,8 +201,8 @@ def train_on_gpus(plan: ComparePlan, request: tuple, gpus: int) -> int:
     return 130 if 130 in codes else 0
 
 
-def _gpu_worker(gpu: int, names: list[str], request: tuple, log: str) -> None:
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+def _gpu_worker(gpu: int, device: str, names: list[str], request: tuple, log: str) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = device
     import sys
 
     with open(log, "a", buffering=1) as stream:
