@@ -8,6 +8,7 @@ import torch
 import hydra_lm
 from hydra_lm.model import routing
 from hydra_lm.train import evaluate
+from hydra_lm.train.evaluate import format_eval
 
 
 def batches(n=3, b=2, t=16, vocab=50, seed=0):
@@ -23,8 +24,8 @@ def batches(n=3, b=2, t=16, vocab=50, seed=0):
 
 def tiny(**kw):
     torch.manual_seed(0)
-    return hydra_lm.create_model("debug", vocab_size=50, dim=32, n_heads=2, n_kv_heads=1, mlp_hidden=64,
-                                 max_seq_len=32, mod_every=1, mod_capacity=0.5, **kw)
+    return hydra_lm.create_model("debug", **{**dict(vocab_size=50, dim=32, n_heads=2, n_kv_heads=1, mlp_hidden=64,
+                                                    max_seq_len=32, mod_every=1, mod_capacity=0.5), **kw})
 
 
 def test_causal_pass_never_routes_top_k(monkeypatch):
@@ -74,6 +75,24 @@ def test_losses_are_token_weighted_means_and_training_mode_is_restored():
             assert result[f"val_ppl_{mode}"] == pytest.approx(math.exp(total / count), rel=1e-6)
     assert result["val_tokens"] == 3 * 2 * 16 - 3 * 3
     assert 0 < result["val_exec_frac_causal"] <= 1
+
+
+def test_agreement_over_decisions_weighs_each_router_by_its_candidates():
+    # MoD 0.5 on every second block, MoR keeping 1/2 per depth: routers decide on 16, 8 or 4 of a row's 16.
+    model = tiny(n_blocks=2, recursions=3, mod_every=2, mor_capacity_schedule="geometric", mor_capacity=0.5)
+    result = evaluate(model, batches(), torch.device("cpu"))
+    tokens = model.tokens_per_unit(16)
+    candidates = {}
+    for block in model.blocks:
+        for name, depth in block.router_depths():
+            candidates[name] = 16 if depth == 0 else tokens[f"{block.name}.depth{depth - 1}"]
+    assert sorted(set(candidates.values())) == [4, 8, 16]
+    agreements = {name: r["agreement"] for name, r in result["routing"].items()}
+    assert len(set(agreements.values())) > 1  # the weighting can matter
+    expected = sum(candidates[n] * a for n, a in agreements.items()) / sum(candidates.values())
+    assert result["val_agreement_decisions"] == pytest.approx(expected, rel=1e-9)
+    assert result["val_agreement"] == pytest.approx(sum(agreements.values()) / len(agreements), rel=1e-9)
+    assert f"(of decisions {100 * expected:.1f}%)" in format_eval(result)
 
 
 def test_max_batches_stop_and_empty_split():

@@ -100,8 +100,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                   f"   ({note})")
         print(f"  gap    {result['val_gap']:+.4f} nats (causal minus top-k)")
         if "routing" in result:
-            print(f"  routing: {100 * result['val_agreement']:.1f}% top-k/threshold agreement; executed fraction "
-                  "per router, causal against its top-k target:")
+            overall = result.get("val_agreement_decisions")
+            decisions = "" if overall is None else f" ({100 * overall:.1f}% of all routing decisions)"
+            print(f"  routing: {100 * result['val_agreement']:.1f}% top-k/threshold agreement, mean of the routers"
+                  f"{decisions}; executed fraction per router, causal against its top-k target:")
             for name, r in result["routing"].items():
                 print(f"    {name:<16} {r['exec_causal']:.3f} / {r['target']:.3f}   "
                       f"agreement {100 * r['agreement']:.1f}%")

@@ -473,7 +473,7 @@ def variant_results(run: VariantRun, seq_len: int, tokens_per_step: int, out_dir
                  "train_s": r.get("train_s"), "val_loss_causal": r["val_loss_causal"],
                  "val_loss_topk": r["val_loss_topk"],
                  "gap": r.get("val_gap", r["val_loss_causal"] - r["val_loss_topk"])}
-        for key in ("val_agreement", "val_exec_frac_causal", "routing"):  # richer eval records, when present
+        for key in ("val_agreement", "val_agreement_decisions", "val_exec_frac_causal", "routing"):  # when present
             if key in r:
                 point[key] = r[key]
         evals.append(point)
@@ -498,7 +498,8 @@ def variant_results(run: VariantRun, seq_len: int, tokens_per_step: int, out_dir
         "peak_memory_mb": max((r["memory_mb"] for r in train_rs if r.get("memory_mb") is not None), default=None),
         "optimizer": run.values.get("optimizer", "adamw"), "lr": run.values["lr"], "min_lr": run.values["min_lr"],
         "final": None if final is None else {k: final.get(k) for k in ("step", "val_loss_causal", "val_loss_topk",
-                                                                       "gap", "val_agreement")},
+                                                                       "gap", "val_agreement",
+                                                                       "val_agreement_decisions")},
         "evals": evals,
         "routing": health["routers"],
         "depths": health["depths"],

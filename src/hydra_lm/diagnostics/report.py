@@ -135,7 +135,11 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
     for name, v in routed.items():
         rows = [(router, f"{r['target']:.3f}", f"{r['exec_causal']:.3f}", f"{r['exec_topk']:.3f}",
                  f"{r['agreement']:.3f}") for router, r in v["routing"].items()]
-        lines += [f"**{name}**", "", *_markdown_table(("router", "target", "causal", "top-k", "agreement"), rows), ""]
+        overall = (v["final"] or {}).get("val_agreement_decisions")
+        summary = [] if overall is None else [f"Agreement over all of its routing decisions (each router weighted "
+                                              f"by its candidates): {overall:.1%}.", ""]
+        lines += [f"**{name}**", "", *summary,
+                  *_markdown_table(("router", "target", "causal", "top-k", "agreement"), rows), ""]
     lines += ["## Warnings", ""]
     lines += [f"- {w}" for w in results["warnings"]] or ["None."]
     lines += ["", "## Plots", ""]

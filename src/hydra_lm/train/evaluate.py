@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from typing import Any, Callable, Iterable
 
 import torch
@@ -86,10 +87,38 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
         out["val_exec_frac_causal"] = sum(c[0] for c in causal) / len(names)
         out["val_exec_frac_topk"] = sum(t[0] for t in topk) / len(names)
         out["val_agreement"] = sum(t[2] for t in topk) / len(names)
+        weights = decisions_per_row(names, [t[0] for t in topk])
+        if sum(weights) > 0:
+            out["val_agreement_decisions"] = sum(w * t[2] for w, t in zip(weights, topk)) / sum(weights)
         # Before its first training batch a router has no threshold to hold to its target yet.
         out["routing_calibrated"] = all(bool(m.threshold_weight > 0) for m in model.modules()
                                         if isinstance(m, ExpertChoiceRouter))
     return out
+
+
+def decisions_per_row(names: list[str], exec_topk: list[float]) -> list[float]:
+    """How many decisions each expert-choice router makes, as a fraction of the row: its candidates, the
+    tokens its block's previous depth ran in top-k mode (the whole row at depth 0, or after an ungated
+    depth 0). Weighting the routers' agreement by it gives the share of all routing decisions on which
+    the causal rule agrees with top-k, where the plain mean counts a deep unit's two decisions per row
+    as much as a first depth's thousand. Token-choice routers (causal by construction) weigh 0."""
+    executed = {}
+    for name, share in zip(names, exec_topk):
+        if (found := _EXPERT_NAME.match(name)) is not None:
+            executed[(found["block"], int(found["depth"]))] = share
+    weights = []
+    for name in names:
+        found = _EXPERT_NAME.match(name)
+        if found is None:
+            weights.append(0.0)
+            continue
+        depth = int(found["depth"])
+        weights.append(1.0 if depth == 0 else executed.get((found["block"], depth - 1), 1.0))
+    return weights
+
+
+# Expert-choice routers' names: block name, "mod" or "mor", the depth they gate (Router.names).
+_EXPERT_NAME = re.compile(r"^(?P<block>.+)\.(?:mod|mor)(?P<depth>\d+)$")
 
 
 def routing_warnings(result: dict[str, Any]) -> list[str]:
@@ -110,8 +139,10 @@ def format_eval(result: dict[str, Any]) -> str:
     line = (f"val loss causal {result['val_loss_causal']:.4f} (ppl {result['val_ppl_causal']:.1f}) | top-k "
             f"{result['val_loss_topk']:.4f} (ppl {result['val_ppl_topk']:.1f}) | gap {result['val_gap']:+.4f}")
     if "routing" in result:
-        line += (f" | agreement {100 * result['val_agreement']:.1f}% | executed {result['val_exec_frac_causal']:.3f}"
-                 f" (top-k {result['val_exec_frac_topk']:.3f})")
+        line += f" | agreement {100 * result['val_agreement']:.1f}%"
+        if "val_agreement_decisions" in result:
+            line += f" (of decisions {100 * result['val_agreement_decisions']:.1f}%)"
+        line += f" | executed {result['val_exec_frac_causal']:.3f} (top-k {result['val_exec_frac_topk']:.3f})"
     return line + f" | {result['val_tokens']:,} tokens"
 
 
