@@ -160,3 +160,16 @@ def test_fp8_training_converts_the_layers_and_follows_the_bf16_run(tiny_data, tm
     fp8, bf16 = losses(tmp_path / "fp8"), losses(tmp_path / "bf16")
     assert all(torch.isfinite(torch.tensor([r[1] for r in fp8])))
     assert [r[1] for r in fp8] == pytest.approx([r[1] for r in bf16], rel=0.05)
+
+
+def test_a_run_left_to_the_size_table_trains_in_the_micro_batch_that_fits_the_gpu(tiny_data, tmp_path):
+    """The 100M table's 32 x 4 sequences per step, in one micro-batch of 128 (at 32 tokens it fits any GPU)."""
+    import json
+
+    run = tmp_path / "fit"
+    assert main(["train", "--data", str(tiny_data), "--out", str(run), "--model_size", "100M", "--seq_len", "32",
+                 "--max_steps", "2", "--log_every", "1", "--no-eval_at_start", "--eval_batches", "1"]) == 0
+    saved = json.loads((run / "config.json").read_text())["train"]
+    assert (saved["batch_size"], saved["grad_accum"]) == (128, 1)
+    assert "micro-batch fitted to the GPU: 128 x 32 x accumulation 1 (the 100M table's 32 x 4" in \
+        (run / "train.log").read_text()

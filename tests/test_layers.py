@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hydra_lm.model import attention_backend, layers
-from hydra_lm.diagnostics.memory_estimate import compute_memory_footprint
+from hydra_lm.train.memory_estimate import compute_memory_footprint
 from hydra_lm.model.attention import CCGQAttention, GQAttention, set_attention_backend
 from support import tiny_model
 

@@ -10,7 +10,7 @@ import torch
 
 from support import tiny_model
 from hydra_lm.cli import main
-from hydra_lm.diagnostics.memory_estimate import estimate_training_memory, optimizer_state_bytes
+from hydra_lm.train.memory_estimate import estimate_training_memory, optimizer_state_bytes
 from hydra_lm.train.optim import build_optimizer
 from hydra_lm.train.options import TrainConfig
 

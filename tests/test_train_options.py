@@ -27,6 +27,42 @@ def test_per_size_defaults_follow_the_seed_tables():
     assert resolve(TrainConfig(checkpoint_every=2), "debug", False).gradient_checkpointing
 
 
+def test_a_cuda_run_on_the_table_gets_the_largest_micro_batch_that_fits_the_gpu(monkeypatch):
+    from types import SimpleNamespace
+
+    from hydra_lm.config import preset_config
+    from hydra_lm.train.memory_estimate import measure_training_memory
+    from hydra_lm.train import fit_batch, run
+    from hydra_lm.train.metrics import RunLog
+
+    cfg = resolve(TrainConfig(model_size="1B"), "1B", on_cuda=True)  # the table: 2 x 30 sequences
+    model_cfg = preset_config("debug", vocab_size=512)
+    gib = 2 ** 30
+    # A synthetic peak of 1 GiB per sequence: 0.7 of 32 GiB holds 22 sequences, so 20 (a divisor of 60).
+    assert fit_batch.fit_micro_batch(cfg, model_cfg, 32 * gib, lambda b: 1024.0 * b) == (20, 3, 20 * 1024.0)
+    assert fit_batch.fit_micro_batch(cfg, model_cfg, 200 * gib, lambda b: 1024.0 * b)[:2] == (60, 1)
+    assert fit_batch.fit_micro_batch(cfg, model_cfg, gib // 2, lambda b: 1024.0 * b)[:2] == (1, 60)  # none fits
+    # The default estimate: the memory model of the run's config at its sequence length and optimizer.
+    # The debug preset at 256 tokens: about 368 MB at 15 sequences, 451 MB at 20; 0.7 of 600 MB is 420.
+    short = cfg.replace(seq_len=256)
+    batch, accum, peak = fit_batch.fit_micro_batch(short, model_cfg, 600 * 2 ** 20)
+    assert (batch, accum) == (15, 4)
+    assert peak == pytest.approx(measure_training_memory(model_cfg, 15, 256, device="cuda")["peak_mb"], rel=1e-3)
+    assert measure_training_memory(model_cfg, 20, 256, device="cuda")["peak_mb"] > 420 >= peak
+    # What the trainer's setup does with it on a GPU, and says.
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=32 * gib))
+    monkeypatch.setattr(run, "fit_micro_batch", lambda c, m, total: fit_batch.fit_micro_batch(
+        c, m, total, lambda b: 1024.0 * b))
+    lines = []
+    log = RunLog(None, echo=False)
+    monkeypatch.setattr(log, "info", lines.append)
+    fitted = run._fit_batch_to_gpu(cfg, model_cfg, torch.device("cuda"), log, eval_from_table=True)
+    assert (fitted.batch_size, fitted.grad_accum) == (20, 3)
+    assert fitted.eval_batches == 2  # the mode's 20 evaluation batches of 2 sequences: 40 sequences
+    assert run._fit_batch_to_gpu(cfg, model_cfg, torch.device("cuda"), log, eval_from_table=False).eval_batches == 20
+    assert "micro-batch fitted to the GPU: 20 x 1024 x accumulation 3 (the 1B table's 2 x 30" in lines[0]
+
+
 def test_validation_errors_are_clear():
     with pytest.raises(ValueError, match="mod_force_enable_pct"):
         resolve(TrainConfig(mod_enable_pct=0.5, mod_force_enable_pct=0.2), "debug", False)

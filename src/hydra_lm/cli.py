@@ -16,7 +16,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     print_info(args.model_size, seq_len=args.seq_len, arch=args.arch, vocab_size=args.vocab_size)
     if args.memory:
-        from .diagnostics.memory_estimate import describe_memory
+        from .train.memory_estimate import describe_memory
 
         print("\n".join(describe_memory(args.model_size, args.batch_size, args.seq_len, args.optimizer, args.arch,
                                         args.vocab_size, args.device)))

@@ -21,7 +21,8 @@ from .data_io import DataInfo, dataset_dir, open_data
 from .distributed import DistInfo, broadcast_object, init_distributed, launched_rank
 from .flags import to_toml
 from .metrics import RunLog, git_revision, versions
-from .options import FIELDS, FROZEN_ON_RESUME, TrainConfig, normalize, resolve
+from .fit_batch import fit_micro_batch
+from .options import FIELDS, FROZEN_ON_RESUME, TrainConfig, normalize, resolve, validate
 from .run_lock import RunLock
 
 CONFIG_JSON = "config.json"
@@ -159,8 +160,12 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
         info, device = init_distributed(cfg.device, cfg.parallel)
         device = device or pick_device(cfg.device)
         preset = preset_config(cfg.model_size).preset  # validates the name early, with suggestions
+        batch_from_table = cfg.batch_size is None and cfg.grad_accum is None and not cfg.seq_len_schedule
+        eval_from_table = cfg.eval_batches is None
         cfg = resolve(cfg.replace(model_size=preset), preset, device.type == "cuda")
         model_cfg = build_model_config(cfg, data)
+        if batch_from_table and device.type == "cuda" and not info.enabled and not resuming:
+            cfg = _fit_batch_to_gpu(cfg, model_cfg, device, log, eval_from_table)
         manager = CheckpointManager(run_dir / "checkpoints", preset, cfg.keep_checkpoints, warn=log.warning)
         resume_from = None
         if resuming:
@@ -177,6 +182,25 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
     except BaseException:
         log.close()
         raise
+
+
+def _fit_batch_to_gpu(cfg: TrainConfig, model_cfg: HydraConfig, device: torch.device, log: RunLog,
+                      eval_from_table: bool) -> TrainConfig:
+    """The per-size table's sequences per step in the largest micro-batch that fits this GPU (fit_batch.py).
+    Evaluation batches are micro-batches too: when their count is the mode's default it shrinks with them,
+    so an evaluation reads as many sequences as with the table's batch."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    batch, accum, peak_mb = fit_micro_batch(cfg, model_cfg, total)
+    if (batch, accum) == (cfg.batch_size, cfg.grad_accum):
+        return cfg
+    eval_batches = -(-cfg.eval_batches * cfg.batch_size // batch) if eval_from_table else cfg.eval_batches
+    log.info(f"micro-batch fitted to the GPU: {batch} x {cfg.seq_len} x accumulation {accum} (the "
+             f"{cfg.model_size} table's {cfg.batch_size} x {cfg.grad_accum}: the same sequences per step); "
+             f"estimated peak {peak_mb:,.0f} of {total / 2 ** 20:,.0f} MB; --batch_size / --grad_accum "
+             f"choose them yourself; {eval_batches} evaluation batches")
+    fitted = cfg.replace(batch_size=batch, grad_accum=accum, eval_batches=eval_batches)
+    validate(fitted)
+    return fitted
 
 
 def _config_from_checkpoints(manager: CheckpointManager, run_dir: Path) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..config import HydraConfig, preset_config
 from ..model import HydraModel
+from .optim import takes_muon
 
 DEVICES = ("cuda", "cpu")
 
@@ -28,8 +29,6 @@ MB = 2 ** 20
 
 def optimizer_state_bytes(model: torch.nn.Module, optimizer: str) -> int:
     """Bytes of optimizer state for fp32 parameters."""
-    from ..train.optim import takes_muon
-
     total = 0
     for name, p in model.named_parameters():
         n = p.numel()
@@ -53,8 +52,6 @@ def muon_update_bytes(model: torch.nn.Module) -> int:
     """Working memory of Muon's step replayed as a CUDA graph (train/muon.py): the graph keeps it for good.
     The step takes one shape at a time; at its widest it holds that shape's fp32 Nesterov updates twice
     (the list and their stack), 8 bytes per weight of the largest group of equal-shaped matrices."""
-    from ..train.optim import takes_muon
-
     groups: dict[tuple[int, ...], int] = {}
     for name, p in model.named_parameters():
         if takes_muon(name, p):
