@@ -38,21 +38,21 @@ def test_a_cuda_run_on_the_table_gets_the_largest_micro_batch_that_fits_the_gpu(
     cfg = resolve(TrainConfig(model_size="1B"), "1B", on_cuda=True)  # the table: 2 x 30 sequences
     model_cfg = preset_config("debug", vocab_size=512)
     gib = 2 ** 30
-    # A synthetic peak of 1 GiB per sequence: 0.7 of 32 GiB holds 22 sequences, so 20 (a divisor of 60).
-    assert fit_batch.fit_micro_batch(cfg, model_cfg, 32 * gib, lambda b: 1024.0 * b) == (20, 3, 20 * 1024.0)
-    assert fit_batch.fit_micro_batch(cfg, model_cfg, 200 * gib, lambda b: 1024.0 * b)[:2] == (60, 1)
-    assert fit_batch.fit_micro_batch(cfg, model_cfg, gib // 2, lambda b: 1024.0 * b)[:2] == (1, 60)  # none fits
-    # The default estimate: the memory model of the run's config at its sequence length and optimizer.
-    # The debug preset at 256 tokens: about 368 MB at 15 sequences, 451 MB at 20; 0.7 of 600 MB is 420.
+    # The memory model of the run's config at its sequence length and optimizer. The debug preset at 256
+    # tokens: about 368 MB at 15 sequences, 451 MB at 20; 0.7 of 600 MB is 420.
     short = cfg.replace(seq_len=256)
     batch, accum, peak = fit_batch.fit_micro_batch(short, model_cfg, 600 * 2 ** 20)
     assert (batch, accum) == (15, 4)
     assert peak == pytest.approx(measure_training_memory(model_cfg, 15, 256, device="cuda")["peak_mb"], rel=1e-3)
     assert measure_training_memory(model_cfg, 20, 256, device="cuda")["peak_mb"] > 420 >= peak
+    # A synthetic peak of 1 GiB per sequence: 0.7 of 32 GiB holds 22 sequences, so 20 (a divisor of 60);
+    # none fits in half a GiB.
+    monkeypatch.setattr(fit_batch, "measure_training_memory", lambda cfg, batch, *a, **k: {"peak_mb": 1024.0 * batch})
+    assert fit_batch.fit_micro_batch(cfg, model_cfg, 32 * gib) == (20, 3, 20 * 1024.0)
+    assert fit_batch.fit_micro_batch(cfg, model_cfg, 200 * gib)[:2] == (60, 1)
+    assert fit_batch.fit_micro_batch(cfg, model_cfg, gib // 2)[:2] == (1, 60)
     # What the trainer's setup does with it on a GPU, and says.
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=32 * gib))
-    monkeypatch.setattr(run, "fit_micro_batch", lambda c, m, total: fit_batch.fit_micro_batch(
-        c, m, total, lambda b: 1024.0 * b))
     lines = []
     log = RunLog(None, echo=False)
     monkeypatch.setattr(log, "info", lines.append)

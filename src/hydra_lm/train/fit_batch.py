@@ -12,9 +12,8 @@ the table's.
 
 from __future__ import annotations
 
-from typing import Callable
-
 from ..config import HydraConfig
+from .memory_estimate import measure_training_memory
 from .options import TrainConfig
 
 # Share of the GPU's memory the estimated peak may take: room for the estimate's error (it was 4% under
@@ -26,23 +25,17 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def fit_micro_batch(cfg: TrainConfig, model_cfg: HydraConfig, gpu_bytes: int,
-                    estimate: Callable[[int], float] | None = None) -> tuple[int, int, float]:
+def fit_micro_batch(cfg: TrainConfig, model_cfg: HydraConfig, gpu_bytes: int) -> tuple[int, int, float]:
     """(batch, accumulation, estimated peak MB) for ``cfg``'s sequences per step on a GPU of ``gpu_bytes``:
-    the largest micro-batch that fits (1 when none does). ``estimate(batch)``: peak MB of a micro-batch,
-    by default the memory estimate of ``model_cfg`` with ``cfg``'s sequence length, optimizer and
-    gradient checkpointing."""
-    from .memory_estimate import measure_training_memory
-
-    def peak_mb(batch: int) -> float:
-        return measure_training_memory(model_cfg, batch, cfg.seq_len, cfg.optimizer, cfg.gradient_checkpointing,
-                                       cfg.checkpoint_every or 1, device="cuda")["peak_mb"]
-
+    the largest micro-batch that fits (1 when none does), by the memory estimate of ``model_cfg`` with
+    ``cfg``'s sequence length, optimizer and gradient checkpointing."""
     estimated: dict[int, float] = {}
 
     def peak(batch: int) -> float:
         if batch not in estimated:
-            estimated[batch] = (estimate or peak_mb)(batch)
+            estimated[batch] = measure_training_memory(model_cfg, batch, cfg.seq_len, cfg.optimizer,
+                                                       cfg.gradient_checkpointing, cfg.checkpoint_every or 1,
+                                                       device="cuda")["peak_mb"]
         return estimated[batch]
 
     sequences = cfg.batch_size * cfg.grad_accum
