@@ -5,6 +5,9 @@ causal against top-k. Evaluation only: the trained weights and calibrated thresh
 - ``--rank_prior``: the rank rule's threshold weight (``routing.RANK_PRIOR``, in pseudo-candidates). A
   larger weight lets the calibrated threshold decide for longer into each document (the executed share
   follows the capacity more closely); a smaller one lets each token's rank among earlier ones decide sooner.
+- ``--decode_batch B``: also decode with each ``--rank_prior`` (prompts of ``--decode_len`` validation tokens,
+  as many greedy one-token steps, ``diagnostics.bench.decode_tokens_per_s``): tokens/s and routed units run
+  per step, what the rule costs in generation.
 - ``--match_share N``: then, at the last ``--rank_prior``, N rounds that scale each router's causal capacity
   by its target over the share it executed in the previous round, measured on the same validation batches
   (an oracle: it shows how much of the gap an executed share at the target would close; the rest is which
@@ -12,16 +15,21 @@ causal against top-k. Evaluation only: the trained weights and calibrated thresh
   the threshold. The agreement column is measured in the top-k pass at the unscaled capacity.
 
     PYTHONPATH=src python benchmarks/causal_rule_sweep.py --run RUN_DIR [--rank_prior 16 64 512] \\
-        [--match_share 2] [--eval_batches 16]
+        [--match_share 2] [--eval_batches 16] [--decode_batch 8 --decode_len 64]
 """
 
 from __future__ import annotations
 
 import argparse
 
+import torch
+
+from hydra_lm.diagnostics.bench import decode_tokens_per_s
 from hydra_lm.infer import eval_run
+from hydra_lm.infer.runs import load_run
 from hydra_lm.model import routing
 from hydra_lm.model.block import RecursiveBlock
+from hydra_lm.train.data_io import ValSet, open_data
 
 NAN = float("nan")
 
@@ -39,6 +47,8 @@ def main() -> None:
     ap.add_argument("--match_share", type=int, default=0, help="rounds of per-router share matching (oracle)")
     ap.add_argument("--eval_batches", type=int, default=16)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--decode_batch", type=int, default=0, help="also decode this many rows with each --rank_prior")
+    ap.add_argument("--decode_len", type=int, default=64, help="prompt tokens, and new tokens, of that decoding")
     args = ap.parse_args()
     prior, capacities = routing.RANK_PRIOR, RecursiveBlock.depth_capacities
     scale: dict[str, float] = {}
@@ -50,12 +60,26 @@ def main() -> None:
     def evaluate() -> dict:
         return eval_run(args.run, max_batches=args.eval_batches, device=args.device)
 
+    decoder = None
+    if args.decode_batch:
+        decoder = load_run(args.run, None, args.device)
+        info = open_data(decoder.config["train"]["data"])
+        prompt = next(iter(ValSet(info, args.decode_batch, args.decode_len)))["input_ids"].to(decoder.device)
+
+    def decode() -> str:
+        if decoder is None:
+            return ""
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=decoder.device.type == "cuda"):
+            rate, units = decode_tokens_per_s(decoder.model.eval(), args.decode_batch, args.decode_len,
+                                              decoder.device, compiled=False, repeats=2, prompt=prompt)
+        return f"  decode batch {args.decode_batch}: {rate:,.0f} tokens/s, {units:.2f} units per step"
+
     print(f"{'rule':>22}  causal    top-k     gap      agreement  executed causal / top-k")
     try:
         for value in args.rank_prior:
             routing.RANK_PRIOR = value
             result = evaluate()
-            print(row(f"rank_prior {value:g}", result), flush=True)
+            print(row(f"rank_prior {value:g}", result) + decode(), flush=True)
         RecursiveBlock.depth_capacities = scaled_capacities
         for round_ in range(1, args.match_share + 1):
             for name, r in result.get("routing", {}).items():  # e.g. "block3.mod0": block3, depth 0

@@ -63,6 +63,32 @@ def test_a_cuda_run_on_the_table_gets_the_largest_micro_batch_that_fits_the_gpu(
     assert "micro-batch fitted to the GPU: 20 x 1024 x accumulation 3 (the 1B table's 2 x 30" in lines[0]
 
 
+def test_the_trainer_fits_the_micro_batch_only_where_the_user_left_it_to_the_table(tiny_data, tmp_path, monkeypatch):
+    """setup_run on a (pretended) 80 GB GPU: the 100M table's 32 x 4 sequences become one micro-batch of
+    128 (and the mode's 20 evaluation batches of 32 sequences 5 of 128); an explicit --batch_size or
+    --grad_accum keeps the table's other half."""
+    from types import SimpleNamespace
+
+    from hydra_lm.train import fit_batch, run
+
+    monkeypatch.setattr(run, "pick_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2 ** 30))
+    monkeypatch.setattr(fit_batch, "measure_training_memory", lambda cfg, batch, *a, **k: {"peak_mb": 300.0 * batch})
+
+    def setup(name, **extra):
+        s = run.setup_run({"data": str(tiny_data), "out": str(tmp_path / name), "model_size": "100M", **extra},
+                          echo=False)
+        s.close()
+        return s.cfg
+
+    fitted = setup("fitted")
+    assert (fitted.batch_size, fitted.grad_accum, fitted.eval_batches) == (128, 1, 5)
+    log = (tmp_path / "fitted" / "train.log").read_text()
+    assert "micro-batch fitted to the GPU: 128 x 1024 x accumulation 1" in log
+    explicit, accum = setup("explicit", batch_size=16), setup("accum", grad_accum=2)
+    assert (explicit.batch_size, explicit.grad_accum, accum.batch_size, accum.grad_accum) == (16, 4, 32, 2)
+
+
 def test_validation_errors_are_clear():
     with pytest.raises(ValueError, match="mod_force_enable_pct"):
         resolve(TrainConfig(mod_enable_pct=0.5, mod_force_enable_pct=0.2), "debug", False)

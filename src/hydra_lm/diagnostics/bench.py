@@ -178,7 +178,7 @@ def _routing_efficiency(model, routed: dict[str, Any], cfg: BenchConfig, plan: S
 
 @torch.no_grad()
 def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, compiled: bool,
-                        repeats: int = 3) -> tuple[float, float]:
+                        repeats: int = 3, prompt: torch.Tensor | None = None) -> tuple[float, float]:
     """Steady-state decoding of ``batch`` rows: a prompt of ``length`` tokens is prefilled, then
     ``length`` one-token steps (greedy, CUDA-graphed where ``generate`` does so, units compiled when
     ``compiled``) are timed on their own, median of ``repeats``. Prefill, the first eager
@@ -186,8 +186,10 @@ def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, co
     ``generate`` calls would fold them (and their noise, larger than a short decode at batch 1) into
     the per-token cost. Each timed run starts from a fresh prefill into the same (zeroed) cache: a
     cache's positions are consumed once (``HydraModel.forward_cached``). Returns (tokens/s, routed units
-    run per step in the timed runs: the step skips the units no row's token enters)."""
-    prompt = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
+    run per step in the timed runs: the step skips the units no row's token enters). ``prompt`` [batch,
+    length]: token ids to prefill (default random ones; a trained model's routing wants real text)."""
+    if prompt is None:
+        prompt = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
     caches = model.init_cache(batch, 2 * length)
     tensors = [t for block in caches for depth in block for cache in depth
                for t in (getattr(cache, f.name) for f in dataclasses.fields(cache)) if t is not None]
