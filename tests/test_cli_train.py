@@ -254,3 +254,33 @@ def test_a_failed_restart_leaves_the_run_as_it_was(tiny_data, tmp_path, capsys):
     assert (run / "config.json").read_text() == saved
     assert main(["train", "--out", str(run), "--max_steps", "4"]) == 0
     assert json.loads((run / "config.json").read_text())["train"]["max_steps"] == 4
+
+
+def test_a_stalled_step_leaves_every_threads_stack_in_the_log_and_the_run_goes_on(tiny_data, tmp_path, monkeypatch):
+    """--stall_dump_s: a step that makes no progress for that long appends the stacks (naming the function
+    it waits in) to train.log; the run then finishes normally, and a healthy run's log holds no dump."""
+    from hydra_lm.train.step import TrainStep
+
+    healthy = tmp_path / "healthy"
+    assert train(tiny_data, healthy, "--max_steps", "3", "--no-eval_at_start", "--stall_dump_s", "30") == 0
+    assert "most recent call first" not in (healthy / "train.log").read_text()
+
+    micro, calls = TrainStep.micro, []
+
+    def waits_on_something_that_never_comes(self, inputs):
+        calls.append(1)
+        if len(calls) == 2:
+            time.sleep(1.5)
+        return micro(self, inputs)
+    monkeypatch.setattr(TrainStep, "micro", waits_on_something_that_never_comes)
+    run = tmp_path / "stalled"
+    assert train(tiny_data, run, "--max_steps", "3", "--no-eval_at_start", "--stall_dump_s", "0.5") == 0
+    log = (run / "train.log").read_text()
+    assert "Timeout (0:00:00.500000)!" in log and "most recent call first" in log
+    assert "waits_on_something_that_never_comes" in log
+    assert records(run, "train")[-1]["step"] == 3
+
+
+def test_a_negative_stall_dump_is_refused(tiny_data, tmp_path, capsys):
+    assert train(tiny_data, tmp_path / "run", "--stall_dump_s", "-1") == 2
+    assert "stall_dump_s=-1.0 must be >= 0" in capsys.readouterr().err

@@ -185,6 +185,9 @@ class TrainConfig:
     eval_at_start: bool = opt(True, "evaluate once before the first step", type=bool)
     save_every: int | None = opt(None, "steps between checkpoints", type=int)
     keep_checkpoints: int = opt(3, "checkpoints kept (older ones are deleted after a good save)", type=int)
+    stall_dump_s: float = opt(900.0, "seconds without a finished step or evaluation batch after which every "
+                                     "thread's stack is appended to train.log (the run goes on; 0: never)",
+                              type=float)
     tensorboard: bool = opt(False, "also log to TensorBoard (RUN_DIR/tensorboard)", type=bool)
     wandb: bool = opt(False, "also log to Weights & Biases", type=bool)
     wandb_project: str = opt("hydra-lm", "W&B project name", type=str)
@@ -394,6 +397,7 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.batch_filter_k > 0, f"batch_filter_k={cfg.batch_filter_k} must be > 0")
     need(cfg.adaptive_lr_spike > 1, f"adaptive_lr_spike={cfg.adaptive_lr_spike} must be > 1")
     need(0 < cfg.adaptive_lr_factor <= 1, f"adaptive_lr_factor={cfg.adaptive_lr_factor} must lie in (0, 1]")
+    need(cfg.stall_dump_s >= 0, f"stall_dump_s={cfg.stall_dump_s} must be >= 0 (0: never dump stacks)")
     if cfg.checkpoint_every is not None:
         need(cfg.checkpoint_every >= 1, f"checkpoint_every={cfg.checkpoint_every} must be >= 1")
     if cfg.stop_at_step is not None:

@@ -27,7 +27,7 @@ from .distributed import (any_rank, broadcast_object, full_tensor, gradient_sync
                           wrap_model)
 from .divergence import FiniteFlag, RollbackPolicy, parameters_finite
 from .log_window import LogWindow
-from .metrics import MetricsWriter, NullMetrics, measure_peak_flops, memory_mb, progress_line
+from .metrics import LOG_FILE, MetricsWriter, NullMetrics, measure_peak_flops, memory_mb, progress_line
 from .optim import build_optimizer, check_optimizer_features, set_lr
 from .pretest import PretestHook
 from .run import RunSetup, write_run_files
@@ -40,6 +40,7 @@ from .moe_training import check_moe_options, hold_routers
 from .resume import continue_after_switch, handle_divergence, restore, save_checkpoint
 from .seq_len_schedule import SeqLenSchedule, carry_over
 from .sharded_checkpoint import ShardedSaver
+from .stall_dump import StallDump
 from .step import TrainStep
 from .stop_signal import EXIT_INTERRUPTED, StopRequest
 
@@ -213,6 +214,7 @@ class Trainer:
                                 config=self.cfg.to_dict(), resume_step=self.step if self.s.resume_from else -1) \
             if self.dist.is_main else NullMetrics()
         self.metrics = metrics
+        self.stall = StallDump(self.s.run_dir / LOG_FILE if self.dist.is_main else None, cfg.stall_dump_s)
         try:
             return self._loop()
         except Exception as error:
@@ -221,6 +223,7 @@ class Trainer:
             self.log.info(f"resume with: hydra-lm train --out {self.s.run_dir}")
             return EXIT_INTERRUPTED
         finally:
+            self.stall.close()
             metrics.close()
             self.loader.close()
             if self._valset is not None:
@@ -287,7 +290,9 @@ class Trainer:
         return 0
 
     def _stop_agreed(self) -> bool:
-        """Whether to stop now: a signal on any rank stops every rank at the same step."""
+        """Whether to stop now: a signal on any rank stops every rank at the same step. Asked once per step
+        and per evaluation batch, so it also tells the stall dump that the run is making progress."""
+        self.stall.beat()
         if any_rank(self.stop_request.reason is not None, self.dist):
             self.stop_request.reason = self.stop_request.reason or "a signal on another rank"
             return True
