@@ -242,3 +242,33 @@ def test_decode_carries_the_prefix_statistic_of_each_routed_unit():
     assert all(float(r[:, 2].sum(1).min()) > 0 for r in routes)  # every unit kept some candidates
     assert bool((routes[0][:, 2].sum(1) == 20).all())  # the first routed unit sees every token
 
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(mor_routing="token"), dict(sharing="middle_cycle", n_blocks=4),
+                                       dict(moe=True, moe_num_layers=1)],
+                         ids=["hydra", "token_choice", "middle_cycle", "moe"])
+@pytest.mark.parametrize("documents", [False, True], ids=["one_document", "packed_documents"])
+def test_causal_forward_drops_what_follows_each_units_last_admitted_entry_without_changing_a_logit(
+        overrides, documents, monkeypatch):
+    """Evaluation and prefill run a routed unit only up to its last admitted entry (block._admitted_prefix):
+    the logits are those of the unit run on every candidate, and the cut does remove entries."""
+    import hydra_lm.model.block as block
+
+    model = tiny_model(**overrides)
+    _calibrate(model, batches=5)
+    model = model.double().eval()
+    ids = _batch(5, b=3, t=64)["input_ids"]
+    kwargs = {"doc_ids": torch.tensor([0] * 20 + [1] * 30 + [2] * 14).expand(3, -1)} if documents else {}
+    cut, shapes = block._admitted_prefix, []
+
+    def recording(sel):
+        out = cut(sel)
+        shapes.append((sel.valid.shape[1], out.valid.shape[1]))
+        return out
+    with torch.no_grad():
+        monkeypatch.setattr(block, "_admitted_prefix", recording)
+        short = model(ids, routing="causal", **kwargs)["logits"]
+        monkeypatch.setattr(block, "_admitted_prefix", lambda sel: sel)
+        every = model(ids, routing="causal", **kwargs)["logits"]
+    assert sum(before - after for before, after in shapes) > 0.3 * sum(before for before, _ in shapes), shapes
+    torch.testing.assert_close(short, every, rtol=0, atol=1e-10)

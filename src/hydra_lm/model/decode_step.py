@@ -1,15 +1,15 @@
 """The one-token decoding step of ``HydraModel.generate``: a routed unit runs only when some row's new
 token enters it.
 
-A full forward (and the prompt's prefill, ``HydraModel.forward_cached``) runs every unit on masked
-entries, which keeps shapes static. A one-token step has few entries to mask and many units: with the
-presets' routing a token enters about 5 of the 100M preset's 32 units, and a step that launches all 32
-is bound by their kernels' fixed cost. So the step is a list of ops (embedding, each router's decision,
-each unit, MoE blocks, head) over fixed buffers (the residual stream ``x``, each router's mask and gate),
-and after each router's decision the host reads whether any row's token entered: if none did, the rest of
-that block is skipped. A skipped unit leaves its caches as a masked one would (no slot marked valid, conv
-and value-shift state unchanged; its router's state marks no candidate) and the residual stream
-unchanged, so the tokens are those of the full forward.
+A full forward (and the prompt's prefill, ``HydraModel.forward_cached``) runs every unit, on masked
+entries up to the last one any row admits (``block._admitted_prefix``). A one-token step has few entries
+to mask and many units: with the presets' routing a token enters about 5 of the 100M preset's 32 units,
+and a step that launches all 32 is bound by their kernels' fixed cost. So the step is a list of ops
+(embedding, each router's decision, each unit, MoE blocks, head) over fixed buffers (the residual stream
+``x``, each router's mask and gate), and after each router's decision the host reads whether any row's
+token entered: if none did, the rest of that block is skipped. A skipped unit leaves its caches as a
+masked one would (no slot marked valid, conv and value-shift state unchanged; its router's state marks no
+candidate) and the residual stream unchanged, so the tokens are those of the full forward.
 
 On CUDA the ops between two decisions are one CUDA graph ("segment"), captured on the second call after
 an eager first call that runs every op (compiling every graph the segments use). The host still

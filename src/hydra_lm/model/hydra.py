@@ -206,8 +206,9 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         """Run new tokens at positions start.. through the model, updating ``caches``; returns the
         last position's logits [B, V]. ``start``: an int or a [B, 1] tensor. Positions are consumed in
         order, each once per cache (the conv and value-shift states advance with every token). Every
-        routed unit runs, on masked entries (the prompt's prefill; ``generate``'s one-token steps run
-        ``decode_step.DecodeStep``, which skips the units no token enters)."""
+        routed unit runs, on masked entries up to the last one any row admits (the prompt's prefill;
+        ``generate``'s one-token steps run ``decode_step.DecodeStep``, which skips the units no token
+        enters)."""
         b, s = input_ids.shape
         pos = (start + torch.arange(s, device=input_ids.device)).expand(b, s)
         mode = "static" if self.config.static_routing_mode else "causal"
