@@ -257,8 +257,8 @@ def test_causal_forward_drops_what_follows_each_units_last_admitted_entry_withou
     model = tiny_model(**overrides)
     _calibrate(model, batches=5)
     model = model.double().eval()
-    ids = _batch(5, b=3, t=64)["input_ids"]
-    kwargs = {"doc_ids": torch.tensor([0] * 20 + [1] * 30 + [2] * 14).expand(3, -1)} if documents else {}
+    ids = _batch(5, b=3, t=128)["input_ids"]
+    kwargs = {"doc_ids": torch.tensor([0] * 40 + [1] * 60 + [2] * 28).expand(3, -1)} if documents else {}
     cut, shapes = block._admitted_prefix, []
 
     def recording(sel):
@@ -270,5 +270,5 @@ def test_causal_forward_drops_what_follows_each_units_last_admitted_entry_withou
         short = model(ids, routing="causal", **kwargs)["logits"]
         monkeypatch.setattr(block, "_admitted_prefix", lambda sel: sel)
         every = model(ids, routing="causal", **kwargs)["logits"]
-    assert sum(before - after for before, after in shapes) > 0.3 * sum(before for before, _ in shapes), shapes
+    assert sum(before - after for before, after in shapes) > 0.2 * sum(before for before, _ in shapes), shapes
     torch.testing.assert_close(short, every, rtol=0, atol=1e-10)

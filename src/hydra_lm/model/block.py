@@ -80,14 +80,18 @@ def _admitted_prefix(sel: Selection) -> Selection:
     selection keeps all of them, admitted ones first in causal order. Outside compiled and captured code
     the entries after every row's last admitted one are dropped here: no admitted entry reads them (they
     come later), their update is masked to zero, and they make up most of a deep unit's work (the 100M
-    preset's deepest units admit under 1% of their candidates). Costs one host sync per router."""
+    preset's deepest units admit under 1% of their candidates). Costs one host sync per router. The kept
+    length is rounded up to a power of two, at least 16: a compiled unit then sees a few lengths, none
+    small enough to be specialized on (a length of 2 equal to the recursions compiled a graph of its own)."""
     if torch.compiler.is_compiling() or (sel.valid.is_cuda and torch.cuda.is_current_stream_capturing()):
         return sel
-    keep = max(1, int(sel.valid.sum(1).max()))
-    if keep == sel.valid.shape[1]:
+    n = sel.valid.shape[1]
+    keep = min(n, max(16, 1 << (int(sel.valid.sum(1).max()) - 1).bit_length()))
+    if keep == n:
         return sel
-    return Selection(sel.order[:, :keep], None if sel.weight is None else sel.weight[:, :keep],
-                     sel.valid[:, :keep], sel.aux_loss, sel.stats)
+    def cut(t):  # contiguous: a compiled unit guards on its inputs' strides
+        return None if t is None else t[:, :keep].contiguous()
+    return Selection(cut(sel.order), cut(sel.weight), cut(sel.valid), sel.aux_loss, sel.stats)
 
 
 class RecursiveBlock(nn.Module):
