@@ -55,6 +55,8 @@ def test_compare_trains_reports_and_skips_finished_variants(tiny_data, tmp_path,
     hydra = results["variants"]["hydra"]
     assert 0 <= hydra["final"]["val_agreement"] <= 1 and dense["final"]["val_agreement"] is None
     assert "agree" in lines[header] and f"{hydra['final']['val_agreement']:.1%}" in lines[header + 2]
+    rate = hydra["executed_flops"] / hydra["train_s"] / 1e12  # what the variant made of the device per second
+    assert "exec TFLOP/s" in lines[header] and f"{rate:.3g}" in lines[header + 2].split()
     assert hydra["routing"] and all(0 <= r["exec_causal"] <= 1 and 0 < r["target"] <= 1
                                     for r in hydra["routing"].values())
     assert len(hydra["depths"]["causal"]) == 2 and dense["routing"] == {} and dense["depths"] is None

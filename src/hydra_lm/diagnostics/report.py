@@ -8,12 +8,20 @@ from typing import Any
 from ..train.checkpoint import write_text_atomic
 from .routing_health import GAP_TOLERANCE, STARVATION_TOLERANCE
 
-COLUMNS = ("variant", "params", "tokens", "exec FLOPs", "train s", "causal", "top-k", "gap", "agree", "tok/s",
-           "peak MB")
+# "exec TFLOP/s": executed training FLOPs per training second, what a variant makes of the GPU; a routed
+# model can lead per FLOP (loss vs exec FLOPs) and trail per second when this is low.
+COLUMNS = ("variant", "params", "tokens", "exec FLOPs", "train s", "exec TFLOP/s", "causal", "top-k", "gap", "agree",
+           "tok/s", "peak MB")
 
 
 def _num(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _tflops(v: dict[str, Any]) -> float | None:
+    if v["executed_flops"] is None or not v["train_s"]:
+        return None
+    return v["executed_flops"] / v["train_s"] / 1e12
 
 
 def table_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -22,7 +30,7 @@ def table_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
         final = v["final"] or {}
         label = name if v["status"] == "finished" else f"{name} ({v['status']})"
         rows.append((label, f"{v['params'] / 1e6:.2f}M", f"{v['tokens']:,}", _num(v["executed_flops"], ".3g"),
-                     _num(v["train_s"], ".1f"), _num(final.get("val_loss_causal"), ".4f"),
+                     _num(v["train_s"], ".1f"), _num(_tflops(v), ".3g"), _num(final.get("val_loss_causal"), ".4f"),
                      _num(final.get("val_loss_topk"), ".4f"), _num(final.get("gap"), "+.4f"),
                      _num(final.get("val_agreement"), ".1%"),
                      _num(v["tokens_per_s"], ",.0f"), _num(v.get("peak_memory_mb"), ",.0f")))
