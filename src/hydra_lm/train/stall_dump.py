@@ -21,7 +21,7 @@ class StallDump:
         self._file = None
         self._armed_at = -float("inf")
         if after_s > 0:
-            self._file = open(log_path, "a") if log_path is not None else sys.stderr  # noqa: SIM115 (closed in close)
+            self._file = open(log_path, "a") if log_path is not None else sys.stderr  # closed by close()
             self.beat()
 
     def beat(self) -> None:
