@@ -1,0 +1,128 @@
+"""Time of one routed unit (forward + backward, compiled as the trainer compiles it) against the tokens it
+runs on: the fixed cost that every unit pays however few tokens reach it, and the cost per token.
+
+A HYDRA step runs 32 units for the 100M preset (8 blocks x 4 depths); the geometric MoR schedule leaves
+its deep units a few tokens per row, so their time is almost all fixed cost. This splits a step's unit
+time into the two parts: it times the compiled ``block.run_unit`` of the preset's first block at each
+``--tokens_per_row``, fits time = fixed + per_token x tokens, and adds up the preset's own units (the
+token counts of ``RecursiveBlock.tokens_per_depth``). On CUDA each timing replays forward + backward
+captured in one CUDA graph (as the trainer's whole-step graph does, so no launch overhead is counted)
+and the profiler counts the kernels of one replay; on a CPU it times eager calls (a check of the script,
+not a measurement of anything a GPU does).
+
+    python benchmarks/unit_cost.py --model_size 100M --batch_size 16 --seq_len 1024
+    python benchmarks/unit_cost.py --model_size 100M --batch_size 64 --seq_len 1024 --tokens_per_row 1 2 16 128 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from hydra_lm.config import preset_config
+from hydra_lm.model.hydra import HydraModel
+from hydra_lm.model.cuda_graphs import GraphedStep
+from hydra_lm.train.compile_policy import compile_units
+
+
+def unit_step(model: HydraModel, batch: int, n: int, device: torch.device, documents: bool):
+    """Forward + backward of the first block's compiled unit at depth 1 on ``n`` tokens per row, with
+    the gate weight and the input needing gradients, as in training (``documents``: with document ids,
+    one document per row, as the trainer passes them by default)."""
+    block = model.blocks[0]
+    g = torch.Generator(device="cpu").manual_seed(n)
+    xc = torch.randn(batch, n, model.config.dim, generator=g).to(device).requires_grad_()
+    pos = torch.sort(torch.randperm(model.config.max_seq_len, generator=g)[:n]).values.expand(batch, n).to(device)
+    weight = torch.rand(batch, n, generator=g).to(device).requires_grad_()
+    grad = torch.randn(batch, n, model.config.dim, generator=g).to(device)
+    doc = torch.zeros(batch, n, dtype=torch.long, device=device) if documents else None
+    rec = None if block.rec_emb is None else block.rec_emb[min(1, block.recursions - 1)]
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda", cache_enabled=False)
+
+    def step():
+        with autocast:
+            out = block.compiled_unit(block.layers, xc, rec, pos, model.rope, None, None, doc, weight, False)
+        out.backward(grad)
+    return step
+
+
+def time_step(step, device: torch.device, repeats: int) -> tuple[float, int | None]:
+    """Median seconds of one call, and on CUDA the kernels of one replay."""
+    if device.type != "cuda":
+        step()
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times), None
+    graphed = GraphedStep(step, warmup=3)
+    for _ in range(5):
+        graphed()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            graphed()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / 10)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graphed()
+        torch.cuda.synchronize()
+    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return statistics.median(times), kernels or None  # 0: the profiler saw no kernels inside the replay
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model_size", default="100M")
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--seq_len", type=int, default=1024)
+    p.add_argument("--tokens_per_row", type=int, nargs="+", default=[1, 2, 16, 128, 1024])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no_documents", action="store_true",
+                   help="no document ids (hydra-lm bench's setting; the trainer passes them by default)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", nargs="*", default=[], metavar="FIELD=VALUE",
+                   help="HydraConfig overrides, e.g. dim=256 n_heads=2 n_kv_heads=1 for a quick CPU check")
+    args = p.parse_args()
+
+    overrides = {}
+    for item in args.model:
+        key, value = item.split("=", 1)
+        overrides[key] = type(getattr(preset_config(args.model_size), key))(value)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = HydraModel(preset_config(args.model_size, max_seq_len=max(args.seq_len, 64), **overrides)).to(device)
+    compile_units(model)
+
+    rows = []
+    for n in sorted(set(args.tokens_per_row)):
+        seconds, kernels = time_step(unit_step(model, args.batch_size, n, device, not args.no_documents), device,
+                                     args.repeats)
+        rows.append((n, seconds, kernels))
+        print(f"{n:>6} tokens/row ({args.batch_size * n:>7,} tokens): {seconds * 1e3:8.3f} ms forward + backward"
+              + (f", {kernels} kernels" if kernels is not None else ""), flush=True)
+
+    # Least squares on (tokens, seconds): the intercept is the fixed cost of a unit.
+    xs = [args.batch_size * n for n, _, _ in rows]
+    ys = [s for _, s, _ in rows]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-30)
+    fixed = my - slope * mx
+    print(f"fit: {fixed * 1e3:.3f} ms per unit + {slope * 1e9:.3f} ns per token")
+    counts = [c for block in model.blocks for c in block.tokens_per_depth(args.seq_len)]
+    units = sum(fixed + slope * args.batch_size * c for c in counts)
+    share = sum(fixed for _ in counts) / units
+    print(f"the {model.config.preset} preset's {len(counts)} units at batch {args.batch_size} x {args.seq_len} "
+          f"(tokens per row {counts}): {units * 1e3:.2f} ms per step by the fit, {share:.0%} of it fixed cost")
+
+
+if __name__ == "__main__":
+    main()
