@@ -153,24 +153,26 @@ def test_gpus_train_the_runs_in_parallel_workers_with_the_sequential_results(tin
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     out = tmp_path / "cmp"
-    assert compare(tiny_data, out, "--budget", "tokens=512", "--variants", "hydra", "dense", "--evals", "1",
-                   "--gpus", "2") == 0
+    assert compare(tiny_data, out, "--budget", "tokens=512", "--variants", "hydra", "dense", "vanilla", "--evals",
+                   "1", "--gpus", "2") == 0
     printed = capsys.readouterr().out
-    assert "GPU 0 trains hydra" in printed and "GPU 1 trains dense" in printed
-    for gpu, device, name in ((0, 3, "hydra"), (1, 5, "dense")):
-        log = (out / f"compare.gpu{gpu}.log").read_text()
-        assert f"CUDA_VISIBLE_DEVICES={device}): {name}" in log and f"compare: training {name}" in log
+    assert "GPU 0 takes the next unfinished run" in printed and "GPU 1 takes the next unfinished run" in printed
+    logs = [(out / f"compare.gpu{gpu}.log").read_text() for gpu in (0, 1)]
+    assert "CUDA_VISIBLE_DEVICES=3)" in logs[0] and "CUDA_VISIBLE_DEVICES=5)" in logs[1]
+    # Each run trained once, by whichever worker was free first.
+    for name in ("hydra", "dense", "vanilla"):  # three runs, two workers: one takes a second run when free
+        assert sum(f"compare: training {name} " in log for log in logs) == 1, name
     results = json.loads((out / "results.json").read_text())
-    assert [v["status"] for v in results["variants"].values()] == ["finished", "finished"]
+    assert [v["status"] for v in results["variants"].values()] == ["finished"] * 3
     # The same run as one trained in this process.
     assert compare(tiny_data, tmp_path / "one", "--budget", "tokens=512", "--variants", "dense", "--evals", "1") == 0
     single = json.loads((tmp_path / "one" / "results.json").read_text())["variants"]["dense"]
     assert single["final"]["val_loss_causal"] == pytest.approx(results["variants"]["dense"]["final"]["val_loss_causal"],
                                                                abs=1e-6)
     # Everything finished: a second call trains nothing and starts no worker.
-    assert compare(tiny_data, out, "--budget", "tokens=512", "--variants", "hydra", "dense", "--evals", "1",
-                   "--gpus", "2") == 0
-    assert "GPU 0 trains" not in capsys.readouterr().out
+    assert compare(tiny_data, out, "--budget", "tokens=512", "--variants", "hydra", "dense", "vanilla", "--evals",
+                   "1", "--gpus", "2") == 0
+    assert "takes the next unfinished run" not in capsys.readouterr().out
 
 
 @pytest.mark.slow

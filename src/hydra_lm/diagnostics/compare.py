@@ -167,9 +167,10 @@ def train_runs(plan: ComparePlan, names: list[str]) -> int:
 
 def train_on_gpus(plan: ComparePlan, request: tuple, gpus: int) -> int:
     """Train the unfinished runs ``gpus`` at a time: one worker process per GPU (``CUDA_VISIBLE_DEVICES``),
-    each taking every ``gpus``-th unfinished run in the plan's order and logging to OUT/compare.gpuI.log.
-    Every run still has a whole GPU to itself; they share the host's CPUs, which may slow one worker's
-    steps while another compiles (compilation is not counted as training time, steps are)."""
+    each taking the next unfinished run in the plan's order from a shared queue when it is free (runs of
+    unequal length keep every GPU busy) and logging to OUT/compare.gpuI.log. Every run still has a whole
+    GPU to itself; they share the host's CPUs, which may slow one worker's steps while another compiles
+    (compilation is not counted as training time, steps are)."""
     import multiprocessing
 
     found = torch.cuda.device_count()
@@ -180,18 +181,23 @@ def train_on_gpus(plan: ComparePlan, request: tuple, gpus: int) -> int:
     visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     devices = visible or [str(i) for i in range(found)]
     missing = [run.name for run in plan.runs if finished_marker(run) is None]
-    shares = [missing[i::gpus] for i in range(gpus)]
+    if not missing:
+        return 0
     context = multiprocessing.get_context("spawn")  # fresh processes: CUDA_VISIBLE_DEVICES before CUDA starts
+    queue = context.Queue()
+    for name in missing:
+        queue.put(name)
     workers = []
-    for gpu, names in enumerate(shares):
-        if not names:
-            continue
+    for gpu in range(min(gpus, len(missing))):
+        queue.put(None)  # one end mark per worker
         log = plan.out / f"compare.gpu{gpu}.log"
-        print(f"compare: GPU {gpu} trains {', '.join(names)} (log: {log})", flush=True)
-        worker = context.Process(target=_gpu_worker, args=(gpu, devices[gpu], names, request, str(log)))
+        print(f"compare: GPU {gpu} takes the next unfinished run when free (log: {log})", flush=True)
+        worker = context.Process(target=_gpu_worker, args=(gpu, devices[gpu], queue, request, str(log)))
         worker.start()
         workers.append((gpu, worker))
     codes = []
+    queue.close()
+    queue.cancel_join_thread()  # runs an interrupted worker left behind stay unfinished for the next call
     for gpu, worker in workers:
         worker.join()
         codes.append(worker.exitcode)
@@ -201,7 +207,7 @@ def train_on_gpus(plan: ComparePlan, request: tuple, gpus: int) -> int:
     return 130 if 130 in codes else 0
 
 
-def _gpu_worker(gpu: int, device: str, names: list[str], request: tuple, log: str) -> None:
+def _gpu_worker(gpu: int, device: str, queue, request: tuple, log: str) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = device
     import sys
 
@@ -209,11 +215,15 @@ def _gpu_worker(gpu: int, device: str, names: list[str], request: tuple, log: st
         sys.stdout = sys.stderr = stream
         os.dup2(stream.fileno(), 1)  # the compile workers' and native libraries' output too
         os.dup2(stream.fileno(), 2)
-        print(f"compare: worker of GPU {gpu} (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}): "
-              f"{', '.join(names)}", flush=True)
+        print(f"compare: worker of GPU {gpu} (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})",
+              flush=True)
         data, out, budget, variant_names, custom_specs, evals, shared, seeds = request
         plan = plan_compare(data, out, parse_budget(budget), variant_names, custom_specs, evals, shared, seeds)
-        sys.exit(train_runs(plan, names))
+        while (name := queue.get()) is not None:
+            code = train_runs(plan, [name])
+            if code:  # interrupted: leave the rest to the command's next call
+                sys.exit(code)
+        sys.exit(0)
 
 
 def plan_compare(data: str | None, out: str | None, budget: Budget, variant_names: list[str] | None,
