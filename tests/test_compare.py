@@ -62,6 +62,7 @@ def test_compare_trains_reports_and_skips_finished_variants(tiny_data, tmp_path,
     assert len(hydra["depths"]["causal"]) == 2 and dense["routing"] == {} and dense["depths"] is None
     report = (out / "report.md").read_text()
     assert "| hydra |" in report and "| dense |" in report and "## Routing health" in report
+    assert "## Time and compute to each dense model's final loss" in report and "| hydra | dense |" in report
     for name in PLOTS:
         blob = (out / name).read_bytes()
         assert blob.startswith(PNG_SIGNATURE) and len(blob) > 5000, name
@@ -316,3 +317,22 @@ def test_scaling_fit_recovers_a_known_law_and_compares_compute(tmp_path, capsys)
     assert main(["scaling", "--results", str(few)]) == 2
     err = capsys.readouterr().err
     assert "cannot fit hydra" in err and "at least 4" in err and err.count("\n") == 1
+
+
+def test_the_report_reads_off_the_time_and_compute_a_routed_variant_took_to_reach_each_dense_loss():
+    from hydra_lm.diagnostics.report import first_reach, reach_rows
+
+    def run(arch, points, seed=0, final=None):
+        evals = [{"train_s": t, "flops": 10.0 * t, "val_loss_causal": loss} for t, loss in points]
+        return {"arch": arch, "status": "finished", "seed": seed, "evals": evals, "train_s": points[-1][0],
+                "executed_flops": 10.0 * points[-1][0], "final": {"val_loss_causal": final or points[-1][1]}}
+    evals = run("hydra", [(0, 9.0), (60, 1.8), (120, 1.5)])["evals"]
+    assert first_reach(evals, "train_s", 1.6) == pytest.approx(60 + (1.8 - 1.6) / (1.8 - 1.5) * 60)  # 100 s
+    assert first_reach(evals, "train_s", 9.5) == 0 and first_reach(evals, "train_s", 1.4) is None
+    results = {"variants": {"hydra": run("hydra", [(0, 9.0), (60, 1.8), (120, 1.5)]),
+                            "slow": run("hydra", [(0, 9.0), (60, 2.5), (120, 2.0)]),
+                            "dense": run("dense", [(0, 9.0), (60, 2.0), (120, 1.6)]),
+                            "dense.seed1": run("dense", [(0, 9.0), (120, 1.0)], seed=1)}}
+    rows = reach_rows(results)  # routed variants against the dense runs of their own seed only
+    assert rows == [("hydra", "dense", "1.6000", "100.0", "0.83", "1e+03", "0.83"),
+                    ("slow", "dense", "1.6000", "not reached", "-", "not reached", "-")]

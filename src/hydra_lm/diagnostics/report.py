@@ -79,6 +79,50 @@ def format_seed_table(results: dict[str, Any]) -> str:
     return _text_table(SEED_COLUMNS, seed_rows(results)) + (f"\n{margin}" if margin else "")
 
 
+def first_reach(evals: list[dict[str, Any]], key: str, target: float) -> float | None:
+    """The ``key`` ("train_s" or "flops") at which a run's causal validation loss first reached ``target``,
+    linearly interpolated between the two evaluations around the crossing; None if it never did."""
+    points = sorted((p[key], p["val_loss_causal"]) for p in evals
+                    if p.get(key) is not None and p.get("val_loss_causal") is not None)
+    before = None
+    for x, loss in points:
+        if loss <= target:
+            if before is None:
+                return x
+            x0, loss0 = before
+            return x0 + (loss0 - target) / (loss0 - loss) * (x - x0)
+        before = (x, loss)
+    return None
+
+
+REACH_COLUMNS = ("variant", "dense variant", "its final loss", "train s to reach it", "x its train s",
+                 "exec FLOPs to reach it", "x its exec FLOPs")
+
+
+def reach_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
+    """For each routed variant and each finished dense one of the same seed: the training seconds and
+    executed FLOPs the routed one took to reach the dense one's final causal loss, and their ratios to
+    what the dense run spent (the quality issue's "<= 0.7x dense's seconds" reads off here)."""
+    variants = results["variants"]
+    dense = {n: v for n, v in variants.items()
+             if v["arch"] == "dense" and v["status"] == "finished" and (v["final"] or {}).get("val_loss_causal")}
+    rows = []
+    for name, v in variants.items():
+        if v["arch"] == "dense" or not v["evals"]:
+            continue
+        for dname, d in dense.items():
+            if d.get("seed") != v.get("seed"):
+                continue
+            target = d["final"]["val_loss_causal"]
+            seconds, flops = first_reach(v["evals"], "train_s", target), first_reach(v["evals"], "flops", target)
+            rows.append((name, dname, f"{target:.4f}", _num(seconds, ".1f") if seconds is not None else "not reached",
+                         _num(None if seconds is None or not d["train_s"] else seconds / d["train_s"], ".2f"),
+                         _num(flops, ".3g") if flops is not None else "not reached",
+                         _num(None if flops is None or not d["executed_flops"] else flops / d["executed_flops"],
+                              ".2f")))
+    return rows
+
+
 def _markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
@@ -118,6 +162,15 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
         *_markdown_table(COLUMNS, table_rows(results)),
         "",
     ]
+    reach = reach_rows(results)
+    if reach:
+        lines += ["## Time and compute to each dense model's final loss", "",
+                  "Training seconds and executed FLOPs after which each routed variant's causal validation loss "
+                  "first reached a dense variant's final one, linearly interpolated between its evaluations, and "
+                  "their ratios to what the dense run spent. The routed run is read before the end of its own "
+                  "schedule: a run given only that budget would decay its learning rate sooner and likely get there "
+                  "earlier, so the ratios tend to overstate what it needs.", "",
+                  *_markdown_table(REACH_COLUMNS, reach), ""]
     if results.get("across_seeds"):
         margin = seed_margin(results)
         lines += ["## Across seeds", "", "Final causal validation loss of each variant over its seeds (finished runs).",
