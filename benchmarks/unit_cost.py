@@ -96,7 +96,8 @@ def main() -> None:
     overrides = {}
     for item in args.model:
         key, value = item.split("=", 1)
-        overrides[key] = type(getattr(preset_config(args.model_size), key))(value)
+        kind = type(getattr(preset_config(args.model_size), key))
+        overrides[key] = value.lower() in ("1", "true") if kind is bool else kind(value)
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = HydraModel(preset_config(args.model_size, max_seq_len=max(args.seq_len, 64), **overrides)).to(device)
@@ -119,7 +120,7 @@ def main() -> None:
     print(f"fit: {fixed * 1e3:.3f} ms per unit + {slope * 1e9:.3f} ns per token")
     counts = [c for block in model.blocks for c in block.tokens_per_depth(args.seq_len)]
     units = sum(fixed + slope * args.batch_size * c for c in counts)
-    share = sum(fixed for _ in counts) / units
+    share = fixed * len(counts) / units
     print(f"the {model.config.preset} preset's {len(counts)} units at batch {args.batch_size} x {args.seq_len} "
           f"(tokens per row {counts}): {units * 1e3:.2f} ms per step by the fit, {share:.0%} of it fixed cost")
 

@@ -243,7 +243,6 @@ def test_decode_carries_the_prefix_statistic_of_each_routed_unit():
     assert bool((routes[0][:, 2].sum(1) == 20).all())  # the first routed unit sees every token
 
 
-
 @pytest.mark.parametrize("overrides", [{}, dict(mor_routing="token"), dict(sharing="middle_cycle", n_blocks=4),
                                        dict(moe=True, moe_num_layers=1)],
                          ids=["hydra", "token_choice", "middle_cycle", "moe"])

@@ -322,10 +322,10 @@ def test_scaling_fit_recovers_a_known_law_and_compares_compute(tmp_path, capsys)
 def test_the_report_reads_off_the_time_and_compute_a_routed_variant_took_to_reach_each_dense_loss():
     from hydra_lm.diagnostics.report import first_reach, reach_rows
 
-    def run(arch, points, seed=0, final=None):
+    def run(arch, points, seed=0):
         evals = [{"train_s": t, "flops": 10.0 * t, "val_loss_causal": loss} for t, loss in points]
         return {"arch": arch, "status": "finished", "seed": seed, "evals": evals, "train_s": points[-1][0],
-                "executed_flops": 10.0 * points[-1][0], "final": {"val_loss_causal": final or points[-1][1]}}
+                "executed_flops": 10.0 * points[-1][0], "final": {"val_loss_causal": points[-1][1]}}
     evals = run("hydra", [(0, 9.0), (60, 1.8), (120, 1.5)])["evals"]
     assert first_reach(evals, "train_s", 1.6) == pytest.approx(60 + (1.8 - 1.6) / (1.8 - 1.5) * 60)  # 100 s
     assert first_reach(evals, "train_s", 9.5) == 0 and first_reach(evals, "train_s", 1.4) is None

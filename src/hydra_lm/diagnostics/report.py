@@ -114,12 +114,12 @@ def reach_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
             if d.get("seed") != v.get("seed"):
                 continue
             target = d["final"]["val_loss_causal"]
-            seconds, flops = first_reach(v["evals"], "train_s", target), first_reach(v["evals"], "flops", target)
-            rows.append((name, dname, f"{target:.4f}", _num(seconds, ".1f") if seconds is not None else "not reached",
-                         _num(None if seconds is None or not d["train_s"] else seconds / d["train_s"], ".2f"),
-                         _num(flops, ".3g") if flops is not None else "not reached",
-                         _num(None if flops is None or not d["executed_flops"] else flops / d["executed_flops"],
-                              ".2f")))
+            row = [name, dname, f"{target:.4f}"]
+            for key, total, spec in (("train_s", d["train_s"], ".1f"), ("flops", d["executed_flops"], ".3g")):
+                reached = first_reach(v["evals"], key, target)
+                row += ["not reached" if reached is None else format(reached, spec),
+                        _num(None if reached is None or not total else reached / total, ".2f")]
+            rows.append(tuple(row))
     return rows
 
 
