@@ -42,10 +42,14 @@ def unit_step(model: HydraModel, batch: int, n: int, device: torch.device, docum
     rec = None if block.rec_emb is None else block.rec_emb[min(1, block.recursions - 1)]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda", cache_enabled=False)
 
+    wrt = [xc, weight, *block.layers.parameters()]
+
     def step():
+        # autograd.grad, not backward: a leaf's gradient accumulation would tie the capture to the
+        # default stream (the capture fails); the step's gradients are all computed, only not stored.
         with autocast:
             out = block.compiled_unit(block.layers, xc, rec, pos, model.rope, None, None, doc, weight, False)
-        out.backward(grad)
+        return torch.autograd.grad(out, wrt, grad)
     return step
 
 
