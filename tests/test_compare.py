@@ -2,6 +2,7 @@
 clear one-line errors for bad requests."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -159,7 +160,10 @@ def test_gpus_train_the_runs_in_parallel_workers_with_the_sequential_results(tin
     printed = capsys.readouterr().out
     assert "GPU 0 takes the next unfinished run" in printed and "GPU 1 takes the next unfinished run" in printed
     logs = [(out / f"compare.gpu{gpu}.log").read_text() for gpu in (0, 1)]
-    assert "CUDA_VISIBLE_DEVICES=3)" in logs[0] and "CUDA_VISIBLE_DEVICES=5)" in logs[1]
+    # Each worker holds half of the host's cores for its threads and its compilation.
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    for log, device in zip(logs, ("3", "5")):
+        assert f"CUDA_VISIBLE_DEVICES={device}, {share} CPU threads, {share} compile threads)" in log
     # Each run trained once, by whichever worker was free first.
     for name in ("hydra", "dense", "vanilla"):  # three runs, two workers: one takes a second run when free
         assert sum(f"compare: training {name} " in log for log in logs) == 1, name
@@ -336,3 +340,19 @@ def test_the_report_reads_off_the_time_and_compute_a_routed_variant_took_to_reac
     rows = reach_rows(results)  # routed variants against the dense runs of their own seed only
     assert rows == [("hydra", "dense", "1.6000", "100.0", "0.83", "1e+03", "0.83"),
                     ("slow", "dense", "1.6000", "not reached", "-", "not reached", "-")]
+
+
+def test_a_run_whose_throughput_wavered_is_flagged_as_unfair_to_a_seconds_budget():
+    from hydra_lm.diagnostics.compare import STEADY_THROUGHPUT, throughput_steadiness, unsteady_warning
+
+    def records(tps):  # two start-up windows (compilation, capture) the measure leaves out
+        return [{"tokens_per_s": 1_000.0}, {"tokens_per_s": 50_000.0}] + [{"tokens_per_s": t} for t in tps]
+    rng = np.random.default_rng(0)
+    steady = throughput_steadiness(records(760_000 * (1 + 0.01 * rng.standard_normal(200))))
+    # Windows that lost the host's CPUs to another job's compilation now and then.
+    wavering = throughput_steadiness(records(np.where(rng.random(200) < 0.3, 560_000, 850_000)))
+    assert steady > 0.95 and wavering == pytest.approx(560_000 / 850_000)
+    assert unsteady_warning("d6", steady) == []
+    (line,) = unsteady_warning("b8r1.seed0", wavering)
+    assert line.startswith("b8r1.seed0: its throughput was unsteady") and f"{STEADY_THROUGHPUT:.0%}" in line
+    assert throughput_steadiness(records([800_000.0] * 9)) is None  # too few windows to tell

@@ -169,8 +169,9 @@ def train_on_gpus(plan: ComparePlan, request: tuple, gpus: int) -> int:
     """Train the unfinished runs ``gpus`` at a time: one worker process per GPU (``CUDA_VISIBLE_DEVICES``),
     each taking the next unfinished run in the plan's order from a shared queue when it is free (runs of
     unequal length keep every GPU busy) and logging to OUT/compare.gpuI.log. Every run still has a whole
-    GPU to itself; they share the host's CPUs, which may slow one worker's steps while another compiles
-    (compilation is not counted as training time, steps are)."""
+    GPU to itself; they share the host's CPUs, so each worker gets an equal share of them for its own threads
+    and compilation: one run compiling with every core starved the training loops of the others (their
+    tokens/s wavered by 20-35% on a 4-GPU host; compilation is not counted as training time, steps are)."""
     import multiprocessing
 
     found = torch.cuda.device_count()
@@ -180,6 +181,8 @@ def train_on_gpus(plan: ComparePlan, request: tuple, gpus: int) -> int:
     # The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (all of them when it is unset).
     visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     devices = visible or [str(i) for i in range(found)]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // gpus)
     missing = [run.name for run in plan.runs if finished_marker(run) is None]
     if not missing:
         return 0
@@ -192,7 +195,7 @@ def train_on_gpus(plan: ComparePlan, request: tuple, gpus: int) -> int:
         queue.put(None)  # one end mark per worker
         log = plan.out / f"compare.gpu{gpu}.log"
         print(f"compare: GPU {gpu} takes the next unfinished run when free (log: {log})", flush=True)
-        worker = context.Process(target=_gpu_worker, args=(gpu, devices[gpu], queue, request, str(log)))
+        worker = context.Process(target=_gpu_worker, args=(gpu, devices[gpu], threads, queue, request, str(log)))
         worker.start()
         workers.append((gpu, worker))
     codes = []
@@ -207,16 +210,21 @@ def train_on_gpus(plan: ComparePlan, request: tuple, gpus: int) -> int:
     return 130 if 130 in codes else 0
 
 
-def _gpu_worker(gpu: int, device: str, queue, request: tuple, log: str) -> None:
+def _gpu_worker(gpu: int, device: str, threads: int, queue, request: tuple, log: str) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = device
     import sys
+
+    import torch._inductor.config as inductor_config
+
+    torch.set_num_threads(threads)
+    inductor_config.compile_threads = threads
 
     with open(log, "a", buffering=1) as stream:
         sys.stdout = sys.stderr = stream
         os.dup2(stream.fileno(), 1)  # the compile workers' and native libraries' output too
         os.dup2(stream.fileno(), 2)
-        print(f"compare: worker of GPU {gpu} (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})",
-              flush=True)
+        print(f"compare: worker of GPU {gpu} (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}, "
+              f"{torch.get_num_threads()} CPU threads, {inductor_config.compile_threads} compile threads)", flush=True)
         data, out, budget, variant_names, custom_specs, evals, shared, seeds = request
         plan = plan_compare(data, out, parse_budget(budget), variant_names, custom_specs, evals, shared, seeds)
         while (name := queue.get()) is not None:
@@ -514,5 +522,30 @@ def variant_results(run: VariantRun, seq_len: int, tokens_per_step: int, out_dir
         "routing": health["routers"],
         "depths": health["depths"],
     }
+    entry["throughput_steadiness"] = throughput_steadiness(train_rs)
     entry["warnings"] = health_warnings(run.variant.name, entry["routing"], gap)
+    entry["warnings"] += unsteady_warning(run.name, entry["throughput_steadiness"])
     return entry
+
+
+# A run alone on its GPU logged p10/p90 tokens/s of 0.93-0.98 in a measured study; runs that shared the
+# host's CPUs with other jobs' compilation 0.77-0.82 (benchmarks/BENCHMARKS.md, fifteenth session).
+STEADY_THROUGHPUT = 0.9
+
+
+def throughput_steadiness(train_records: list[dict[str, Any]]) -> float | None:
+    """The 10th percentile of a run's logged tokens/s over its 90th (windows after the first two, which hold
+    compilation and graph capture), or None with fewer than 10 such windows."""
+    tps = [r["tokens_per_s"] for r in train_records[2:] if r.get("tokens_per_s")]
+    if len(tps) < 10:
+        return None
+    low, high = np.percentile(np.asarray(tps, dtype=np.float64), [10, 90])
+    return float(low / high) if high > 0 else None
+
+
+def unsteady_warning(name: str, steadiness: float | None) -> list[str]:
+    if steadiness is None or steadiness >= STEADY_THROUGHPUT:
+        return []
+    return [f"{name}: its throughput was unsteady (the 10th percentile of its logged tokens/s is {steadiness:.0%} of "
+            f"the 90th; a run alone on a GPU stays above {STEADY_THROUGHPUT:.0%}): something else on the host "
+            "competed for its CPU time or GPU, so a seconds budget understates it; train it again on a quiet host"]
