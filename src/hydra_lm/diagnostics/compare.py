@@ -170,8 +170,9 @@ def train_on_gpus(plan: ComparePlan, request: tuple, gpus: int) -> int:
     each taking the next unfinished run in the plan's order from a shared queue when it is free (runs of
     unequal length keep every GPU busy) and logging to OUT/compare.gpuI.log. Every run still has a whole
     GPU to itself; they share the host's CPUs, so each worker gets an equal share of them for its own threads
-    and compilation: one run compiling with every core starved the training loops of the others (their
-    tokens/s wavered by 20-35% on a 4-GPU host; compilation is not counted as training time, steps are)."""
+    and compilation, which by default takes every core and overlaps the other runs' training (on a 4-GPU
+    host whose cores other runs' and jobs' compilations shared, the training runs' tokens/s wavered by
+    about 20%; compilation is not counted as training time, steps are)."""
     import multiprocessing
 
     found = torch.cuda.device_count()
