@@ -199,6 +199,20 @@ def test_kernel_summary_per_step_category_and_top():
     assert "gemm" in format_profile("hydra", {"trace": None, **summary})
 
 
+def test_every_kernel_goes_to_a_table_small_enough_to_bring_back(tmp_path):
+    import csv
+
+    from hydra_lm.diagnostics.step_profile import summarize_kernels, write_kernel_table
+
+    long_name = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>> " + "x" * 200
+    launches = [("nvjet_sm90_tst_192x192", 300.0), ("triton_poi_fused_add_0", 50.0), (long_name, 8.0)] * 2
+    write_kernel_table(str(tmp_path / "k.csv"), summarize_kernels(launches, steps=2, top=None))
+    rows = list(csv.DictReader(open(tmp_path / "k.csv", encoding="utf-8")))
+    assert [r["kernel"] for r in rows] == ["nvjet_sm90_tst_192x192", "triton_poi_fused_add_0", long_name]
+    assert [float(r["ms_per_step"]) for r in rows] == pytest.approx([0.3, 0.05, 0.008])
+    assert rows[2]["launches_per_step"] == "1" and rows[2]["category"] == "other"
+
+
 def test_decode_rate_counts_only_the_steady_one_token_steps(monkeypatch):
     """A model whose one-token step takes 10 ms and whose prefill takes 300 ms: the rate is batch /
     10 ms, whatever the prefill costs (counted, it would pull the rate below 32 tokens / 0.38 s)."""

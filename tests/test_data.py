@@ -363,3 +363,25 @@ def test_loader_errors(tmp_path, text_data):
         other.load_state_dict({**other.state_dict(), "seq_len": 9})
     with pytest.raises(ValueError, match="other data"):
         other.load_state_dict({**other.state_dict(), "data_fingerprint": "x"})
+
+
+def test_a_partial_evaluation_samples_the_whole_validation_split(tmp_path):
+    from hydra_lm.train.data_io import ValSet, open_data
+
+    # Token ids grow along the corpus, so a row's ids say where in the split it lies. The split keeps
+    # the corpus order: the first batches of an unshuffled pass would all come from its first files.
+    rng = np.random.default_rng(2)
+    _token_shard(tmp_path / "shard.pt", [int(x) for x in rng.integers(20, 60, size=200)])
+    out = prepare_data([str(tmp_path / "shard.pt")], tmp_path / "out", val_fraction=0.3, progress=False)
+    n = read_meta(out)["splits"]["val"]["tokens"]
+    val = ValSet(open_data(out), batch_size=4, seq_len=16)
+    batches = list(val)
+    eos = read_meta(out)["eos_id"]
+    ids = np.asarray(PackedLoader(out, "val", batch_size=4, seq_len=16, loop=False).tokens)
+    third, two_thirds = np.quantile(ids[ids != eos], [1 / 3, 2 / 3])  # the documents' own tokens
+    first = torch.cat([b["input_ids"] for b in batches[:3]])  # 12 of the split's ~150 rows
+    rows = torch.where(first == eos, 0, first).amax(1)
+    assert (rows < third).any() and (rows > two_thirds).any()
+    # Still one whole pass: every token once, and the same pass again on the next iteration.
+    assert sum(int((b["targets"] != -100).sum()) for b in batches) == n - 1
+    assert all(_same(x, y) for x, y in zip(batches, list(val)))

@@ -53,7 +53,7 @@ class BenchConfig:
     routing_efficiency: bool = opt(False, "also time HYDRA with routing off: achieved speedup / FLOP-ratio speedup",
                                    type=bool)
     profile: str | None = opt(None, "after timing, profile 3 steps: kernel time by category in the report, Chrome "
-                                    "traces in this directory", type=str)
+                                    "traces and (CUDA) per-kernel CSV tables in this directory", type=str)
     model: dict = field(default_factory=dict, metadata=dict(help="HydraConfig overrides, both archs", type=None))
 
     @property

@@ -36,7 +36,9 @@ def kernel_category(name: str) -> str:
 def profile_steps(step: Callable[[], None], steps: int, device: torch.device, out_dir: str | None = None,
                   tag: str = "step", top: int = 15) -> dict[str, Any]:
     """Run ``step`` ``steps`` times under the profiler. Returns device time per step (ms), split by
-    kernel category and the ``top`` kernels; writes a Chrome trace to ``out_dir`` when given."""
+    kernel category and the ``top`` kernels; writes a Chrome trace to ``out_dir`` when given, and on
+    CUDA every kernel's time and launches per step as ``kernels_TAG.csv`` (a few hundred KB where the
+    trace is tens of MB: small enough to bring back from a lent machine)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -56,12 +58,24 @@ def profile_steps(step: Callable[[], None], steps: int, device: torch.device, ou
     # the optimizer's step draw on the GPU timeline), so nothing counts twice.
     kernels = [(e.name, e.device_time_total) for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
+    if out_dir:
+        write_kernel_table(os.path.join(out_dir, f"kernels_{tag}.csv"), summarize_kernels(kernels, steps, None))
     return {"trace": trace, **summarize_kernels(kernels, steps, top)}
 
 
-def summarize_kernels(kernels: list[tuple[str, float]], steps: int, top: int = 15) -> dict[str, Any]:
+def write_kernel_table(path: str, summary: dict[str, Any]) -> None:
+    import csv
+
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["ms_per_step", "launches_per_step", "category", "kernel"])
+        for k in summary["top_kernels"]:
+            writer.writerow([f"{k['ms']:.6f}", f"{k['calls']:g}", k["category"], k["name"]])
+
+
+def summarize_kernels(kernels: list[tuple[str, float]], steps: int, top: int | None = 15) -> dict[str, Any]:
     """(kernel name, duration in us) of every launch over ``steps`` steps -> ms per step in total, per
-    category and for the ``top`` kernels (summed over their launches)."""
+    category and for the ``top`` kernels (summed over their launches; None: all of them, full names)."""
     by_name: dict[str, list[float]] = {}
     for name, us in kernels:
         entry = by_name.setdefault(name, [0.0, 0])
@@ -70,13 +84,13 @@ def summarize_kernels(kernels: list[tuple[str, float]], steps: int, top: int = 1
     categories: dict[str, float] = {}
     for name, (ms, _) in by_name.items():
         categories[kernel_category(name)] = categories.get(kernel_category(name), 0.0) + ms
-    ranked = sorted(by_name.items(), key=lambda kv: kv[1][0], reverse=True)[:top]
+    ranked = sorted(by_name.items(), key=lambda kv: kv[1][0], reverse=True)[:top]  # [:None]: all
     return {
         "device_ms_per_step": sum(categories.values()),
         "kernels_per_step": len(kernels) / steps,
         "categories_ms": dict(sorted(categories.items(), key=lambda kv: kv[1], reverse=True)),
-        "top_kernels": [{"name": n[:160], "ms": ms, "calls": calls / steps, "category": kernel_category(n)}
-                        for n, (ms, calls) in ranked],
+        "top_kernels": [{"name": n if top is None else n[:160], "ms": ms, "calls": calls / steps,
+                         "category": kernel_category(n)} for n, (ms, calls) in ranked],
     }
 
 

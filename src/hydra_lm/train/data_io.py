@@ -65,14 +65,18 @@ def train_loader(info: DataInfo, batch_size: int, seq_len: int, seed: int, prefe
 
 class ValSet:
     """One deterministic pass over the validation split per iteration, however early the last one stopped
-    (with several ranks: each rank's share of it; every rank gets the same number of batches)."""
+    (with several ranks: each rank's share of it; every rank gets the same number of batches).
+
+    The rows come in a fixed shuffled order, so the first N batches (``--eval_batches N``) are a sample of
+    the whole split: the split keeps its documents in corpus order, and a corpus gathered from several
+    sources (e.g. Python files first, C headers after) made its first batches a sample of one source."""
 
     def __init__(self, info: DataInfo, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1):
         if not info.token_counts.get("val"):
             raise ValueError(f"data directory {info.path} has no validation tokens: prepare it with a validation "
                              "fraction above 0")
         self.loader = data_pkg.PackedLoader(info.path, "val", batch_size, seq_len, seed=0, rank=rank,
-                                            world_size=world_size, loop=False)
+                                            world_size=world_size, loop=False, shuffle=True)
         self._start = self.loader.state_dict()
 
     def __iter__(self):
