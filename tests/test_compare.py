@@ -121,6 +121,9 @@ def test_seeds_train_every_variant_per_seed_and_report_the_spread(tiny_data, tmp
     assert compare(tiny_data, out, "--budget", "tokens=512", "--variants", "hydra", "dense", "--evals", "1",
                    "--seeds", "3", "5") == 0
     printed = capsys.readouterr().out
+    # Trained seed by seed (a study cut short still has every variant), reported variant by variant.
+    trained = [line.split()[2] for line in printed.splitlines() if line.startswith("compare: training ")]
+    assert trained == ["hydra.seed3", "dense.seed3", "hydra.seed5", "dense.seed5"]
     results = json.loads((out / "results.json").read_text())
     assert list(results["variants"]) == ["hydra.seed3", "hydra.seed5", "dense.seed3", "dense.seed5"]
     assert results["settings"]["seed"] == [3, 5]

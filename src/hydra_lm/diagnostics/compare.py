@@ -143,7 +143,7 @@ def train_runs(plan: ComparePlan, names: list[str]) -> int:
     process. 130 when interrupted (the same command resumes), else 0."""
     from ..train import setup_run, train
 
-    runs = plan.runs
+    runs = training_order(plan)
     for i, run in enumerate(runs, 1):
         if run.name not in names:
             continue
@@ -165,9 +165,16 @@ def train_runs(plan: ComparePlan, names: list[str]) -> int:
     return 0
 
 
+def training_order(plan: ComparePlan) -> list[VariantRun]:
+    """The runs seed by seed (every variant's first seed, then every variant's second, ...), so a study cut
+    short by a machine's time limit still has every variant at its first seeds."""
+    seeds = plan.seeds or [None]
+    return sorted(plan.runs, key=lambda run: seeds.index(run.seed))  # stable: variants keep their order
+
+
 def train_on_gpus(plan: ComparePlan, request: tuple, gpus: int) -> int:
     """Train the unfinished runs ``gpus`` at a time: one worker process per GPU (``CUDA_VISIBLE_DEVICES``),
-    each taking the next unfinished run in the plan's order from a shared queue when it is free (runs of
+    each taking the next unfinished run (``training_order``) from a shared queue when it is free (runs of
     unequal length keep every GPU busy) and logging to OUT/compare.gpuI.log. Every run still has a whole
     GPU to itself; they share the host's CPUs, so each worker gets an equal share of them for its own threads
     and compilation, which by default takes every core and overlaps the other runs' training (on a 4-GPU
@@ -184,7 +191,7 @@ def train_on_gpus(plan: ComparePlan, request: tuple, gpus: int) -> int:
     devices = visible or [str(i) for i in range(found)]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // gpus)
-    missing = [run.name for run in plan.runs if finished_marker(run) is None]
+    missing = [run.name for run in training_order(plan) if finished_marker(run) is None]
     if not missing:
         return 0
     context = multiprocessing.get_context("spawn")  # fresh processes: CUDA_VISIBLE_DEVICES before CUDA starts
