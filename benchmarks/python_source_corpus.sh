@@ -5,7 +5,10 @@
 # py (default): the Python files of this interpreter's site-packages (the device image holds 381 MB:
 #   110.7M training tokens at vocabulary 8192, fewer than a 3-minute run of a small model reads).
 # code: those first, then C/C++/CUDA sources and headers, type stubs and reStructuredText/Markdown docs
-#   from site-packages, the standard library and the system's and CUDA's include directories.
+#   from site-packages, the standard library and the system's and CUDA's include directories (on the
+#   device image: 677.9 MB in 62,307 files, 217.2M training tokens in 2 minutes; no 3-minute run of the
+#   100M models at batch 64 reads it twice). Evaluation samples the validation split's rows in a shuffled
+#   order, so its several sources are all measured.
 # The files are copied first: `hydra-lm prepare` refuses a directory holding .pt files.
 set -euo pipefail
 out=${1:?usage: python_source_corpus.sh OUT_DIR [MB] [py|code]}
