@@ -26,6 +26,7 @@ from hydra_lm.config import preset_config
 from hydra_lm.model.hydra import HydraModel
 from hydra_lm.model.cuda_graphs import GraphedStep
 from hydra_lm.train.compile_policy import compile_units
+from hydra_lm.train.flags import parse_value
 
 
 def unit_step(model: HydraModel, batch: int, n: int, device: torch.device, documents: bool):
@@ -97,11 +98,7 @@ def main() -> None:
                    help="HydraConfig overrides, e.g. dim=256 n_heads=2 n_kv_heads=1 for a quick CPU check")
     args = p.parse_args()
 
-    overrides = {}
-    for item in args.model:
-        key, value = item.split("=", 1)
-        kind = type(getattr(preset_config(args.model_size), key))
-        overrides[key] = value.lower() in ("1", "true") if kind is bool else kind(value)
+    overrides = {key: parse_value(value) for key, value in (item.split("=", 1) for item in args.model)}
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = HydraModel(preset_config(args.model_size, max_seq_len=max(args.seq_len, 64), **overrides)).to(device)

@@ -373,10 +373,10 @@ def test_a_partial_evaluation_samples_the_whole_validation_split(tmp_path):
     rng = np.random.default_rng(2)
     _token_shard(tmp_path / "shard.pt", [int(x) for x in rng.integers(20, 60, size=200)])
     out = prepare_data([str(tmp_path / "shard.pt")], tmp_path / "out", val_fraction=0.3, progress=False)
-    n = read_meta(out)["splits"]["val"]["tokens"]
+    meta = read_meta(out)
+    n, eos = meta["splits"]["val"]["tokens"], meta["eos_id"]
     val = ValSet(open_data(out), batch_size=4, seq_len=16)
     batches = list(val)
-    eos = read_meta(out)["eos_id"]
     ids = np.asarray(PackedLoader(out, "val", batch_size=4, seq_len=16, loop=False).tokens)
     third, two_thirds = np.quantile(ids[ids != eos], [1 / 3, 2 / 3])  # the documents' own tokens
     first = torch.cat([b["input_ids"] for b in batches[:3]])  # 12 of the split's ~150 rows
