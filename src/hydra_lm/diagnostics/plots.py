@@ -53,9 +53,20 @@ def _empty_note(ax, text: str) -> None:
     ax.set_yticks([])
 
 
+def _family_colors(variants: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
+    """One colour per variant, shared by its seeds' runs (keyed by run name), and each variant's run count:
+    with several seeds, a colour per run would repeat tab10's ten colours across variants."""
+    family = {name: v.get("variant", name) for name, v in variants.items()}
+    by_family = _colors(list(dict.fromkeys(family.values())))
+    counts: dict[str, int] = {}
+    for f in family.values():
+        counts[f] = counts.get(f, 0) + 1
+    return {name: by_family[f] for name, f in family.items()}, counts
+
+
 def write_compare_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
     variants = results["variants"]
-    colors = _colors(list(variants))
+    colors, runs_of = _family_colors(variants)
     paths = []
     for key, label, name in (("tokens", "training tokens", "loss_vs_tokens.png"),
                              ("flops", "executed training FLOPs", "loss_vs_flops.png"),
@@ -63,14 +74,20 @@ def write_compare_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
                               "loss_vs_seconds.png")):
         fig = _figure()
         ax = fig.add_subplot()
+        labelled: set[str] = set()
         for vname, v in variants.items():
             pts = [p for p in v["evals"] if p.get(key) is not None]
             if not pts:
                 continue
+            family = v.get("variant", vname)
+            seeds = f" ({runs_of[family]} seeds)" if runs_of[family] > 1 else ""
+            first = family not in labelled
+            labelled.add(family)
             x = [p[key] for p in pts]
-            ax.plot(x, [p["val_loss_causal"] for p in pts], "-o", ms=3, color=colors[vname], label=f"{vname} causal")
+            ax.plot(x, [p["val_loss_causal"] for p in pts], "-o", ms=3, color=colors[vname],
+                    label=f"{family} causal{seeds}" if first else None)
             ax.plot(x, [p["val_loss_topk"] for p in pts], "--", color=colors[vname], alpha=0.6,
-                    label=f"{vname} top-k")
+                    label=f"{family} top-k" if first else None)
         _finish(ax, label, "validation loss (nats/token)", f"validation loss vs {label.split(' (')[0]}", 2)
         paths.append(_save(fig, out_dir / name))
     paths.append(_routing_plot(variants, colors, out_dir / "routing_exec_fraction.png"))
