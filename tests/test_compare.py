@@ -3,6 +3,7 @@ clear one-line errors for bad requests."""
 
 import json
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from hydra_lm.diagnostics.compare import parse_budget, plan_compare, planned_flo
 from hydra_lm.diagnostics.report import _own_optimizers
 from hydra_lm.diagnostics.scaling import fit_power_law
 from hydra_lm.diagnostics.variants import parameter_count, parse_custom_variant
+from hydra_lm.train.clock import due_after_step
 from hydra_lm.model.accounting import executed_flops_per_token
 from hydra_lm.infer import eval_run
 from hydra_lm.train import lr_at
@@ -230,6 +232,21 @@ def test_custom_variant_sets_the_routing_curriculum_and_its_flops(tiny_data, tmp
     assert planned_flops(late.model_cfg, train, late.values["max_steps"] - 1, 128) < 2e10
     with pytest.raises(ValueError, match="curriculum settings"):
         parse_custom_variant("bad:mor_enable=0.1")
+
+
+@pytest.mark.parametrize("tokens, evals, due", [(1280, 3, [4, 8, 10]), (1024, 2, [4, 8]),
+                                               (1280, 20, list(range(1, 11)))])
+def test_evaluations_are_spread_over_the_budget_without_a_repeat_at_the_end(tiny_data, tmp_path, tokens, evals, due):
+    """``--evals N``: N evaluations after the start, the last at the run's end; with a step count that N
+    does not divide, none falls one step before the end (where the trainer evaluates again)."""
+    shared = {"model_size": "debug", "device": "cpu", "batch_size": 4, "seq_len": 32, "eval_at_start": False}
+    plan = plan_compare(str(tiny_data), str(tmp_path / "cmp"), parse_budget(f"tokens={tokens}"), ["hydra"], [],
+                        evals, shared)
+    values = plan.runs[0].values
+    cfg = SimpleNamespace(eval_every=values["eval_every"], max_steps=values["max_steps"], log_every=1, save_every=100)
+    steps = values["max_steps"]
+    evaluated = [s for s in range(1, steps + 1) if due_after_step(cfg, s, s - 1, s, steps, False).eval]
+    assert evaluated == due
 
 
 def test_custom_variant_compares_optimizers_at_one_batch_with_their_own_learning_rates(tiny_data, tmp_path):

@@ -304,7 +304,9 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
         else:
             steps = steps_for_flops(budget.value, model_cfg, base.replace(**v.train), tokens_per_step)
         values["max_steps"] = steps
-        values["eval_every"] = shared.get("eval_every") or max(1, steps // evals)
+        # Rounded up: the last of the evals falls on the run's end (the trainer always evaluates there),
+        # not one step before it (1000 steps // 3 = 333 evaluated at 999 and again at 1000).
+        values["eval_every"] = shared.get("eval_every") or max(1, math.ceil(steps / evals))
         check_on_device(v.name, own, device)
         for seed in seeds or [None]:
             name = v.name if seed is None else f"{v.name}.seed{seed}"
