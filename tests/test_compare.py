@@ -13,10 +13,10 @@ from hydra_lm.diagnostics.compare import parse_budget, plan_compare, planned_flo
 from hydra_lm.diagnostics.report import _own_optimizers
 from hydra_lm.diagnostics.scaling import fit_power_law
 from hydra_lm.diagnostics.variants import parameter_count, parse_custom_variant
-from hydra_lm.train.clock import due_after_step
 from hydra_lm.model.accounting import executed_flops_per_token
 from hydra_lm.infer import eval_run
 from hydra_lm.train import lr_at
+from hydra_lm.train.clock import due_after_step
 from hydra_lm.train.options import OPTIMIZER_LR_SCALE
 from support import TINY_RUN, records, write_corpus
 
@@ -376,3 +376,13 @@ def test_a_run_whose_throughput_wavered_is_flagged_as_unfair_to_a_seconds_budget
     (line,) = unsteady_warning("b8r1.seed0", wavering)
     assert line.startswith("b8r1.seed0: its throughput was unsteady") and f"{STEADY_THROUGHPUT:.0%}" in line
     assert throughput_steadiness(records([800_000.0] * 9)) is None  # too few windows to tell
+
+
+def test_plots_give_the_seeds_of_one_variant_one_colour_and_other_variants_others():
+    from hydra_lm.diagnostics.plots import _family_colors
+
+    names = [f"v{i}.seed{s}" for i in range(6) for s in range(3)]  # 18 runs: tab10 would repeat per run
+    colors, runs = _family_colors({n: {"variant": n.split(".")[0]} for n in names})
+    assert runs == {f"v{i}": 3 for i in range(6)}
+    assert all(colors[f"v{i}.seed0"] == colors[f"v{i}.seed{s}"] for i in range(6) for s in (1, 2))
+    assert len({colors[f"v{i}.seed0"] for i in range(6)}) == 6

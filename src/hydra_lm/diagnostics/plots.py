@@ -6,6 +6,7 @@ The package's only plotting code: every figure goes through ``_figure``, ``_fini
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +58,9 @@ def _family_colors(variants: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
     """One colour per variant, shared by its seeds' runs (keyed by run name), and each variant's run count:
     with several seeds, a colour per run would repeat tab10's ten colours across variants."""
     family = {name: v.get("variant", name) for name, v in variants.items()}
-    by_family = _colors(list(dict.fromkeys(family.values())))
-    counts: dict[str, int] = {}
-    for f in family.values():
-        counts[f] = counts.get(f, 0) + 1
-    return {name: by_family[f] for name, f in family.items()}, counts
+    counts = Counter(family.values())  # first-seen order: the variants' order
+    by_family = _colors(list(counts))
+    return {name: by_family[f] for name, f in family.items()}, dict(counts)
 
 
 def write_compare_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
