@@ -100,6 +100,25 @@ def test_muon_replays_the_whole_step_as_cuda_graphs(tiny_data, tmp_path):
     close(losses(pieces), losses(tmp_path / "graph"), rel=1e-5)
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon", "sophia"])
+def test_a_step_of_one_micro_batch_replays_a_backward_that_writes_the_gradients(tiny_data, tmp_path, optimizer):
+    """With one micro-batch per step the gradients are None when the forward + backward is captured,
+    so each replay writes them (shared weights' later uses add): the eager trainer's losses and
+    gradient norms through a re-capture (the MoR switch), with the update captured (AdamW, Muon) or
+    eager beside an eager Hessian pass that accumulates into the zeroed gradients (Sophia-G), and an
+    exact resume."""
+    opt = ["--no-compile", "--optimizer", optimizer, "--grad_accum", "1"]
+    assert train(tiny_data, tmp_path / "eager", *EAGER, *opt) == 0
+    assert train(tiny_data, tmp_path / "graph", *opt) == 0
+    close(losses(tmp_path / "graph"), losses(tmp_path / "eager"), rel=1e-3)
+    log = (tmp_path / "graph" / "train.log").read_text()
+    assert log.count("captured as CUDA graphs") == 2, log
+    pieces = tmp_path / "pieces"
+    assert train(tiny_data, pieces, *opt, "--stop_at_step", "6") == 0
+    assert main(["train", "--out", str(pieces)]) == 0
+    close(losses(pieces), losses(tmp_path / "graph"), rel=1e-5)
+
+
 @pytest.mark.parametrize("optimizer", ["lion", "adafactor", "sophia"])
 def test_an_optimizer_that_cannot_be_captured_steps_eagerly_between_graph_replays(tiny_data, tmp_path, optimizer):
     """By default on CUDA the forward + backward replays as a CUDA graph whatever the optimizer; one

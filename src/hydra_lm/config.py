@@ -76,7 +76,7 @@ class HydraConfig:
     # Kernels: how attention is computed, not what (model/attention_backend.py, model/doc_attention.py).
     # Per model, so two models in one process may differ.
     attention_backend: str = "auto"  # "auto"/"sdpa": PyTorch SDPA; "flash": flash-attn; "xformers" (CUDA only)
-    doc_mask_backend: str = "auto"  # document-masked attention: "auto"/"sdpa" dense SDPA mask; "flex" (CPU only)
+    doc_mask_backend: str = "auto"  # document-masked attention: "auto"/"sdpa" dense SDPA mask; "flex" block-sparse
 
     # Filled in by the preset that built this config (informational)
     preset: str | None = field(default=None, compare=False)

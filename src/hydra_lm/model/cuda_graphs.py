@@ -31,14 +31,17 @@ class GraphedStep:
 
     ``reset()`` drops the graph (and its memory), e.g. when the model's control flow changed
     (curriculum switches); the next call captures again, after ``warmup`` eager calls.
+    ``before_capture()``, when given, runs right before each capture.
     """
 
-    def __init__(self, step_fn: Callable[[], Any], warmup: int = 3):
+    def __init__(self, step_fn: Callable[[], Any], warmup: int = 3,
+                 before_capture: Callable[[], None] | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError("GraphedStep needs a CUDA device: CUDA graphs do not exist on the CPU")
         if warmup < 1:
             raise ValueError(f"warmup={warmup}: at least one eager step must precede the capture")
         self._fn = step_fn
+        self._before_capture = before_capture
         self.warmup = warmup
         self._eager_calls = 0
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -72,6 +75,8 @@ class GraphedStep:
 
     def _capture(self) -> None:
         graph = torch.cuda.CUDAGraph()
+        if self._before_capture is not None:
+            self._before_capture()
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
             self._outputs = self._fn()

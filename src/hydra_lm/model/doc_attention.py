@@ -7,13 +7,13 @@ Two ways to compute the same function, chosen per model by ``HydraConfig.doc_mas
   SDPA's flash kernel and costs O(N^2) memory per row;
 * ``"flex"``: FlexAttention with a block-sparse mask derived from the document ids: blocks above
   the diagonal or between different documents are skipped, blocks inside one document run without
-  a mask. Fused only when compiled (traced with the model); eager code runs flex unfused, which
-  materialises the scores.
-* ``"auto"`` (default): the dense mask. On CUDA the flex path is refused: with torch 2.11 on an
-  H100 the compiled flex kernel whose mask reads the document ids gave wrong outputs (errors of
-  order 1, also with torch's own ``create_block_mask``) or crashed ("operation not supported on
-  global/shared address space"), like upstream issue pytorch/pytorch#175545 (captured tensors in a
-  mask_mod). The GPU test that shows it is an expected failure; flex runs on CPU, where it is exact.
+  a mask. The batch's rows are laid end to end as one sequence (batch 1) with document ids that
+  differ between rows, so the mask reads a one-dimensional tensor: with [B, N] ids indexed by the
+  batch, torch 2.11's compiled flex kernel on an H100 gave wrong outputs (errors of order 1) or
+  crashed ("operation not supported on global/shared address space"), like upstream issues
+  pytorch/pytorch#175545 and #172225. Fused when compiled (traced with the model, or compiled on its
+  own on CUDA); eager CPU code runs flex unfused, which materialises the scores.
+* ``"auto"`` (default): the dense mask, until flex is measured exact and faster on a GPU.
 
 A routed unit (MoD/MoR) attends over a compacted subset of the row; its ``doc`` is the documents of
 the entries present, in their order, so "causal" is over the compacted index.
@@ -34,10 +34,6 @@ def resolve_doc_mask_backend(backend: str, device: torch.device | str) -> str:
     "flex" or "sdpa"."""
     if backend not in DOC_MASK_BACKENDS:
         raise ValueError(f"document-mask backend {backend!r}: choose one of {list(DOC_MASK_BACKENDS)}")
-    if backend == "flex" and torch.device(device).type == "cuda":
-        raise ValueError("FlexAttention document masks are disabled on CUDA: with torch 2.11 the compiled flex "
-                         "kernel reading document ids gave wrong results on an H100 (see model/doc_attention.py); "
-                         "use the dense mask: HydraConfig.doc_mask_backend='sdpa' (--model.doc_mask_backend sdpa)")
     return "sdpa" if backend == "auto" else backend
 
 
@@ -89,10 +85,40 @@ def doc_block_mask(doc: torch.Tensor, block: int = FLEX_BLOCK):
                                     mask_mod=same_doc_causal, seq_lengths=(n, n))
 
 
+def _end_to_end(t: torch.Tensor) -> torch.Tensor:
+    """[B, h, N, d] -> [1, h, B * N, d], the rows laid end to end (a view when ``t`` is a transposed
+    [B, N, h, d], as the attention modules make them)."""
+    b, h, n, d = t.shape
+    return t.transpose(0, 1).reshape(1, h, b * n, d)
+
+
 def _flex_doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+    """Flex over the batch's rows laid end to end as one sequence, with each row's document ids moved past
+    the previous row's, so "causal and the same document" also keeps rows apart. The mask then reads a
+    one-dimensional tensor: with the [B, N] ids indexed by the batch, the compiled CUDA kernel gave wrong
+    results on torch 2.11 (module docstring). Tiles across rows fall in no document and are skipped."""
+    b, h, n, _ = q.shape
+    row = torch.arange(b, device=doc.device, dtype=doc.dtype)[:, None]
+    ids = (doc - doc.amin()) + row * (doc.amax() - doc.amin() + 1)  # non-decreasing when each row's are
+    out = _flex(q)(_end_to_end(q), _end_to_end(k), _end_to_end(v), block_mask=doc_block_mask(ids.reshape(1, -1)),
+                   enable_gqa=h != k.shape[1])
+    return out[0].reshape(h, b, n, v.shape[-1]).transpose(0, 1)
+
+
+def _flex(q: torch.Tensor):
+    """flex_attention, compiled on CUDA outside a compiled region: unfused it would materialise the scores
+    of the whole end-to-end batch ([h, B*N, B*N])."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return flex_attention(q, k, v, block_mask=doc_block_mask(doc), enable_gqa=q.shape[1] != k.shape[1])
+    global _compiled_flex
+    if not q.is_cuda or torch.compiler.is_compiling():
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+_compiled_flex = None
 
 
 def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor,

@@ -158,7 +158,7 @@ class TrainConfig:
                                        "capacity, but minutes of cold compile", type=bool)
     cuda_graph: bool | None = opt(None, "capture the training step (forward, backward; clipping and the update "
                                         "too with adamw and muon, the others step eagerly) as CUDA graphs and "
-                                        "replay them (default: on CUDA in one process, without sophia, gradient "
+                                        "replay them (default: on CUDA in one process, without gradient "
                                         "checkpointing or reduce-overhead)", type=bool)
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass", type=bool)
     checkpoint_every: int | None = opt(None, "gradient checkpointing every N blocks (implies "

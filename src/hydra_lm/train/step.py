@@ -32,7 +32,7 @@ class TrainStep:
             if plan.update_graphed:
                 make_capturable(optimizer, device)
             self.graphs = GraphedTrainStep(self.micro_step, self.update_step, device, graph_warmup,
-                                           plan.update_graphed)
+                                           plan.update_graphed, write_grads=self.params if grad_accum == 1 else None)
 
     def autocast(self):
         if self.device.type == "cuda":
