@@ -28,3 +28,11 @@ def tiny_data(tmp_path_factory) -> Path:
     """A tiny prepared corpus (byte-level BPE, 300 tokens), built once per session."""
     root = tmp_path_factory.mktemp("tiny_data")
     return prepare(write_corpus(root / "corpus"), root / "data")
+
+
+@pytest.fixture(autouse=True)
+def restore_tf32(monkeypatch):
+    """The trainer turns TF32 on for the process; every later test gets the flags back (a leaked TF32 took a
+    flex-versus-dense gradient check past its fp32 tolerance)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)

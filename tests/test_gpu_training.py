@@ -34,14 +34,6 @@ def close(a, b, rel):
     assert [r[2] for r in a] == pytest.approx([r[2] for r in b], rel=rel)
 
 
-@pytest.fixture(autouse=True)
-def restore_tf32(monkeypatch):
-    """The trainer turns TF32 on for the process; later tests get the flags back. (Both twins run the
-    chunked loss, --ce_impl chunked: a graph cannot hold Liger.)"""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
-
-
 def test_default_training_on_cuda_is_the_fast_path_with_the_eager_numbers(tiny_data, tmp_path):
     torch._dynamo.reset()
     assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "default"), *BASE]) == 0
