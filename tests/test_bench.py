@@ -46,11 +46,12 @@ def test_bench_document_masking_reports_the_mask_path_and_kernels(tmp_path, caps
     out = tmp_path / "bench.json"
     code = hydra_lm.cli.main(["bench", "--model_size", "debug", "--arch", "hydra", "--vocab_size", "512",
                               "--batch_size", "2", "--seq_len", "64", "--steps", "1", "--warmup", "0", "--no-compile",
-                              "--document_masking", "--conv_impl", "conv1d", "--device", "cpu", "--json", str(out),
+                              "--conv_impl", "conv1d", "--device", "cpu", "--json", str(out),
                               "--model.doc_mask_backend", "sdpa"])
     assert code == 0
     report = json.loads(out.read_text())
     row = report["rows"][0]
+    # document masking on by default: the trainer's default path
     assert report["document_masking"] and report["conv_impl"] == "conv1d" and report["compile"] is None
     assert (report["doc_mask_backend"], report["attention_backend"]) == ("sdpa", "auto")  # model config fields
     assert row["doc_mask_path"] == "dense-mask"  # CPU: the dense SDPA mask
@@ -128,7 +129,7 @@ def test_random_doc_ids_look_like_the_loaders():
 
 
 def test_bench_without_documents_reports_none_and_refuses_what_cannot_run():
-    report = run_bench(tiny(arch="dense"))
+    report = run_bench(tiny(arch="dense", document_masking=False))
     assert report["rows"][0]["doc_mask_path"] == "none" and report["rows"][0]["docs_per_row"] is None
     with pytest.raises(ValueError, match="needs --compile_regions"):
         run_bench(tiny(compile=True, compile_mode="reduce-overhead"))

@@ -278,6 +278,36 @@ def test_a_model_with_flex_document_masks_gives_the_dense_masks_loss_and_gradien
             torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
 
 
+def test_a_cuda_graph_replay_rebuilds_the_flex_block_mask_from_the_new_documents():
+    """The block mask is computed on the GPU from the doc ids inside the graph, so a replay after new ids
+    are copied into the captured buffer attends within the new documents: the dense mask's logits."""
+    from hydra_lm.diagnostics.bench import random_doc_ids
+
+    torch.manual_seed(0)
+    models = {b: hydra_lm.create_model("debug", vocab_size=1024, max_seq_len=512, doc_mask_backend=b).cuda().train()
+              for b in ("sdpa", "flex")}  # training mode: top-k routing, the fixed shapes a graph needs
+    models["flex"].load_state_dict(models["sdpa"].state_dict())
+    ids = _ids(4, 256, 1024)
+    doc = random_doc_ids(4, 256, mean_len=60, seed=0, device="cuda")
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                models["flex"](ids, doc_ids=doc)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = models["flex"](ids, doc_ids=doc)["logits"]
+        for seed in (1, 2, 3):
+            new = random_doc_ids(4, 256, mean_len=20 * seed, seed=seed, device="cuda")
+            doc.copy_(new)
+            graph.replay()
+            want = models["sdpa"](ids, doc_ids=new)["logits"]
+            torch.testing.assert_close(logits, want, rtol=1e-3, atol=1e-3, msg=f"documents of seed {seed}")
+            assert not torch.allclose(want, models["sdpa"](ids)["logits"], atol=1e-2)  # the documents matter
+
+
 def test_a_missing_attention_package_is_named_on_the_first_cuda_forward():
     from hydra_lm.model.attention_backend import FLASH_ATTN_AVAILABLE
 

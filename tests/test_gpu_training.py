@@ -45,6 +45,19 @@ def test_default_training_on_cuda_is_the_fast_path_with_the_eager_numbers(tiny_d
     close(losses(tmp_path / "default"), losses(tmp_path / "eager"), rel=1e-2)
 
 
+def test_flex_document_masks_in_the_default_fast_path_give_the_dense_masks_numbers(tiny_data, tmp_path):
+    """The trainer's default path (compiled units, whole-step CUDA graphs) with flex's block masks built
+    inside the captured graphs: the dense mask's losses and gradient norms (that each replay rebuilds
+    the mask from the new batch's documents: tests/test_gpu.py)."""
+    for backend in ("sdpa", "flex"):
+        torch._dynamo.reset()
+        run = tmp_path / backend
+        assert main(["train", "--data", str(tiny_data), "--out", str(run), *BASE,
+                     "--model.doc_mask_backend", backend]) == 0
+        assert "whole-step CUDA graphs" in (run / "train.log").read_text()
+    close(losses(tmp_path / "flex"), losses(tmp_path / "sdpa"), rel=1e-2)
+
+
 def test_cuda_graph_trainer_matches_the_eager_trainer_and_resumes_exactly(tiny_data, tmp_path):
     assert train(tiny_data, tmp_path / "eager", *EAGER) == 0
     assert train(tiny_data, tmp_path / "graph", "--no-compile", "--cuda_graph") == 0

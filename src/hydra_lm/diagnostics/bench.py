@@ -7,8 +7,8 @@ is timed with CUDA events and the median is reported. MFU uses the
 FLOPs each routed unit really executed (``executed_flops_per_token``) against a bf16 peak measured
 on the device with a large matmul; the datasheet value is shown beside it.
 
-``document_masking`` times the trainer's default path (rows of several documents, ``doc_ids``
-passed to the model); each row reports which attention kernels ran (a profiled eager forward) and
+``document_masking`` (on by default, as in the trainer) passes rows of several documents (``doc_ids``)
+to the model; each row reports which attention kernels ran (a profiled eager forward) and
 which document-mask path the attention took ("flex", "dense-mask" or "none").
 """
 

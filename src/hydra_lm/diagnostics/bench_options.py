@@ -37,8 +37,9 @@ class BenchConfig:
     chunked_ce_size: int = _as_train("chunked_ce_size")
     ce_impl: str = _as_train("ce_impl")
     sdpa_kernel: str = opt("auto", "force one SDPA kernel (auto: PyTorch's choice)", type=str, choices=SDPA_KERNELS)
-    document_masking: bool = opt(False, "pass doc_ids like the trainer (documents of geometric length, mean 400 "
-                                        "tokens)", type=bool)
+    document_masking: bool = opt(True, "pass doc_ids as the trainer does by default (documents of geometric "
+                                       "length, mean 400 tokens; --no-document_masking: plain causal kernels)",
+                                 type=bool)
     conv_impl: str = opt("taps", "CCGQA convs as fused shifted taps, or F.conv1d (cuDNN) for comparison", type=str,
                          choices=("taps", "conv1d"))
     inference: bool = opt(False, "also time prefill and steady-state decoding", type=bool)
