@@ -13,7 +13,9 @@ batches in top-k mode, decay ``routing.THRESHOLD_DECAY``):
 - ``mean``: the rule as shipped, re-calibrated here (the harness's own baseline);
 - ``raw``: no level, the raw logit against a raw threshold (the fifth session's rule, plus the ranks);
 - ``robustK``: center = running median of the batch logits, prefix mean of the logits winsorised at
-  center +- K x the running median absolute deviation.
+  center +- K x the running median absolute deviation;
+- ``median``: the median of the document's earlier candidate logits and the running median (a
+  [B, N, N] statistic: fine for a study, costly in a training step).
 
 Evaluation only; the study behind it is in benchmarks/BENCHMARKS.md (seventeenth session).
 
@@ -54,6 +56,15 @@ def use_level(level: str) -> dict:
     def relative(self, r, valid, doc=None):
         if level == "raw":
             return r
+        if level == "median":  # the median of the document's earlier candidates and the running center
+            v = torch.ones_like(r, dtype=torch.bool) if valid is None else valid
+            n = r.shape[1]
+            past = torch.ones(n, n, dtype=torch.bool, device=r.device).tril(-1)[None] & v[:, None, :]
+            if doc is not None:
+                past = past & (doc[:, :, None] == doc[:, None, :])
+            values = torch.where(past, r[:, None, :], float("nan"))
+            center = self.center().to(r.dtype).expand(*r.shape, 1)
+            return r - torch.cat((values, center), -1).nanmedian(-1).values
         v = torch.ones_like(r) if valid is None else valid.to(r.dtype)
         return self._relative(r, R._prefix_sum(clamp(self, r) * v, doc), R._prefix_sum(v, doc))
 
