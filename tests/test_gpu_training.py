@@ -34,6 +34,20 @@ def close(a, b, rel):
     assert [r[2] for r in a] == pytest.approx([r[2] for r in b], rel=rel)
 
 
+def graphs_match_eager_and_resume(data, tmp_path, opt, log_says=""):
+    """The graphed trainer with ``opt`` gives the eager trainer's losses and gradient norms through the MoR
+    switch's re-capture, and a run stopped at step 6 and resumed gives the uninterrupted run's."""
+    assert train(data, tmp_path / "eager", *EAGER, *opt) == 0
+    assert train(data, tmp_path / "graph", *opt) == 0
+    close(losses(tmp_path / "graph"), losses(tmp_path / "eager"), rel=1e-3)
+    log = (tmp_path / "graph" / "train.log").read_text()
+    assert log_says in log and log.count("captured as CUDA graphs") == 2, log
+    pieces = tmp_path / "pieces"
+    assert train(data, pieces, *opt, "--stop_at_step", "6") == 0
+    assert main(["train", "--out", str(pieces)]) == 0
+    close(losses(pieces), losses(tmp_path / "graph"), rel=1e-5)
+
+
 def test_default_training_on_cuda_is_the_fast_path_with_the_eager_numbers(tiny_data, tmp_path):
     torch._dynamo.reset()
     assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "default"), *BASE]) == 0
@@ -93,16 +107,8 @@ def test_cuda_graph_with_compilation_matches_the_same_compilation(tiny_data, tmp
 def test_muon_replays_the_whole_step_as_cuda_graphs(tiny_data, tmp_path):
     """Muon (train/muon.py) and the AdamW beside it step inside the update graph, with the scheduled LR
     read from a device tensor: the eager trainer's losses, and an exact resume."""
-    opt = ["--no-compile", "--optimizer", "muon"]
-    assert train(tiny_data, tmp_path / "eager", *EAGER, *opt) == 0
-    assert train(tiny_data, tmp_path / "graph", *opt) == 0
-    close(losses(tmp_path / "graph"), losses(tmp_path / "eager"), rel=1e-3)
-    log = (tmp_path / "graph" / "train.log").read_text()
-    assert "whole-step CUDA graphs" in log and log.count("captured as CUDA graphs") == 2, log
-    pieces = tmp_path / "pieces"
-    assert train(tiny_data, pieces, *opt, "--stop_at_step", "6") == 0
-    assert main(["train", "--out", str(pieces)]) == 0
-    close(losses(pieces), losses(tmp_path / "graph"), rel=1e-5)
+    graphs_match_eager_and_resume(tiny_data, tmp_path, ["--no-compile", "--optimizer", "muon"],
+                                  "whole-step CUDA graphs")
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon", "sophia"])
@@ -112,16 +118,7 @@ def test_a_step_of_one_micro_batch_replays_a_backward_that_writes_the_gradients(
     gradient norms through a re-capture (the MoR switch), with the update captured (AdamW, Muon) or
     eager beside an eager Hessian pass that accumulates into the zeroed gradients (Sophia-G), and an
     exact resume."""
-    opt = ["--no-compile", "--optimizer", optimizer, "--grad_accum", "1"]
-    assert train(tiny_data, tmp_path / "eager", *EAGER, *opt) == 0
-    assert train(tiny_data, tmp_path / "graph", *opt) == 0
-    close(losses(tmp_path / "graph"), losses(tmp_path / "eager"), rel=1e-3)
-    log = (tmp_path / "graph" / "train.log").read_text()
-    assert log.count("captured as CUDA graphs") == 2, log
-    pieces = tmp_path / "pieces"
-    assert train(tiny_data, pieces, *opt, "--stop_at_step", "6") == 0
-    assert main(["train", "--out", str(pieces)]) == 0
-    close(losses(pieces), losses(tmp_path / "graph"), rel=1e-5)
+    graphs_match_eager_and_resume(tiny_data, tmp_path, ["--no-compile", "--optimizer", optimizer, "--grad_accum", "1"])
 
 
 @pytest.mark.parametrize("optimizer", ["lion", "adafactor", "sophia"])
@@ -129,17 +126,8 @@ def test_an_optimizer_that_cannot_be_captured_steps_eagerly_between_graph_replay
     """By default on CUDA the forward + backward replays as a CUDA graph whatever the optimizer; one
     that cannot be captured steps eagerly on the gradients the graph wrote: the eager trainer's losses
     and gradient norms, and an exact resume."""
-    opt = ["--no-compile", "--optimizer", optimizer]
-    assert train(tiny_data, tmp_path / "eager", *EAGER, *opt) == 0
-    assert train(tiny_data, tmp_path / "graph", *opt) == 0
-    close(losses(tmp_path / "graph"), losses(tmp_path / "eager"), rel=1e-3)
-    log = (tmp_path / "graph" / "train.log").read_text()
-    assert "CUDA graphs of forward + backward (the optimizer steps eagerly)" in log, log
-    assert log.count("captured as CUDA graphs") == 2, log
-    pieces = tmp_path / "pieces"
-    assert train(tiny_data, pieces, *opt, "--stop_at_step", "6") == 0
-    assert main(["train", "--out", str(pieces)]) == 0
-    close(losses(pieces), losses(tmp_path / "graph"), rel=1e-5)
+    graphs_match_eager_and_resume(tiny_data, tmp_path, ["--no-compile", "--optimizer", optimizer],
+                                  "CUDA graphs of forward + backward (the optimizer steps eagerly)")
 
 
 def test_each_run_reports_its_own_peak_memory_when_one_process_trains_several(tiny_data, tmp_path):

@@ -13,7 +13,8 @@ Two ways to compute the same function, chosen per model by ``HydraConfig.doc_mas
   crashed ("operation not supported on global/shared address space"), like upstream issues
   pytorch/pytorch#175545 and #172225. Fused when compiled (traced with the model, or compiled on its
   own on CUDA); eager CPU code runs flex unfused, which materialises the scores.
-* ``"auto"`` (default): the dense mask, until flex is measured exact and faster on a GPU.
+* ``"auto"`` (default): the dense mask. Flex is exact and 4-6% faster on an H100 (benchmarks/BENCHMARKS.md,
+  seventeenth session); it becomes the default once its CUDA-graph replay tests have run on a GPU.
 
 A routed unit (MoD/MoR) attends over a compacted subset of the row; its ``doc`` is the documents of
 the entries present, in their order, so "causal" is over the compacted index.
