@@ -185,6 +185,40 @@ def test_gpus_train_the_runs_in_parallel_workers_with_the_sequential_results(tin
     assert "takes the next unfinished run" not in capsys.readouterr().out
 
 
+def test_a_gpu_workers_failed_run_leaves_its_traceback_in_its_log_and_the_next_runs_go_on(tmp_path, monkeypatch):
+    """A run that raises in a worker: its traceback goes to the worker's log (not to a stream closed by then),
+    the worker trains the runs after it, and exits non-zero so the command names the log."""
+    import multiprocessing
+
+    from hydra_lm.diagnostics import compare as cmp
+
+    trained = tmp_path / "trained"
+
+    def train_runs(plan, names):
+        if names == ["bad"]:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        with open(trained, "a") as f:
+            f.write(f"{names[0]}\n")
+        return 0
+
+    monkeypatch.setattr(cmp, "train_runs", train_runs)
+    monkeypatch.setattr(cmp, "plan_compare", lambda *args: None)
+    monkeypatch.setattr(cmp, "parse_budget", lambda budget: None)
+    context = multiprocessing.get_context("fork")  # the child keeps the patches
+    queue = context.Queue()
+    for name in ("good", "bad", "last", None):
+        queue.put(name)
+    log = tmp_path / "compare.gpu0.log"
+    worker = context.Process(target=cmp._gpu_worker, args=(0, "0", 1, queue, (None,) * 8, str(log)))
+    worker.start()
+    worker.join(60)
+    assert worker.exitcode == 1
+    text = log.read_text()
+    assert "Traceback" in text and "RuntimeError: operation not permitted when stream is capturing" in text
+    assert "run bad failed (traceback above)" in text
+    assert trained.read_text().split() == ["good", "last"]
+
+
 @pytest.mark.slow
 def test_compare_warns_when_a_run_repeats_the_training_split(tiny_data, tmp_path, capsys):
     train_tokens = json.loads((tiny_data / "meta.json").read_text())["token_counts"]["train"]

@@ -80,9 +80,11 @@ def test_compiled_flex_kernel_uses_the_block_tables_correctly():
 
 
 def test_backend_resolution():
-    assert da.resolve_doc_mask_backend("auto", "cpu") == "sdpa"
-    assert da.resolve_doc_mask_backend("auto", "cuda") == "sdpa"
-    assert da.resolve_doc_mask_backend("flex", "cpu") == da.resolve_doc_mask_backend("flex", "cuda") == "flex"
+    assert da.resolve_doc_mask_backend("auto", "cpu", 64) == da.resolve_doc_mask_backend("auto", "cuda", 64) == "sdpa"
+    assert da.resolve_doc_mask_backend("flex", "cpu", 8) == da.resolve_doc_mask_backend("flex", "cuda", 16) == "flex"
+    assert da.resolve_doc_mask_backend("sdpa", "cuda", 64) == "sdpa"
+    with pytest.raises(ValueError, match="at least 16 dimensions, this model's have 8: use 'auto' or 'sdpa'"):
+        da.resolve_doc_mask_backend("flex", "cuda", 8)
     with pytest.raises(ValueError, match=r"HydraConfig.doc_mask_backend='dense': must be one of"):
         tiny_model(doc_mask_backend="dense")
 

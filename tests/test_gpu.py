@@ -319,8 +319,8 @@ def test_a_missing_attention_package_is_named_on_the_first_cuda_forward():
 
 
 def test_bench_defaults_run_the_fast_path(tmp_path):
-    """`hydra-lm bench` without speed flags on CUDA: compiled units, whole-step CUDA graphs and the
-    chunked loss; decoding timed at every default batch size with graph-captured steps."""
+    """`hydra-lm bench` without speed flags on CUDA: compiled units, whole-step CUDA graphs, the chunked
+    loss and document masks; decoding timed at every default batch size with graph-captured steps."""
     import json
 
     from hydra_lm.cli import main
@@ -334,6 +334,7 @@ def test_bench_defaults_run_the_fast_path(tmp_path):
     for row in report["rows"]:
         assert row["ce_impl"] == "chunked" and row["tokens_per_s"] > 0 and row["decode_cuda_graph"]
         assert row["decode_compiled"]  # on CUDA the decode step's units compile by default
+        assert row["doc_mask_path"] == "dense-mask"  # documents masked, as the trainer does
         rates = [row[f"decode_tokens_per_s_batch{b}"] for b in (1, 8, 32, 128)]
         # a steady decode step of this model takes well over 10 microseconds: no division by ~0
         assert all(0 < r < b / 1e-5 for r, b in zip(rates, (1, 8, 32, 128))), rates

@@ -76,7 +76,9 @@ class HydraConfig:
     # Kernels: how attention is computed, not what (model/attention_backend.py, model/doc_attention.py).
     # Per model, so two models in one process may differ.
     attention_backend: str = "auto"  # "auto"/"sdpa": PyTorch SDPA; "flash": flash-attn; "xformers" (CUDA only)
-    doc_mask_backend: str = "auto"  # document-masked attention: "auto"/"sdpa" dense SDPA mask; "flex" block-sparse
+    # document-masked attention: "auto"/"sdpa" a dense SDPA mask; "flex" block-sparse FlexAttention (on CUDA:
+    # heads of >= 16 dimensions; model/doc_attention.py)
+    doc_mask_backend: str = "auto"
 
     # Filled in by the preset that built this config (informational)
     preset: str | None = field(default=None, compare=False)

@@ -106,7 +106,7 @@ def attention_kernels(model, ids: torch.Tensor, doc: torch.Tensor | None, device
     from torch.profiler import ProfilerActivity, profile
 
     found = set()
-    if doc is not None and resolve_doc_mask_backend(model.config.doc_mask_backend, device) == "flex":
+    if doc is not None and _uses_flex(model, device):
         found.add("flex")  # every layer gets doc ids, so no SDPA call remains to profile
         return sorted(found)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -122,7 +122,11 @@ def attention_kernels(model, ids: torch.Tensor, doc: torch.Tensor | None, device
 def doc_mask_path(model, doc: torch.Tensor | None, device: torch.device) -> str:
     if doc is None:
         return "none"
-    return "flex" if resolve_doc_mask_backend(model.config.doc_mask_backend, device) == "flex" else "dense-mask"
+    return "flex" if _uses_flex(model, device) else "dense-mask"
+
+
+def _uses_flex(model, device: torch.device) -> bool:
+    return resolve_doc_mask_backend(model.config.doc_mask_backend, device, model.config.head_dim) == "flex"
 
 
 def bench_training(model, cfg: BenchConfig, plan: SpeedPlan, device: torch.device) -> dict[str, Any]:

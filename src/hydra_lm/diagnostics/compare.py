@@ -221,6 +221,7 @@ def train_on_gpus(plan: ComparePlan, request: tuple, gpus: int) -> int:
 def _gpu_worker(gpu: int, device: str, threads: int, queue, request: tuple, log: str) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = device
     import sys
+    import traceback
 
     import torch._inductor.config as inductor_config
 
@@ -235,11 +236,19 @@ def _gpu_worker(gpu: int, device: str, threads: int, queue, request: tuple, log:
               f"{torch.get_num_threads()} CPU threads, {inductor_config.compile_threads} compile threads)", flush=True)
         data, out, budget, variant_names, custom_specs, evals, shared, seeds = request
         plan = plan_compare(data, out, parse_budget(budget), variant_names, custom_specs, evals, shared, seeds)
+        failed = []
         while (name := queue.get()) is not None:
-            code = train_runs(plan, [name])
+            try:
+                code = train_runs(plan, [name])
+            except Exception:  # into this log while it is open (after it closes the traceback would be lost)
+                traceback.print_exc()
+                print(f"compare: run {name} failed (traceback above); it stays unfinished, the next runs go on",
+                      flush=True)
+                failed.append(name)
+                continue
             if code:  # interrupted: leave the rest to the command's next call
                 sys.exit(code)
-        sys.exit(0)
+        sys.exit(1 if failed else 0)
 
 
 def plan_compare(data: str | None, out: str | None, budget: Budget, variant_names: list[str] | None,

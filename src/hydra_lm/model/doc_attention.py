@@ -13,8 +13,11 @@ Two ways to compute the same function, chosen per model by ``HydraConfig.doc_mas
   crashed ("operation not supported on global/shared address space"), like upstream issues
   pytorch/pytorch#175545 and #172225. Fused when compiled (traced with the model, or compiled on its
   own on CUDA); eager CPU code runs flex unfused, which materialises the scores.
-* ``"auto"`` (default): the dense mask. Flex is exact and 4-6% faster on an H100 (benchmarks/BENCHMARKS.md,
-  seventeenth session); it becomes the default once its CUDA-graph replay tests have run on a GPU.
+* ``"auto"`` (default): the dense mask. Flex is exact and 3-6% faster for a whole training step of the
+  100M models on an H100 (benchmarks/BENCHMARKS.md, seventeenth session), but in the trainer's GPU test
+  (compiled units, whole-step CUDA graphs, the MoR switch recompiling them) torch 2.11 failed to lower
+  it ("convert FlexibleLayout to FixedLayout first", over symbolic shapes; eighteenth session), so it
+  stays opt-in until that is understood.
 
 A routed unit (MoD/MoR) attends over a compacted subset of the row; its ``doc`` is the documents of
 the entries present, in their order, so "causal" is over the compacted index.
@@ -30,12 +33,22 @@ from ..config import DOC_MASK_BACKENDS
 FLEX_BLOCK = 128  # FlexAttention's default tile; the block mask is built at this granularity
 
 
-def resolve_doc_mask_backend(backend: str, device: torch.device | str) -> str:
-    """The path a document-masked attention call on ``device`` takes for ``HydraConfig.doc_mask_backend``:
-    "flex" or "sdpa"."""
+# torch 2.11's compiled flex kernel rejects smaller heads ("embedding dimension ... must be at least 16").
+FLEX_MIN_HEAD_DIM = 16
+
+
+def resolve_doc_mask_backend(backend: str, device: torch.device | str, head_dim: int) -> str:
+    """The path a document-masked attention call on ``device`` with heads of ``head_dim`` takes for
+    ``HydraConfig.doc_mask_backend``: "flex" or "sdpa"."""
     if backend not in DOC_MASK_BACKENDS:
         raise ValueError(f"document-mask backend {backend!r}: choose one of {list(DOC_MASK_BACKENDS)}")
-    return "sdpa" if backend == "auto" else backend
+    cuda = torch.device(device).type == "cuda"
+    if backend == "auto":
+        return "sdpa"
+    if backend == "flex" and cuda and head_dim < FLEX_MIN_HEAD_DIM:
+        raise ValueError(f"doc_mask_backend 'flex' on CUDA needs heads of at least {FLEX_MIN_HEAD_DIM} "
+                         f"dimensions, this model's have {head_dim}: use 'auto' or 'sdpa', or a larger head_dim")
+    return backend
 
 
 def dense_doc_mask(doc: torch.Tensor) -> torch.Tensor:
@@ -126,7 +139,7 @@ def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc:
                          backend: str = "auto") -> torch.Tensor:
     """Causal attention within documents. q [B, h_q, N, d]; k, v [B, h_k, N, d]; doc [B, N];
     ``backend``: ``HydraConfig.doc_mask_backend``."""
-    if resolve_doc_mask_backend(backend, q.device) == "sdpa":
+    if resolve_doc_mask_backend(backend, q.device, q.shape[-1]) == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_doc_mask(doc),
                                               enable_gqa=q.shape[1] != k.shape[1])
     device = q.device.type
