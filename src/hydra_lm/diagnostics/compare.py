@@ -16,6 +16,7 @@ start and the last step; with a seconds budget, every ``1/evals`` of the budget'
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -158,6 +159,7 @@ def train_runs(plan: ComparePlan, names: list[str]) -> int:
         # recompile limit of the functions every model shares (the routed unit).
         torch._dynamo.reset()
         code = train(setup_run(run.values))
+        gc.collect()  # the finished run's model and CUDA graphs go now, not inside the next run's capture
         if code == 130:
             print(f"compare: interrupted; run the same command again to resume {run.name}", flush=True)
             return code

@@ -17,9 +17,29 @@ with ``cache_enabled=False``.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from typing import Any, Callable
 
 import torch
+
+
+@contextlib.contextmanager
+def capture(graph: torch.cuda.CUDAGraph, pool=None):
+    """``torch.cuda.graph(graph, pool=pool)`` with Python's automatic garbage collection paused. A
+    collection inside the capture may free another CUDA graph (a previous run's, in a process that
+    trains several), and destroying a graph is not permitted while a stream captures: a `compare`
+    run failed that way ("operation not permitted when stream is capturing (function reset)",
+    eighteenth session; this guard is not yet confirmed to be the fix). ``torch.cuda.graph`` collects
+    once before the capture begins, which stays."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class GraphedStep:
@@ -78,6 +98,6 @@ class GraphedStep:
         if self._before_capture is not None:
             self._before_capture()
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
+        with capture(graph):
             self._outputs = self._fn()
         self._graph = graph

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from .block import run_cached_unit
+from .cuda_graphs import capture
 from .routing import routed_selection
 
 
@@ -252,7 +253,7 @@ class DecodeStep:
         torch.cuda.synchronize()
         for i in starts:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool), self._autocast():
+            with capture(graph, pool=pool), self._autocast():
                 entered = self._run_ops(i)
                 if entered is not None:
                     self._flag.copy_(entered, non_blocking=True)
