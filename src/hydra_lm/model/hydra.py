@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import HydraConfig
 from .attention import CCGQAttention, GQAttention
 from .decode_step import DecodeStep, decode_compiles
+from .doc_attention import resolve_doc_mask_backend
 from .block import RecursiveBlock, TransformerLayer
 from .loss import linear_cross_entropy
 from .layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
@@ -137,6 +138,8 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         if t > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.config.max_seq_len}; "
                              "raise HydraConfig.max_seq_len or feed shorter sequences")
+        if doc_ids is not None:  # here, not first inside a compiled unit, where the error would be Dynamo's
+            resolve_doc_mask_backend(self.config.doc_mask_backend, input_ids.device, self.config.head_dim)
         # A tensor of its own, not a view: routed units pass gathered positions (not views) to the
         # same compiled unit, and a view would make its guards differ (compile_policy.compile_units).
         pos = torch.arange(t, device=input_ids.device).repeat(b, 1)
