@@ -46,7 +46,6 @@ def _forget_calibration(model) -> None:
     """Threshold 0 on the raw logit for every router: the former rule, r > 0."""
     for router in _routers(model):
         router.threshold_sum.zero_()
-        router.center_weight.zero_()
 
 
 GRID = [dict(mod_capacity=c, mod_every=e, recursions=r) for c in (0.125, 0.5) for e in (1, 2) for r in (1, 3)]
@@ -78,7 +77,6 @@ def test_a_fixed_threshold_drifts_from_the_capacity_and_calibration_brings_it_ba
     off = {n: abs(r["exec_causal"] - r["target"]) for n, r in fixed["routing"].items()}
     assert max(off.values()) > 0.2, off  # the divergence the calibration exists for
     assert any("executes" in w for w in routing_warnings(fixed))
-    # An untrained model: its rows differ only by noise, which the prefix mean follows a little.
     assert max(abs(r["exec_causal"] - r["target"]) for r in calibrated["routing"].values()) < 0.07
     assert calibrated["val_agreement"] > fixed["val_agreement"]
     fresh = _eval(tiny_model(mod_capacity=0.5, mod_every=1, recursions=2))  # never trained: nothing to hold to
@@ -197,12 +195,17 @@ def test_rank_rule_does_as_well_as_the_threshold_alone_on_text_like_the_training
     def off_target(result):
         return max(abs(r["exec_causal"] - r["target"]) for r in result["routing"].values())
     # In distribution, on rows of 48 tokens, the rank costs nothing (its gain is on text unlike the
-    # training batches: test_model.py's shifted logits).
-    assert rank["val_agreement"] >= threshold["val_agreement"] - 0.005 and off_target(rank) < 0.07
+    # training batches: test_model.py's shifted logits). After 60 steps at a high LR the logits still
+    # drift faster than the running threshold follows: the first MoD router admits 0.605 of 0.5 (0.503
+    # when logits were compared relative to the document's earlier ones, a level that absorbed the drift
+    # but broke routing every block; docs/routing.md).
+    assert rank["val_agreement"] >= threshold["val_agreement"] - 0.005 and off_target(rank) < 0.12
     assert rank["val_gap"] < 0.01  # causal within 0.01 of top-k, or below it
 
 
-def test_a_checkpoint_of_the_former_rule_keeps_its_raw_logit_threshold(tmp_path):
+def test_a_checkpoint_of_the_prefix_mean_rule_loads_its_threshold_on_the_raw_logits_scale(tmp_path):
+    """Revisions up to b7b9c10 calibrated the threshold on logits relative to a level near a running mean
+    logit they saved (center_*): loading adds the center back."""
     from safetensors.torch import save_file
 
     from hydra_lm.train.checkpoint import Checkpoint
@@ -210,23 +213,52 @@ def test_a_checkpoint_of_the_former_rule_keeps_its_raw_logit_threshold(tmp_path)
     model = tiny_model()
     _drift(model)
     _calibrate(model, batches=3)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()
-             if k != "lm_head.weight" and not k.endswith(("center_sum", "center_weight"))}
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    routers = [k.removesuffix("threshold_sum") for k in state if k.endswith("threshold_sum")]
+    for i, name in enumerate(routers):  # a former checkpoint: threshold 0.5 + i above a center of -3
+        state[name + "center_sum"] = torch.tensor(-3.0 * 0.4)
+        state[name + "center_weight"] = torch.tensor(0.4)
+        state[name + "threshold_sum"] = (0.5 + i) * state[name + "threshold_weight"]
     save_file(state, tmp_path / "former.safetensors")
     loaded = tiny_model(seed=1)
     Checkpoint(tmp_path / "former.safetensors", 0, {"layout": "file"}).load_model(loaded)
-    r = torch.randn(2, 9)
-    for a, b in zip(_routers(model), _routers(loaded)):
-        assert torch.equal(a.threshold(), b.threshold()) and float(b.center_weight) == 0.0
-        assert torch.equal(b.relative(r, None), r)  # the former rule: raw logit against the threshold
-        assert not torch.equal(a.relative(r, None), r)
-    # Training it further restarts the threshold on the new rule's scale.
-    _calibrate(loaded, batches=1)
-    for router in _routers(loaded):
-        assert float(router.center_weight) > 0 and float(router.threshold_weight) == pytest.approx(0.05)
+    got = {name: loaded.get_submodule(name.rstrip(".")).threshold() for name in routers}
+    assert got and all(float(t) == pytest.approx(0.5 + i - 3.0) for i, t in enumerate(got.values()))
 
 
-def test_decode_carries_the_prefix_statistic_of_each_routed_unit():
+def test_tokens_an_earlier_unit_ran_do_not_move_the_choice_among_the_others():
+    """Every block routed: a later router gives the tokens an earlier block ran logits tens of units below
+    the rest, whose spread is a few hundredths (seventeenth session, docs/routing.md). The causal rule
+    must still pick top-k's tokens among the others: a level such as the mean of the earlier logits
+    jumps with each low one and ranked the others by noise (causal loss 1.4-1.9 nats above top-k)."""
+    g = torch.Generator().manual_seed(0)
+
+    def logits(b: int = 8, n: int = 512) -> torch.Tensor:
+        r = 0.04 * torch.randn(b, n, generator=g)
+        ran = torch.rand(b, n, generator=g) < 0.4
+        return torch.where(ran, r - 30 - 50 * torch.rand(b, n, generator=g), r)
+
+    router = ExpertChoiceRouter(1, 1)  # logit = the input's one feature
+    with torch.no_grad():
+        router.proj.weight.fill_(1.0)
+        router.proj.bias.zero_()
+    k = 64
+    router.train()
+    for _ in range(40):  # training's top-k forwards calibrate the threshold
+        router.select(logits()[..., None], None, k, "topk", 512)
+    r = logits()
+    router.eval()
+    sel = router.select(r[..., None], None, k, "causal", 512)
+    chosen = torch.zeros_like(r, dtype=torch.bool).scatter_(1, sel.order, sel.valid)
+    topk = torch.zeros_like(r, dtype=torch.bool).scatter_(1, torch.topk(r, k, dim=1).indices, True)
+    low = r < -10
+    assert not (chosen & low).any()
+    agreement = (chosen == topk)[~low].float().mean()
+    assert agreement > 0.85, agreement
+    assert abs(chosen.float().mean() - k / r.shape[1]) < 0.02
+
+
+def test_decode_carries_each_routed_units_logits():
     model = tiny_model(mod_capacity=0.5, mod_every=1, recursions=2)
     _drift(model)
     _calibrate(model, batches=3)
@@ -239,8 +271,8 @@ def test_decode_carries_the_prefix_statistic_of_each_routed_unit():
     for t in range(20):
         logits = model.forward_cached(ids[:, t:t + 1], t, caches)
         torch.testing.assert_close(logits, full[:, t], rtol=0, atol=1e-8)
-    assert all(float(r[:, 2].sum(1).min()) > 0 for r in routes)  # every unit kept some candidates
-    assert bool((routes[0][:, 2].sum(1) == 20).all())  # the first routed unit sees every token
+    assert all(float(r[:, 1].sum(1).min()) > 0 for r in routes)  # every unit kept some candidates
+    assert bool((routes[0][:, 1].sum(1) == 20).all())  # the first routed unit sees every token
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(mor_routing="token"), dict(sharing="middle_cycle", n_blocks=4),

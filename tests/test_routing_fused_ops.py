@@ -7,27 +7,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hydra_lm.model.routing import (PREFIX_PRIOR, THRESHOLD_DECAY, ExpertChoiceRouter, topk_boundaries,
-                                    topk_boundary)
+from hydra_lm.model.routing import THRESHOLD_DECAY, ExpertChoiceRouter, topk_boundary
 
 from support import tiny_model
 
 
 def _reference_calibrate(router: ExpertChoiceRouter, r: torch.Tensor, k: int) -> None:
-    """The update as first written: one op per buffer and step, guarded center()."""
-    keep = torch.where(router.center_weight > 0, THRESHOLD_DECAY, 0.0)
-    router.center_sum.mul_(THRESHOLD_DECAY).add_(r.mean(), alpha=1 - THRESHOLD_DECAY)
-    router.center_weight.mul_(THRESHOLD_DECAY).add_(1 - THRESHOLD_DECAY)
-    count = torch.arange(r.shape[1], dtype=r.dtype) + PREFIX_PRIOR
-    prefix = (r.cumsum(1) - r + PREFIX_PRIOR * router.center()) / count
-    flat = (r - prefix).reshape(-1)
-    top = torch.topk(flat, r.shape[0] * k + 1, sorted=True).values
-    router.threshold_sum.mul_(keep).add_(0.5 * (top[-2] + top[-1]), alpha=1 - THRESHOLD_DECAY)
-    router.threshold_weight.mul_(keep).add_(1 - THRESHOLD_DECAY)
+    """The update as first written: one op per buffer."""
+    top = torch.topk(r.reshape(-1), r.shape[0] * k + 1, sorted=True).values
+    router.threshold_sum.mul_(THRESHOLD_DECAY).add_(0.5 * (top[-2] + top[-1]), alpha=1 - THRESHOLD_DECAY)
+    router.threshold_weight.mul_(THRESHOLD_DECAY).add_(1 - THRESHOLD_DECAY)
 
 
 @pytest.mark.parametrize("fresh", [True, False])
-def test_calibrate_returns_what_relative_threshold_and_topk_boundary_give(fresh):
+def test_calibrate_returns_the_topk_boundary_and_the_updated_threshold(fresh):
     torch.manual_seed(0)
     router = ExpertChoiceRouter(16, 1)
     if not fresh:  # calibrated before, with a drifted logit level
@@ -35,22 +28,19 @@ def test_calibrate_returns_what_relative_threshold_and_topk_boundary_give(fresh)
             router.calibrate(torch.randn(3, 40) + 2.0, 10)
     reference = copy.deepcopy(router)
     r = torch.randn(3, 40) * 3
-    relative, threshold, boundary = router.calibrate(r, 10, boundary_of=r)
+    boundary, threshold = router.calibrate(r, 10)
     _reference_calibrate(reference, r, 10)
     for name, buf in router.named_buffers():
         assert torch.equal(buf, dict(reference.named_buffers())[name]), name
-    assert torch.equal(relative, reference.relative(r, None))
     assert torch.equal(threshold, reference.threshold())
     assert torch.equal(boundary, topk_boundary(r, 10))
-    assert router.calibrate(r, 10)[2] is None
 
 
-def test_topk_boundaries_of_stacked_logits_are_each_ones_boundary():
-    r = torch.randn(2, 4, 25)
-    for k in (1, 7, 25):  # k = 25: every logit is chosen
-        got = topk_boundaries(r, k)
-        assert torch.equal(got, torch.stack([topk_boundary(r[0], k), topk_boundary(r[1], k)]))
-    assert torch.equal(topk_boundary(r[0], 25), r[0].min() - 1.0)
+def test_the_topk_boundary_admits_exactly_the_batchs_topk():
+    r = torch.randn(4, 25)
+    for k in (1, 7):
+        assert int((r > topk_boundary(r, k)).sum()) == 4 * k
+    assert torch.equal(topk_boundary(r, 25), r.min() - 1.0)  # every logit is chosen
 
 
 def test_aux_logits_reuse_the_logits_with_the_gradients_of_a_second_linear():

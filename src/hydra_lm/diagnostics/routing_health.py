@@ -1,8 +1,9 @@
 """Routing health of a trained run: does each router execute the share of tokens it was trained for?
 
 Training routes with top-k (every router runs exactly its target share); generation routes
-causally (a token enters a unit when its router logit, relative to the mean of its row's earlier
-candidates, exceeds the router's calibrated threshold). A router whose causal share
+causally (a token enters a unit when less than the unit's capacity share of the earlier candidates,
+and of pseudo-candidates for the router's calibrated threshold, rank above its router logit:
+``model.routing.rank_decision``). A router whose causal share
 drifts far from its target, or a causal loss well above the top-k loss, means generation runs a
 different network than the one trained. Measured here on the validation split at a checkpoint.
 """

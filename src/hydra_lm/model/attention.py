@@ -33,7 +33,7 @@ class AttentionCache:
     slot_valid: torch.Tensor  # [B, L] bool: this position entered the unit
     conv: torch.Tensor | None = None  # [B, P, C] last P pre-conv q/k latents of routed tokens (CCGQA)
     shift: torch.Tensor | None = None  # [B, c] value-shift projection of the previous routed token (CCGQA)
-    # [B, 3, L] per position (raw logit, relative logit, 1 if a candidate of the unit): the decode state of
+    # [B, 2, L] per position (router logit, 1 if a candidate of the unit): the decode state of
     # the expert-choice router gating this unit (routing.ExpertChoiceRouter.decode_admits); first layer only.
     route: torch.Tensor | None = None
 

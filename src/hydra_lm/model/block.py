@@ -165,11 +165,11 @@ class RecursiveBlock(nn.Module):
     def new_caches(self, batch: int, length: int, device, dtype) -> list[list[AttentionCache]]:
         caches = [[layer.attn.new_cache(batch, length, device, dtype) for layer in self.layers]
                   for _ in range(self.recursions)]
-        # Expert-choice routers: per position, the candidate's raw and relative logits and whether it was
-        # one (routing.ExpertChoiceRouter.decode_admits).
+        # Expert-choice routers: per position, the candidate's logit and whether it was one
+        # (routing.ExpertChoiceRouter.decode_admits).
         for router in self.routers.values():
             for j in router.depths:
-                caches[j][0].route = torch.zeros(batch, 3, length, device=device,
+                caches[j][0].route = torch.zeros(batch, 2, length, device=device,
                                                  dtype=torch.promote_types(dtype or torch.float32, torch.float32))
         return caches
 

@@ -8,20 +8,21 @@ for selections, whatever their kind.
 
 Causal routing (generation, and the causal eval) cannot see a row's later tokens, so it cannot take
 the row's top-k. It takes top-k's rule over the past instead (``rank_admits``, ``rank_decision``): a
-candidate enters the unit iff less than the unit's capacity share of what came before it ranks above it, by
-``r - m``, the logit relative to ``m``, the mean of the row's previous candidates' logits shrunk
-towards the router's calibrated mean logit (``m = (their sum + PREFIX_PRIOR * center) / (their
-count + PREFIX_PRIOR)``). A rank holds the admitted share at the capacity whatever the logits do on
-text unlike the training batches, where a threshold drifts with them; in distribution the threshold
-picks top-k's tokens better, so it carries the weight of many earlier candidates.
+candidate enters the unit iff less than the unit's capacity share of what came before it ranks above it
+by router logit. A rank holds the admitted share at the capacity whatever the logits do on text unlike
+the training batches, where a threshold drifts with them; in distribution the threshold picks top-k's
+tokens better, so it carries the weight of many earlier candidates.
 
 The router's calibrated threshold enters as ``RANK_PRIOR`` pseudo-candidates (``rank_decision``), so
 the threshold decides until a document has many more candidates than that, and their rank after.
-The threshold is a running mean over training batches of the value separating a batch's top-k from
+The threshold is a running mean over training batches of the logit separating a batch's top-k from
 the rest (top-k ignores a shift of all logits, so they drift freely in training and a fixed
-threshold such as r > 0 would admit a share unrelated to the capacity). Everything is causal, so
-decoding keeps it exactly: each routed unit's cache holds, per position, the candidate's raw and
-relative logits (``AttentionCache.route``). The studies behind both rules are in docs/routing.md.
+threshold such as r > 0 would admit a share unrelated to the capacity). The logit is compared raw, not
+relative to a level such as the mean of the document's earlier logits: a level moved by the very low
+logits that later routers give tokens an earlier unit already ran ranked tokens by noise, and on a
+grid of 18 routing settings at 100M no level beat the raw logit (docs/routing.md). Everything is
+causal, so decoding keeps it exactly: each routed unit's cache holds, per position, the candidate's
+logit (``AttentionCache.route``). The studies behind the rule are in docs/routing.md.
 
 Every function here keeps shapes static (k is a Python int derived from the sequence length), so a
 routed training step has no host synchronisation and compiles with ``fullgraph=True``.
@@ -47,11 +48,8 @@ ROUTING_MODES = ("topk", "causal", "static")
 # follows the logits' drift while averaging out the batch-to-batch noise of the boundary.
 THRESHOLD_DECAY = 0.95
 # State-dict names of the threshold buffers: checkpoints written before calibration existed lack them
-# and still load (threshold 0, the former rule, until training calibrates it).
-# Weight of the calibrated mean logit in the prefix mean, in candidates: it steadies the statistic over
-# a row's first candidates, where it has few predecessors to average.
-PREFIX_PRIOR = 16.0
-THRESHOLD_BUFFERS = ("threshold_sum", "threshold_weight", "center_sum", "center_weight")
+# and still load (threshold 0 until training calibrates it).
+THRESHOLD_BUFFERS = ("threshold_sum", "threshold_weight")
 # Causal rank rule: the calibrated threshold counts as this many pseudo-candidates beside the row's
 # earlier candidates, so the threshold decides until a document's candidates outnumber them and their
 # rank after. 256, not the former 16: on a 100M checkpoint (GPU, 1,024-token rows) the threshold picks
@@ -126,75 +124,49 @@ class ExpertChoiceRouter(Router):
         self.proj = nn.Linear(dim, 1)
         self.register_buffer("threshold_sum", torch.zeros((), dtype=torch.float32))
         self.register_buffer("threshold_weight", torch.zeros((), dtype=torch.float32))
-        # Running mean of the candidates' logits (the prefix mean's prior). A checkpoint written before
-        # the prefix rule lacks it (weight 0): its threshold is then one on the raw logit, applied as such.
-        self.register_buffer("center_sum", torch.zeros((), dtype=torch.float32))
-        self.register_buffer("center_weight", torch.zeros((), dtype=torch.float32))
 
     def threshold(self) -> torch.Tensor:
         w = self.threshold_weight
         return torch.where(w > 0, self.threshold_sum / w.clamp(min=1e-12), torch.zeros_like(w))
 
-    def center(self) -> torch.Tensor:
-        w = self.center_weight
-        return torch.where(w > 0, self.center_sum / w.clamp(min=1e-12), torch.zeros_like(w))
-
     @torch.no_grad()
-    def calibrate(self, r: torch.Tensor, k: int, boundary_of: torch.Tensor | None = None):
-        """Fold one batch's candidate logits ``r`` [B, N] into the running center (their mean) and then
-        the running threshold (the top-k boundary of the logits relative to their prefix means), in
-        place: no host sync, and a captured CUDA graph replays it. A threshold calibrated by the former
-        rule (raw logits: no center yet) restarts.
+    def calibrate(self, r: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fold the top-k boundary of one batch's candidate logits ``r`` [B, N] into the running threshold,
+        in place: no host sync, and a captured CUDA graph replays it. Returns (the boundary, the threshold
+        after the update): what a top-k step reads next."""
+        boundary = topk_boundary(r, k)
+        # Each buffer: x * decay + (1 - decay) * new value. Plain ops: with a _foreach_mul_ over both
+        # buffers followed by their adds, torch 2.11's inductor failed on CUDA while reordering loops
+        # ("assert isinstance(snode, SchedulerNode)", which a multi-tensor node's fused parts fail;
+        # eighteenth session). Not yet run on a GPU in this form.
+        self.threshold_sum.mul_(THRESHOLD_DECAY).add_(boundary.to(self.threshold_sum.dtype), alpha=1 - THRESHOLD_DECAY)
+        self.threshold_weight.mul_(THRESHOLD_DECAY).add_(1 - THRESHOLD_DECAY)
+        return boundary, self.threshold_sum / self.threshold_weight  # the weight is >= 1 - decay now
 
-        Returns what a top-k step reads next, from the same work: (``relative(r, None)`` and
-        ``threshold()`` after the update, ``topk_boundary(boundary_of, k)`` or None); the two
-        boundaries come from one top-k over both tensors."""
-        # In the buffers' dtype: a multi-tensor op may otherwise multiply by the wider value.
-        keep = torch.where(self.center_weight > 0, THRESHOLD_DECAY, 0.0).to(self.threshold_sum.dtype)
-        # Each buffer: x * decay + (1 - decay) * new value, as x.mul_(decay).add_(value, alpha=1 - decay);
-        # the updates that need no new value run as one multi-tensor op per step (the same arithmetic).
-        torch._foreach_mul_([self.center_sum, self.center_weight], THRESHOLD_DECAY)
-        torch._foreach_mul_([self.threshold_sum, self.threshold_weight], keep)
-        torch._foreach_add_([self.center_weight, self.threshold_weight], 1 - THRESHOLD_DECAY)
-        self.center_sum.add_(r.mean().to(self.center_sum.dtype), alpha=1 - THRESHOLD_DECAY)
-        # The weights are now >= 1 - THRESHOLD_DECAY: center() and threshold() without their guards
-        # (the same values, fewer ops).
-        relative = r - _prefix_mean(r, (self.center_sum / self.center_weight).to(r.dtype))
-        if boundary_of is None:
-            boundary, other = topk_boundary(relative, k), None
-        else:
-            boundary, other = topk_boundaries(torch.stack((relative, boundary_of.to(r.dtype))), k).unbind(0)
-        self.threshold_sum.add_(boundary.to(self.threshold_sum.dtype), alpha=1 - THRESHOLD_DECAY)
-        return relative, self.threshold_sum / self.threshold_weight, other
-
-    def relative(self, r: torch.Tensor, valid: torch.Tensor | None, doc: torch.Tensor | None = None) -> torch.Tensor:
-        """``r - m``: each candidate's logit relative to the shrunk mean of the row's previous candidates
-        (valid ones; with ``doc`` [B, N], of the same document). Before any calibration (and for a
-        checkpoint of the former rule) ``r`` itself."""
-        v = torch.ones_like(r) if valid is None else valid.to(r.dtype)
-        return self._relative(r, _prefix_sum(r * v, doc), _prefix_sum(v, doc))
-
-    def _relative(self, r: torch.Tensor, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        center = self.center().to(r.dtype)
-        m = (total + PREFIX_PRIOR * center) / (count + PREFIX_PRIOR)
-        return torch.where(self.center_weight > 0, r - m, r)
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Checkpoints of the former rule (revisions up to b7b9c10) calibrated the threshold on logits
+        # relative to a level near the running mean logit they saved as center_*: the raw-logit threshold
+        # is about that threshold plus the center. Training recalibrates it within ~20 steps either way.
+        center_sum = state_dict.pop(prefix + "center_sum", None)
+        center_weight = state_dict.pop(prefix + "center_weight", None)
+        key = prefix + "threshold_sum"
+        if center_weight is not None and float(center_weight) > 0 and key in state_dict:
+            state_dict[key] = state_dict[key] + center_sum / center_weight * state_dict[prefix + "threshold_weight"]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def decode_admits(self, r: torch.Tensor, valid: torch.Tensor | None, pos: torch.Tensor, capacity: float,
                       state: torch.Tensor) -> torch.Tensor:
         """Causal admission of new candidates at positions ``pos`` [B, n] from the unit's decode state
-        ``state`` [B, 3, L] (per position: raw logit, relative logit, 1 if a candidate), updated in place;
-        slots are indexed by position, like the K/V cache's."""
+        ``state`` [B, 2, L] (per position: logit, 1 if a candidate), updated in place; slots are indexed
+        by position, like the K/V cache's."""
         v = torch.ones_like(r) if valid is None else valid.to(r.dtype)
         state[:, 0].scatter_(1, pos, r.to(state.dtype))
-        state[:, 2].scatter_(1, pos, v.to(state.dtype))
+        state[:, 1].scatter_(1, pos, v.to(state.dtype))
         slots = torch.arange(state.shape[2], device=r.device)
-        earlier = (slots[None, None, :] < pos[..., None]) & (state[:, 2, None, :] > 0)  # [B, n, L]
+        earlier = (slots[None, None, :] < pos[..., None]) & (state[:, 1, None, :] > 0)  # [B, n, L]
         count = earlier.sum(-1).to(r.dtype)
-        total = torch.where(earlier, state[:, 0, None, :].to(r.dtype), 0.0).sum(-1)
-        s = self._relative(r, total, count)
-        state[:, 1].scatter_(1, pos, s.to(state.dtype))
-        above = (earlier & (state[:, 1, None, :] > s[..., None].to(state.dtype))).sum(-1).to(r.dtype)
-        return rank_decision(s, above, count, capacity, self.threshold())
+        above = (earlier & (state[:, 0, None, :] > r[..., None].to(state.dtype))).sum(-1).to(r.dtype)
+        return rank_decision(r, above, count, capacity, self.threshold())
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         # One fp32 (or wider) column outside autocast: autocast would first copy the whole [B, N, E]
@@ -225,11 +197,11 @@ class ExpertChoiceRouter(Router):
             top = torch.topk(r, k, dim=1, sorted=False).indices
             order = torch.sort(top, dim=1).values
             chosen = torch.zeros_like(r).scatter_(1, order, 1.0)
-            if self.training:  # the threshold's update also gives the relative logits and the boundary
-                s, threshold, boundary = self.calibrate(r.detach(), k, boundary_of=r.detach())
+            r_fixed = r.detach()
+            if self.training:  # the threshold's update gives the boundary too
+                boundary, threshold = self.calibrate(r_fixed, k)
             else:
-                s, threshold = self.relative(r.detach(), None, doc), self.threshold()
-                boundary = topk_boundary(r.detach(), k)
+                boundary, threshold = topk_boundary(r_fixed, k), self.threshold()
             # The router learns to predict its own top-k choice relative to the boundary, so that
             # r > threshold reproduces top-k causally. Shift-invariant like top-k itself, it sharpens
             # the separation without fighting the language-model loss over the logits' level.
@@ -239,14 +211,17 @@ class ExpertChoiceRouter(Router):
             weight = self.gate(r.gather(1, order))
             # Agreement of the causal rule with top-k: in evaluation the rank rule that causal mode runs;
             # in training steps its threshold fallback only (the rank costs [B, N, N] per router).
-            causal = s > threshold if self.training else rank_admits(s, None, k / x.shape[1], threshold, doc)
+            if self.training:
+                causal = r_fixed > threshold
+            else:
+                causal = rank_admits(r_fixed, None, k / x.shape[1], threshold, doc)
             agree = (causal.float() == chosen).float().mean()
             frac = torch.full((), k / row_len, device=x.device)
             return Selection(order, weight, None, aux, torch.stack((frac, weight.mean(), agree)))
         if mode == "causal":
             capacity = k / x.shape[1] if capacity is None else capacity
             if state is None:  # a decision: no gradient
-                chosen = rank_admits(self.relative(r.detach(), valid, doc), valid, capacity, self.threshold(), doc)
+                chosen = rank_admits(r.detach(), valid, capacity, self.threshold(), doc)
             else:
                 chosen = self.decode_admits(r.detach(), valid, pos, capacity, state)
             return masked_selection(chosen, self.gate(r), valid, row_len, aux_loss=r.new_zeros(()))
@@ -282,45 +257,20 @@ class _LogitsOfParameters(torch.autograd.Function):
         return None, None, grad_weight, grad_bias
 
 
-def _prefix_sum(x: torch.Tensor, doc: torch.Tensor | None) -> torch.Tensor:
-    """Sum of each entry's predecessors in its row [B, N], within its document when ``doc`` is given
-    (documents are contiguous runs of the row)."""
-    before = x.cumsum(1) - x
-    if doc is None:
-        return before
-    starts = torch.ones_like(doc, dtype=torch.bool)
-    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
-    index = torch.arange(doc.shape[1], device=doc.device).expand_as(doc)
-    first = torch.where(starts, index, 0).cummax(1).values  # each entry's document start
-    return before - before.gather(1, first)
-
-
-def _prefix_mean(r: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
-    """Mean of each row's previous entries and ``center`` (one pseudo-entry): ``ExpertChoiceRouter.relative``
-    on a row whose entries are all candidates, whatever the calibration state."""
-    count = torch.arange(PREFIX_PRIOR, PREFIX_PRIOR + r.shape[1], device=r.device, dtype=r.dtype)  # exact integers
-    return (r.cumsum(1) - r + PREFIX_PRIOR * center) / count
-
-
 def topk_boundary(r: torch.Tensor, k: int) -> torch.Tensor:
-    """The logit separating the batch's b*k highest logits from the rest (midpoint of the two values
-    around the cut), pooled over rows: the threshold that admits exactly the capacity's fraction."""
-    return topk_boundaries(r[None], k)[0]
-
-
-def topk_boundaries(r: torch.Tensor, k: int) -> torch.Tensor:
-    """``topk_boundary`` of each of the S batches of logits ``r`` [S, B, N], by one top-k: [S]."""
-    flat = r.reshape(r.shape[0], -1)
-    n_sel = r.shape[1] * k
-    if n_sel >= flat.shape[1]:  # everything is chosen: any threshold below the smallest logit
-        return flat.amin(1) - 1.0
-    top = torch.topk(flat, n_sel + 1, dim=1, sorted=True).values
-    return 0.5 * (top[:, -2] + top[:, -1])
+    """The logit separating the batch's b*k highest logits ``r`` [B, N] from the rest (midpoint of the two
+    values around the cut), pooled over rows: the threshold that admits exactly the capacity's fraction."""
+    flat = r.reshape(-1)
+    n_sel = r.shape[0] * k
+    if n_sel >= flat.shape[0]:  # everything is chosen: any threshold below the smallest logit
+        return flat.amin() - 1.0
+    top = torch.topk(flat, n_sel + 1, sorted=True).values
+    return 0.5 * (top[-2] + top[-1])
 
 
 def rank_admits(s: torch.Tensor, valid: torch.Tensor | None, capacity: float, threshold: torch.Tensor,
                 doc: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal admission [B, N] of candidates with relative logits ``s`` [B, N] in causal order (a full
+    """Causal admission [B, N] of candidates with logits ``s`` [B, N] in causal order (a full
     forward; decoding: ``ExpertChoiceRouter.decode_admits``): ``rank_decision`` over each candidate's
     earlier candidates in the row (of the same document, with ``doc`` [B, N])."""
     v = torch.ones_like(s, dtype=torch.bool) if valid is None else valid
@@ -338,7 +288,7 @@ def rank_decision(s: torch.Tensor, above: torch.Tensor, count: torch.Tensor, cap
                   threshold: torch.Tensor) -> torch.Tensor:
     """Top-k's rule over the past: admit a candidate iff less than ``capacity`` of what came before it
     ranks above it, where what came before is its ``count`` earlier candidates (``above`` of them with a
-    higher relative logit ``s``) and ``RANK_PRIOR`` pseudo-candidates standing for the calibrated
+    higher logit ``s``) and ``RANK_PRIOR`` pseudo-candidates standing for the calibrated
     threshold. The threshold says a token under it has more than ``capacity`` of the candidates above
     it and one over it less: the pseudo-candidates put the midpoint of each range above it,
     ``(1 + capacity) / 2`` or ``capacity / 2``. A document's first candidates thus follow the threshold
