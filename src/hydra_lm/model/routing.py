@@ -138,7 +138,7 @@ class ExpertChoiceRouter(Router):
         # Each buffer: x * decay + (1 - decay) * new value. Plain ops: with a _foreach_mul_ over both
         # buffers followed by their adds, torch 2.11's inductor failed on CUDA while reordering loops
         # ("assert isinstance(snode, SchedulerNode)", which a multi-tensor node's fused parts fail;
-        # eighteenth session). Not yet run on a GPU in this form.
+        # pytorch/pytorch#176591); this form compiles there (benchmarks/BENCHMARKS.md, nineteenth session).
         self.threshold_sum.mul_(THRESHOLD_DECAY).add_(boundary.to(self.threshold_sum.dtype), alpha=1 - THRESHOLD_DECAY)
         self.threshold_weight.mul_(THRESHOLD_DECAY).add_(1 - THRESHOLD_DECAY)
         return boundary, self.threshold_sum / self.threshold_weight  # the weight is >= 1 - decay now
