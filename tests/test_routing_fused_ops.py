@@ -13,7 +13,7 @@ from support import tiny_model
 
 
 def _reference_calibrate(router: ExpertChoiceRouter, r: torch.Tensor, k: int) -> None:
-    """The update as first written: one op per buffer."""
+    """The update from its definition: an exponential moving average of the pooled top-k boundary."""
     top = torch.topk(r.reshape(-1), r.shape[0] * k + 1, sorted=True).values
     router.threshold_sum.mul_(THRESHOLD_DECAY).add_(0.5 * (top[-2] + top[-1]), alpha=1 - THRESHOLD_DECAY)
     router.threshold_weight.mul_(THRESHOLD_DECAY).add_(1 - THRESHOLD_DECAY)

@@ -30,8 +30,8 @@ def capture(graph: torch.cuda.CUDAGraph, pool=None):
     collection inside the capture may free another CUDA graph (a previous run's, in a process that
     trains several), and destroying a graph is not permitted while a stream captures: a `compare`
     run failed that way ("operation not permitted when stream is capturing (function reset)",
-    eighteenth session; this guard is not yet confirmed to be the fix). ``torch.cuda.graph`` collects
-    once before the capture begins, which stays."""
+    eighteenth session; with this guard the same run finished once, nineteenth session: not proof
+    that it is the fix). ``torch.cuda.graph`` collects once before the capture begins, which stays."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -15,9 +15,9 @@ Two ways to compute the same function, chosen per model by ``HydraConfig.doc_mas
   own on CUDA); eager CPU code runs flex unfused, which materialises the scores.
 * ``"auto"`` (default): the dense mask. Flex is exact and 3-6% faster for a whole training step of the
   100M models on an H100 (benchmarks/BENCHMARKS.md, seventeenth session), but in the trainer's GPU test
-  (a tiny model with one head of 16 dimensions, compiled units, whole-step CUDA graphs) torch 2.11
-  failed to lower it ("convert FlexibleLayout to FixedLayout first"; eighteenth session), so it stays
-  opt-in until that is understood.
+  (a tiny model with heads of 16 dimensions, compiled units, whole-step CUDA graphs) torch 2.11
+  failed to lower it ("convert FlexibleLayout to FixedLayout first"; one head in the eighteenth session,
+  two heads in the nineteenth), so it stays opt-in until that is understood.
 
 A routed unit (MoD/MoR) attends over a compacted subset of the row; its ``doc`` is the documents of
 the entries present, in their order, so "causal" is over the compacted index.
