@@ -12,6 +12,10 @@ not a measurement of anything a GPU does).
 
     python benchmarks/unit_cost.py --model_size 100M --batch_size 16 --seq_len 1024
     python benchmarks/unit_cost.py --model_size 100M --batch_size 64 --seq_len 1024 --tokens_per_row 1 2 16 128 1024
+    python benchmarks/unit_cost.py --model_size 1B --fp8_min_tokens 0   # every call in float8 (H100)
+
+``--fp8_min_tokens N`` converts the unit's layers as ``--experimental_fp8`` does: where float8 starts to pay
+is where the bf16 and float8 times of the same token count cross.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from hydra_lm.config import preset_config
 from hydra_lm.model.hydra import HydraModel
 from hydra_lm.model.cuda_graphs import GraphedStep
 from hydra_lm.train.compile_policy import compile_units
+from hydra_lm.train.fp8 import convert_to_fp8
 from hydra_lm.train.flags import parse_value
 
 
@@ -93,6 +98,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no_documents", action="store_true",
                    help="no document ids (hydra-lm bench's setting; the trainer passes them by default)")
+    p.add_argument("--fp8_min_tokens", type=int, default=None,
+                   help="float8 layers (torchao, e4m3) on calls of at least this many tokens; default bf16 only")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="HydraConfig overrides, e.g. dim=256 n_heads=2 n_kv_heads=1 for a quick CPU check")
@@ -102,6 +109,8 @@ def main() -> None:
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = HydraModel(preset_config(args.model_size, max_seq_len=max(args.seq_len, 64), **overrides)).to(device)
+    if args.fp8_min_tokens is not None:
+        convert_to_fp8(model, "e4m3", device, args.fp8_min_tokens)
     compile_units(model)
 
     rows = []

@@ -38,3 +38,31 @@ def test_fp8_converts_only_the_layers_linears_with_dims_divisible_by_16():
     assert chosen and all(name.startswith("blocks.") and ".layers." in name for name in chosen)
     assert not any("router" in name for name in chosen)
     assert any(name.endswith("mlp.gate_up") for name in chosen)
+
+
+def test_fp8_layers_run_calls_under_the_token_gate_in_high_precision_and_the_rest_in_float8():
+    """A routed depth's few tokens skip float8's casts; the whole batch's call goes through float8 (on a
+    CPU too: torch runs float8 GEMMs there, slowly), with gradients either way."""
+    pytest.importorskip("torchao")
+    import torch
+    import torch.nn.functional as F
+
+    from hydra_lm.train.fp8 import convert_layers
+
+    torch.manual_seed(0)
+    model = hydra_lm.create_model("debug", vocab_size=97, dim=64, n_heads=2, n_kv_heads=1, mlp_hidden=96)
+    expected = sum(convertible(m, name) for name, m in model.named_modules())
+    assert convert_layers(model, "e4m3", min_tokens=32) == expected
+    layer = next(m for name, m in model.named_modules() if name.endswith("mlp.gate_up"))
+    for tokens, in_float8 in ((31, False), (32, True)):
+        x = torch.randn(1, tokens, 64, requires_grad=True)
+        out = layer(x)
+        reference = F.linear(x, layer.weight, layer.bias)
+        if in_float8:  # quantised: close to the full-precision product, not equal to it
+            assert not torch.equal(out, reference)
+            assert (out - reference).norm() < 0.1 * reference.norm()
+        else:
+            assert torch.equal(out, reference)
+        out.square().sum().backward()
+        assert torch.isfinite(layer.weight.grad).all() and layer.weight.grad.abs().sum() > 0
+        layer.weight.grad = None

@@ -164,16 +164,18 @@ def test_compare_compiles_many_routed_variants_in_one_process(tiny_data, tmp_pat
 
 def test_fp8_training_converts_the_layers_and_follows_the_bf16_run(tiny_data, tmp_path):
     """--experimental_fp8 on the default fast path (compiled units, CUDA graphs): torchao's float8
-    Linear layers in every transformer layer, losses within a few percent of the bf16 run's."""
+    Linear layers in every transformer layer, losses within a few percent of the bf16 run's. The gate at
+    64 tokens runs the whole batch's calls (128 tokens) in float8 and the routed depths' in bf16."""
     pytest.importorskip("torchao")
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("float8 matmuls need compute capability 9.0 (Hopper)")
     torch._dynamo.reset()
     assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "bf16"), *BASE]) == 0
     torch._dynamo.reset()
-    assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "fp8"), *BASE, "--experimental_fp8"]) == 0
+    assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "fp8"), *BASE, "--experimental_fp8",
+                 "--fp8_min_tokens", "64"]) == 0
     log = (tmp_path / "fp8" / "train.log").read_text()
-    assert "Linear layers of the transformer layers now train in float8 (e4m3)" in log and "whole-step" in log, log
+    assert "now train in float8 (e4m3) on calls of at least 64 tokens" in log and "whole-step" in log, log
     fp8, bf16 = losses(tmp_path / "fp8"), losses(tmp_path / "bf16")
     assert all(torch.isfinite(torch.tensor([r[1] for r in fp8])))
     assert [r[1] for r in fp8] == pytest.approx([r[1] for r in bf16], rel=0.05)

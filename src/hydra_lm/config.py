@@ -61,7 +61,7 @@ class HydraConfig:
     mor_capacity: float = 0.125
     mor_gate_scale: float = 0.1  # alpha in gate = alpha * sigmoid(router logit)
     static_routing_mode: bool = False  # soft routing: every token runs every unit, weighted by its gate
-    mod_aux_weight: float | None = None  # None: 0.01 * (L/32) * sqrt(dim/768)
+    mod_aux_weight: float | None = None  # None: max(0.01, 0.01 * (L/32) * sqrt(dim/768))
     mor_aux_weight: float = 1e-3
 
     # Optional MoE feed-forward blocks inserted between recursive blocks
@@ -173,7 +173,11 @@ class HydraConfig:
     def resolved_mod_aux_weight(self) -> float:
         if self.mod_aux_weight is not None:
             return self.mod_aux_weight
-        return 0.01 * (self.effective_layers / 32) * math.sqrt(self.dim / 768)
+        # The original implementation's scaling, floored at its 100M value: below it (fewer effective layers,
+        # a narrower model) the router learned its top-k too loosely for the causal rule. At 100M with 1 and
+        # 2 recursions and MoD on every block, 0.01 instead of 0.0025 / 0.005 took the causal/top-k gap from
+        # +0.040 / +0.010 to -0.006 / -0.001 (benchmarks/BENCHMARKS.md, twentieth session).
+        return max(0.01, 0.01 * (self.effective_layers / 32) * math.sqrt(self.dim / 768))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -34,7 +34,7 @@ CURRICULUM_FIELDS = ("mod_enable_pct", "mod_force_enable_pct", "mod_loss_gate", 
                      "mor_ramp_pct", "mod_off", "mor_off")
 OPTIMIZER_FIELDS = ("optimizer", "lr", "min_lr", "adamw_lr", "weight_decay")
 # The matmuls' precision likewise (bf16 against float8 at one budget).
-PRECISION_FIELDS = ("experimental_fp8", "fp8_format")
+PRECISION_FIELDS = ("experimental_fp8", "fp8_format", "fp8_min_tokens")
 TRAIN_FIELDS = CURRICULUM_FIELDS + OPTIMIZER_FIELDS + PRECISION_FIELDS
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 

@@ -6,11 +6,20 @@ embedding, LM head, routers and MoE experts stay in bf16. Scaling is torchao's d
 tensor-wise default. ``--fp8_format e4m3`` casts inputs, weights and output gradients to e4m3;
 ``e5m2`` keeps e4m3 for the forward operands and gives the output gradients e5m2's wider range.
 Needs a CUDA GPU of compute capability 9.0 or newer (Hopper) and torchao (the ``gpu`` extra).
+
+A converted layer runs a call in float8 only when the call brings at least ``--fp8_min_tokens`` tokens,
+and in bf16 otherwise. A routed block's weights serve all its depths: the first sees the whole batch,
+the deeper ones (and MoD's) a few tokens per row, where casting the whole weight to float8 (and its
+transpose in the backward) on every call costs more than the faster GEMM saves. Converting every
+call made the 1B preset 0.87x as fast as bf16 (benchmarks/BENCHMARKS.md, eleventh session).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 FP8_FORMATS = ("e4m3", "e5m2")
@@ -34,11 +43,37 @@ def convertible(module: nn.Module, fqn: str) -> bool:
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
-def convert_to_fp8(model: nn.Module, fmt: str, device: torch.device) -> int:
-    """Swap the eligible Linear layers for torchao's float8 ones; returns how many were converted."""
+@functools.cache
+def token_gated_float8_linear() -> type:
+    """torchao's ``Float8Linear`` with a per-call size gate (a class made on first use: torchao is optional)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    class TokenGatedFloat8Linear(Float8Linear):
+        """A call on fewer than ``min_tokens`` tokens runs the plain bf16 matmul on the same weight. The
+        gate reads only shapes, so a compiled unit (dynamic token count) specialises once per side."""
+
+        min_tokens: int = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.numel() < self.min_tokens * x.shape[-1]:
+                return F.linear(x, self.weight, self.bias)
+            return super().forward(x)
+
+    return TokenGatedFloat8Linear
+
+
+def convert_to_fp8(model: nn.Module, fmt: str, device: torch.device, min_tokens: int = 0) -> int:
+    """Swap the eligible Linear layers for torchao's float8 ones, each running in float8 only the calls on
+    at least ``min_tokens`` tokens; returns how many were converted."""
     check_fp8_device(device)
+    return convert_layers(model, fmt, min_tokens)
+
+
+def convert_layers(model: nn.Module, fmt: str, min_tokens: int) -> int:
+    """``convert_to_fp8`` without the device check (float8 GEMMs also run, slowly, on a CPU)."""
     try:
         from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
     except ImportError:
         raise ValueError("--experimental_fp8 needs torchao: pip install 'hydra-lm[gpu]'") from None
     # A routed unit runs on as few tokens as its depth keeps (e.g. one per row): the weight gradient's
@@ -51,6 +86,12 @@ def convert_to_fp8(model: nn.Module, fmt: str, device: torch.device) -> int:
         except TypeError:
             raise ValueError("--fp8_format e5m2 needs a torchao whose CastConfig takes target_dtype: upgrade "
                              "torchao or use --fp8_format e4m3") from None
-    before = sum(isinstance(m, nn.Linear) and type(m) is not nn.Linear for m in model.modules())
     convert_to_float8_training(model, config=config, module_filter_fn=convertible)
-    return sum(isinstance(m, nn.Linear) and type(m) is not nn.Linear for m in model.modules()) - before
+    # The gate subclasses Float8Linear without state of its own, so the converted modules take its class
+    # (torchao's conversion applies its own compiler patches; building the modules ourselves would skip them).
+    gated, n = token_gated_float8_linear(), 0
+    for m in model.modules():
+        if type(m) is Float8Linear:
+            m.__class__, m.min_tokens = gated, int(min_tokens)
+            n += 1
+    return n

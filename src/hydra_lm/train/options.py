@@ -128,6 +128,8 @@ class TrainConfig:
                                         "compute capability 9.0+ only", type=bool)
     fp8_format: str = opt("e4m3", "--experimental_fp8: e4m3 everywhere, or e5m2 for the output gradients (e4m3 "
                                   "forward)", type=str, choices=("e4m3", "e5m2"))
+    fp8_min_tokens: int = opt(4096, "--experimental_fp8: a layer's call on fewer tokens (a routed depth's few) "
+                                    "stays in bf16, where float8's casts cost more than its GEMM saves", type=int)
 
     # --- MoD / MoR curriculum. Routing from the first step is the default: at equal training time
     # it ended clearly lower than a late switch-on (benchmarks/BENCHMARKS.md); the phases stay available.
@@ -355,7 +357,8 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "log_every", "keep_checkpoints", "save_every",
                  "chunked_ce_size", "sophia_update_period"):
         need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be >= 1")
-    for name in ("eval_every", "eval_batches", "warmup_steps", "experimental_prefetch_threads", "batch_filter_warmup"):
+    for name in ("eval_every", "eval_batches", "warmup_steps", "experimental_prefetch_threads", "batch_filter_warmup",
+                 "fp8_min_tokens"):
         need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)} must be >= 0")
     need(cfg.prefetch_buffer_size >= 1, f"prefetch_buffer_size={cfg.prefetch_buffer_size} must be >= 1")
     for name in ("lr", "min_lr", "weight_decay", "grad_clip", "beta1", "beta2", "rollback_lr_factor"):
