@@ -100,6 +100,8 @@ def main() -> None:
                    help="no document ids (hydra-lm bench's setting; the trainer passes them by default)")
     p.add_argument("--fp8_min_tokens", type=int, default=None,
                    help="float8 layers (torchao, e4m3) on calls of at least this many tokens; default bf16 only")
+    p.add_argument("--fp8_mlp_only", action="store_true",
+                   help="with --fp8_min_tokens: the attention projections stay bf16 (their gate set out of reach)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="HydraConfig overrides, e.g. dim=256 n_heads=2 n_kv_heads=1 for a quick CPU check")
@@ -111,6 +113,10 @@ def main() -> None:
     model = HydraModel(preset_config(args.model_size, max_seq_len=max(args.seq_len, 64), **overrides)).to(device)
     if args.fp8_min_tokens is not None:
         convert_to_fp8(model, "e4m3", device, args.fp8_min_tokens)
+        if args.fp8_mlp_only:
+            for name, module in model.named_modules():
+                if hasattr(module, "min_tokens") and ".mlp." not in name:
+                    module.min_tokens = 1 << 40
     compile_units(model)
 
     rows = []
