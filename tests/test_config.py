@@ -63,3 +63,12 @@ def test_info_command_prints_the_promised_facts(capsys):
     for needle in ("non-embedding", "effective", "32 effective layers", "FLOPs per token", "KV cache", "heads x 32"):
         assert needle in text
     assert hydra_lm.cli.main(["info", "--model_size", "7B"]) == 2
+
+
+def test_the_mod_router_loss_weight_is_the_formula_floored_at_its_100m_value():
+    """max(0.01, 0.01 * (L/32) * sqrt(dim/768)): small models keep a router loss strong enough for the causal
+    rule (benchmarks/BENCHMARKS.md, twentieth session); large ones scale up; an explicit value wins."""
+    weights = {name: preset_config(name).resolved_mod_aux_weight for name in ("debug", "50M", "100M", "1B")}
+    assert weights["debug"] == weights["50M"] == weights["100M"] == pytest.approx(0.01)
+    assert weights["1B"] == pytest.approx(0.01 * 80 / 32 * (1792 / 768) ** 0.5)
+    assert preset_config("debug", mod_aux_weight=0.002).resolved_mod_aux_weight == 0.002
