@@ -10,8 +10,10 @@ Needs a CUDA GPU of compute capability 9.0 or newer (Hopper) and torchao (the ``
 A converted layer runs a call in float8 only when the call brings at least ``--fp8_min_tokens`` tokens,
 and in bf16 otherwise. A routed block's weights serve all its depths: the first sees the whole batch,
 the deeper ones (and MoD's) a few tokens per row, where casting the whole weight to float8 (and its
-transpose in the backward) on every call costs more than the faster GEMM saves. Converting every
-call made the 1B preset 0.87x as fast as bf16 (benchmarks/BENCHMARKS.md, eleventh session).
+transpose in the backward) on every call costs more than the faster GEMM saves. On the 1B preset
+(H100) every call in float8 trained at 0.87x bf16's tokens/s, the gated layers at 0.95x: at that width
+even the whole batch's calls are slower in float8 (benchmarks/BENCHMARKS.md, eleventh and twentieth
+sessions), so it saves memory, not time.
 """
 
 from __future__ import annotations
