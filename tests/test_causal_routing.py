@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from hydra_lm.diagnostics.routing_health import STARVATION_TOLERANCE, health_warnings, routing_shares
 from hydra_lm.model.routing import ExpertChoiceRouter
 from hydra_lm.train.evaluate import evaluate, routing_warnings
 
@@ -303,3 +304,19 @@ def test_causal_forward_drops_what_follows_each_units_last_admitted_entry_withou
         every = model(ids, routing="causal", **kwargs)["logits"]
     assert sum(before - after for before, after in shapes) > 0.2 * sum(before for before, _ in shapes), shapes
     torch.testing.assert_close(short, every, rtol=0, atol=1e-10)
+
+
+def test_routing_health_holds_a_token_choice_depth_to_what_top_k_ran():
+    # A token-choice depth runs as many tokens as choose it: its configured count is only an upper bound.
+    # Health (compare's report and warnings) measures each router against the share top-k ran, so token
+    # choice, which decides per token and is causal as trained, is never flagged.
+    model = tiny_model(mor_routing="token", mod_enabled=False).eval()
+    batches = [{**_batch(i), "doc_ids": torch.zeros(TOKENS["b"], TOKENS["t"], dtype=torch.long)} for i in range(2)]
+    health = routing_shares(model, batches, torch.device("cpu"))
+    routers = health["routers"]
+    assert routers and all(r["target"] == r["exec_topk"] == pytest.approx(r["exec_causal"]) for r in routers.values())
+    bounds = {name: block.tokens_per_depth(TOKENS["t"])[j] / TOKENS["t"]
+              for block in model.blocks for name, j in block.router_depths()}
+    assert max(bounds[n] - r["exec_topk"] for n, r in routers.items()) > STARVATION_TOLERANCE  # the old target
+    assert health_warnings("tc", routers, gap=0.0) == []
+    assert health["depths"]["target"] == pytest.approx(health["depths"]["causal"])
