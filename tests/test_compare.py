@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hydra_lm.cli import main
-from hydra_lm.diagnostics.compare import parse_budget, plan_compare, planned_flops
+from hydra_lm.diagnostics.compare import lr_sweep, parse_budget, plan_compare, planned_flops
 from hydra_lm.diagnostics.report import _own_optimizers
 from hydra_lm.diagnostics.scaling import fit_power_law
 from hydra_lm.diagnostics.variants import parameter_count, parse_custom_variant
@@ -103,6 +103,10 @@ def test_compare_refuses_bad_requests_with_one_line(tiny_data, tmp_path, capsys)
         (["--budget", "tokens=1k", "--cuda_graph"], "--cuda_graph needs a CUDA device"),
         (["--budget", "tokens=1k", "--seed", "1", "--seeds", "0", "1"], "give one of them"),
         (["--budget", "tokens=1k", "--seeds", "0", "0"], "distinct seeds"),
+        (["--budget", "tokens=1k", "--lr", "1e-3", "--lrs", "1e-3", "2e-3"], "--lr and --lrs: give one of them"),
+        (["--budget", "tokens=1k", "--lrs", "1e-3", "1e-3"], "distinct learning rates > 0"),
+        (["--budget", "tokens=1k", "--lrs", "0"], "distinct learning rates > 0"),
+        (["--budget", "tokens=1k", "--lrs", "1e-3", "--variant", "slow:lr=1e-4"], "slow sets lr itself"),
         (["--budget", "tokens=1k", "--gpus", "0"], "at least 1"),
         (["--budget", "tokens=1k", "--gpus", "2"], "this machine has 0 CUDA GPU(s)"),
     ]
@@ -148,6 +152,49 @@ def test_seeds_train_every_variant_per_seed_and_report_the_spread(tiny_data, tmp
     single = json.loads((tmp_path / "one" / "results.json").read_text())["variants"]["hydra"]
     assert single["final"]["val_loss_causal"] == pytest.approx(finals["hydra.seed5"], abs=1e-6)
     assert "across_seeds" not in json.loads((tmp_path / "one" / "results.json").read_text())
+
+
+@pytest.mark.slow
+def test_lrs_train_every_variant_per_learning_rate_and_report_each_ones_best(tiny_data, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert compare(tiny_data, out, "--budget", "tokens=512", "--variants", "hydra", "dense", "--evals", "1",
+                   "--lrs", "3e-2", "1e-4", "--seeds", "0", "1") == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    names = [f"{v}.lr{lr}.seed{s}" for v in ("hydra", "dense") for lr in ("0.0001", "0.03") for s in (0, 1)]
+    assert sorted(results["variants"]) == sorted(names)
+    for name, v in results["variants"].items():
+        lr = float(name.split(".lr")[1].split(".seed")[0])
+        assert v["lr"] == lr and v["min_lr"] == pytest.approx(lr / 10) and v["swept_from"] == name.split(".")[0]
+    for family in ("hydra", "dense"):
+        sweep = results["lr_sweep"][family]
+        means = [np.mean([results["variants"][f"{family}.lr{lr}.seed{s}"]["final"]["val_loss_causal"]
+                          for s in (0, 1)]) for lr in ("0.0001", "0.03")]
+        assert sweep["lrs"] == [1e-4, 3e-2] and sweep["causal"] == pytest.approx(means)
+        best = [1e-4, 3e-2][int(np.argmin(means))]
+        assert sweep["best_lr"] == best and sweep["best_causal"] == pytest.approx(min(means))
+        # Two learning rates: the best is always at an end of the grid, and the report says so.
+        assert sweep["best_at_edge"] == ("smallest" if best == 1e-4 else "largest")
+        assert any(w.startswith(f"{family}: its best learning rate") for w in results["warnings"])
+    report = (out / "report.md").read_text()
+    assert "## Learning rate per variant" in report and "| variant | lr 0.0001 | lr 0.03 | best lr |" in report
+    assert "best lr" in printed and "extend the grid" in printed
+
+
+def test_lr_sweep_marks_a_best_inside_the_grid_as_settled():
+    def run(family, lr, seed):
+        return SimpleNamespace(name=f"{family}.lr{lr:g}.seed{seed}", values={"lr": lr},
+                               variant=SimpleNamespace(swept_from=family))
+
+    runs = [run("hydra", lr, s) for lr in (1e-3, 3e-3, 1e-2) for s in (0, 1)] + [run("dense", 1e-3, 0)]
+    loss = {1e-3: 3.0, 3e-3: 2.5, 1e-2: 2.8}
+    variants = {r.name: {"status": "finished",
+                         "final": {"val_loss_causal": loss[r.values["lr"]] + 0.01 * int(r.name[-1])}} for r in runs}
+    variants["hydra.lr0.01.seed1"] = {"status": "diverged", "final": None}  # left out of the mean
+    sweep = lr_sweep(runs, variants)
+    assert sweep["hydra"] == {"lrs": [1e-3, 3e-3, 1e-2], "causal": pytest.approx([3.005, 2.505, 2.8]),
+                              "best_lr": 3e-3, "best_causal": pytest.approx(2.505), "best_at_edge": None}
+    assert sweep["dense"]["best_at_edge"] is None  # one learning rate: nothing to extend
 
 
 @pytest.mark.slow
@@ -209,7 +256,7 @@ def test_a_gpu_workers_failed_run_leaves_its_traceback_in_its_log_and_the_next_r
     for name in ("good", "bad", "last", None):
         queue.put(name)
     log = tmp_path / "compare.gpu0.log"
-    worker = context.Process(target=cmp._gpu_worker, args=(0, "0", 1, queue, (None,) * 8, str(log)))
+    worker = context.Process(target=cmp._gpu_worker, args=(0, "0", 1, queue, (None,) * 9, str(log)))
     worker.start()
     worker.join(60)
     assert worker.exitcode == 1

@@ -5,7 +5,9 @@ Every variant is an ordinary run directory (``OUT/runs/NAME``) trained by the no
 the same data order, seed, batch, sequence length, learning rate and schedule family; only the
 number of steps differs where the budget is FLOPs or seconds. With ``--seeds S1 S2 ...`` every
 variant trains once per seed (``OUT/runs/NAME.seedS``; each seed sets model init and data order for
-every variant alike) and the report adds each variant's mean and spread over the seeds. A finished
+every variant alike) and the report adds each variant's mean and spread over the seeds. With ``--lrs
+LR1 LR2 ...`` every variant trains once per peak learning rate (``NAME.lrX``) and the report gives
+each one's best, flagging a best at an end of the grid. A finished
 variant leaves ``compare.json`` in its run directory, so running the command again skips it; an
 interrupted one resumes from its checkpoints (the trainer does that by itself).
 
@@ -39,7 +41,8 @@ from ..train.metrics import METRICS_FILE
 from ..train.options import TrainConfig, resolve
 from ..train.run import CONFIG_JSON, build_model_config, pick_device
 from .routing_health import health_warnings, measure_routing
-from .variants import DEFAULT_VARIANTS, Variant, parameter_count, parse_custom_variant, resolve_variants
+from .variants import (DEFAULT_VARIANTS, Variant, parameter_count, parse_custom_variant, resolve_variants,
+                       sweep_learning_rates)
 
 BUDGET_KINDS = ("tokens", "flops", "seconds")
 SUFFIXES = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
@@ -105,20 +108,21 @@ class ComparePlan:
 
 def run_compare(data: str | None, out: str | None, budget: str, variant_names: list[str] | None,
                 custom_specs: list[str] | None, evals: int, shared: dict[str, Any],
-                seeds: list[int] | None = None, gpus: int = 1) -> int:
+                seeds: list[int] | None = None, gpus: int = 1, lrs: list[float] | None = None) -> int:
     """Train what is missing, then write OUT/results.json, OUT/report.md and the plots.
     ``shared``: trainer settings (TrainConfig keys) applied to every variant; ``seeds``: train each
-    variant once per seed; ``gpus``: train that many runs at a time, one per CUDA GPU of this host."""
+    variant once per seed; ``gpus``: train that many runs at a time, one per CUDA GPU of this host;
+    ``lrs``: train each variant once per peak learning rate."""
     from .plots import write_compare_plots
-    from .report import format_seed_table, format_table, write_report
+    from .report import format_lr_table, format_seed_table, format_table, write_report
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("compare trains its variants one after another in one process: launch it without torchrun; "
                          "--gpus N trains N of them at a time, one per GPU")
     if gpus < 1:
         raise ValueError(f"--gpus {gpus}: give the number of GPUs to train on at a time, at least 1")
-    request = (data, out, budget, variant_names, custom_specs, evals, shared, seeds)
-    plan = plan_compare(data, out, parse_budget(budget), variant_names, custom_specs, evals, shared, seeds)
+    request = (data, out, budget, variant_names, custom_specs, evals, shared, seeds, lrs)
+    plan = plan_compare(data, out, parse_budget(budget), variant_names, custom_specs, evals, shared, seeds, lrs)
     if gpus > 1:
         code = train_on_gpus(plan, request, gpus)
     else:
@@ -133,6 +137,8 @@ def run_compare(data: str | None, out: str | None, budget: str, variant_names: l
     print(format_table(results))
     if results.get("across_seeds"):
         print(format_seed_table(results))
+    if results.get("lr_sweep"):
+        print(format_lr_table(results))
     for line in results["warnings"]:
         print(f"warning: {line}")
     print(f"compare: wrote {out_dir / 'report.md'}, {out_dir / RESULTS} and {len(plots)} plots")
@@ -236,8 +242,8 @@ def _gpu_worker(gpu: int, device: str, threads: int, queue, request: tuple, log:
         os.dup2(stream.fileno(), 2)
         print(f"compare: worker of GPU {gpu} (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}, "
               f"{torch.get_num_threads()} CPU threads, {inductor_config.compile_threads} compile threads)", flush=True)
-        data, out, budget, variant_names, custom_specs, evals, shared, seeds = request
-        plan = plan_compare(data, out, parse_budget(budget), variant_names, custom_specs, evals, shared, seeds)
+        data, out, budget, variant_names, custom_specs, evals, shared, seeds, lrs = request
+        plan = plan_compare(data, out, parse_budget(budget), variant_names, custom_specs, evals, shared, seeds, lrs)
         failed = []
         while (name := queue.get()) is not None:
             try:
@@ -255,8 +261,10 @@ def _gpu_worker(gpu: int, device: str, threads: int, queue, request: tuple, log:
 
 def plan_compare(data: str | None, out: str | None, budget: Budget, variant_names: list[str] | None,
                  custom_specs: list[str] | None, evals: int, shared: dict[str, Any],
-                 seeds: list[int] | None = None) -> ComparePlan:
+                 seeds: list[int] | None = None, lrs: list[float] | None = None) -> ComparePlan:
     """Check the request and work out every variant's trainer settings (nothing is trained here)."""
+    if lrs is not None and shared.get("lr") is not None:
+        raise ValueError("--lr and --lrs: give one of them (--lrs trains every variant once per learning rate)")
     if seeds is not None:
         if shared.get("seed") is not None:
             raise ValueError("--seed and --seeds: give one of them (--seeds trains every variant once per seed)")
@@ -296,6 +304,8 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
         return build_model_config(cfg, info)
 
     variants = resolve_variants(names, customs, model_config, base.seq_len)
+    if lrs is not None:
+        variants = sweep_learning_rates(variants, lrs)
     tokens_per_step = base.batch_size * base.seq_len * base.grad_accum
     out_dir = Path(out).expanduser()
     runs = []
@@ -478,7 +488,38 @@ def collect_results(plan: ComparePlan) -> dict[str, Any]:
     }
     if plan.seeds is not None:
         results["across_seeds"] = across_seeds(plan.runs, variants)
+    if any(run.variant.swept_from for run in plan.runs):
+        results["lr_sweep"] = lr_sweep(plan.runs, variants)
+        for family, sweep in results["lr_sweep"].items():
+            if sweep["best_at_edge"]:
+                results["warnings"].append(
+                    f"{family}: its best learning rate, {sweep['best_lr']:g}, is the {sweep['best_at_edge']} given to "
+                    "--lrs, so a better one may lie beyond it: extend the grid before ranking the variants")
     return results
+
+
+def lr_sweep(runs: list[VariantRun], variants: dict[str, Any]) -> dict[str, Any]:
+    """Per variant swept over --lrs: its final causal loss at each learning rate (the mean over seeds,
+    finished runs only), the best learning rate and whether it is the grid's smallest or largest."""
+    losses: dict[str, dict[float, list[float]]] = {}
+    for run in runs:
+        if run.variant.swept_from is None:
+            continue
+        entry = variants[run.name]
+        at_lr = losses.setdefault(run.variant.swept_from, {}).setdefault(run.values["lr"], [])
+        if entry["status"] == "finished" and entry["final"] is not None:
+            at_lr.append(entry["final"]["val_loss_causal"])
+    out = {}
+    for family, by_lr in losses.items():
+        grid = sorted(by_lr)
+        means = {lr: float(np.mean(by_lr[lr])) for lr in grid if by_lr[lr]}
+        best = min(means, key=means.get) if means else None
+        edge = None
+        if best is not None and len(grid) > 1:
+            edge = "smallest" if best == grid[0] else "largest" if best == grid[-1] else None
+        out[family] = {"lrs": grid, "causal": [means.get(lr) for lr in grid], "best_lr": best,
+                       "best_causal": means.get(best), "best_at_edge": edge}
+    return out
 
 
 def across_seeds(runs: list[VariantRun], variants: dict[str, Any]) -> dict[str, Any]:
@@ -523,7 +564,7 @@ def variant_results(run: VariantRun, seq_len: int, tokens_per_step: int, out_dir
     health = marker.get("routing_health") or {"routers": {}, "depths": None}
     gap = final["gap"] if final else None
     entry = {
-        "variant": run.variant.name, "seed": run.values.get("seed"),
+        "variant": run.variant.name, "seed": run.values.get("seed"), "swept_from": run.variant.swept_from,
         "description": run.variant.description, "arch": run.variant.arch, "overrides": run.variant.overrides,
         "run_dir": os.path.relpath(run.run_dir, out_dir), "status": marker.get("status", "unfinished"),
         "params": parameter_count(run.model_cfg),

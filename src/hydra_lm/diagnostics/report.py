@@ -79,6 +79,27 @@ def format_seed_table(results: dict[str, Any]) -> str:
     return _text_table(SEED_COLUMNS, seed_rows(results)) + (f"\n{margin}" if margin else "")
 
 
+def lr_columns(results: dict[str, Any]) -> tuple[str, ...]:
+    grid = sorted({lr for sweep in results["lr_sweep"].values() for lr in sweep["lrs"]})
+    return ("variant", *(f"lr {lr:g}" for lr in grid), "best lr")
+
+
+def lr_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Per swept variant, its final causal loss (mean over seeds) at each learning rate of the grid."""
+    grid = [float(c.split()[1]) for c in lr_columns(results)[1:-1]]
+    rows = []
+    for family, sweep in results["lr_sweep"].items():
+        at = dict(zip(sweep["lrs"], sweep["causal"]))
+        mark = {"smallest": " (the smallest tried)", "largest": " (the largest tried)"}.get(sweep["best_at_edge"], "")
+        rows.append((family, *(_num(at.get(lr), ".4f") for lr in grid),
+                     "-" if sweep["best_lr"] is None else f"{sweep['best_lr']:g}{mark}"))
+    return rows
+
+
+def format_lr_table(results: dict[str, Any]) -> str:
+    return _text_table(lr_columns(results), lr_rows(results))
+
+
 def first_reach(evals: list[dict[str, Any]], key: str, target: float) -> float | None:
     """The ``key`` ("train_s" or "flops") at which a run's causal validation loss first reached ``target``,
     linearly interpolated between the two evaluations around the crossing; None if it never did."""
@@ -175,6 +196,11 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
         margin = seed_margin(results)
         lines += ["## Across seeds", "", "Final causal validation loss of each variant over its seeds (finished runs).",
                   "", *_markdown_table(SEED_COLUMNS, seed_rows(results)), "", *([margin, ""] if margin else [])]
+    if results.get("lr_sweep"):
+        lines += ["## Learning rate per variant", "",
+                  "Final causal validation loss of each variant at each peak learning rate (the mean over seeds), "
+                  "and its best. Rank the variants by their best; a best at an end of the grid may not be the "
+                  "variant's optimum.", "", *_markdown_table(lr_columns(results), lr_rows(results)), ""]
     lines += [
         "## Variants",
         "",

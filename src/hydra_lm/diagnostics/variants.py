@@ -8,8 +8,9 @@ quantity matches the HYDRA model built from the same shared settings.
 from __future__ import annotations
 
 import difflib
+import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -45,6 +46,7 @@ class Variant:
     overrides: dict[str, Any] = field(default_factory=dict)  # HydraConfig fields, arch included
     description: str = ""
     train: dict[str, Any] = field(default_factory=dict)  # TRAIN_FIELDS of the trainer
+    swept_from: str | None = None  # --lrs: the variant this is one learning rate of
 
     @property
     def arch(self) -> str:
@@ -119,6 +121,22 @@ def resolve_variants(names: list[str], customs: list[Variant],
             overrides = {"arch": "dense", "n_layers": depth}
         out.append(Variant(name, overrides, BUILTIN_VARIANTS[name]))
     return out + list(customs)
+
+
+def sweep_learning_rates(variants: list[Variant], lrs: list[float]) -> list[Variant]:
+    """Each variant once per peak learning rate, named ``NAME.lrX``. One shared learning rate favours
+    whichever model it happens to suit (at one minute on an H100, 2.5x the default helped dense more
+    than HYDRA: benchmarks/BENCHMARKS.md, twenty-first session), so a fair ranking takes each model at
+    its best."""
+    if not lrs or len(set(lrs)) != len(lrs) or not all(math.isfinite(lr) and lr > 0 for lr in lrs):
+        raise ValueError(f"--lrs {' '.join(f'{lr:g}' for lr in lrs)}: give distinct learning rates > 0 "
+                         "(e.g. --lrs 6e-4 1.5e-3 3e-3)")
+    for v in variants:
+        if "lr" in v.train:
+            raise ValueError(f"--lrs sets every variant's learning rate and variant {v.name} sets lr itself: "
+                             "drop one of them")
+    return [replace(v, name=f"{v.name}.lr{lr:g}", description=f"{v.description}; learning rate {lr:g}",
+                    train={**v.train, "lr": lr}, swept_from=v.name) for v in variants for lr in sorted(lrs)]
 
 
 def parameter_count(cfg: HydraConfig) -> int:
