@@ -70,7 +70,7 @@ def main() -> None:
         if decoder is None:
             return ""
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=decoder.device.type == "cuda"):
-            rate, units = decode_tokens_per_s(decoder.model.eval(), args.decode_batch, args.decode_len,
+            rate, units, _ = decode_tokens_per_s(decoder.model.eval(), args.decode_batch, args.decode_len,
                                               decoder.device, compiled=False, repeats=2, prompt=prompt)
         return f"  decode batch {args.decode_batch}: {rate:,.0f} tokens/s, {units:.2f} units per step"
 

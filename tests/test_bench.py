@@ -229,20 +229,21 @@ def test_decode_rate_counts_only_the_steady_one_token_steps(monkeypatch):
         time.sleep(0.3)
         return torch.zeros(ids.shape[0], 512)
 
-    class Step:  # stands for DecodeStep: runs 3 routed units per step
+    class Step:  # stands for DecodeStep: runs 3 routed units per step, reads 2 decisions back
         def __init__(self, model, caches, batch, device, graphed, compiled):
-            self.unit_calls = 0
+            self.unit_calls = self.readbacks = 0
 
         def __call__(self, ids, position):
             steps.append(ids.shape[1])
             self.unit_calls += 3
+            self.readbacks += 2
             time.sleep(0.01)
             return torch.zeros(ids.shape[0], 512)
 
     monkeypatch.setattr(model, "forward_cached", forward_cached)
     monkeypatch.setattr(bench, "DecodeStep", Step)
-    rate, units = bench.decode_tokens_per_s(model, batch=4, length=8, device=torch.device("cpu"), compiled=False,
-                                            repeats=2)
-    assert 4 / 0.02 < rate <= 4 / 0.01 and units == 3
+    rate, units, reads = bench.decode_tokens_per_s(model, batch=4, length=8, device=torch.device("cpu"),
+                                                   compiled=False, repeats=2)
+    assert 4 / 0.02 < rate <= 4 / 0.01 and units == 3 and reads == 2
     # prefill, two warm-up steps, then each timed run of 8 steps after a prefill of its own
     assert steps == [8] + [1] * 2 + ([8] + [1] * 8) * 2

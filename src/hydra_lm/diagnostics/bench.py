@@ -190,7 +190,8 @@ def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, co
     ``generate`` calls would fold them (and their noise, larger than a short decode at batch 1) into
     the per-token cost. Each timed run starts from a fresh prefill into the same (zeroed) cache: a
     cache's positions are consumed once (``HydraModel.forward_cached``). Returns (tokens/s, routed units
-    run per step in the timed runs: the step skips the units no row's token enters). ``prompt`` [batch,
+    run per step in the timed runs: the step skips the units no row's token enters, decisions read back
+    to the host per step). ``prompt`` [batch,
     length]: token ids to prefill (default random ones; a trained model's routing wants real text)."""
     if prompt is None:
         prompt = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
@@ -215,9 +216,10 @@ def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, co
                 token = step(token[:, None], position).argmax(-1)
         return _timed(run, device)
 
-    before = step.unit_calls
+    before, reads = step.unit_calls, step.readbacks
     seconds = statistics.median(decode(prefill()) for _ in range(repeats))
-    return batch * length / seconds, (step.unit_calls - before) / (repeats * length)
+    steps = repeats * length
+    return batch * length / seconds, (step.unit_calls - before) / steps, (step.readbacks - reads) / steps
 
 
 @torch.no_grad()
@@ -231,9 +233,10 @@ def bench_inference(model, cfg: BenchConfig, device: torch.device) -> dict[str, 
                                                                          for _ in range(3))
         compiled = decode_compiles(device, cfg.decode_compile)
         for batch in cfg.decode_batch_sizes():
-            rate, units = decode_tokens_per_s(model, batch, cfg.new_tokens, device, compiled=compiled)
+            rate, units, reads = decode_tokens_per_s(model, batch, cfg.new_tokens, device, compiled=compiled)
             result[f"decode_tokens_per_s_batch{batch}"] = rate
             result[f"decode_units_per_step_batch{batch}"] = units
+            result[f"decode_readbacks_per_step_batch{batch}"] = reads
         result["routed_units"] = sum(block.recursions for block in model.blocks)
         result["decode_cuda_graph"] = model.decode_capturable()
         result["decode_compiled"] = compiled
@@ -318,9 +321,10 @@ def format_report(report: dict[str, Any]) -> str:
             decode = ", ".join(f"batch {k.removeprefix('decode_tokens_per_s_batch')} {v:,.0f}" for k, v in r.items()
                                if k.startswith("decode_tokens_per_s_batch"))
             units = "/".join(f"{v:.1f}" for k, v in r.items() if k.startswith("decode_units_per_step_batch"))
+            reads = "/".join(f"{v:.1f}" for k, v in r.items() if k.startswith("decode_readbacks_per_step_batch"))
             lines.append(f"{'':<7}inference: prefill {r['prefill_tokens_per_s']:,.0f} tok/s | decode{graph} "
                          f"{r['decode_len']} after {r['decode_len']} prompt tokens, tok/s: {decode} | units run per "
-                         f"step {units} of {r['routed_units']} | KV cache "
+                         f"step {units} of {r['routed_units']}, decisions read back {reads} | KV cache "
                          f"{r['kv_cache_bytes_per_token']['allocated'] / 1024:.1f} KiB/token")
         if "routing_efficiency" in r:
             lines.append(f"{'':<7}routing: {r['routing_speedup']:.2f}x the tokens/s of the same model unrouted "

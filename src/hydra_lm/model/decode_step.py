@@ -9,7 +9,10 @@ and a step that launches all 32 is bound by their kernels' fixed cost. So the st
 ``x``, each router's mask and gate), and after each router's decision the host reads whether any row's
 token entered: if none did, the rest of that block is skipped. A skipped unit leaves its caches as a
 masked one would (no slot marked valid, conv and value-shift state unchanged; its router's state marks no
-candidate) and the residual stream unchanged, so the tokens are those of the full forward.
+candidate) and the residual stream unchanged, so the tokens are those of the full forward. For the same
+reason a decision need not be read back at all: its units can run masked. Each read-back stalls the GPU
+for a host round trip, so only decisions that skip often enough are read (``READBACK_MIN_SKIP_CHANCE``):
+at batch 1 all of the presets' decisions, at batch 32 only the deep recursions'.
 
 On CUDA the ops between two decisions are one CUDA graph ("segment"), captured on the second call after
 an eager first call that runs every op (compiling every graph the segments use). The host still
@@ -28,6 +31,13 @@ import torch
 from .block import run_cached_unit
 from .cuda_graphs import capture
 from .routing import routed_selection
+
+
+# A decision is read back only if no row's token entering it is at least this likely ((1 - f)^B for B rows
+# that each enter with the probability f, the share of a row its depth runs in training). Below it the
+# saved unit rarely pays for the round trip: measured per decoded unit, about 150 us with its read-back
+# against 57 us per layer of the dense model's one-graph step (benchmarks/BENCHMARKS.md, tenth session).
+READBACK_MIN_SKIP_CHANCE = 0.25
 
 
 def decode_compiles(device: torch.device, compile_step: bool | None) -> bool:
@@ -89,7 +99,8 @@ class DecodeStep:
     ``compiled``: every unit runs one compiled ``run_cached_unit`` and every router one compiled
     ``routed_selection`` (``compiled_decode_unit``, ``compiled_decode_select``). ``graphed`` (CUDA): the
     ops between two decisions replay as one CUDA graph each; the first call runs every op eagerly (and
-    compiles), the second captures the segments. ``unit_calls`` counts the units run so far.
+    compiles), the second captures the segments. ``unit_calls`` counts the units run so far, ``readbacks``
+    the decisions read back to the host.
     """
 
     def __init__(self, model, caches: list, batch: int, device: torch.device, graphed: bool, compiled: bool):
@@ -102,6 +113,7 @@ class DecodeStep:
         self.x = torch.zeros(batch, 1, weight.shape[1], dtype=weight.dtype, device=device)  # the residual stream
         self.logits: torch.Tensor | None = None  # allocated by the first call (the head's output dtype)
         self.unit_calls = 0
+        self.readbacks = 0  # decisions read back to the host so far
         self._unit = compiled_decode_unit(device) if compiled else run_cached_unit
         self._rope = model.rope
         self._select = compiled_decode_select(device) if compiled else routed_selection
@@ -127,7 +139,7 @@ class DecodeStep:
         ops = [_Op(lambda: x.copy_(model.embed(self.ids)))]
         for i, block in enumerate(model.blocks):
             gates = {j: r for r in block.all_routers() for j in r.depths}
-            capacities = block.depth_capacities()
+            capacities, fractions = block.depth_capacities(), block.fractions()
             decisions, valid = [], None
             decision = None  # a token-choice router's per-token depths ([B, 1, 1 + R]), set on entry
             if block.depth_router is not None and block._active(block.depth_router):
@@ -137,11 +149,14 @@ class DecodeStep:
                 if router is not None and block._active(router):
                     weight = torch.zeros(batch, 1, dtype=gate_dtype, device=x.device)
                     mask = torch.zeros(batch, 1, dtype=torch.bool, device=x.device) if mode == "causal" else None
+                    # A token-choice depth's share is not fixed (its fraction is an upper bound): always read.
+                    skips = not router.fixed_k or (1 - fractions[j]) ** batch >= READBACK_MIN_SKIP_CHANCE
                     route = self._route_op(router, j, capacities[j], caches[i][j][0].route, valid, mask, weight,
-                                           None if j == 0 else decision)
+                                           None if j == 0 else decision, reads=mask is not None and skips)
                     ops.append(route)
-                    if mask is not None:
+                    if route.decides:
                         decisions.append(route)
+                    if mask is not None:
                         valid = mask
                 if j == 0 and decision is not None:
                     ops.append(self._enter_op(block.depth_router, valid, decision))
@@ -154,7 +169,8 @@ class DecodeStep:
         ops.append(_Op(lambda: self._head(model)))
         return ops
 
-    def _route_op(self, router, j: int, capacity: float, state, valid, mask, weight, decision) -> _Op:
+    def _route_op(self, router, j: int, capacity: float, state, valid, mask, weight, decision, reads: bool) -> _Op:
+        """``reads``: the step reads back whether some row's token entered (else its units run masked)."""
         x, pos, select, mode = self.x, self.pos, self._select, self._mode
 
         def route():
@@ -163,9 +179,9 @@ class DecodeStep:
             if mask is None:  # static routing: every token runs the unit, weighted by its gate
                 return None
             mask.copy_(chosen)  # one entry per row: the selection's order is the identity
-            return mask.any()
+            return mask.any() if reads else None
 
-        return _Op(route, decides=mask is not None)
+        return _Op(route, decides=reads)
 
     def _enter_op(self, router, valid, decision) -> _Op:
         x, mode = self.x, self._mode
@@ -203,6 +219,7 @@ class DecodeStep:
             self.unit_calls += self._units[i]
             entered = self._run_segment(i)
             op = self._ops[end]
+            self.readbacks += op.decides
             i = end + 1 if not op.decides or entered else op.skip_to
         return self.logits
 
