@@ -14,7 +14,7 @@ causal against top-k. Evaluation only: the trained weights and calibrated thresh
   tokens are chosen). The capacity moves the rank part of the rule only: a row's first candidates follow
   the threshold. The agreement column is measured in the top-k pass at the unscaled capacity.
 
-    PYTHONPATH=src python benchmarks/causal_rule_sweep.py --run RUN_DIR [--rank_prior 16 64 512] \\
+    PYTHONPATH=src python benchmarks/causal_rule_sweep.py --run RUN_DIR [RUN_DIR ...] [--rank_prior 16 64 512] \\
         [--match_share 2] [--eval_batches 16] [--decode_batch 8 --decode_len 64]
 """
 
@@ -37,12 +37,13 @@ NAN = float("nan")
 def row(label: str, r: dict) -> str:
     return (f"{label:>22}  {r['val_loss_causal']:.4f}  {r['val_loss_topk']:.4f}  "
             f"{r['val_loss_causal'] - r['val_loss_topk']:+.4f}  {r.get('val_agreement', NAN):9.1%}  "
+            f"{r.get('val_agreement_decisions', NAN):12.1%}  "
             f"{r.get('val_exec_frac_causal', NAN):.4f} / {r.get('val_exec_frac_topk', NAN):.4f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run", required=True, help="a run directory with checkpoints")
+    ap.add_argument("--run", required=True, nargs="+", help="run directories with checkpoints (each in turn)")
     ap.add_argument("--rank_prior", type=float, nargs="+", default=[routing.RANK_PRIOR])
     ap.add_argument("--match_share", type=int, default=0, help="rounds of per-router share matching (oracle)")
     ap.add_argument("--eval_batches", type=int, default=16)
@@ -50,6 +51,12 @@ def main() -> None:
     ap.add_argument("--decode_batch", type=int, default=0, help="also decode this many rows with each --rank_prior")
     ap.add_argument("--decode_len", type=int, default=64, help="prompt tokens, and new tokens, of that decoding")
     args = ap.parse_args()
+    for run in args.run:
+        print(f"== {run}", flush=True)
+        sweep(run, args)
+
+
+def sweep(run: str, args: argparse.Namespace) -> None:
     prior, capacities = routing.RANK_PRIOR, RecursiveBlock.depth_capacities
     scale: dict[str, float] = {}
 
@@ -58,11 +65,11 @@ def main() -> None:
         return [c * scale.get(f"{block.name}.{j}", 1.0) for j, c in enumerate(base)]
 
     def evaluate() -> dict:
-        return eval_run(args.run, max_batches=args.eval_batches, device=args.device)
+        return eval_run(run, max_batches=args.eval_batches, device=args.device)
 
     decoder = None
     if args.decode_batch:
-        decoder = load_run(args.run, None, args.device)
+        decoder = load_run(run, None, args.device)
         info = open_data(decoder.config["train"]["data"])
         prompt = next(iter(ValSet(info, args.decode_batch, args.decode_len)))["input_ids"].to(decoder.device)
 
@@ -71,10 +78,10 @@ def main() -> None:
             return ""
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=decoder.device.type == "cuda"):
             rate, units, _ = decode_tokens_per_s(decoder.model.eval(), args.decode_batch, args.decode_len,
-                                              decoder.device, compiled=False, repeats=2, prompt=prompt)
+                                                 decoder.device, compiled=False, repeats=2, prompt=prompt)
         return f"  decode batch {args.decode_batch}: {rate:,.0f} tokens/s, {units:.2f} units per step"
 
-    print(f"{'rule':>22}  causal    top-k     gap      agreement  executed causal / top-k")
+    print(f"{'rule':>22}  causal    top-k     gap      agreement  of decisions  executed causal / top-k")
     try:
         for value in args.rank_prior:
             routing.RANK_PRIOR = value
