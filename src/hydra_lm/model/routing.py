@@ -56,8 +56,9 @@ THRESHOLD_BUFFERS = ("threshold_sum", "threshold_weight")
 # better than 256 in every setting (mean 90.6 -> 93.4% over 19 settings; 95.5 -> 97.3%, 93.6 -> 97.7%,
 # 94.9 -> 97.0% of decisions on 1,024-token rows) and its worst causal/top-k gap is +0.0105 against
 # +0.0589: the threshold, calibrated on training batches, admits too much on other text and the ranks
-# pull it back. 256 came from a 100M GPU checkpoint of the former prefix-mean rule, where 16 cost +0.008;
-# the raw rule's GPU sweep is pending (docs/routing.md).
+# pull it back. 256 came from a 100M GPU checkpoint of the former prefix-mean rule, where 16 cost +0.008 of
+# gap, and a larger CPU model shows that trade-off in one setting; the raw rule's 100M sweep is pending
+# (docs/routing.md).
 RANK_PRIOR = 16.0
 
 
