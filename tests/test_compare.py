@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from hydra_lm.cli import main
-from hydra_lm.diagnostics.compare import lr_sweep, parse_budget, plan_compare, planned_flops
+from hydra_lm.diagnostics.compare import parse_budget, plan_compare, planned_flops
+from hydra_lm.diagnostics.compare_results import lr_sweep
 from hydra_lm.diagnostics.report import _own_optimizers
 from hydra_lm.diagnostics.scaling import fit_power_law
 from hydra_lm.diagnostics.variants import parameter_count, parse_custom_variant
@@ -444,7 +445,7 @@ def test_the_report_reads_off_the_time_and_compute_a_routed_variant_took_to_reac
 
 
 def test_a_run_whose_throughput_wavered_is_flagged_as_unfair_to_a_seconds_budget():
-    from hydra_lm.diagnostics.compare import STEADY_THROUGHPUT, throughput_steadiness, unsteady_warning
+    from hydra_lm.diagnostics.compare_results import STEADY_THROUGHPUT, throughput_steadiness, unsteady_warning
 
     def records(tps):  # two start-up windows (compilation, capture) the measure leaves out
         return [{"tokens_per_s": 1_000.0}, {"tokens_per_s": 50_000.0}] + [{"tokens_per_s": t} for t in tps]

@@ -37,12 +37,10 @@ from ..train.fp8 import check_fp8_device
 from ..train.optim import check_optimizer_device
 from ..train.curriculum import CurriculumPlan
 from ..train.data_io import DataInfo, open_data
-from ..train.metrics import METRICS_FILE
 from ..train.options import TrainConfig, resolve
 from ..train.run import CONFIG_JSON, build_model_config, pick_device
-from .routing_health import health_warnings, measure_routing
-from .variants import (DEFAULT_VARIANTS, Variant, parameter_count, parse_custom_variant, resolve_variants,
-                       sweep_learning_rates)
+from .routing_health import measure_routing
+from .variants import DEFAULT_VARIANTS, Variant, parse_custom_variant, resolve_variants, sweep_learning_rates
 
 BUDGET_KINDS = ("tokens", "flops", "seconds")
 SUFFIXES = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
@@ -114,6 +112,7 @@ def run_compare(data: str | None, out: str | None, budget: str, variant_names: l
     variant once per seed; ``gpus``: train that many runs at a time, one per CUDA GPU of this host;
     ``lrs``: train each variant once per peak learning rate."""
     from .plots import write_compare_plots
+    from .compare_results import collect_results
     from .report import format_lr_table, format_seed_table, format_table, write_report
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -445,169 +444,3 @@ def write_marker(run: VariantRun, status: str) -> None:
 
 def _resolved(run: VariantRun) -> dict[str, Any]:
     return json.loads((run.run_dir / CONFIG_JSON).read_text(encoding="utf-8"))["train"]
-
-
-def _records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / METRICS_FILE
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut short by a crash
-    return out
-
-
-# ---------------------------------------------------------------------------- results
-def collect_results(plan: ComparePlan) -> dict[str, Any]:
-    base, tps = plan.base, plan.tokens_per_step
-    variants, warnings = {}, []
-    train_tokens = plan.data.token_counts.get("train") or 0
-    for run in plan.runs:
-        entry = variant_results(run, base.seq_len, tps, plan.out)
-        # Passes over the training split: repeated tokens tell the smallest (fastest) models least.
-        entry["epochs"] = entry["tokens"] / train_tokens if train_tokens else None
-        if entry["epochs"] is not None and entry["epochs"] > 1.0:
-            entry["warnings"].append(f"{run.name}: trained {entry['epochs']:.1f} passes over the training split "
-                                     f"({train_tokens:,} tokens), so it saw repeated data: prepare a larger corpus "
-                                     "for a comparison in which no run repeats")
-        variants[run.name] = entry
-        warnings += entry["warnings"]
-    results = {
-        "budget": {"kind": plan.budget.kind, "value": plan.budget.value},
-        "data": str(plan.data.path),
-        "settings": {"model_size": base.model_size, "batch_size": base.batch_size, "grad_accum": base.grad_accum,
-                     "seq_len": base.seq_len, "tokens_per_step": tps, "optimizer": base.optimizer, "lr": base.lr,
-                     "min_lr": base.min_lr,
-                     "schedule": base.schedule, "seed": base.seed if plan.seeds is None else plan.seeds,
-                     "evals": plan.evals, "model_overrides": base.model},
-        "variants": variants,
-        "warnings": warnings,
-    }
-    if plan.seeds is not None:
-        results["across_seeds"] = across_seeds(plan.runs, variants)
-    if any(run.variant.swept_from for run in plan.runs):
-        results["lr_sweep"] = lr_sweep(plan.runs, variants)
-        for family, sweep in results["lr_sweep"].items():
-            if sweep["best_at_edge"]:
-                results["warnings"].append(
-                    f"{family}: its best learning rate, {sweep['best_lr']:g}, is the {sweep['best_at_edge']} given to "
-                    "--lrs, so a better one may lie beyond it: extend the grid before ranking the variants")
-    return results
-
-
-def lr_sweep(runs: list[VariantRun], variants: dict[str, Any]) -> dict[str, Any]:
-    """Per variant swept over --lrs: its final causal loss at each learning rate (the mean over seeds,
-    finished runs only), the best learning rate and whether it is the grid's smallest or largest."""
-    losses: dict[str, dict[float, list[float]]] = {}
-    for run in runs:
-        if run.variant.swept_from is None:
-            continue
-        entry = variants[run.name]
-        at_lr = losses.setdefault(run.variant.swept_from, {}).setdefault(run.values["lr"], [])
-        if entry["status"] == "finished" and entry["final"] is not None:
-            at_lr.append(entry["final"]["val_loss_causal"])
-    out = {}
-    for family, by_lr in losses.items():
-        grid = sorted(by_lr)
-        means = {lr: float(np.mean(by_lr[lr])) for lr in grid if by_lr[lr]}
-        best = min(means, key=means.get) if means else None
-        edge = None
-        if best is not None and len(grid) > 1:
-            edge = "smallest" if best == grid[0] else "largest" if best == grid[-1] else None
-        out[family] = {"lrs": grid, "causal": [means.get(lr) for lr in grid], "best_lr": best,
-                       "best_causal": means.get(best), "best_at_edge": edge}
-    return out
-
-
-def across_seeds(runs: list[VariantRun], variants: dict[str, Any]) -> dict[str, Any]:
-    """Per variant, its final causal losses over the seeds (finished runs only): mean, min, max and the
-    sample standard deviation."""
-    out: dict[str, Any] = {}
-    for run in runs:
-        entry = variants[run.name]
-        summary = out.setdefault(run.variant.name, {"arch": run.variant.arch, "seeds": [], "causal": []})
-        if entry["status"] == "finished" and entry["final"] is not None:
-            summary["seeds"].append(run.seed)
-            summary["causal"].append(entry["final"]["val_loss_causal"])
-    for summary in out.values():
-        losses = np.asarray(summary["causal"], dtype=np.float64)
-        n = len(losses)
-        summary.update(mean=float(losses.mean()) if n else None, min=float(losses.min()) if n else None,
-                       max=float(losses.max()) if n else None, std=float(losses.std(ddof=1)) if n > 1 else None)
-    return out
-
-
-def variant_results(run: VariantRun, seq_len: int, tokens_per_step: int, out_dir: Path) -> dict[str, Any]:
-    records = _records(run.run_dir)
-    train_rs = [r for r in records if r.get("kind") == "train"]
-    eval_rs = [r for r in records if r.get("kind") == "eval" and r.get("val_loss_causal") is not None]
-    marker = finished_marker(run) or {}
-    steps = [r["step"] for r in eval_rs]
-    flops = executed_flops_at(steps, train_rs, run.model_cfg, seq_len, tokens_per_step)
-    evals = []
-    for r, f in zip(eval_rs, flops):
-        point = {"step": r["step"], "tokens": r["step"] * tokens_per_step, "flops": f,
-                 "train_s": r.get("train_s"), "val_loss_causal": r["val_loss_causal"],
-                 "val_loss_topk": r["val_loss_topk"],
-                 "gap": r.get("val_gap", r["val_loss_causal"] - r["val_loss_topk"])}
-        for key in ("val_agreement", "val_agreement_decisions", "val_exec_frac_causal", "routing"):  # when present
-            if key in r:
-                point[key] = r[key]
-        evals.append(point)
-    last_train = train_rs[-1] if train_rs else {}
-    final_step = last_train.get("step", 0)
-    train_s = last_train.get("train_s")
-    final = evals[-1] if evals else None
-    health = marker.get("routing_health") or {"routers": {}, "depths": None}
-    gap = final["gap"] if final else None
-    entry = {
-        "variant": run.variant.name, "seed": run.values.get("seed"), "swept_from": run.variant.swept_from,
-        "description": run.variant.description, "arch": run.variant.arch, "overrides": run.variant.overrides,
-        "run_dir": os.path.relpath(run.run_dir, out_dir), "status": marker.get("status", "unfinished"),
-        "params": parameter_count(run.model_cfg),
-        "flops_per_token": executed_flops_per_token(run.model_cfg, seq_len, training=True),
-        "max_steps": run.values["max_steps"], "steps": final_step, "tokens": final_step * tokens_per_step,
-        "executed_flops": executed_flops_at([final_step], train_rs, run.model_cfg, seq_len, tokens_per_step)[0],
-        "train_s": train_s, "startup_s": last_train.get("startup_s"),
-        "eval_s": sum(r.get("eval_s", 0.0) for r in eval_rs),
-        "tokens_per_s": final_step * tokens_per_step / train_s if train_s else None,
-        # On CUDA the run's own peak allocated memory; on a CPU the process's peak RSS so far.
-        "peak_memory_mb": max((r["memory_mb"] for r in train_rs if r.get("memory_mb") is not None), default=None),
-        "optimizer": run.values.get("optimizer", "adamw"), "lr": run.values["lr"], "min_lr": run.values["min_lr"],
-        "final": None if final is None else {k: final.get(k) for k in ("step", "val_loss_causal", "val_loss_topk",
-                                                                       "gap", "val_agreement",
-                                                                       "val_agreement_decisions")},
-        "evals": evals,
-        "routing": health["routers"],
-        "depths": health["depths"],
-    }
-    entry["throughput_steadiness"] = throughput_steadiness(train_rs)
-    entry["warnings"] = health_warnings(run.variant.name, entry["routing"], gap)
-    entry["warnings"] += unsteady_warning(run.name, entry["throughput_steadiness"])
-    return entry
-
-
-# A run alone on its GPU logged p10/p90 tokens/s of 0.93-0.98 in a measured study; runs that shared the
-# host's CPUs with other jobs' compilation 0.77-0.82 (benchmarks/BENCHMARKS.md, fifteenth session).
-STEADY_THROUGHPUT = 0.9
-
-
-def throughput_steadiness(train_records: list[dict[str, Any]]) -> float | None:
-    """The 10th percentile of a run's logged tokens/s over its 90th (windows after the first two, which hold
-    compilation and graph capture), or None with fewer than 10 such windows."""
-    tps = [r["tokens_per_s"] for r in train_records[2:] if r.get("tokens_per_s")]
-    if len(tps) < 10:
-        return None
-    low, high = np.percentile(np.asarray(tps, dtype=np.float64), [10, 90])
-    return float(low / high) if high > 0 else None
-
-
-def unsteady_warning(name: str, steadiness: float | None) -> list[str]:
-    if steadiness is None or steadiness >= STEADY_THROUGHPUT:
-        return []
-    return [f"{name}: its throughput was unsteady (the 10th percentile of its logged tokens/s is {steadiness:.0%} of "
-            f"the 90th; a run alone on a GPU stays above {STEADY_THROUGHPUT:.0%}): something else on the host "
-            "competed for its CPU time or GPU, so a seconds budget understates it; train it again on a quiet host"]

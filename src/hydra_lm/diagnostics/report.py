@@ -79,14 +79,17 @@ def format_seed_table(results: dict[str, Any]) -> str:
     return _text_table(SEED_COLUMNS, seed_rows(results)) + (f"\n{margin}" if margin else "")
 
 
+def _lr_grid(results: dict[str, Any]) -> list[float]:
+    return sorted({lr for sweep in results["lr_sweep"].values() for lr in sweep["lrs"]})
+
+
 def lr_columns(results: dict[str, Any]) -> tuple[str, ...]:
-    grid = sorted({lr for sweep in results["lr_sweep"].values() for lr in sweep["lrs"]})
-    return ("variant", *(f"lr {lr:g}" for lr in grid), "best lr")
+    return ("variant", *(f"lr {lr:g}" for lr in _lr_grid(results)), "best lr")
 
 
 def lr_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
     """Per swept variant, its final causal loss (mean over seeds) at each learning rate of the grid."""
-    grid = [float(c.split()[1]) for c in lr_columns(results)[1:-1]]
+    grid = _lr_grid(results)
     rows = []
     for family, sweep in results["lr_sweep"].items():
         at = dict(zip(sweep["lrs"], sweep["causal"]))

@@ -68,11 +68,6 @@ def convert_to_fp8(model: nn.Module, fmt: str, device: torch.device, min_tokens:
     """Swap the eligible Linear layers for torchao's float8 ones, each running in float8 only the calls on
     at least ``min_tokens`` tokens; returns how many were converted."""
     check_fp8_device(device)
-    return convert_layers(model, fmt, min_tokens)
-
-
-def convert_layers(model: nn.Module, fmt: str, min_tokens: int) -> int:
-    """``convert_to_fp8`` without the device check (float8 GEMMs also run, slowly, on a CPU)."""
     try:
         from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
