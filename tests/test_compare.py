@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from hydra_lm.cli import main
-from hydra_lm.diagnostics.compare import parse_budget, plan_compare, planned_flops
+from hydra_lm.diagnostics.compare import plan_compare
+from hydra_lm.diagnostics.compare_runs import parse_budget, planned_flops
 from hydra_lm.diagnostics.compare_results import lr_sweep
 from hydra_lm.diagnostics.report import _own_optimizers
 from hydra_lm.diagnostics.scaling import fit_power_law

@@ -22,29 +22,24 @@ import gc
 import json
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..config import HydraConfig, preset_config
-from ..model.accounting import executed_flops_per_token
 from ..train.checkpoint import write_text_atomic
 from ..train.compile_policy import resolve_speed_options
 from ..train.fp8 import check_fp8_device
 from ..train.optim import check_optimizer_device
-from ..train.curriculum import CurriculumPlan
-from ..train.data_io import DataInfo, open_data
+from ..train.data_io import open_data
 from ..train.options import TrainConfig, resolve
-from ..train.run import CONFIG_JSON, build_model_config, pick_device
-from .routing_health import measure_routing
-from .variants import DEFAULT_VARIANTS, Variant, parse_custom_variant, resolve_variants, sweep_learning_rates
+from ..train.run import build_model_config, pick_device
+from .compare_results import collect_results
+from .compare_runs import (Budget, ComparePlan, VariantRun, finished_marker, parse_budget, steps_for_flops,
+                           write_marker)
+from .variants import DEFAULT_VARIANTS, parse_custom_variant, resolve_variants, sweep_learning_rates
 
-BUDGET_KINDS = ("tokens", "flops", "seconds")
-SUFFIXES = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
-MARKER = "compare.json"
 RESULTS = "results.json"
 # Schedule resolution of a seconds budget: warm-up, curriculum and evaluations are placed in
 # thousandths of the budget unless --max_steps says otherwise.
@@ -52,56 +47,6 @@ SECONDS_CLOCK_STEPS = 1000
 # Settings compare decides itself; giving them would break the equal-budget comparison.
 OWNED = {"arch": "variants choose the architecture (e.g. --variant deep:arch=dense,n_layers=8)",
          "stop_at_step": "every variant runs to its budget", "time_budget_s": "use --budget seconds=N"}
-
-
-@dataclass(frozen=True)
-class Budget:
-    kind: str
-    value: float
-
-    def __str__(self) -> str:
-        return f"{self.kind}={self.value:g}"
-
-
-def parse_budget(text: str) -> Budget:
-    """``tokens=2e6``, ``flops=5e15``, ``seconds=600``; k/M/G/T/P suffixes allowed (``tokens=2M``)."""
-    kind, eq, raw = str(text).partition("=")
-    kind = kind.strip().lower()
-    hint = "write --budget KIND=N with KIND one of tokens, flops, seconds (e.g. --budget tokens=2e6)"
-    if not eq or kind not in BUDGET_KINDS:
-        raise ValueError(f"--budget {text!r}: {hint}")
-    raw = raw.strip().replace("_", "")
-    scale = SUFFIXES.get(raw[-1:].lower(), 1.0) if raw[-1:].isalpha() else 1.0
-    number = raw[:-1] if raw[-1:].lower() in SUFFIXES else raw
-    try:
-        value = float(number) * scale
-    except ValueError:
-        raise ValueError(f"--budget {text!r}: {raw!r} is not a number; {hint}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"--budget {text!r}: the budget must be a positive finite number")
-    return Budget(kind, value)
-
-
-@dataclass
-class VariantRun:
-    variant: Variant
-    run_dir: Path
-    values: dict[str, Any]  # the trainer settings of this variant
-    model_cfg: HydraConfig
-    name: str  # the run's key in results.json: the variant's name, with ".seedS" under --seeds
-    seed: int | None = None  # --seeds: the seed of this run
-
-
-@dataclass
-class ComparePlan:
-    out: Path
-    budget: Budget
-    runs: list[VariantRun]
-    data: DataInfo
-    base: TrainConfig  # the settings shared by every variant, resolved
-    evals: int
-    tokens_per_step: int
-    seeds: list[int] | None = None  # --seeds
 
 
 def run_compare(data: str | None, out: str | None, budget: str, variant_names: list[str] | None,
@@ -112,7 +57,6 @@ def run_compare(data: str | None, out: str | None, budget: str, variant_names: l
     variant once per seed; ``gpus``: train that many runs at a time, one per CUDA GPU of this host;
     ``lrs``: train each variant once per peak learning rate."""
     from .plots import write_compare_plots
-    from .compare_results import collect_results
     from .report import format_lr_table, format_seed_table, format_table, write_report
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -346,101 +290,3 @@ def check_on_device(name: str, cfg: TrainConfig, device: torch.device) -> None:
             check_fp8_device(device)
     except ValueError as err:
         raise ValueError(f"--variant {name}: {err}") from None
-
-
-# ---------------------------------------------------------------------------- FLOPs accounting
-def flops_per_token_in_phase(model_cfg: HydraConfig, seq_len: int, mod_active: bool, mor_active: bool,
-                             cache: dict | None = None) -> float:
-    """Executed training FLOPs/token while the curriculum has MoD / MoR switched on or off."""
-    key = (mod_active, mor_active)
-    if cache is not None and key in cache:
-        return cache[key]
-    live = model_cfg.replace(mod_enabled=model_cfg.mod_enabled and mod_active,
-                             mor_enabled=model_cfg.mor_enabled and mor_active)
-    value = executed_flops_per_token(live, seq_len, training=True)
-    if cache is not None:
-        cache[key] = value
-    return value
-
-
-def planned_flops(model_cfg: HydraConfig, cfg: TrainConfig, steps: int, tokens_per_step: int) -> float:
-    """Executed FLOPs of a run of ``steps`` steps: routing starts off and switches on as the
-    curriculum plans it (MoD at the latest step the plan allows: its loss gate may open earlier)."""
-    routable = (model_cfg.arch == "hydra" and model_cfg.mod_enabled,
-                model_cfg.arch == "hydra" and model_cfg.mor_enabled and model_cfg.recursions > 1)
-    plan = CurriculumPlan.from_config(cfg.replace(max_steps=steps), routable)
-    mod_on = plan.mod_gate_step if plan.loss_gate is None else plan.mod_force_step
-    switches = sorted({0, steps, *(min(s, steps) for s in (mod_on, plan.mor_step) if s is not None)})
-    cache: dict = {}
-    total = 0.0
-    for start, end in zip(switches, switches[1:]):
-        mod = mod_on is not None and start >= mod_on
-        mor = plan.mor_step is not None and start >= plan.mor_step
-        total += (end - start) * flops_per_token_in_phase(model_cfg, cfg.seq_len, mod, mor, cache)
-    return total * tokens_per_step
-
-
-def steps_for_flops(budget: float, model_cfg: HydraConfig, cfg: TrainConfig, tokens_per_step: int) -> int:
-    """The fewest steps whose planned executed FLOPs reach ``budget`` (planned FLOPs grow with steps)."""
-    cheapest = min(flops_per_token_in_phase(model_cfg, cfg.seq_len, m, r) for m in (False, True) for r in (False, True))
-    lo, hi = 1, max(1, math.ceil(budget / (cheapest * tokens_per_step)))
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if planned_flops(model_cfg, cfg, mid, tokens_per_step) >= budget:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-def executed_flops_at(steps: list[int], train_records: list[dict], model_cfg: HydraConfig, seq_len: int,
-                      tokens_per_step: int) -> list[float]:
-    """Cumulative executed FLOPs at ``steps``, from the curriculum state logged with each train record
-    (a logged window is counted in the state at its end)."""
-    cache: dict = {}
-    marks, totals, total, previous = [0], [0.0], 0.0, 0
-    for r in train_records:
-        fpt = flops_per_token_in_phase(model_cfg, seq_len, bool(r.get("mod_active", True)),
-                                       bool(r.get("mor_active", True)), cache)
-        total += (r["step"] - previous) * fpt * tokens_per_step
-        previous = r["step"]
-        marks.append(previous)
-        totals.append(total)
-    return [float(x) for x in np.interp(steps, marks, totals)]
-
-
-# ---------------------------------------------------------------------------- run bookkeeping
-def _fingerprint(values: dict[str, Any]) -> dict[str, Any]:
-    """The settings that define a variant's run (not where it is written or on which device)."""
-    return json.loads(json.dumps({k: v for k, v in values.items() if k not in ("out", "device", "resume")}))
-
-
-def finished_marker(run: VariantRun) -> dict[str, Any] | None:
-    path = run.run_dir / MARKER
-    if not path.is_file():
-        return None
-    try:
-        marker = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError:
-        return None  # a marker cut short: the trainer resumes (or finds nothing to do) and it is rewritten
-    if marker.get("settings") != _fingerprint(run.values):
-        was, now = marker.get("settings", {}), _fingerprint(run.values)
-        diff = sorted(k for k in {*was, *now} if was.get(k) != now.get(k))
-        raise ValueError(f"{run.run_dir} was trained by an earlier compare with other settings ({', '.join(diff)}): "
-                         "use a new --out directory, or remove that run directory to train it again")
-    return marker
-
-
-def write_marker(run: VariantRun, status: str) -> None:
-    """Record a finished variant, with the routing health of its final checkpoint (measured once)."""
-    health = None
-    if (run.run_dir / "checkpoints").is_dir() and any((run.run_dir / "checkpoints").iterdir()):
-        health = measure_routing(run.run_dir, run.values.get("eval_batches") or _resolved(run)["eval_batches"],
-                                 run.values.get("device", "auto"))
-    marker = {"status": status, "variant": run.variant.overrides, "settings": _fingerprint(run.values),
-              "routing_health": health}
-    write_text_atomic(run.run_dir / MARKER, json.dumps(marker, indent=1))
-
-
-def _resolved(run: VariantRun) -> dict[str, Any]:
-    return json.loads((run.run_dir / CONFIG_JSON).read_text(encoding="utf-8"))["train"]

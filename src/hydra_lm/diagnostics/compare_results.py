@@ -13,7 +13,7 @@ import numpy as np
 
 from ..model.accounting import executed_flops_per_token
 from ..train.metrics import METRICS_FILE
-from .compare import ComparePlan, VariantRun, executed_flops_at, finished_marker
+from .compare_runs import ComparePlan, VariantRun, executed_flops_at, finished_marker
 from .routing_health import health_warnings
 from .variants import parameter_count
 

@@ -1,0 +1,174 @@
+"""The runs of a `hydra-lm compare`: its budget, each variant's planned run, the FLOPs a run executes
+under its routing curriculum, and the marker a finished run leaves in its directory (so a later call
+skips it). Shared by the planning and training (``compare``) and the results (``compare_results``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import HydraConfig
+from ..model.accounting import executed_flops_per_token
+from ..train.checkpoint import write_text_atomic
+from ..train.curriculum import CurriculumPlan
+from ..train.data_io import DataInfo
+from ..train.options import TrainConfig
+from ..train.run import CONFIG_JSON
+from .routing_health import measure_routing
+from .variants import Variant
+
+BUDGET_KINDS = ("tokens", "flops", "seconds")
+SUFFIXES = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
+MARKER = "compare.json"
+
+@dataclass(frozen=True)
+class Budget:
+    kind: str
+    value: float
+
+    def __str__(self) -> str:
+        return f"{self.kind}={self.value:g}"
+
+
+def parse_budget(text: str) -> Budget:
+    """``tokens=2e6``, ``flops=5e15``, ``seconds=600``; k/M/G/T/P suffixes allowed (``tokens=2M``)."""
+    kind, eq, raw = str(text).partition("=")
+    kind = kind.strip().lower()
+    hint = "write --budget KIND=N with KIND one of tokens, flops, seconds (e.g. --budget tokens=2e6)"
+    if not eq or kind not in BUDGET_KINDS:
+        raise ValueError(f"--budget {text!r}: {hint}")
+    raw = raw.strip().replace("_", "")
+    scale = SUFFIXES.get(raw[-1:].lower(), 1.0) if raw[-1:].isalpha() else 1.0
+    number = raw[:-1] if raw[-1:].lower() in SUFFIXES else raw
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise ValueError(f"--budget {text!r}: {raw!r} is not a number; {hint}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"--budget {text!r}: the budget must be a positive finite number")
+    return Budget(kind, value)
+
+
+@dataclass
+class VariantRun:
+    variant: Variant
+    run_dir: Path
+    values: dict[str, Any]  # the trainer settings of this variant
+    model_cfg: HydraConfig
+    name: str  # the run's key in results.json: the variant's name, with ".seedS" under --seeds
+    seed: int | None = None  # --seeds: the seed of this run
+
+
+@dataclass
+class ComparePlan:
+    out: Path
+    budget: Budget
+    runs: list[VariantRun]
+    data: DataInfo
+    base: TrainConfig  # the settings shared by every variant, resolved
+    evals: int
+    tokens_per_step: int
+    seeds: list[int] | None = None  # --seeds
+
+
+# ---------------------------------------------------------------------------- FLOPs accounting
+def flops_per_token_in_phase(model_cfg: HydraConfig, seq_len: int, mod_active: bool, mor_active: bool,
+                             cache: dict | None = None) -> float:
+    """Executed training FLOPs/token while the curriculum has MoD / MoR switched on or off."""
+    key = (mod_active, mor_active)
+    if cache is not None and key in cache:
+        return cache[key]
+    live = model_cfg.replace(mod_enabled=model_cfg.mod_enabled and mod_active,
+                             mor_enabled=model_cfg.mor_enabled and mor_active)
+    value = executed_flops_per_token(live, seq_len, training=True)
+    if cache is not None:
+        cache[key] = value
+    return value
+
+
+def planned_flops(model_cfg: HydraConfig, cfg: TrainConfig, steps: int, tokens_per_step: int) -> float:
+    """Executed FLOPs of a run of ``steps`` steps: routing starts off and switches on as the
+    curriculum plans it (MoD at the latest step the plan allows: its loss gate may open earlier)."""
+    routable = (model_cfg.arch == "hydra" and model_cfg.mod_enabled,
+                model_cfg.arch == "hydra" and model_cfg.mor_enabled and model_cfg.recursions > 1)
+    plan = CurriculumPlan.from_config(cfg.replace(max_steps=steps), routable)
+    mod_on = plan.mod_gate_step if plan.loss_gate is None else plan.mod_force_step
+    switches = sorted({0, steps, *(min(s, steps) for s in (mod_on, plan.mor_step) if s is not None)})
+    cache: dict = {}
+    total = 0.0
+    for start, end in zip(switches, switches[1:]):
+        mod = mod_on is not None and start >= mod_on
+        mor = plan.mor_step is not None and start >= plan.mor_step
+        total += (end - start) * flops_per_token_in_phase(model_cfg, cfg.seq_len, mod, mor, cache)
+    return total * tokens_per_step
+
+
+def steps_for_flops(budget: float, model_cfg: HydraConfig, cfg: TrainConfig, tokens_per_step: int) -> int:
+    """The fewest steps whose planned executed FLOPs reach ``budget`` (planned FLOPs grow with steps)."""
+    cheapest = min(flops_per_token_in_phase(model_cfg, cfg.seq_len, m, r) for m in (False, True) for r in (False, True))
+    lo, hi = 1, max(1, math.ceil(budget / (cheapest * tokens_per_step)))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if planned_flops(model_cfg, cfg, mid, tokens_per_step) >= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def executed_flops_at(steps: list[int], train_records: list[dict], model_cfg: HydraConfig, seq_len: int,
+                      tokens_per_step: int) -> list[float]:
+    """Cumulative executed FLOPs at ``steps``, from the curriculum state logged with each train record
+    (a logged window is counted in the state at its end)."""
+    cache: dict = {}
+    marks, totals, total, previous = [0], [0.0], 0.0, 0
+    for r in train_records:
+        fpt = flops_per_token_in_phase(model_cfg, seq_len, bool(r.get("mod_active", True)),
+                                       bool(r.get("mor_active", True)), cache)
+        total += (r["step"] - previous) * fpt * tokens_per_step
+        previous = r["step"]
+        marks.append(previous)
+        totals.append(total)
+    return [float(x) for x in np.interp(steps, marks, totals)]
+
+
+# ---------------------------------------------------------------------------- run bookkeeping
+def _fingerprint(values: dict[str, Any]) -> dict[str, Any]:
+    """The settings that define a variant's run (not where it is written or on which device)."""
+    return json.loads(json.dumps({k: v for k, v in values.items() if k not in ("out", "device", "resume")}))
+
+
+def finished_marker(run: VariantRun) -> dict[str, Any] | None:
+    path = run.run_dir / MARKER
+    if not path.is_file():
+        return None
+    try:
+        marker = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        return None  # a marker cut short: the trainer resumes (or finds nothing to do) and it is rewritten
+    if marker.get("settings") != _fingerprint(run.values):
+        was, now = marker.get("settings", {}), _fingerprint(run.values)
+        diff = sorted(k for k in {*was, *now} if was.get(k) != now.get(k))
+        raise ValueError(f"{run.run_dir} was trained by an earlier compare with other settings ({', '.join(diff)}): "
+                         "use a new --out directory, or remove that run directory to train it again")
+    return marker
+
+
+def write_marker(run: VariantRun, status: str) -> None:
+    """Record a finished variant, with the routing health of its final checkpoint (measured once)."""
+    health = None
+    if (run.run_dir / "checkpoints").is_dir() and any((run.run_dir / "checkpoints").iterdir()):
+        health = measure_routing(run.run_dir, run.values.get("eval_batches") or _resolved(run)["eval_batches"],
+                                 run.values.get("device", "auto"))
+    marker = {"status": status, "variant": run.variant.overrides, "settings": _fingerprint(run.values),
+              "routing_health": health}
+    write_text_atomic(run.run_dir / MARKER, json.dumps(marker, indent=1))
+
+
+def _resolved(run: VariantRun) -> dict[str, Any]:
+    return json.loads((run.run_dir / CONFIG_JSON).read_text(encoding="utf-8"))["train"]
