@@ -51,15 +51,12 @@ THRESHOLD_DECAY = 0.95
 # and still load (threshold 0 until training calibrates it).
 THRESHOLD_BUFFERS = ("threshold_sum", "threshold_weight")
 # Causal rank rule: the calibrated threshold counts as this many pseudo-candidates beside the row's
-# earlier candidates, so the threshold decides a document's first candidates and their rank after. 16: on
-# the CPU grid's 22 checkpoints of the raw-logit rule (rows of 256 and 1,024 tokens) it agrees with top-k
-# better than 256 in every setting (mean 90.6 -> 93.4% over 19 settings; 95.5 -> 97.3%, 93.6 -> 97.7%,
-# 94.9 -> 97.0% of decisions on 1,024-token rows) and its worst causal/top-k gap is +0.0105 against
-# +0.0589: the threshold, calibrated on training batches, admits too much on other text and the ranks
-# pull it back. 256 came from a 100M GPU checkpoint of the former prefix-mean rule, where 16 cost +0.008 of
-# gap, and a larger CPU model shows that trade-off in one setting; the raw rule's 100M sweep is pending
-# (docs/routing.md).
-RANK_PRIOR = 16.0
+# earlier candidates, so the threshold decides a document's first candidates and their rank after. 256:
+# on the 19-setting grid at 100M (GPU, 1,024-token rows) its worst causal/top-k gap is +0.0096 against
+# +0.0537 at 64 and +0.1036 at 16 (capacity 0.125 on every block with 2 or 4 recursions), and it has the
+# lowest gap in 16 of 19 settings. Lighter weights agree with top-k on more decisions (96.2% at 16 against
+# 95.6%), as on the CPU grid, where 16 also had the lower gaps: that evidence does not carry (docs/routing.md).
+RANK_PRIOR = 256.0
 
 
 @dataclass
