@@ -300,8 +300,10 @@ SIZE_DEFAULTS: dict[str, dict[str, Any]] = {
 # coordinate by the full LR (3x smaller is the usual start); torch's Adafactor LR is relative to each
 # weight's RMS; Sophia-G clips each coordinate's step at the LR, and its Hessian estimate starts at 0,
 # so its early steps are Lion's (0.1-0.3x was best on the CPU, BENCHMARKS.md); Muon scales its update
-# to AdamW's RMS.
-OPTIMIZER_LR_SCALE = {"adamw": 1.0, "adam8bit": 1.0, "adafactor": 10.0, "lion": 0.3, "clion": 0.3, "muon": 1.0,
+# to AdamW's RMS yet wants more: at 100M (one minute, batch 64) 2.5x ended 0.05-0.29 below 1x for each of
+# four models and within 0.024 of each one's best (5x for three of them, 2.5x for the largest; 10x worse
+# for the three tried), so 2.5x, the safer side for longer runs (BENCHMARKS.md, twenty-second session).
+OPTIMIZER_LR_SCALE = {"adamw": 1.0, "adam8bit": 1.0, "adafactor": 10.0, "lion": 0.3, "clion": 0.3, "muon": 2.5,
                       "sophia": 0.3}
 # The original release's 8-bit-Adam table (seq_len 1024/2048) trades batch for accumulation on the big sizes.
 ADAM8BIT_BATCH = {"500M": (4, 15), "750M": (4, 16), "1B": (2, 30)}
