@@ -39,13 +39,17 @@ def _kernel_op(name: str) -> bool:
     return name.startswith("aten::") and name[6:] not in NO_KERNEL
 
 
-def count_step(model: HydraModel, x: torch.Tensor, y: torch.Tensor, autocast: bool) -> dict:
-    def ctx():
-        return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False) if autocast else \
-            contextlib.nullcontext()
+def autocast_context(autocast: bool):
+    """The same context for the warm-up and the profiled step: Dynamo guards on the autocast state (a
+    disabled ``torch.autocast`` differs from none in its cache flag), and a recompile inside the profiled
+    step would count the tracing's ops."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False) if autocast else \
+        contextlib.nullcontext()
 
+
+def count_step(model: HydraModel, x: torch.Tensor, y: torch.Tensor, autocast: bool) -> dict:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        with torch.profiler.record_function("PHASE_forward"), ctx():
+        with torch.profiler.record_function("PHASE_forward"), autocast_context(autocast):
             out = model(x, targets=y)
         with torch.profiler.record_function("PHASE_backward"):
             out["loss"].backward()
@@ -98,7 +102,7 @@ def main() -> None:
     x = torch.randint(0, args.vocab, (args.batch, args.seq_len))
     y = torch.randint(0, args.vocab, (args.batch, args.seq_len))
     for _ in range(3):  # warm-up (compilation), and gradients that exist
-        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, enabled=args.bf16):
+        with autocast_context(args.bf16):
             out = model(x, targets=y)
         out["loss"].backward()
     res = count_step(model, x, y, args.bf16)
