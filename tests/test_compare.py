@@ -11,7 +11,7 @@ import pytest
 from hydra_lm.cli import main
 from hydra_lm.diagnostics.compare import plan_compare
 from hydra_lm.diagnostics.compare_runs import parse_budget, planned_flops
-from hydra_lm.diagnostics.compare_results import lr_sweep
+from hydra_lm.diagnostics.compare_results import lr_extensions, lr_sweep
 from hydra_lm.diagnostics.report import _own_optimizers
 from hydra_lm.diagnostics.scaling import fit_power_law
 from hydra_lm.diagnostics.variants import parameter_count, parse_custom_variant
@@ -109,6 +109,8 @@ def test_compare_refuses_bad_requests_with_one_line(tiny_data, tmp_path, capsys)
         (["--budget", "tokens=1k", "--lrs", "1e-3", "1e-3"], "distinct learning rates > 0"),
         (["--budget", "tokens=1k", "--lrs", "0"], "distinct learning rates > 0"),
         (["--budget", "tokens=1k", "--lrs", "1e-3", "--variant", "slow:lr=1e-4"], "slow sets lr itself"),
+        (["--budget", "tokens=1k", "--lr_extend", "1"], "with --lrs"),
+        (["--budget", "tokens=1k", "--lrs", "1e-3", "--lr_extend", "-1"], "rounds >= 0"),
         (["--budget", "tokens=1k", "--gpus", "0"], "at least 1"),
         (["--budget", "tokens=1k", "--gpus", "2"], "this machine has 0 CUDA GPU(s)"),
     ]
@@ -199,6 +201,38 @@ def test_lr_sweep_marks_a_best_inside_the_grid_as_settled():
     assert sweep["dense"]["best_at_edge"] is None  # one learning rate: nothing to extend
 
 
+def test_lr_extensions_step_past_the_end_a_best_sits_at_by_the_grids_ratio_there():
+    def entry(lrs, edge):
+        return {"lrs": lrs, "best_at_edge": edge}
+
+    sweep = {"hydra": entry([6e-4, 1.5e-3, 3e-3], "largest"), "dense": entry([1e-3, 3e-3], "smallest"),
+             "d3": entry([6e-4, 1.5e-3, 3e-3], None), "one": entry([1e-3], None)}
+    assert lr_extensions(sweep) == {"hydra": 6e-3, "dense": pytest.approx(3.33e-4)}
+
+
+@pytest.mark.slow
+def test_lr_extend_trains_past_the_grids_end_until_the_best_is_bracketed_and_resumes_as_done(tiny_data, tmp_path,
+                                                                                             capsys):
+    out = tmp_path / "cmp"
+    args = ("--budget", "tokens=1k", "--variants", "hydra", "--evals", "1", "--lrs", "1e-4", "1e-3",
+            "--lr_extend", "1")
+    assert compare(tiny_data, out, *args) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    first = {lr: results["variants"][f"hydra.lr{lr:g}"]["final"]["val_loss_causal"] for lr in (1e-4, 1e-3)}
+    # One step past whichever end won the first round, at the grid's ratio (10x).
+    beyond = 1e-2 if first[1e-3] < first[1e-4] else 1e-5
+    assert f"hydra -> {beyond:g}" in printed
+    sweep = results["lr_sweep"]["hydra"]
+    assert sweep["lrs"] == sorted([1e-4, 1e-3, beyond])
+    assert results["variants"][f"hydra.lr{beyond:g}"]["lr"] == beyond
+    at_edge = sweep["best_lr"] in (min(sweep["lrs"]), max(sweep["lrs"]))
+    assert any("extend the grid" in w for w in results["warnings"]) == at_edge  # one round only: may remain
+    assert compare(tiny_data, out, *args) == 0  # the same command again: both rounds' runs are done
+    again = capsys.readouterr().out
+    assert "compare: training" not in again and again.count("not retrained") == 2 + 3
+
+
 @pytest.mark.slow
 def test_gpus_train_the_runs_in_parallel_workers_with_the_sequential_results(tiny_data, tmp_path, monkeypatch,
                                                                             capsys):
@@ -258,7 +292,7 @@ def test_a_gpu_workers_failed_run_leaves_its_traceback_in_its_log_and_the_next_r
     for name in ("good", "bad", "last", None):
         queue.put(name)
     log = tmp_path / "compare.gpu0.log"
-    worker = context.Process(target=cmp._gpu_worker, args=(0, "0", 1, queue, (None,) * 9, str(log)))
+    worker = context.Process(target=cmp._gpu_worker, args=(0, "0", 1, queue, (None,) * 10, str(log)))
     worker.start()
     worker.join(60)
     assert worker.exitcode == 1

@@ -74,7 +74,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     cli = cli_values(args, args.model_overrides)
     shared = {**file_values, **cli, "model": {**file_values.get("model", {}), **cli.get("model", {})}}
     return run_compare(shared.get("data"), shared.get("out"), args.budget, args.variants, args.custom_variants,
-                       args.evals, shared, args.seeds, args.gpus, args.lrs)
+                       args.evals, shared, args.seeds, args.gpus, args.lrs, args.lr_extend)
 
 
 def _cmd_scaling(args: argparse.Namespace) -> int:
@@ -197,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--lrs", type=float, nargs="+", default=None, metavar="LR",
                          help="train every variant once per peak learning rate (runs/NAME.lrX; instead of --lr) "
                               "and report each one's best: a fair ranking takes every model at its best LR")
+    compare.add_argument("--lr_extend", type=int, default=0, metavar="N",
+                         help="with --lrs: up to N more rounds; after each, every variant whose best LR is the "
+                              "smallest or largest of its grid trains once more one grid step beyond it")
     compare.add_argument("--gpus", type=int, default=1, metavar="N",
                          help="train N runs at a time, one per CUDA GPU of this host (each logs to "
                               "OUT/compare.gpuI.log); default 1: one after another")

@@ -7,7 +7,8 @@ number of steps differs where the budget is FLOPs or seconds. With ``--seeds S1 
 variant trains once per seed (``OUT/runs/NAME.seedS``; each seed sets model init and data order for
 every variant alike) and the report adds each variant's mean and spread over the seeds. With ``--lrs
 LR1 LR2 ...`` every variant trains once per peak learning rate (``NAME.lrX``) and the report gives
-each one's best, flagging a best at an end of the grid. A finished
+each one's best, flagging a best at an end of the grid; ``--lr_extend N`` then trains up to N more
+rounds, each taking every variant whose best is at an end one grid step beyond it. A finished
 variant leaves ``compare.json`` in its run directory, so running the command again skips it; an
 interrupted one resumes from its checkpoints (the trainer does that by itself).
 
@@ -35,7 +36,7 @@ from ..train.optim import check_optimizer_device
 from ..train.data_io import open_data
 from ..train.options import TrainConfig, resolve
 from ..train.run import build_model_config, pick_device
-from .compare_results import collect_results
+from .compare_results import collect_results, lr_extensions
 from .compare_runs import (Budget, ComparePlan, VariantRun, finished_marker, parse_budget, steps_for_flops,
                            write_marker)
 from .variants import DEFAULT_VARIANTS, parse_custom_variant, resolve_variants, sweep_learning_rates
@@ -51,11 +52,13 @@ OWNED = {"arch": "variants choose the architecture (e.g. --variant deep:arch=den
 
 def run_compare(data: str | None, out: str | None, budget: str, variant_names: list[str] | None,
                 custom_specs: list[str] | None, evals: int, shared: dict[str, Any],
-                seeds: list[int] | None = None, gpus: int = 1, lrs: list[float] | None = None) -> int:
+                seeds: list[int] | None = None, gpus: int = 1, lrs: list[float] | None = None,
+                lr_extend: int = 0) -> int:
     """Train what is missing, then write OUT/results.json, OUT/report.md and the plots.
     ``shared``: trainer settings (TrainConfig keys) applied to every variant; ``seeds``: train each
     variant once per seed; ``gpus``: train that many runs at a time, one per CUDA GPU of this host;
-    ``lrs``: train each variant once per peak learning rate."""
+    ``lrs``: train each variant once per peak learning rate; ``lr_extend``: then up to that many rounds
+    that extend a variant's grid past the end its best learning rate sits at."""
     from .plots import write_compare_plots
     from .report import format_lr_table, format_seed_table, format_table, write_report
 
@@ -64,14 +67,27 @@ def run_compare(data: str | None, out: str | None, budget: str, variant_names: l
                          "--gpus N trains N of them at a time, one per GPU")
     if gpus < 1:
         raise ValueError(f"--gpus {gpus}: give the number of GPUs to train on at a time, at least 1")
-    request = (data, out, budget, variant_names, custom_specs, evals, shared, seeds, lrs)
-    plan = plan_compare(data, out, parse_budget(budget), variant_names, custom_specs, evals, shared, seeds, lrs)
-    if gpus > 1:
-        code = train_on_gpus(plan, request, gpus)
-    else:
-        code = train_runs(plan, [run.name for run in plan.runs])
-    if code == 130:
-        return code
+    if lr_extend < 0 or (lr_extend and lrs is None):
+        raise ValueError(f"--lr_extend {lr_extend}: give a number of rounds >= 0, with --lrs (the grid it extends)")
+    extra_lrs: dict[str, list[float]] = {}
+    for round_ in range(lr_extend + 1):
+        # Re-running the command repeats the same rounds: their runs are finished and skipped.
+        request = (data, out, budget, variant_names, custom_specs, evals, shared, seeds, lrs, extra_lrs)
+        plan = plan_compare(data, out, parse_budget(budget), variant_names, custom_specs, evals, shared, seeds, lrs,
+                            extra_lrs)
+        if gpus > 1:
+            code = train_on_gpus(plan, request, gpus)
+        else:
+            code = train_runs(plan, [run.name for run in plan.runs])
+        if code == 130:
+            return code
+        more = lr_extensions(collect_results(plan).get("lr_sweep", {})) if round_ < lr_extend else {}
+        if not more:
+            break
+        steps = ", ".join(f"{name} -> {lr:g}" for name, lr in more.items())
+        print(f"compare: extending the learning-rate grid (round {round_ + 1} of {lr_extend}): {steps}", flush=True)
+        for name, lr in more.items():
+            extra_lrs.setdefault(name, []).append(lr)
     out_dir = plan.out
     results = collect_results(plan)
     write_text_atomic(out_dir / RESULTS, json.dumps(results, indent=1))
@@ -185,8 +201,9 @@ def _gpu_worker(gpu: int, device: str, threads: int, queue, request: tuple, log:
         os.dup2(stream.fileno(), 2)
         print(f"compare: worker of GPU {gpu} (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}, "
               f"{torch.get_num_threads()} CPU threads, {inductor_config.compile_threads} compile threads)", flush=True)
-        data, out, budget, variant_names, custom_specs, evals, shared, seeds, lrs = request
-        plan = plan_compare(data, out, parse_budget(budget), variant_names, custom_specs, evals, shared, seeds, lrs)
+        data, out, budget, variant_names, custom_specs, evals, shared, seeds, lrs, extra_lrs = request
+        plan = plan_compare(data, out, parse_budget(budget), variant_names, custom_specs, evals, shared, seeds, lrs,
+                            extra_lrs)
         failed = []
         while (name := queue.get()) is not None:
             try:
@@ -204,8 +221,10 @@ def _gpu_worker(gpu: int, device: str, threads: int, queue, request: tuple, log:
 
 def plan_compare(data: str | None, out: str | None, budget: Budget, variant_names: list[str] | None,
                  custom_specs: list[str] | None, evals: int, shared: dict[str, Any],
-                 seeds: list[int] | None = None, lrs: list[float] | None = None) -> ComparePlan:
-    """Check the request and work out every variant's trainer settings (nothing is trained here)."""
+                 seeds: list[int] | None = None, lrs: list[float] | None = None,
+                 extra_lrs: dict[str, list[float]] | None = None) -> ComparePlan:
+    """Check the request and work out every variant's trainer settings (nothing is trained here).
+    ``extra_lrs``: learning rates that ``--lr_extend`` added to a variant's ``lrs``."""
     if lrs is not None and shared.get("lr") is not None:
         raise ValueError("--lr and --lrs: give one of them (--lrs trains every variant once per learning rate)")
     if seeds is not None:
@@ -248,7 +267,7 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
 
     variants = resolve_variants(names, customs, model_config, base.seq_len)
     if lrs is not None:
-        variants = sweep_learning_rates(variants, lrs)
+        variants = sweep_learning_rates(variants, lrs, extra_lrs)
     tokens_per_step = base.batch_size * base.seq_len * base.grad_accum
     out_dir = Path(out).expanduser()
     runs = []

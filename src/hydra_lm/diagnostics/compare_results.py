@@ -64,7 +64,8 @@ def collect_results(plan: ComparePlan) -> dict[str, Any]:
             if sweep["best_at_edge"]:
                 results["warnings"].append(
                     f"{family}: its best learning rate, {sweep['best_lr']:g}, is the {sweep['best_at_edge']} given to "
-                    "--lrs, so a better one may lie beyond it: extend the grid before ranking the variants")
+                    "--lrs, so a better one may lie beyond it: extend the grid (--lr_extend N) before ranking the "
+                    "variants")
     return results
 
 
@@ -89,6 +90,19 @@ def lr_sweep(runs: list[VariantRun], variants: dict[str, Any]) -> dict[str, Any]
             edge = "smallest" if best == grid[0] else "largest" if best == grid[-1] else None
         out[family] = {"lrs": grid, "causal": [means.get(lr) for lr in grid], "best_lr": best,
                        "best_causal": means.get(best), "best_at_edge": edge}
+    return out
+
+
+def lr_extensions(sweep: dict[str, Any]) -> dict[str, float]:
+    """The next learning rate of each variant whose best is at an end of its grid (``lr_sweep``): one step
+    beyond that end at the grid's ratio there, to 3 significant digits (``--lr_extend``)."""
+    out = {}
+    for family, entry in sweep.items():
+        grid, edge = entry["lrs"], entry["best_at_edge"]
+        if edge == "largest":
+            out[family] = float(f"{grid[-1] * grid[-1] / grid[-2]:.3g}")
+        elif edge == "smallest":
+            out[family] = float(f"{grid[0] * grid[0] / grid[1]:.3g}")
     return out
 
 

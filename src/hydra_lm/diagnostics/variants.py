@@ -123,11 +123,13 @@ def resolve_variants(names: list[str], customs: list[Variant],
     return out + list(customs)
 
 
-def sweep_learning_rates(variants: list[Variant], lrs: list[float]) -> list[Variant]:
-    """Each variant once per peak learning rate, named ``NAME.lrX``. One shared learning rate favours
-    whichever model it happens to suit (at one minute on an H100, 2.5x the default helped dense more
-    than HYDRA: benchmarks/BENCHMARKS.md, twenty-first session), so a fair ranking takes each model at
-    its best."""
+def sweep_learning_rates(variants: list[Variant], lrs: list[float],
+                         extra: dict[str, list[float]] | None = None) -> list[Variant]:
+    """Each variant once per peak learning rate, named ``NAME.lrX``, and once more per learning rate
+    ``extra`` adds to it (``--lr_extend``). One shared learning rate favours whichever model it happens to
+    suit (at one minute on an H100, 2.5x the default helped dense more than HYDRA; with each at its best,
+    the ranking of MoD only and dense turned: benchmarks/BENCHMARKS.md, twenty-first and twenty-second
+    sessions), so a fair ranking takes each model at its best."""
     if not lrs or len(set(lrs)) != len(lrs) or not all(math.isfinite(lr) and lr > 0 for lr in lrs):
         raise ValueError(f"--lrs {' '.join(f'{lr:g}' for lr in lrs)}: give distinct learning rates > 0 "
                          "(e.g. --lrs 6e-4 1.5e-3 3e-3)")
@@ -135,8 +137,10 @@ def sweep_learning_rates(variants: list[Variant], lrs: list[float]) -> list[Vari
         if "lr" in v.train:
             raise ValueError(f"--lrs sets every variant's learning rate and variant {v.name} sets lr itself: "
                              "drop one of them")
+    extra = extra or {}
     return [replace(v, name=f"{v.name}.lr{lr:g}", description=f"{v.description}; learning rate {lr:g}",
-                    train={**v.train, "lr": lr}, swept_from=v.name) for v in variants for lr in sorted(lrs)]
+                    train={**v.train, "lr": lr}, swept_from=v.name)
+            for v in variants for lr in sorted({*lrs, *extra.get(v.name, [])})]
 
 
 def parameter_count(cfg: HydraConfig) -> int:
