@@ -8,8 +8,9 @@
 #   bash benchmarks/device_compare.sh start DATA OUT [compare flags...]   # detached; queued behind others
 #   bash benchmarks/device_compare.sh poll OUT [SECONDS]                  # progress; packs OUT into $OUT
 #
-# start: returns at once. The study waits for any study started before it on this host (one lock, so
-#   studies never share the GPUs or the host), then, when DATA holds no prepared corpus, builds one from
+# start: returns at once. The study waits for every study started before it on this host (a ticket per
+#   start, taken in order under one lock, so studies never share the GPUs or the host and run in the
+#   order they were started), then, when DATA holds no prepared corpus, builds one from
 #   the machine's source code (python_source_corpus.sh DATA 900 code: ~218M tokens on the device image,
 #   2 minutes), then runs the compare. Several starts in one call queue several studies in order.
 # poll: prints each run's last training and evaluation lines, waits up to SECONDS (default 0) for the
@@ -19,25 +20,32 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 lock=${TMPDIR:-/tmp}/hydra_device_compare.lock
+tickets=${TMPDIR:-/tmp}/hydra_device_compare.tickets
 cmd=${1:?usage: device_compare.sh start DATA OUT [compare flags...] | poll OUT [SECONDS]}
 shift
 case "$cmd" in
   start)
     data=${1:?start needs DATA}; out=${2:?start needs OUT}
-    mkdir -p "$(dirname "$out")"
-    setsid nohup flock "$lock" bash "$here/device_compare.sh" run "$@" >"$out.log" 2>&1 < /dev/null &
+    mkdir -p "$(dirname "$out")" "$tickets"
+    # A waiting flock is not first come, first served: the tickets keep the order of the starts.
+    ticket=$(date +%s%N); touch "$tickets/$ticket"
+    setsid nohup bash "$here/device_compare.sh" run "$ticket" "$@" >"$out.log" 2>&1 < /dev/null &
     echo "study queued (pid $!): log $out.log; poll with: bash $0 poll $out SECONDS"
     ;;
-  run)  # what start runs under the lock
-    data=$1; out=$2; shift 2
+  run)  # what start runs: waits for its turn, then holds the lock while it runs
+    ticket=$1; data=$2; out=$3; shift 3
+    exec 9>"$lock"
+    while flock 9 && [ "$(ls "$tickets" | sort -n | head -1)" != "$ticket" ]; do flock -u 9; sleep 2; done
+    trap 'rm -f "$tickets/$ticket"' EXIT
+    trap 'exit 143' INT TERM
     [ -f "$data/meta.json" ] || bash "$here/python_source_corpus.sh" "$data" 900 code
     mkdir -p "$out"
-    exec python -m hydra_lm compare --data "$data" --out "$out" "$@"
+    python -m hydra_lm compare --data "$data" --out "$out" "$@"
     ;;
   poll)
     out=${1:?poll needs OUT}; wait_s=${2:-0}
     # queued (waiting for the lock), preparing data, or training
-    running() { pgrep -f -- "(device_compare.sh run [^ ]+|compare --data [^ ]+ --out) $out( |$)" >/dev/null; }
+    running() { pgrep -f -- "(device_compare.sh run [0-9]+ [^ ]+|compare --data [^ ]+ --out) $out( |$)" >/dev/null; }
     end=$((SECONDS + wait_s))
     while running && [ "$SECONDS" -lt "$end" ]; do sleep 5; done
     for log in "$out"/runs/*/train.log; do
