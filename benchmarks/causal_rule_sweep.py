@@ -5,6 +5,12 @@ causal against top-k. Evaluation only: the trained weights and calibrated thresh
 - ``--rank_prior``: the rank rule's threshold weight (``routing.RANK_PRIOR``, in pseudo-candidates). A
   larger weight lets the calibrated threshold decide for longer into each document (the executed share
   follows the capacity more closely); a smaller one lets each token's rank among earlier ones decide sooner.
+- ``--capacity_prior K``: the threshold weighs ``K (1 - c) / c`` pseudo-candidates at a router's capacity c
+  instead of one weight for all (K = 36.6 gives 256 at capacity 0.125, 37 at 0.5, 12 at 0.75): the
+  rank of a candidate among N earlier ones estimates the capacity quantile with a relative error of
+  about sqrt((1 - c) / (c N)), so equal trust in the ranks at every capacity needs N in proportion to
+  (1 - c) / c. On the 100M grid a light weight raised agreement at capacity 0.5-0.75 and broke
+  capacity 0.125 (benchmarks/BENCHMARKS.md, twenty-second session); this tries both at once.
 - ``--decode_batch B``: also decode with each ``--rank_prior`` (prompts of ``--decode_len`` validation tokens,
   as many greedy one-token steps, ``diagnostics.bench.decode_tokens_per_s``): tokens/s and routed units run
   per step, what the rule costs in generation.
@@ -15,7 +21,7 @@ causal against top-k. Evaluation only: the trained weights and calibrated thresh
   the threshold. The agreement column is measured in the top-k pass at the unscaled capacity.
 
     PYTHONPATH=src python benchmarks/causal_rule_sweep.py --run RUN_DIR [RUN_DIR ...] [--rank_prior 16 64 512] \\
-        [--match_share 2] [--eval_batches 16] [--decode_batch 8 --decode_len 64]
+        [--capacity_prior 36.6] [--match_share 2] [--eval_batches 16] [--decode_batch 8 --decode_len 64]
 """
 
 from __future__ import annotations
@@ -41,10 +47,21 @@ def row(label: str, r: dict) -> str:
             f"{r.get('val_exec_frac_causal', NAN):.4f} / {r.get('val_exec_frac_topk', NAN):.4f}")
 
 
+def capacity_weighted(decision, k: float):
+    """``routing.rank_decision`` with the threshold's weight set from each call's capacity (evaluation and
+    decoding here run eagerly, so the module constant can change between calls)."""
+    def decide(s, above, count, capacity, threshold):
+        routing.RANK_PRIOR = k * (1 - capacity) / capacity
+        return decision(s, above, count, capacity, threshold)
+    return decide
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", required=True, nargs="+", help="run directories with checkpoints (each in turn)")
     ap.add_argument("--rank_prior", type=float, nargs="+", default=[routing.RANK_PRIOR])
+    ap.add_argument("--capacity_prior", type=float, nargs="*", default=[],
+                    help="also the threshold weighed as K (1 - c) / c pseudo-candidates at capacity c, per K")
     ap.add_argument("--match_share", type=int, default=0, help="rounds of per-router share matching (oracle)")
     ap.add_argument("--eval_batches", type=int, default=16)
     ap.add_argument("--device", default="auto")
@@ -57,7 +74,7 @@ def main() -> None:
 
 
 def sweep(run: str, args: argparse.Namespace) -> None:
-    prior, capacities = routing.RANK_PRIOR, RecursiveBlock.depth_capacities
+    prior, capacities, decision = routing.RANK_PRIOR, RecursiveBlock.depth_capacities, routing.rank_decision
     scale: dict[str, float] = {}
 
     def scaled_capacities(block: RecursiveBlock) -> list[float]:
@@ -87,6 +104,10 @@ def sweep(run: str, args: argparse.Namespace) -> None:
             routing.RANK_PRIOR = value
             result = evaluate()
             print(row(f"rank_prior {value:g}", result) + decode(), flush=True)
+        for k in args.capacity_prior:
+            routing.rank_decision = capacity_weighted(decision, k)
+            print(row(f"capacity_prior {k:g}", evaluate()) + decode(), flush=True)
+            routing.rank_decision, routing.RANK_PRIOR = decision, prior
         RecursiveBlock.depth_capacities = scaled_capacities
         for round_ in range(1, args.match_share + 1):
             for name, r in result.get("routing", {}).items():  # e.g. "block3.mod0": block3, depth 0
@@ -97,7 +118,7 @@ def sweep(run: str, args: argparse.Namespace) -> None:
             result = evaluate()
             print(row(f"share matched, round {round_}", result), flush=True)
     finally:
-        routing.RANK_PRIOR, RecursiveBlock.depth_capacities = prior, capacities
+        routing.RANK_PRIOR, RecursiveBlock.depth_capacities, routing.rank_decision = prior, capacities, decision
 
 
 if __name__ == "__main__":
