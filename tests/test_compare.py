@@ -468,15 +468,19 @@ def test_the_report_reads_off_the_time_and_compute_a_routed_variant_took_to_reac
         return {"arch": arch, "status": "finished", "seed": seed, "evals": evals, "train_s": points[-1][0],
                 "executed_flops": 10.0 * points[-1][0], "final": {"val_loss_causal": points[-1][1]}}
     evals = run("hydra", [(0, 9.0), (60, 1.8), (120, 1.5)])["evals"]
-    assert first_reach(evals, "train_s", 1.6) == pytest.approx(60 + (1.8 - 1.6) / (1.8 - 1.5) * 60)  # 100 s
-    assert first_reach(evals, "train_s", 9.5) == 0 and first_reach(evals, "train_s", 1.4) is None
+    assert first_reach(evals, "train_s", 1.6) == (pytest.approx(60 + (1.8 - 1.6) / (1.8 - 1.5) * 60), False)  # 100 s
+    assert first_reach(evals, "train_s", 9.5) == (0, False) and first_reach(evals, "train_s", 1.4) is None
+    # Without an evaluation at the start, one at the end only bounds when the loss was reached.
+    assert first_reach(evals[1:], "train_s", 2.0) == (60, True)
     results = {"variants": {"hydra": run("hydra", [(0, 9.0), (60, 1.8), (120, 1.5)]),
                             "slow": run("hydra", [(0, 9.0), (60, 2.5), (120, 2.0)]),
                             "dense": run("dense", [(0, 9.0), (60, 2.0), (120, 1.6)]),
-                            "dense.seed1": run("dense", [(0, 9.0), (120, 1.0)], seed=1)}}
+                            "dense.seed1": run("dense", [(0, 9.0), (120, 1.0)], seed=1),
+                            "once": run("hydra", [(120, 1.2)])}}
     rows = reach_rows(results)  # routed variants against the dense runs of their own seed only
     assert rows == [("hydra", "dense", "1.6000", "100.0", "0.83", "1e+03", "0.83"),
-                    ("slow", "dense", "1.6000", "not reached", "-", "not reached", "-")]
+                    ("slow", "dense", "1.6000", "not reached", "-", "not reached", "-"),
+                    ("once", "dense", "1.6000", "<= 120.0", "<= 1.00", "<= 1.2e+03", "<= 1.00")]
 
 
 def test_a_run_whose_throughput_wavered_is_flagged_as_unfair_to_a_seconds_budget():

@@ -103,18 +103,19 @@ def format_lr_table(results: dict[str, Any]) -> str:
     return _text_table(lr_columns(results), lr_rows(results))
 
 
-def first_reach(evals: list[dict[str, Any]], key: str, target: float) -> float | None:
+def first_reach(evals: list[dict[str, Any]], key: str, target: float) -> tuple[float, bool] | None:
     """The ``key`` ("train_s" or "flops") at which a run's causal validation loss first reached ``target``,
-    linearly interpolated between the two evaluations around the crossing; None if it never did."""
+    linearly interpolated between the two evaluations around the crossing, and whether that is only an upper
+    bound (reached by a first evaluation after the start, e.g. one evaluation per run); None if never."""
     points = sorted((p[key], p["val_loss_causal"]) for p in evals
                     if p.get(key) is not None and p.get("val_loss_causal") is not None)
     before = None
     for x, loss in points:
         if loss <= target:
             if before is None:
-                return x
+                return x, x > 0
             x0, loss0 = before
-            return x0 + (loss0 - target) / (loss0 - loss) * (x - x0)
+            return x0 + (loss0 - target) / (loss0 - loss) * (x - x0), False
         before = (x, loss)
     return None
 
@@ -141,8 +142,11 @@ def reach_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
             row = [name, dname, f"{target:.4f}"]
             for key, total, spec in (("train_s", d["train_s"], ".1f"), ("flops", d["executed_flops"], ".3g")):
                 reached = first_reach(v["evals"], key, target)
-                row += ["not reached" if reached is None else format(reached, spec),
-                        _num(None if reached is None or not total else reached / total, ".2f")]
+                if reached is None:
+                    row += ["not reached", "-"]
+                    continue
+                at, bound = reached[0], "<= " if reached[1] else ""
+                row += [bound + format(at, spec), bound + _num(at / total if total else None, ".2f")]
             rows.append(tuple(row))
     return rows
 
@@ -193,7 +197,8 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
                   "first reached a dense variant's final one, linearly interpolated between its evaluations, and "
                   "their ratios to what the dense run spent. The routed run is read before the end of its own "
                   "schedule: a run given only that budget would decay its learning rate sooner and likely get there "
-                  "earlier, so the ratios tend to overstate what it needs.", "",
+                  "earlier, so the ratios tend to overstate what it needs. \"<=\": reached by its first "
+                  "evaluation, so only bounded (evaluate more often: --evals).", "",
                   *_markdown_table(REACH_COLUMNS, reach), ""]
     if results.get("across_seeds"):
         margin = seed_margin(results)
