@@ -333,6 +333,27 @@ def test_flops_budget_and_dense_depths_match_what_they_promise(tiny_data, tmp_pa
         assert off(dense.n_layers) <= min(off(n) for n in (dense.n_layers - 1, dense.n_layers + 1) if n >= 1)
 
 
+@pytest.mark.parametrize("budget", ["tokens=1280", "flops=2e10", "seconds=60"])
+def test_a_variants_budget_scale_trains_it_for_that_share_of_the_budget(tiny_data, tmp_path, budget):
+    shared = {"model_size": "debug", "device": "cpu", "batch_size": 4, "seq_len": 32,
+              "model": {"dim": 64, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden": 128}}
+    plan = plan_compare(str(tiny_data), str(tmp_path / "cmp"), parse_budget(budget), ["hydra"],
+                        ["h07:budget_scale=0.7", "d3:arch=dense,n_layers=3,budget_scale=0.5"], 4, shared)
+    full, h07, d3 = plan.runs
+    assert (h07.model_cfg, h07.variant.budget_scale, d3.model_cfg.n_layers) == (full.model_cfg, 0.7, 3)
+    if budget.startswith("seconds"):  # the schedule runs to 70% of the seconds
+        assert (h07.values["time_budget_s"], d3.values["time_budget_s"]) == (pytest.approx(42), pytest.approx(30))
+        assert h07.values["max_steps"] == full.values["max_steps"]
+    elif budget.startswith("tokens"):  # 10 steps of 128 tokens; 70% of them, rounded up
+        assert (full.values["max_steps"], h07.values["max_steps"]) == (10, 7)
+    else:  # the fewest steps whose executed FLOPs reach 70% of the budget
+        steps = h07.values["max_steps"]
+        assert planned_flops(h07.model_cfg, plan.base, steps, 128) >= 0.7 * 2e10
+        assert planned_flops(h07.model_cfg, plan.base, steps - 1, 128) < 0.7 * 2e10 < 2e10
+    with pytest.raises(ValueError, match="budget_scale=0 must be a number in"):
+        parse_custom_variant("z:budget_scale=0")
+
+
 def test_custom_variant_sets_the_routing_curriculum_and_its_flops(tiny_data, tmp_path):
     shared = {"model_size": "debug", "device": "cpu", "batch_size": 4, "seq_len": 32,
               "model": {"dim": 64, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden": 128}}

@@ -279,13 +279,14 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
                       on_cuda)
         values = {**shared, **pinned, "lr": own.lr, "min_lr": own.min_lr, **v.train, "data": str(info.path),
                   "arch": v.arch, "model": {**base.model, **{k: x for k, x in v.overrides.items() if k != "arch"}}}
+        share = budget.value * v.budget_scale
         if budget.kind == "seconds":
             steps = shared.get("max_steps") or SECONDS_CLOCK_STEPS
-            values["time_budget_s"] = budget.value
+            values["time_budget_s"] = share
         elif budget.kind == "tokens":
-            steps = math.ceil(budget.value / tokens_per_step)
+            steps = math.ceil(share / tokens_per_step)
         else:
-            steps = steps_for_flops(budget.value, model_cfg, base.replace(**v.train), tokens_per_step)
+            steps = steps_for_flops(share, model_cfg, base.replace(**v.train), tokens_per_step)
         values["max_steps"] = steps
         # Rounded up: the last of the evals falls on the run's end (the trainer always evaluates there),
         # not one step before it (1000 steps // 3 = 333 evaluated at 999 and again at 1000).

@@ -149,6 +149,7 @@ def variant_results(run: VariantRun, seq_len: int, tokens_per_step: int, out_dir
     gap = final["gap"] if final else None
     entry = {
         "variant": run.variant.name, "seed": run.values.get("seed"), "swept_from": run.variant.swept_from,
+        "budget_scale": run.variant.budget_scale,
         "description": run.variant.description, "arch": run.variant.arch, "overrides": run.variant.overrides,
         "run_dir": os.path.relpath(run.run_dir, out_dir), "status": marker.get("status", "unfinished"),
         "params": parameter_count(run.model_cfg),

@@ -37,6 +37,9 @@ OPTIMIZER_FIELDS = ("optimizer", "lr", "min_lr", "adamw_lr", "weight_decay")
 # The matmuls' precision likewise (bf16 against float8 at one budget).
 PRECISION_FIELDS = ("experimental_fp8", "fp8_format", "fp8_min_tokens")
 TRAIN_FIELDS = CURRICULUM_FIELDS + OPTIMIZER_FIELDS + PRECISION_FIELDS
+# A variant's share of the shared budget (budget_scale=0.7: 70% of the seconds, tokens or FLOPs), so
+# "reaches the other's loss in 0.7x its time" is one run trained, schedule and all, to that budget.
+BUDGET_SCALE = "budget_scale"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -47,6 +50,7 @@ class Variant:
     description: str = ""
     train: dict[str, Any] = field(default_factory=dict)  # TRAIN_FIELDS of the trainer
     swept_from: str | None = None  # --lrs: the variant this is one learning rate of
+    budget_scale: float = 1.0  # its share of the shared budget
 
     @property
     def arch(self) -> str:
@@ -65,13 +69,20 @@ def parse_custom_variant(spec: str) -> Variant:
         raise ValueError(f"--variant {spec!r}: {name} is a built-in variant; give the custom one another name")
     overrides: dict[str, Any] = {}
     train: dict[str, Any] = {}
+    scale = 1.0
     for item in filter(None, (part.strip() for part in body.split(","))):
         key, eq, raw = item.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"--variant {spec!r}: {item!r} is not field=value")
         key = key.strip()
+        if key == BUDGET_SCALE:
+            scale = parse_value(raw.strip())
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 100:
+                raise ValueError(f"--variant {name}: budget_scale={raw.strip()} must be a number in (0, 100], the "
+                                 "variant's share of the budget (e.g. budget_scale=0.7)")
+            continue
         (train if key in TRAIN_FIELDS else overrides)[key] = parse_value(raw.strip())
-    if not overrides and not train:
+    if not overrides and not train and scale == 1.0:
         raise ValueError(f"--variant {spec!r}: no field=value given; to train the preset as is use --variants hydra")
     try:
         check_keys(overrides)
@@ -80,8 +91,9 @@ def parse_custom_variant(spec: str) -> Variant:
                          f"{', '.join(CURRICULUM_FIELDS)}, the optimizer settings {', '.join(OPTIMIZER_FIELDS)}, "
                          f"or the precision settings {', '.join(PRECISION_FIELDS)})"
                          ) from None
-    described = {**overrides, **train}
-    return Variant(name, overrides, "custom: " + ", ".join(f"{k}={v}" for k, v in described.items()), train)
+    described = {**overrides, **train, **({BUDGET_SCALE: scale} if scale != 1.0 else {})}
+    return Variant(name, overrides, "custom: " + ", ".join(f"{k}={v}" for k, v in described.items()), train,
+                   budget_scale=float(scale))
 
 
 def resolve_variants(names: list[str], customs: list[Variant],
