@@ -352,6 +352,10 @@ def test_a_variants_budget_scale_trains_it_for_that_share_of_the_budget(tiny_dat
         assert planned_flops(h07.model_cfg, plan.base, steps - 1, 128) < 0.7 * 2e10 < 2e10
     with pytest.raises(ValueError, match="budget_scale=0 must be a number in"):
         parse_custom_variant("z:budget_scale=0")
+    from hydra_lm.diagnostics.report import _own_budgets  # the report's header names them
+    variants = {f"h07.seed{s}": {"variant": "h07", "budget_scale": 0.7} for s in (0, 1)}
+    variants["hydra"] = {"variant": "hydra", "budget_scale": 1.0}
+    assert _own_budgets({"variants": variants}) == " A share of the budget of their own: h07 x0.7."
 
 
 def test_custom_variant_sets_the_routing_curriculum_and_its_flops(tiny_data, tmp_path):

@@ -166,6 +166,13 @@ def _own_optimizers(results: dict[str, Any]) -> str:
     return f" Optimizer and learning rate of their own: {'; '.join(own)}." if own else ""
 
 
+def _own_budgets(results: dict[str, Any]) -> str:
+    """The variants trained for a share of the budget (``budget_scale``)."""
+    own = dict.fromkeys(f"{v.get('variant', name)} x{v['budget_scale']:g}" for name, v in results["variants"].items()
+                        if v.get("budget_scale", 1.0) != 1.0)
+    return f" A share of the budget of their own: {', '.join(own)}." if own else ""
+
+
 def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None:
     s, budget = results["settings"], results["budget"]
     spacing = (f"every 1/{s['evals']} of the training-time budget" if budget["kind"] == "seconds"
@@ -179,7 +186,7 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
         f"{s['model_size']}, batch {s['batch_size']} x {s['seq_len']} tokens x accumulation {s['grad_accum']} "
         f"({s['tokens_per_step']:,} tokens/step), learning rate {s['lr']:g} -> {s['min_lr']:g} ({s['schedule']}), "
         f"{seeds}" + (f", model overrides {s['model_overrides']}" if s["model_overrides"] else "") + "."
-        + _own_optimizers(results),
+        + _own_optimizers(results) + _own_budgets(results),
         f"Validation loss is measured at the start, {spacing}, and at the end, with causal routing (what "
         "generation does) and top-k routing (teacher-forced). Executed FLOPs count the tokens each routed unit "
         "really processes, following the routing curriculum; training seconds exclude evaluation, checkpoints "
