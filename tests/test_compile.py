@@ -120,3 +120,33 @@ def test_compile_units_matches_eager_with_few_graphs():
     # two loss-chunk sizes (64 = 24 + 24 + 16)
     assert compiled_graphs(run_unit) == 1 and compiled_graphs(routed_selection) == 1
     assert first == 4 and counter.frame_count == first
+
+
+@pytest.mark.slow
+def test_one_token_units_share_the_dynamic_unit_graph():
+    """A geometric schedule whose deep depths keep one token per row (4 / 1 / 1 of 32, like the 100M
+    preset's 128/16/2/1 of 1,024): those units run padded with a copy of the entry, so no graph is
+    compiled for one token, in training or in top-k evaluation, and loss and gradients equal eager's."""
+    torch._dynamo.reset()
+    routing = dict(mod_every=2, mod_capacity=0.125, mor_capacity=0.125, mor_capacity_schedule="geometric")
+    model, reference = tiny_model(**routing).train(), tiny_model(**routing).train()
+    assert 1 in model.tokens_per_unit(32).values()
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_units(model, backend=counter)
+    doc = torch.tensor([[0] * 20 + [1] * 12] * 2)
+    for seed in (1, 2):
+        ids, targets = _batch(seed)
+        out, ref = model(ids, targets=targets, doc_ids=doc), reference(ids, targets=targets, doc_ids=doc)
+        out["loss"].backward()
+        ref["loss"].backward()
+        torch.testing.assert_close(out["loss"], ref["loss"])
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert compiled_graphs(run_unit) == 1
+    with torch.no_grad():
+        model.eval(), reference.eval()
+        torch.testing.assert_close(model(ids, doc_ids=doc, routing="topk")["logits"],
+                                   reference(ids, doc_ids=doc, routing="topk")["logits"])
+    assert compiled_graphs(run_unit) == 2, "evaluation adds one graph without gradients, not one per size"

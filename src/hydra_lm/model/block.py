@@ -94,6 +94,22 @@ def _admitted_prefix(sel: Selection) -> Selection:
     return Selection(cut(sel.order), cut(sel.weight), cut(sel.valid), sel.aux_loss, sel.stats)
 
 
+def _run_compiled_unit(unit, layers, xc, rec, pos, rope, valid, doc, weight):
+    """A compiled ``run_unit`` on the unit's entries. One entry per row (the deepest depth of a geometric
+    schedule, e.g. the 100M preset's 128/16/2/1) would make Dynamo compile the unit again, forward and
+    backward, for that size alone (it specialises sizes 0 and 1): a copy of each row's entry follows it
+    instead, and only the first entry's result is kept. Causal attention, convs and value shift never let
+    an entry read a later one, so the kept result is the unpadded one and the copy's gradient is zero."""
+    if xc.shape[1] != 1:
+        return unit(layers, xc, rec, pos, rope, None, valid, doc, weight)
+
+    def pad(t):
+        return None if t is None else torch.cat([t, t], 1)
+
+    valid2 = None if valid is None else torch.cat([valid, torch.zeros_like(valid)], 1)
+    return unit(layers, pad(xc), rec, pad(pos), rope, None, valid2, pad(doc), pad(weight))[:, :1]
+
+
 class RecursiveBlock(nn.Module):
     """A stack of layers recursed ``len(depth_fractions)`` times on routed tokens.
 
@@ -234,13 +250,13 @@ class RecursiveBlock(nn.Module):
 
             rec = None if recs is None else recs[j]
             weight = None if sel is None else sel.weight
-            unit = run_unit
             if self.compiled_unit is not None and caches is None:
-                unit = self.compiled_unit
                 if weight is None:  # weight 1, exactly, and like a gate's: every unit shares one graph
                     weight = xc.new_ones(xc.shape[:2], dtype=torch.float32, requires_grad=torch.is_grad_enabled())
-            xc = unit(self.layers, xc, rec, pc, rope, None if caches is None else caches[j], vc, doc, weight,
-                      self.layer_regions)
+                xc = _run_compiled_unit(self.compiled_unit, self.layers, xc, rec, pc, rope, vc, doc, weight)
+            else:
+                xc = run_unit(self.layers, xc, rec, pc, rope, None if caches is None else caches[j], vc, doc, weight,
+                              self.layer_regions)
 
         for parent, order in reversed(parents):
             xc = parent.scatter(1, order[..., None].expand(-1, -1, dim), xc)
