@@ -123,10 +123,10 @@ def test_compile_units_matches_eager_with_few_graphs():
 
 
 @pytest.mark.slow
-def test_one_token_units_share_the_dynamic_unit_graph():
+def test_one_token_units_and_evaluation_share_the_dynamic_unit_graphs():
     """A geometric schedule whose deep depths keep one token per row (4 / 1 / 1 of 32, like the 100M
     preset's 128/16/2/1 of 1,024): those units run padded with a copy of the entry, so no graph is
-    compiled for one token, in training or in top-k evaluation, and loss and gradients equal eager's."""
+    compiled for one token, and loss, gradients and evaluation logits equal eager's."""
     torch._dynamo.reset()
     routing = dict(mod_every=2, mod_capacity=0.125, mor_capacity=0.125, mor_capacity_schedule="geometric")
     model, reference = tiny_model(**routing).train(), tiny_model(**routing).train()
@@ -147,6 +147,8 @@ def test_one_token_units_share_the_dynamic_unit_graph():
     assert compiled_graphs(run_unit) == 1
     with torch.no_grad():
         model.eval(), reference.eval()
-        torch.testing.assert_close(model(ids, doc_ids=doc, routing="topk")["logits"],
-                                   reference(ids, doc_ids=doc, routing="topk")["logits"])
-    assert compiled_graphs(run_unit) == 2, "evaluation adds one graph without gradients, not one per size"
+        for mode in ("causal", "topk"):
+            torch.testing.assert_close(model(ids, doc_ids=doc, routing=mode)["logits"],
+                                       reference(ids, doc_ids=doc, routing=mode)["logits"])
+    assert compiled_graphs(run_unit) == 2, ("evaluation adds one graph without gradients for whole rows and "
+                                            "masked causal entries alike, and none for one token")

@@ -94,6 +94,15 @@ def _admitted_prefix(sel: Selection) -> Selection:
     return Selection(cut(sel.order), cut(sel.weight), cut(sel.valid), sel.aux_loss, sel.stats)
 
 
+def _eval_mask(xc: torch.Tensor, valid: torch.Tensor | None, mode: str = "causal") -> torch.Tensor | None:
+    """What a compiled unit or causal selection takes as ``valid`` without gradients (evaluation): every
+    entry marked when none is masked, the same result as None, so that whole rows and masked causal entries
+    share one graph (None and a tensor are two). Training keeps None: no mask to apply."""
+    if valid is not None or mode != "causal" or torch.is_grad_enabled():
+        return valid
+    return torch.ones(xc.shape[:2], dtype=torch.bool, device=xc.device)
+
+
 def _run_compiled_unit(unit, layers, xc, rec, pos, rope, valid, doc, weight):
     """A compiled ``run_unit`` on the unit's entries. One entry per row (the deepest depth of a geometric
     schedule, e.g. the 100M preset's 128/16/2/1) would make Dynamo compile the unit again, forward and
@@ -107,7 +116,8 @@ def _run_compiled_unit(unit, layers, xc, rec, pos, rope, valid, doc, weight):
         return None if t is None else torch.cat([t, t], 1)
 
     valid2 = None if valid is None else torch.cat([valid, torch.zeros_like(valid)], 1)
-    return unit(layers, pad(xc), rec, pad(pos), rope, None, valid2, pad(doc), pad(weight))[:, :1]
+    # contiguous: a later router's compiled selection guards on its input's strides
+    return unit(layers, pad(xc), rec, pad(pos), rope, None, valid2, pad(doc), pad(weight))[:, :1].contiguous()
 
 
 class RecursiveBlock(nn.Module):
@@ -224,8 +234,8 @@ class RecursiveBlock(nn.Module):
                     sel = router.select(xc, vc, counts[j], mode, seq_len, depth=j, decision=decision, state=state,
                                         capacity=capacity, doc=doc, pos=pc)
                 else:
-                    sel = Selection(*select(router, xc, vc, counts[j], mode, seq_len, j, decision, state, capacity,
-                                            doc, pc))
+                    sel = Selection(*select(router, xc, _eval_mask(xc, vc, mode), counts[j], mode, seq_len, j,
+                                            decision, state, capacity, doc, pc))
                 if sel.aux_loss is not None:
                     losses[router.kind].append(sel.aux_loss)
             if sel is not None:
@@ -253,7 +263,8 @@ class RecursiveBlock(nn.Module):
             if self.compiled_unit is not None and caches is None:
                 if weight is None:  # weight 1, exactly, and like a gate's: every unit shares one graph
                     weight = xc.new_ones(xc.shape[:2], dtype=torch.float32, requires_grad=torch.is_grad_enabled())
-                xc = _run_compiled_unit(self.compiled_unit, self.layers, xc, rec, pc, rope, vc, doc, weight)
+                xc = _run_compiled_unit(self.compiled_unit, self.layers, xc, rec, pc, rope, _eval_mask(xc, vc), doc,
+                                        weight)
             else:
                 xc = run_unit(self.layers, xc, rec, pc, rope, None if caches is None else caches[j], vc, doc, weight,
                               self.layer_regions)

@@ -155,10 +155,10 @@ def compile_units(model, **kwargs):
         # against a size threshold, which would compile the unit a second time.
         kwargs["options"] = {"triton.mix_order_reduction": False, **kwargs.get("options", {})}
     # Python floats (norm eps) as constants: traced as symbols they make Dynamo restart the whole
-    # analysis of the unit. Units of one token per row run padded to two (block._run_compiled_unit), but
-    # evaluation (no gradients, masked causal entries) and the routers' one-of-one choices add graphs:
-    # past Dynamo's default 8 graphs per function the fullgraph compile would fail, so the limit is
-    # raised as for the decode unit.
+    # analysis of the unit. Units of one token per row run padded to two (block._run_compiled_unit) and
+    # evaluation passes masks alike (block._eval_mask), but evaluation (no gradients), each routing mode
+    # and the routers' one-of-two choices still add graphs: past Dynamo's default 8 graphs per function
+    # the fullgraph compile would fail, so the limit is raised as for the decode unit.
     patch = torch._dynamo.config.patch(specialize_float=True, recompile_limit=64)
     unit = patch(torch.compile(run_unit, **kwargs))
     # The routers' selections likewise: eager, each is a few dozen kernels of a few microseconds (top-k,
