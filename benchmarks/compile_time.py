@@ -4,6 +4,7 @@
     python benchmarks/compile_time.py --model_size 100M --scope regions   # layers as nested regions (use_layer_regions)
     python benchmarks/compile_time.py --model_size 100M --scope units     # compile_policy.compile_units (CUDA default)
     python benchmarks/compile_time.py --scope regions --backend aot_eager --cprofile 40   # front end only, profiled
+    python benchmarks/compile_time.py --scope units --batch_size 2 --seq_len 1024 --eval   # + first evaluation
 
 Dynamo tracing, AOT autograd and inductor's scheduling do not depend on the device, so a CPU run
 shows the front-end cost; code generation differs (C++ on CPU, Triton on CUDA).
@@ -34,6 +35,8 @@ def main() -> None:
     p.add_argument("--backend", default="inductor", help="aot_eager: Dynamo + AOT autograd only, no code generation")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="profile the first (compiling) forward with cProfile; print the top N by cumulative time")
+    p.add_argument("--eval", action="store_true",
+                   help="then evaluate as the trainer does (no gradients, causal and top-k routing) three times")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -64,6 +67,17 @@ def main() -> None:
         t2 = time.perf_counter()
         print(f"call {call}: forward {t1 - t0:.1f} s, backward {t2 - t1:.1f} s", flush=True)
     print(f"unique graphs: {counters['stats']['unique_graphs']}")
+    if args.eval:
+        model.eval()
+        for call in range(3):
+            t0 = time.perf_counter()
+            with torch.no_grad(), torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=cuda):
+                for mode in ("causal", "topk"):
+                    step(ids, targets=torch.roll(ids, -1, 1), routing=mode)
+            if cuda:
+                torch.cuda.synchronize()
+            print(f"evaluation {call} (causal + top-k): {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"unique graphs after evaluation: {counters['stats']['unique_graphs']}")
     print(compile_times(repr="str", aggregate=True))
 
 
