@@ -94,11 +94,11 @@ def _admitted_prefix(sel: Selection) -> Selection:
     return Selection(cut(sel.order), cut(sel.weight), cut(sel.valid), sel.aux_loss, sel.stats)
 
 
-def _eval_mask(xc: torch.Tensor, valid: torch.Tensor | None, mode: str = "causal") -> torch.Tensor | None:
+def _eval_mask(xc: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor | None:
     """What a compiled unit or causal selection takes as ``valid`` without gradients (evaluation): every
     entry marked when none is masked, the same result as None, so that whole rows and masked causal entries
     share one graph (None and a tensor are two). Training keeps None: no mask to apply."""
-    if valid is not None or mode != "causal" or torch.is_grad_enabled():
+    if valid is not None or torch.is_grad_enabled():
         return valid
     return torch.ones(xc.shape[:2], dtype=torch.bool, device=xc.device)
 
@@ -234,8 +234,9 @@ class RecursiveBlock(nn.Module):
                     sel = router.select(xc, vc, counts[j], mode, seq_len, depth=j, decision=decision, state=state,
                                         capacity=capacity, doc=doc, pos=pc)
                 else:
-                    sel = Selection(*select(router, xc, _eval_mask(xc, vc, mode), counts[j], mode, seq_len, j,
-                                            decision, state, capacity, doc, pc))
+                    valid = _eval_mask(xc, vc) if mode == "causal" else vc
+                    sel = Selection(*select(router, xc, valid, counts[j], mode, seq_len, j, decision, state,
+                                            capacity, doc, pc))
                 if sel.aux_loss is not None:
                     losses[router.kind].append(sel.aux_loss)
             if sel is not None:
