@@ -17,6 +17,13 @@ def _batch(seed):
     return ids, torch.roll(ids, -1, 1)
 
 
+def _assert_same_gradients(model, reference):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 @pytest.mark.parametrize("overrides", [{}, {"mor_routing": "token"}, {"static_routing_mode": True}],
                          ids=["expert_choice", "token_choice", "static"])
 @pytest.mark.slow
@@ -82,10 +89,7 @@ def test_layer_regions_trace_each_unit_size_once_and_match_eager():
     ref = reference(ids, targets=targets)
     ref["loss"].backward()
     torch.testing.assert_close(out["loss"], ref["loss"])
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert (p.grad is None) == (q.grad is None), name
-        if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    _assert_same_gradients(model, reference)
     graph = counter.graphs[0].graph
     regions = [n.target for n in graph.nodes if n.op == "get_attr" and str(n.target).startswith("subgraph")]
     sizes = set(model.tokens_per_unit(ids.shape[1]).values())
@@ -112,10 +116,7 @@ def test_compile_units_matches_eager_with_few_graphs():
         torch.testing.assert_close(out["loss"], ref["loss"])
         if seed == 1:
             first = counter.frame_count
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert (p.grad is None) == (q.grad is None), name
-        if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    _assert_same_gradients(model, reference)
     # one unit graph for gated and ungated units of every size, one selection graph for every router,
     # two loss-chunk sizes (64 = 24 + 24 + 16)
     assert compiled_graphs(run_unit) == 1 and compiled_graphs(routed_selection) == 1
@@ -140,10 +141,7 @@ def test_one_token_units_and_evaluation_share_the_dynamic_unit_graphs():
         out["loss"].backward()
         ref["loss"].backward()
         torch.testing.assert_close(out["loss"], ref["loss"])
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert (p.grad is None) == (q.grad is None), name
-        if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    _assert_same_gradients(model, reference)
     assert compiled_graphs(run_unit) == 1
     with torch.no_grad():
         model.eval(), reference.eval()
