@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
 import time
 
 import torch
@@ -35,6 +36,8 @@ def main() -> None:
     p.add_argument("--backend", default="inductor", help="aot_eager: Dynamo + AOT autograd only, no code generation")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="profile the first (compiling) forward with cProfile; print the top N by cumulative time")
+    p.add_argument("--steps", type=int, default=1, metavar="N",
+                   help="compiled steps timed after the first (compiling) one; their median is printed")
     p.add_argument("--eval", action="store_true",
                    help="then evaluate as the trainer does (no gradients, causal and top-k routing) three times")
     args = p.parse_args()
@@ -50,7 +53,8 @@ def main() -> None:
         step = torch.compile(model, fullgraph=True, backend=args.backend)
     ids = torch.randint(0, 50257, (args.batch_size, args.seq_len), device=args.device)
     cuda = ids.device.type == "cuda"
-    for call in range(2):
+    steady = []
+    for call in range(1 + args.steps):
         t0 = time.perf_counter()
         profiler = cProfile.Profile() if args.cprofile and call == 0 else None
         with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=cuda):  # the graph training compiles
@@ -66,6 +70,9 @@ def main() -> None:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
         print(f"call {call}: forward {t1 - t0:.1f} s, backward {t2 - t1:.1f} s", flush=True)
+        if call:
+            steady.append(t2 - t0)
+    print(f"median of the {len(steady)} compiled steps after the first: {statistics.median(steady):.3f} s")
     print(f"unique graphs: {counters['stats']['unique_graphs']}")
     if args.eval:
         model.eval()
