@@ -13,6 +13,8 @@ not a measurement of anything a GPU does).
     python benchmarks/unit_cost.py --model_size 100M --batch_size 16 --seq_len 1024
     python benchmarks/unit_cost.py --model_size 100M --batch_size 64 --seq_len 1024 --tokens_per_row 1 2 16 128 1024
     python benchmarks/unit_cost.py --model_size 1B --fp8_min_tokens 0   # every call in float8 (H100)
+    python benchmarks/unit_cost.py --batch_size 64 --tokens_per_row 1024 --kernels 25   # where a unit's time goes
+    python benchmarks/unit_cost.py --batch_size 64 --tokens_per_row 1024 --kernels 25 --model arch=dense   # dense
 
 ``--fp8_min_tokens N`` converts the unit's layers as ``--experimental_fp8`` does: where float8 starts to pay
 is where the bf16 and float8 times of the same token count cross.
@@ -59,8 +61,9 @@ def unit_step(model: HydraModel, batch: int, n: int, device: torch.device, docum
     return step
 
 
-def time_step(step, device: torch.device, repeats: int) -> tuple[float, int | None]:
-    """Median seconds of one call, and on CUDA the kernels of one replay."""
+def time_step(step, device: torch.device, repeats: int) -> tuple[float, int | None, list]:
+    """Median seconds of one call, and on CUDA the kernels of one replay and their times: (name, total
+    microseconds, launches) per kernel name, longest first."""
     if device.type != "cuda":
         step()
         times = []
@@ -68,7 +71,7 @@ def time_step(step, device: torch.device, repeats: int) -> tuple[float, int | No
             t = time.perf_counter()
             step()
             times.append(time.perf_counter() - t)
-        return statistics.median(times), None
+        return statistics.median(times), None, []
     graphed = GraphedStep(step, warmup=3)
     for _ in range(5):
         graphed()
@@ -85,8 +88,14 @@ def time_step(step, device: torch.device, repeats: int) -> tuple[float, int | No
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         graphed()
         torch.cuda.synchronize()
-    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return statistics.median(times), kernels or None  # 0: the profiler saw no kernels inside the replay
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list] = {}
+    for e in events:
+        entry = by_name.setdefault(e.name, [0.0, 0])
+        entry[0] += e.time_range.elapsed_us()
+        entry[1] += 1
+    table = sorted(((name, us, n) for name, (us, n) in by_name.items()), key=lambda row: -row[1])
+    return statistics.median(times), len(events) or None, table  # None: the profiler saw no kernels in the replay
 
 
 def main() -> None:
@@ -102,6 +111,8 @@ def main() -> None:
                    help="float8 layers (torchao, e4m3) on calls of at least this many tokens; default bf16 only")
     p.add_argument("--fp8_mlp_only", action="store_true",
                    help="with --fp8_min_tokens: the attention projections stay bf16 (their gate set out of reach)")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="on CUDA: print the N longest kernels of one replay at the largest --tokens_per_row")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="HydraConfig overrides, e.g. dim=256 n_heads=2 n_kv_heads=1 for a quick CPU check")
@@ -121,11 +132,18 @@ def main() -> None:
 
     rows = []
     for n in sorted(set(args.tokens_per_row)):
-        seconds, kernels = time_step(unit_step(model, args.batch_size, n, device, not args.no_documents), device,
-                                     args.repeats)
+        seconds, kernels, table = time_step(unit_step(model, args.batch_size, n, device, not args.no_documents),
+                                            device, args.repeats)
         rows.append((n, seconds, kernels))
         print(f"{n:>6} tokens/row ({args.batch_size * n:>7,} tokens): {seconds * 1e3:8.3f} ms forward + backward"
               + (f", {kernels} kernels" if kernels is not None else ""), flush=True)
+
+    if args.kernels and table:
+        total = sum(us for _, us, _ in table)
+        print(f"the {args.kernels} longest kernels of one replay at {n} tokens/row "
+              f"({total / 1e3:.3f} ms of kernel time):")
+        for name, us, count in table[:args.kernels]:
+            print(f"  {us / 1e3:8.3f} ms {us / total:6.1%} x{count:<4} {name[:110]}")
 
     # Least squares on (tokens, seconds): the intercept is the fixed cost of a unit.
     xs = [args.batch_size * n for n, _, _ in rows]
