@@ -15,6 +15,7 @@ not a measurement of anything a GPU does).
     python benchmarks/unit_cost.py --model_size 1B --fp8_min_tokens 0   # every call in float8 (H100)
     python benchmarks/unit_cost.py --batch_size 64 --tokens_per_row 1024 --kernels 25   # where a unit's time goes
     python benchmarks/unit_cost.py --batch_size 64 --tokens_per_row 1024 --kernels 25 --model arch=dense   # dense
+    python benchmarks/unit_cost.py --inductor combo_kernels=True   # an inductor option's effect on the fixed cost
 
 ``--fp8_min_tokens N`` converts the unit's layers as ``--experimental_fp8`` does: where float8 starts to pay
 is where the bf16 and float8 times of the same token count cross.
@@ -111,6 +112,8 @@ def main() -> None:
                    help="float8 layers (torchao, e4m3) on calls of at least this many tokens; default bf16 only")
     p.add_argument("--fp8_mlp_only", action="store_true",
                    help="with --fp8_min_tokens: the attention projections stay bf16 (their gate set out of reach)")
+    p.add_argument("--inductor", nargs="*", default=[], metavar="OPTION=VALUE",
+                   help="inductor options added to the trainer's for the unit's compile, e.g. combo_kernels=True")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="on CUDA: print the N longest kernels of one replay at the largest --tokens_per_row")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -128,7 +131,8 @@ def main() -> None:
             for name, module in model.named_modules():
                 if hasattr(module, "min_tokens") and ".mlp." not in name:
                     module.min_tokens = 1 << 40
-    compile_units(model)
+    options = {key: parse_value(value) for key, value in (item.split("=", 1) for item in args.inductor)}
+    compile_units(model, **({"options": options} if options else {}))
 
     rows = []
     for n in sorted(set(args.tokens_per_row)):
