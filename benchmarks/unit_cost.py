@@ -121,7 +121,10 @@ def main() -> None:
                    help="HydraConfig overrides, e.g. dim=256 n_heads=2 n_kv_heads=1 for a quick CPU check")
     args = p.parse_args()
 
-    overrides = {key: parse_value(value) for key, value in (item.split("=", 1) for item in args.model)}
+    def settings(items: list[str]) -> dict:
+        return {key: parse_value(value) for key, value in (item.split("=", 1) for item in items)}
+
+    overrides = settings(args.model)
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = HydraModel(preset_config(args.model_size, max_seq_len=max(args.seq_len, 64), **overrides)).to(device)
@@ -131,7 +134,7 @@ def main() -> None:
             for name, module in model.named_modules():
                 if hasattr(module, "min_tokens") and ".mlp." not in name:
                     module.min_tokens = 1 << 40
-    options = {key: parse_value(value) for key, value in (item.split("=", 1) for item in args.inductor)}
+    options = settings(args.inductor)
     compile_units(model, **({"options": options} if options else {}))
 
     rows = []
