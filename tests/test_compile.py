@@ -143,6 +143,7 @@ def test_one_token_units_and_evaluation_share_the_dynamic_unit_graphs():
         torch.testing.assert_close(out["loss"], ref["loss"])
     _assert_same_gradients(model, reference)
     assert compiled_graphs(run_unit) == 1
+    selections = compiled_graphs(routed_selection)
     with torch.no_grad():
         model.eval(), reference.eval()
         for mode in ("causal", "topk"):
@@ -150,3 +151,4 @@ def test_one_token_units_and_evaluation_share_the_dynamic_unit_graphs():
                                        reference(ids, doc_ids=doc, routing=mode)["logits"])
     assert compiled_graphs(run_unit) == 2, ("evaluation adds one graph without gradients for whole rows and "
                                             "masked causal entries alike, and none for one token")
+    assert compiled_graphs(routed_selection) == selections  # evaluation's selections run eager

@@ -218,7 +218,9 @@ class RecursiveBlock(nn.Module):
         decision = None  # per-entry routing state a router decided on entry (Router.enter)
 
         routers = self.all_routers()
-        select = self.compiled_select if caches is None else None
+        # Without gradients (evaluation) the selections run eager: each routing mode's compiled selection is a
+        # graph of its own to compile at the first evaluation, for kernels that take a small share of its time.
+        select = self.compiled_select if caches is None and torch.is_grad_enabled() else None
         gates = {j: r for r in routers for j in r.depths}
         # One view per depth from one op: backward stacks the depths' gradients once, where indexing per
         # depth would write each into a zeroed [R, E] tensor and add the R of them.
