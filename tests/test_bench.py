@@ -27,6 +27,7 @@ def test_bench_reports_training_and_inference_for_both_archs(tmp_path, capsys):
     assert code == 0
     text = capsys.readouterr().out
     assert "hydra" in text and "dense" in text and "decode 3 after 3 prompt tokens, tok/s: batch 1 " in text
+    assert "inference: prefill " in text and " tok/s (8 x 32) | decode" in text
     report = json.loads(out.read_text())
     assert [r["arch"] for r in report["rows"]] == ["hydra", "dense"]
     for row in report["rows"]:
@@ -34,6 +35,7 @@ def test_bench_reports_training_and_inference_for_both_archs(tmp_path, capsys):
         assert row["decode_tokens_per_s_batch32"] > 0 and row["kv_cache_bytes_per_token"]["allocated"] > 0
         assert row["decode_cuda_graph"] is False and row["decode_tokens_per_s_batch1"] > 0 and row["decode_len"] == 3
         assert row["decode_compiled"] is False  # CPU default: the eager step
+        assert row["prefill_tokens_per_s"] > 0 and row["prefill_len"] == 32
         assert "decode_tokens_per_s_batch8" not in row
         # the dense model runs every layer; HYDRA's step skips the routed units no token enters
         units = [row[f"decode_units_per_step_batch{b}"] for b in (1, 32)]
@@ -247,3 +249,23 @@ def test_decode_rate_counts_only_the_steady_one_token_steps(monkeypatch):
     assert 4 / 0.02 < rate <= 4 / 0.01 and units == 3 and reads == 2
     # prefill, two warm-up steps, then each timed run of 8 steps after a prefill of its own
     assert steps == [8] + [1] * 2 + ([8] + [1] * 8) * 2
+
+
+def test_the_prefill_rate_times_generates_prefill_into_a_fresh_cache(monkeypatch):
+    """The bench's prefill is what ``generate`` runs, ``forward_cached`` from position 0 into a cache of the
+    prompt's length that every call finds zeroed (not a plain forward, which writes no cache): one warm-up,
+    then the timed calls."""
+    from hydra_lm.diagnostics import bench
+
+    model = hydra_lm.create_model("debug", vocab_size=512, max_seq_len=64).eval()
+    calls = []
+
+    def forward_cached(ids, start, caches):
+        k = caches[0][0][0].k
+        calls.append((tuple(ids.shape), start, k.shape[2], bool(k.eq(0).all())))
+        k.fill_(1.0)
+        return torch.zeros(ids.shape[0], 512)
+
+    monkeypatch.setattr(model, "forward_cached", forward_cached)
+    rate = bench.prefill_tokens_per_s(model, torch.zeros(8, 16, dtype=torch.long), torch.device("cpu"), repeats=3)
+    assert rate > 0 and calls == [((8, 16), 0, 16, True)] * 4
