@@ -72,7 +72,8 @@ def main() -> None:
         print(f"call {call}: forward {t1 - t0:.1f} s, backward {t2 - t1:.1f} s", flush=True)
         if call:
             steady.append(t2 - t0)
-    print(f"median of the {len(steady)} compiled steps after the first: {statistics.median(steady):.3f} s")
+    if steady:
+        print(f"median of the {len(steady)} compiled steps after the first: {statistics.median(steady):.3f} s")
     print(f"unique graphs: {counters['stats']['unique_graphs']}")
     if args.eval:
         model.eval()
