@@ -127,3 +127,26 @@ def test_flex_gets_the_autocast_dtype_like_sdpa(monkeypatch):
         out = tiny_model(doc_mask_backend="flex").eval()(ids, doc_ids=doc)["logits"].float()
     assert seen and all(s == {torch.bfloat16} for s in seen)
     torch.testing.assert_close(out, ref, rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("overrides", [{"arch": "dense", "n_layers": 3, "n_heads": 4, "n_kv_heads": 2},
+                                       {"mod_every": 2, "recursions": 1, "n_blocks": 4}], ids=["dense", "mod_only"])
+def test_the_dense_mask_is_built_once_per_set_of_entries(overrides, monkeypatch):
+    # Every attention over the whole row reads the one mask built by the forward; a routed unit's compacted
+    # entries get one mask of their own, built from their gathered documents.
+    built, used = [], []
+    dense_doc_mask, sdpa = da.dense_doc_mask, F.scaled_dot_product_attention
+    monkeypatch.setattr(da, "dense_doc_mask", lambda doc: built.append(doc.clone()) or dense_doc_mask(doc))
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, attn_mask=None, **kw: used.append(attn_mask) or sdpa(*a, attn_mask=attn_mask, **kw))
+    ids = torch.randint(0, TINY["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(4))
+    doc = torch.tensor([[0] * 13 + [1] * 20 + [2] * 15, [0] * 40 + [1] * 8])
+    tiny_model(**overrides).train()(ids, targets=torch.roll(ids, -1, 1), doc_ids=doc)
+    masks = {id(m): m for m in used}
+    assert all(m is not None for m in used) and len(masks) == len(built)
+    full = [m for m in masks.values() if m.shape[-1] == 48]
+    assert len(full) == 1 and sum(m is full[0] for m in used) == (3 if overrides.get("arch") == "dense" else 2)
+    assert torch.equal(built[0], doc)
+    for m, d in zip(masks.values(), built):  # each mask allows what dense_doc_mask of its entries allows
+        torch.testing.assert_close(m == 0, dense_doc_mask(d), rtol=0, atol=0)
+        assert m.dtype == torch.float32 and torch.isneginf(m[m != 0]).all()

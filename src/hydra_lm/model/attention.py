@@ -20,7 +20,7 @@ from torch import nn
 
 from ..config import ATTENTION_BACKENDS
 from .attention_backend import flexible_attention
-from .doc_attention import doc_causal_attention
+from .doc_attention import Documents, doc_causal_attention
 from .layers import RotaryEmbedding, apply_rotary
 
 
@@ -66,13 +66,13 @@ def _same_doc(doc: torch.Tensor, s: int) -> torch.Tensor:
     return doc == (doc if s == 0 else F.pad(doc, (s, 0), value=-1)[:, : doc.shape[1]])
 
 
-def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor | None,
-                   backend: str = "auto", doc_backend: str = "auto") -> torch.Tensor:
-    """Causal attention over the whole (compacted) row; with ``doc`` [B, N], only within a document.
-    ``backend`` / ``doc_backend``: ``HydraConfig.attention_backend`` / ``HydraConfig.doc_mask_backend``."""
+def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: Documents | None,
+                   backend: str = "auto") -> torch.Tensor:
+    """Causal attention over the whole (compacted) row; with ``doc``, the entries' documents, only within
+    a document. ``backend``: ``HydraConfig.attention_backend``."""
     if doc is None:
         return flexible_attention(q, k, v, is_causal=True, backend=backend)
-    return doc_causal_attention(q, k, v, doc, doc_backend)
+    return doc_causal_attention(q, k, v, doc)
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
@@ -109,10 +109,10 @@ class CCGQAttention(nn.Module):
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, conv_seq_kernel: int = 3,
                  conv_ch_kernel: int = 2, qk_mean: bool = True, value_shift: bool = True, eps: float = 1e-6,
-                 backend: str = "auto", doc_backend: str = "auto"):
+                 backend: str = "auto"):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.backend, self.doc_backend = backend, doc_backend  # HydraConfig.attention_backend / doc_mask_backend
+        self.backend = backend  # HydraConfig.attention_backend
         self.q_dim, self.kv_dim = n_heads * head_dim, n_kv_heads * head_dim
         self.qk_mean, self.value_shift, self.eps = qk_mean, value_shift, eps
         self.v_prev_dim = self.kv_dim // 2 if value_shift else 0
@@ -135,9 +135,10 @@ class CCGQAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding,
                 cache: AttentionCache | None = None, valid: torch.Tensor | None = None,
-                doc: torch.Tensor | None = None) -> torch.Tensor:
+                doc: Documents | None = None) -> torch.Tensor:
         b, n, _ = x.shape
         h_q, h_k, d = self.n_heads, self.n_kv_heads, self.head_dim
+        ids = None if doc is None else doc.ids
         q0, k0, v_now, v_prev = self.qkv(x).split(
             [self.q_dim, self.kv_dim, self.kv_dim - self.v_prev_dim, self.v_prev_dim], dim=-1)
         qk = torch.cat((q0, k0), dim=-1)
@@ -145,10 +146,10 @@ class CCGQAttention(nn.Module):
         # The convs read the cached latents (decode) or zeros (a sequence start); computed before
         # the cache is advanced below.
         history = cache.conv.to(qk.dtype) if cache is not None and doc is None else None
-        conv = self.causal_convs(qk, history, doc)
-        if doc is not None:
+        conv = self.causal_convs(qk, history, ids)
+        if ids is not None:
             if self.value_shift:
-                v_prev = torch.where(_same_doc(doc, 1)[..., None], _shift(v_prev, 1), torch.zeros_like(v_prev))
+                v_prev = torch.where(_same_doc(ids, 1)[..., None], _shift(v_prev, 1), torch.zeros_like(v_prev))
         elif cache is None:
             if self.value_shift:
                 v_prev = _shift(v_prev, 1)
@@ -177,7 +178,7 @@ class CCGQAttention(nn.Module):
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         v = v.reshape(b, n, h_k, d).transpose(1, 2)
         y = cached_attention(q, k, v, pos, valid, cache) if cache is not None else \
-            full_attention(q, k, v, doc, self.backend, self.doc_backend)
+            full_attention(q, k, v, doc, self.backend)
         return self.out(y.transpose(1, 2).reshape(b, n, self.q_dim))
 
     def causal_convs(self, qk: torch.Tensor, history: torch.Tensor | None = None,
@@ -237,11 +238,10 @@ class CCGQAttention(nn.Module):
 class GQAttention(nn.Module):
     """Standard grouped-query attention with RoPE (the dense baseline's attention)."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, backend: str = "auto",
-                 doc_backend: str = "auto"):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, backend: str = "auto"):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.backend, self.doc_backend = backend, doc_backend  # HydraConfig.attention_backend / doc_mask_backend
+        self.backend = backend  # HydraConfig.attention_backend
         self.q_dim, self.kv_dim = n_heads * head_dim, n_kv_heads * head_dim
         self.qkv = nn.Linear(dim, self.q_dim + 2 * self.kv_dim, bias=False)
         self.out = nn.Linear(self.q_dim, dim, bias=False)
@@ -251,7 +251,7 @@ class GQAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding,
                 cache: AttentionCache | None = None, valid: torch.Tensor | None = None,
-                doc: torch.Tensor | None = None) -> torch.Tensor:
+                doc: Documents | None = None) -> torch.Tensor:
         b, n, _ = x.shape
         q, k, v = self.qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         cos, sin = rope(pos, q.dtype)
@@ -259,7 +259,7 @@ class GQAttention(nn.Module):
         k = apply_rotary(k.reshape(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
         v = v.reshape(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         y = cached_attention(q, k, v, pos, valid, cache) if cache is not None else \
-            full_attention(q, k, v, doc, self.backend, self.doc_backend)
+            full_attention(q, k, v, doc, self.backend)
         return self.out(y.transpose(1, 2).reshape(b, n, self.q_dim))
 
 

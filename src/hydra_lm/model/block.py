@@ -14,6 +14,7 @@ from torch import nn
 
 from ..config import HydraConfig
 from .attention import AttentionCache
+from .doc_attention import Documents
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from .routing import Router, Selection, build_routers, pass_through
 
@@ -116,8 +117,9 @@ def _run_compiled_unit(unit, layers, xc, rec, pos, rope, valid, doc, weight):
         return None if t is None else torch.cat([t, t], 1)
 
     valid2 = None if valid is None else torch.cat([valid, torch.zeros_like(valid)], 1)
+    doc2 = None if doc is None else doc.gather(torch.zeros_like(pos).expand(-1, 2))
     # contiguous: a later router's compiled selection guards on its input's strides
-    return unit(layers, pad(xc), rec, pad(pos), rope, None, valid2, pad(doc), pad(weight))[:, :1].contiguous()
+    return unit(layers, pad(xc), rec, pad(pos), rope, None, valid2, doc2, pad(weight))[:, :1].contiguous()
 
 
 class RecursiveBlock(nn.Module):
@@ -201,11 +203,12 @@ class RecursiveBlock(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding, mode: str,
-                caches: list[list[AttentionCache]] | None = None, doc: torch.Tensor | None = None):
+                caches: list[list[AttentionCache]] | None = None, doc: Documents | None = None):
         """Returns (x, {"mod": [losses], "mor": [losses]}, [stats per router]).
 
-        ``doc`` [B, T]: document index of each position; attention, convs and value shift then stay
-        inside a document (gathered along with the positions when tokens are compacted).
+        ``doc``: the documents of the positions (``doc_attention.Documents``); attention, convs and value
+        shift then stay inside a document (gathered along with the positions when tokens are compacted,
+        the mask rebuilt once for each compacted set).
         ``caches``: run the entries as new tokens appended to the units' caches (the prompt's prefill;
         the one-token steps after it run ``decode_step.DecodeStep``)."""
         b, seq_len, dim = x.shape
@@ -227,6 +230,7 @@ class RecursiveBlock(nn.Module):
         recs = None if self.rec_emb is None else self.rec_emb.unbind(0)
         for j in range(self.recursions):
             router, sel = gates.get(j), None
+            ids = None if doc is None else doc.ids
             if router is not None and not self._active(router):
                 sel = pass_through(xc, vc, seq_len)
             elif router is not None:
@@ -234,11 +238,11 @@ class RecursiveBlock(nn.Module):
                 capacity = None if capacities is None else capacities[j]
                 if select is None:
                     sel = router.select(xc, vc, counts[j], mode, seq_len, depth=j, decision=decision, state=state,
-                                        capacity=capacity, doc=doc, pos=pc)
+                                        capacity=capacity, doc=ids, pos=pc)
                 else:
                     valid = _eval_mask(xc, vc) if mode == "causal" else vc
                     sel = Selection(*select(router, xc, valid, counts[j], mode, seq_len, j, decision, state,
-                                            capacity, doc, pc))
+                                            capacity, ids, pc))
                 if sel.aux_loss is not None:
                     losses[router.kind].append(sel.aux_loss)
             if sel is not None:
@@ -249,7 +253,7 @@ class RecursiveBlock(nn.Module):
                     parents.append((xc, sel.order))
                     xc, pc = _gather_rows(xc, sel.order), pc.gather(1, sel.order)
                     if doc is not None:
-                        doc = doc.gather(1, sel.order)
+                        doc = doc.gather(sel.order)
                     if decision is not None:
                         decision = _gather_rows(decision, sel.order)
                 vc = sel.valid

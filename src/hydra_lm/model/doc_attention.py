@@ -3,8 +3,10 @@
 Two ways to compute the same function, chosen per model by ``HydraConfig.doc_mask_backend``
 (``--model.doc_mask_backend`` on the command line):
 
-* ``"sdpa"``: a dense [B, 1, N, N] boolean mask for SDPA. Runs anywhere, but a mask rules out
-  SDPA's flash kernel and costs O(N^2) memory per row;
+* ``"sdpa"``: a dense [B, 1, N, N] additive mask for SDPA, built once per set of entries (``Documents``)
+  and shared by the layers and units that attend over them. Runs anywhere, but a mask rules out SDPA's
+  flash kernel for cuDNN's masked one (2.4x the causal kernel's time on an H100) and costs O(N^2) memory
+  per row;
 * ``"flex"``: FlexAttention with a block-sparse mask derived from the document ids: blocks above
   the diagonal or between different documents are skipped, blocks inside one document run without
   a mask. The batch's rows are laid end to end as one sequence (batch 1) with document ids that
@@ -24,6 +26,8 @@ the entries present, in their order, so "causal" is over the compacted index.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +60,38 @@ def dense_doc_mask(doc: torch.Tensor) -> torch.Tensor:
     n = doc.shape[1]
     causal = torch.ones(n, n, dtype=torch.bool, device=doc.device).tril()
     return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+
+
+class Documents(NamedTuple):
+    """The documents of a row's entries, or of a routed unit's compacted entries: ``ids`` [B, N] and, for
+    the dense-mask backend, ``mask``: SDPA's additive mask [B, 1, N, N] (0 where ``dense_doc_mask`` allows,
+    -inf elsewhere) in the attention's dtype, built once from ``ids`` outside the compiled units, so that
+    every layer and unit attending over the same entries shares it. Built inside each unit's compiled
+    graph (dynamic shapes) it took ~0.7 ms per unit at batch 64 x 1024 on an H100, about 8x the same
+    kernel at static shapes (benchmarks/BENCHMARKS.md, twenty-sixth session). ``mask`` is None for flex."""
+    ids: torch.Tensor
+    mask: torch.Tensor | None
+
+    def gather(self, order: torch.Tensor) -> Documents:
+        """The documents of the entries ``order`` [B, k] picks, their mask rebuilt for them."""
+        return documents(self.ids.gather(1, order), None if self.mask is None else self.mask.dtype)
+
+
+def documents(ids: torch.Tensor, mask_dtype: torch.dtype | None) -> Documents:
+    """``Documents`` of ``ids`` [B, N], with the additive mask in ``mask_dtype`` (None: no mask, flex)."""
+    if mask_dtype is None:
+        return Documents(ids, None)
+    zero = torch.zeros((), dtype=mask_dtype, device=ids.device)
+    return Documents(ids, torch.where(dense_doc_mask(ids), zero, zero - float("inf")))
+
+
+def documents_for(ids: torch.Tensor, backend: str, head_dim: int, dtype: torch.dtype) -> Documents:
+    """``Documents`` of a forward's ``ids`` [B, N] for ``HydraConfig.doc_mask_backend`` ``backend``:
+    the mask in the dtype SDPA will run in (autocast's when it is on, else ``dtype``, the activations')."""
+    if resolve_doc_mask_backend(backend, ids.device, head_dim) != "sdpa":
+        return documents(ids, None)
+    device = ids.device.type
+    return documents(ids, torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else dtype)
 
 
 def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,16 +171,14 @@ def _flex(q: torch.Tensor):
 _compiled_flex = None
 
 
-def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor,
-                         backend: str = "auto") -> torch.Tensor:
-    """Causal attention within documents. q [B, h_q, N, d]; k, v [B, h_k, N, d]; doc [B, N];
-    ``backend``: ``HydraConfig.doc_mask_backend``."""
-    if resolve_doc_mask_backend(backend, q.device, q.shape[-1]) == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_doc_mask(doc),
-                                              enable_gqa=q.shape[1] != k.shape[1])
+def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: Documents) -> torch.Tensor:
+    """Causal attention within documents. q [B, h_q, N, d]; k, v [B, h_k, N, d]; ``doc``: the entries'
+    documents, with the dense mask (SDPA) or without (flex; ``documents_for`` chose)."""
+    if doc.mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=doc.mask, enable_gqa=q.shape[1] != k.shape[1])
     device = q.device.type
     if torch.is_autocast_enabled(device):
         # SDPA casts to the autocast dtype itself; flex does not, and q/k leave the fp32 norms in fp32.
         dtype = torch.get_autocast_dtype(device)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    return _flex_doc_attention(q, k, v, doc)
+    return _flex_doc_attention(q, k, v, doc.ids)

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import HydraConfig
 from .attention import CCGQAttention, GQAttention
 from .decode_step import DecodeStep, decode_compiles
-from .doc_attention import resolve_doc_mask_backend
+from .doc_attention import documents_for
 from .block import RecursiveBlock, TransformerLayer
 from .loss import linear_cross_entropy
 from .layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
@@ -65,12 +65,11 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
     def _build_blocks(cfg: HydraConfig) -> list[RecursiveBlock]:
         def layer() -> TransformerLayer:
             if cfg.arch == "dense":
-                attn = GQAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.attention_backend,
-                                   cfg.doc_mask_backend)
+                attn = GQAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.attention_backend)
             else:
                 attn = CCGQAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.conv_seq_kernel,
                                      cfg.conv_ch_kernel, cfg.qk_mean, cfg.value_shift, cfg.norm_eps,
-                                     cfg.attention_backend, cfg.doc_mask_backend)
+                                     cfg.attention_backend)
             return TransformerLayer(cfg.dim, cfg.mlp_hidden, attn, cfg.norm_eps)
 
         if cfg.arch == "dense":
@@ -138,12 +137,15 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         if t > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.config.max_seq_len}; "
                              "raise HydraConfig.max_seq_len or feed shorter sequences")
-        if doc_ids is not None:  # here, not first inside a compiled unit, where the error would be Dynamo's
-            resolve_doc_mask_backend(self.config.doc_mask_backend, input_ids.device, self.config.head_dim)
         # A tensor of its own, not a view: routed units pass gathered positions (not views) to the
         # same compiled unit, and a view would make its guards differ (compile_policy.compile_units).
         pos = torch.arange(t, device=input_ids.device).repeat(b, 1)
-        x, out = self._trunk(self.embed(input_ids), pos, self.routing_mode(routing), None, doc_ids)
+        x = self.embed(input_ids)
+        # Here, not inside a compiled unit: a bad backend's error is then ours, not Dynamo's, and the
+        # row's mask is built once for every unit that sees the whole row.
+        doc = None if doc_ids is None else documents_for(doc_ids, self.config.doc_mask_backend,
+                                                           self.config.head_dim, x.dtype)
+        x, out = self._trunk(x, pos, self.routing_mode(routing), None, doc)
         ce, logits = self._head(x, targets)
         if logits is not None:
             out["logits"] = logits
