@@ -66,9 +66,9 @@ class Documents(NamedTuple):
     """The documents of a row's entries, or of a routed unit's compacted entries: ``ids`` [B, N] and, for
     the dense-mask backend, ``mask``: SDPA's additive mask [B, 1, N, N] (0 where ``dense_doc_mask`` allows,
     -inf elsewhere) in the attention's dtype, built once from ``ids`` outside the compiled units, so that
-    every layer and unit attending over the same entries shares it. Built inside each unit's compiled
-    graph (dynamic shapes) it took ~0.7 ms per unit at batch 64 x 1024 on an H100, about 8x the same
-    kernel at static shapes (benchmarks/BENCHMARKS.md, twenty-sixth session). ``mask`` is None for flex."""
+    every layer and unit attending over the same entries shares it. Built inside each compiled unit it
+    took ~0.7 ms per unit and step at batch 64 x 1024 on an H100 (the same kernel compiled alone at static
+    shapes: 0.08 ms; benchmarks/BENCHMARKS.md, twenty-sixth session). ``mask`` is None for flex."""
     ids: torch.Tensor
     mask: torch.Tensor | None
 
