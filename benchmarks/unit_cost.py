@@ -32,6 +32,7 @@ import torch
 from hydra_lm.config import preset_config
 from hydra_lm.model.hydra import HydraModel
 from hydra_lm.model.cuda_graphs import GraphedStep
+from hydra_lm.model.doc_attention import documents_for
 from hydra_lm.train.compile_policy import compile_units
 from hydra_lm.train.fp8 import convert_to_fp8
 from hydra_lm.train.flags import parse_value
@@ -47,9 +48,13 @@ def unit_step(model: HydraModel, batch: int, n: int, device: torch.device, docum
     pos = torch.sort(torch.randperm(model.config.max_seq_len, generator=g)[:n]).values.expand(batch, n).to(device)
     weight = torch.rand(batch, n, generator=g).to(device).requires_grad_()
     grad = torch.randn(batch, n, model.config.dim, generator=g).to(device)
-    doc = torch.zeros(batch, n, dtype=torch.long, device=device) if documents else None
     rec = None if block.rec_emb is None else block.rec_emb[min(1, block.recursions - 1)]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda", cache_enabled=False)
+    doc = None
+    if documents:  # built outside the unit, once per set of entries, as the model's forward does
+        with autocast:
+            doc = documents_for(torch.zeros(batch, n, dtype=torch.long, device=device),
+                                model.config.doc_mask_backend, model.config.head_dim, xc.dtype)
 
     wrt = [xc, weight, *block.layers.parameters()]
 
