@@ -16,6 +16,7 @@ not a measurement of anything a GPU does).
     python benchmarks/unit_cost.py --batch_size 64 --tokens_per_row 1024 --kernels 25   # where a unit's time goes
     python benchmarks/unit_cost.py --batch_size 64 --tokens_per_row 1024 --kernels 25 --model arch=dense   # dense
     python benchmarks/unit_cost.py --inductor combo_kernels=True   # an inductor option's effect on the fixed cost
+    python benchmarks/unit_cost.py --dynamic tokens   # only the token count symbolic: model width and batch static
 
 ``--fp8_min_tokens N`` converts the unit's layers as ``--experimental_fp8`` does: where float8 starts to pay
 is where the bf16 and float8 times of the same token count cross.
@@ -38,10 +39,11 @@ from hydra_lm.train.fp8 import convert_to_fp8
 from hydra_lm.train.flags import parse_value
 
 
-def unit_step(model: HydraModel, batch: int, n: int, device: torch.device, documents: bool):
+def unit_step(model: HydraModel, batch: int, n: int, device: torch.device, documents: bool, mark_tokens: bool):
     """Forward + backward of the first block's compiled unit at depth 1 on ``n`` tokens per row, with
     the gate weight and the input needing gradients, as in training (``documents``: with document ids,
-    one document per row, as the trainer passes them by default)."""
+    one document per row, as the trainer passes them by default). ``mark_tokens``: the token dimension of
+    every input marked dynamic (for a unit compiled with ``dynamic=False``)."""
     block = model.blocks[0]
     g = torch.Generator(device="cpu").manual_seed(n)
     xc = torch.randn(batch, n, model.config.dim, generator=g).to(device).requires_grad_()
@@ -56,6 +58,12 @@ def unit_step(model: HydraModel, batch: int, n: int, device: torch.device, docum
             doc = documents_for(torch.zeros(batch, n, dtype=torch.long, device=device),
                                 model.config.doc_mask_backend, model.config.head_dim, xc.dtype)
 
+    if mark_tokens and n > 1:  # Dynamo specialises a size of 1 whatever is marked
+        for t in (xc, pos, weight, *([] if doc is None else [doc.ids])):
+            torch._dynamo.mark_dynamic(t, 1)
+        if doc is not None and doc.mask is not None:
+            torch._dynamo.mark_dynamic(doc.mask, 2)
+            torch._dynamo.mark_dynamic(doc.mask, 3)
     wrt = [xc, weight, *block.layers.parameters()]
 
     def step():
@@ -119,6 +127,9 @@ def main() -> None:
                    help="with --fp8_min_tokens: the attention projections stay bf16 (their gate set out of reach)")
     p.add_argument("--inductor", nargs="*", default=[], metavar="OPTION=VALUE",
                    help="inductor options added to the trainer's for the unit's compile, e.g. combo_kernels=True")
+    p.add_argument("--dynamic", choices=("all", "tokens"), default="all",
+                   help="all: every size symbolic, as compile_units compiles (dynamic=True); tokens: only the "
+                        "token dimension (dynamic=False and mark_dynamic), the model width and batch static")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="on CUDA: print the N longest kernels of one replay at the largest --tokens_per_row")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -140,12 +151,13 @@ def main() -> None:
                 if hasattr(module, "min_tokens") and ".mlp." not in name:
                     module.min_tokens = 1 << 40
     options = settings(args.inductor)
-    compile_units(model, **({"options": options} if options else {}))
+    compile_units(model, **({"options": options} if options else {}),
+                  **({"dynamic": False} if args.dynamic == "tokens" else {}))
 
     rows = []
     for n in sorted(set(args.tokens_per_row)):
-        seconds, kernels, table = time_step(unit_step(model, args.batch_size, n, device, not args.no_documents),
-                                            device, args.repeats)
+        step = unit_step(model, args.batch_size, n, device, not args.no_documents, args.dynamic == "tokens")
+        seconds, kernels, table = time_step(step, device, args.repeats)
         rows.append((n, seconds, kernels))
         print(f"{n:>6} tokens/row ({args.batch_size * n:>7,} tokens): {seconds * 1e3:8.3f} ms forward + backward"
               + (f", {kernels} kernels" if kernels is not None else ""), flush=True)
