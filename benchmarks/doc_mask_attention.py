@@ -31,7 +31,8 @@ def packed_documents(batch: int, n: int, device) -> torch.Tensor:
 
 def varlen(q, k, v, doc):
     """torch.nn.attention.varlen.varlen_attn over the batch's documents as sequences (their count is read
-    on the host, so this path has no fixed shape for CUDA graphs)."""
+    on the host, so this path has no fixed shape for CUDA graphs). Its kernels take as many key/value heads
+    as query heads in torch 2.11 (no GQA argument): the grouped heads are repeated first, and timed."""
     from torch.nn.attention.varlen import varlen_attn
 
     b, h, n, d = q.shape
@@ -40,8 +41,9 @@ def varlen(q, k, v, doc):
     start[1:] = (flat[1:] != flat[:-1]) | (torch.arange(1, b * n, device=doc.device) % n == 0)
     cu = torch.cat([start.nonzero().flatten(), torch.tensor([b * n], device=doc.device)]).to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
-    rows = [t.transpose(1, 2).reshape(b * n, t.shape[1], d) for t in (q, k, v)]
-    out = varlen_attn(*rows, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=True)
+    k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
+    rows = [t.transpose(1, 2).reshape(b * n, h, d) for t in (q, k, v)]
+    out = varlen_attn(*rows, cu, cu, longest, longest, window_size=(-1, 0))
     return out.view(b, n, h, d).transpose(1, 2)
 
 
