@@ -81,3 +81,38 @@ def test_recursion_embedding_gradient_is_the_sum_over_depths_of_indexing_each():
         b.rec_emb = Indexed(b._parameters.pop("rec_emb"))
     model(ids, targets=ids)["loss"].backward()
     assert torch.equal(got, block.rec_emb.rec.grad)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"mod_every": 1, "recursions": 3}], ids=["preset", "every_block_r3"])
+def test_gating_the_gathered_entries_equals_gathering_the_gates_of_all_logits(monkeypatch, overrides):
+    """Top-k routers leave the gate to the block, which takes it of the chosen entries (``entry_gate``):
+    the same loss and gradients as the gate of every candidate's logit gathered, whose backward reaches
+    the residual stream through all N rows."""
+    model = tiny_model(**overrides).double().train()
+    ids = torch.randint(0, model.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(1))
+    routers = [r for b in model.blocks for r in b.all_routers()]
+    assert routers and all(r.gates_entries for r in routers)
+
+    def run():
+        model.zero_grad()
+        out = model(ids, targets=ids)
+        out["loss"].backward()
+        return out["loss"].detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = run()
+    select = ExpertChoiceRouter.select
+
+    def gathered_gates(self, x, valid, k, mode, *args, **kwargs):  # the gate of all N logits, gathered
+        sel = select(self, x, valid, k, mode, *args, **kwargs)
+        if mode == "topk":
+            sel.weight = self.gate(self.logits(x).gather(1, sel.order))
+        return sel
+
+    monkeypatch.setattr(ExpertChoiceRouter, "select", gathered_gates)
+    monkeypatch.setattr(ExpertChoiceRouter, "gates_entries", False)
+    ref_loss, ref_grads = run()
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-12)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+    assert any(n.endswith("proj.weight") and g.abs().sum() > 0 for n, g in grads.items())  # the routers learn

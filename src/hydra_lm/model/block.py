@@ -267,6 +267,8 @@ class RecursiveBlock(nn.Module):
 
             rec = None if recs is None else recs[j]
             weight = None if sel is None else sel.weight
+            if mode == "topk" and router is not None and router.gates_entries and sel.order is not None:
+                weight = router.entry_gate(xc)
             if self.compiled_unit is not None and caches is None:
                 if weight is None:  # weight 1, exactly, and like a gate's: every unit shares one graph
                     weight = xc.new_ones(xc.shape[:2], dtype=torch.float32, requires_grad=torch.is_grad_enabled())

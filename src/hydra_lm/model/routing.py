@@ -83,6 +83,12 @@ class Router(nn.Module):
     kind: str
     depths: tuple[int, ...]
     fixed_k: bool
+    # Top-k selections leave ``weight`` None and the block gates the gathered entries with ``entry_gate``.
+    gates_entries: bool = False
+
+    def entry_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """The gate [B, k] of entries ``x`` [B, k, E] a top-k selection chose (``gates_entries`` routers)."""
+        raise NotImplementedError
 
     def names(self, block: str) -> list[str]:
         return [f"{block}.{self.kind}{j}" for j in self.depths]
@@ -113,6 +119,11 @@ class ExpertChoiceRouter(Router):
     """
 
     fixed_k = True
+    # The language-model loss reaches the router through the gates of the k chosen entries only. Taken
+    # from all N logits and gathered, its backward would write an [B, N, E] input gradient, zero but for
+    # k rows, and add it into the residual stream's (about 1 GB of traffic per MoD router at batch 64 x
+    # 1024); taken of the gathered entries, their gradient joins the gather's own (issue 14).
+    gates_entries = True
 
     def __init__(self, dim: int, depth: int, gate_scale: float = 1.0):
         super().__init__()
@@ -186,9 +197,14 @@ class ExpertChoiceRouter(Router):
     def gate(self, r: torch.Tensor) -> torch.Tensor:
         return self.gate_scale.to(r.dtype) * torch.sigmoid(r)
 
+    def entry_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(self.logits(x))
+
     def select(self, x, valid, k, mode, row_len, depth=0, decision=None, state=None, capacity=None,
                doc=None, pos=None) -> Selection:
-        r = self.logits(x)
+        # Top-k needs no gradient through the logits: the router loss takes the parameters' alone and the
+        # block gates the chosen entries (entry_gate).
+        r = self.logits(x.detach() if mode == "topk" else x)
         if mode == "static":
             weight = self.gate(r)
             frac = torch.ones((), device=x.device) if valid is None else valid.float().sum(1).mean() / row_len
@@ -208,7 +224,6 @@ class ExpertChoiceRouter(Router):
             # Detached input: this loss trains the router only.
             r_aux = self.logits_of_parameters(x, r)
             aux = F.binary_cross_entropy_with_logits(r_aux - boundary, chosen)
-            weight = self.gate(r.gather(1, order))
             # Agreement of the causal rule with top-k: in evaluation the rank rule that causal mode runs;
             # in training steps its threshold fallback only (the rank costs [B, N, N] per router).
             if self.training:
@@ -217,7 +232,8 @@ class ExpertChoiceRouter(Router):
                 causal = rank_admits(r_fixed, None, k / x.shape[1], threshold, doc)
             agree = (causal.float() == chosen).float().mean()
             frac = torch.full((), k / row_len, device=x.device)
-            return Selection(order, weight, None, aux, torch.stack((frac, weight.mean(), agree)))
+            mean_gate = self.gate(r_fixed.gather(1, order)).mean()
+            return Selection(order, None, None, aux, torch.stack((frac, mean_gate, agree)))
         if mode == "causal":
             capacity = k / x.shape[1] if capacity is None else capacity
             if state is None:  # a decision: no gradient
