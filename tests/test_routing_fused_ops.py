@@ -116,3 +116,52 @@ def test_gating_the_gathered_entries_equals_gathering_the_gates_of_all_logits(mo
     for name in grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-10, atol=1e-12, msg=name)
     assert any(n.endswith("proj.weight") and g.abs().sum() > 0 for n, g in grads.items())  # the routers learn
+
+
+@pytest.mark.parametrize("overrides", [{}, {"mod_every": 1, "recursions": 3}], ids=["preset", "every_block_r3"])
+def test_routed_rows_give_the_gradients_of_plain_gather_and_scatter(monkeypatch, overrides):
+    """``block._TakeRows`` / ``_PutRows`` (the stream's gradient written once per routed depth) against
+    gather and an out-of-place scatter: the same loss and gradients, bit for bit."""
+    from hydra_lm.model import block as block_module
+
+    model = tiny_model(**overrides).double().train()
+    ids = torch.randint(0, model.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(2))
+
+    def run():
+        model.zero_grad()
+        out = model(ids, targets=ids)
+        out["loss"].backward()
+        return out["loss"].detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = run()
+
+    class Take:
+        @staticmethod
+        def apply(stream, order):
+            return block_module._gather_rows(stream, order), stream
+
+    class Put:
+        @staticmethod
+        def apply(stream, order, rows):
+            return stream.scatter(1, order[..., None].expand(-1, -1, stream.shape[-1]), rows)
+
+    monkeypatch.setattr(block_module, "_TakeRows", Take)
+    monkeypatch.setattr(block_module, "_PutRows", Put)
+    ref_loss, ref_grads = run()
+    assert torch.equal(loss, ref_loss) and grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert torch.equal(grads[name], ref_grads[name]), name
+
+
+def test_rows_that_reach_no_loss_get_a_zero_gradient():
+    from hydra_lm.model.block import _PutRows, _TakeRows
+
+    stream = torch.randn(2, 6, 3, dtype=torch.float64, requires_grad=True)
+    order = torch.tensor([[1, 4], [0, 5]])
+    rows, alias = _TakeRows.apply(stream, order)
+    out = _PutRows.apply(alias, order, rows.detach() * 2)  # the taken rows' own path is cut
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    expected = weights.clone()
+    expected.scatter_(1, order[..., None].expand(-1, -1, 3), 0.0)
+    assert torch.equal(stream.grad, expected)
