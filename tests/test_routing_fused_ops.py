@@ -83,6 +83,13 @@ def test_recursion_embedding_gradient_is_the_sum_over_depths_of_indexing_each():
     assert torch.equal(got, block.rec_emb.rec.grad)
 
 
+def _loss_and_grads(model, ids):
+    model.zero_grad()
+    out = model(ids, targets=ids)
+    out["loss"].backward()
+    return out["loss"].detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 @pytest.mark.parametrize("overrides", [{}, {"mod_every": 1, "recursions": 3}], ids=["preset", "every_block_r3"])
 def test_gating_the_gathered_entries_equals_gathering_the_gates_of_all_logits(monkeypatch, overrides):
     """Top-k routers leave the gate to the block, which takes it of the chosen entries (``entry_gate``):
@@ -93,13 +100,7 @@ def test_gating_the_gathered_entries_equals_gathering_the_gates_of_all_logits(mo
     routers = [r for b in model.blocks for r in b.all_routers()]
     assert routers and all(r.gates_entries for r in routers)
 
-    def run():
-        model.zero_grad()
-        out = model(ids, targets=ids)
-        out["loss"].backward()
-        return out["loss"].detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    loss, grads = run()
+    loss, grads = _loss_and_grads(model, ids)
     select = ExpertChoiceRouter.select
 
     def gathered_gates(self, x, valid, k, mode, *args, **kwargs):  # the gate of all N logits, gathered
@@ -110,7 +111,7 @@ def test_gating_the_gathered_entries_equals_gathering_the_gates_of_all_logits(mo
 
     monkeypatch.setattr(ExpertChoiceRouter, "select", gathered_gates)
     monkeypatch.setattr(ExpertChoiceRouter, "gates_entries", False)
-    ref_loss, ref_grads = run()
+    ref_loss, ref_grads = _loss_and_grads(model, ids)
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-12)
     assert grads.keys() == ref_grads.keys()
     for name in grads:
@@ -127,13 +128,7 @@ def test_routed_rows_give_the_gradients_of_plain_gather_and_scatter(monkeypatch,
     model = tiny_model(**overrides).double().train()
     ids = torch.randint(0, model.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(2))
 
-    def run():
-        model.zero_grad()
-        out = model(ids, targets=ids)
-        out["loss"].backward()
-        return out["loss"].detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    loss, grads = run()
+    loss, grads = _loss_and_grads(model, ids)
 
     class Take:
         @staticmethod
@@ -147,7 +142,7 @@ def test_routed_rows_give_the_gradients_of_plain_gather_and_scatter(monkeypatch,
 
     monkeypatch.setattr(block_module, "_TakeRows", Take)
     monkeypatch.setattr(block_module, "_PutRows", Put)
-    ref_loss, ref_grads = run()
+    ref_loss, ref_grads = _loss_and_grads(model, ids)
     assert torch.equal(loss, ref_loss) and grads.keys() == ref_grads.keys()
     for name in grads:
         assert torch.equal(grads[name], ref_grads[name]), name
