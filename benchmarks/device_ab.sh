@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# A/B of a change's training speed on one GPU: `hydra-lm bench` from this tree (A) and from another
+# tree (B, e.g. the branch: `git archive BRANCH | tar x -C DIR`), alternately, A B A B ..., on the same
+# GPU. Each tree keeps its own inductor cache, so round 1 also times the cold compile and later rounds
+# are warm. One GPU, one run at a time: no card-to-card or shared-host difference enters the ratio (on an
+# H100 a tree's two rounds agreed within 0.1%, benchmarks/BENCHMARKS.md, twenty-seventh session).
+#   bash benchmarks/device_ab.sh OTHER_TREE ROUNDS [bench flags...]
+# Writes each run's log and JSON to $OUT (when set, else ./ab_runs) and prints a table last.
+set -uo pipefail
+other=$(cd "${1:?usage: device_ab.sh OTHER_TREE ROUNDS [bench flags...]}" && pwd)
+rounds=${2:?ROUNDS}
+shift 2
+here=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-$here/ab_runs}
+mkdir -p "$out"
+caches=$(mktemp -d)
+for round in $(seq "$rounds"); do
+  for side in A B; do
+    tree=$here; [ "$side" = B ] && tree=$other
+    (cd "$tree" && TORCHINDUCTOR_CACHE_DIR=$caches/$side PYTHONPATH="$tree/src${PYTHONPATH:+:$PYTHONPATH}" \
+      python -m hydra_lm bench "$@" --json "$out/ab_${side}_$round.json" > "$out/ab_${side}_$round.log" 2>&1) \
+      || echo "$side round $round failed: $out/ab_${side}_$round.log"
+  done
+done
+python3 - "$out" "$rounds" <<'PY'
+import json, sys
+from pathlib import Path
+out, rounds = Path(sys.argv[1]), int(sys.argv[2])
+print(f"{'run':<6}{'arch':<7}{'tokens/s':>12}{'ms/step':>9}{'peak GB':>9}{'first step s':>14}")
+means = {}
+for r in range(1, rounds + 1):
+    for side in "AB":
+        path = out / f"ab_{side}_{r}.json"
+        if not path.exists():
+            print(f"{side} {r:<4}failed")
+            continue
+        for row in json.loads(path.read_text())["rows"]:
+            means.setdefault((side, row["arch"]), []).append(row["tokens_per_s"])
+            peak = row.get("peak_memory_gb")
+            print(f"{side} {r:<4}{row['arch']:<7}{row['tokens_per_s']:>12,.0f}{row['step_ms']:>9.1f}"
+                  f"{'-' if peak is None else f'{peak:.1f}':>9}{row['first_step_s']:>14.1f}")
+for (side, arch), v in sorted(means.items()):
+    if side == "B" and ("A", arch) in means:
+        a = sum(means[("A", arch)]) / len(means[("A", arch)])
+        print(f"{arch}: B/A {sum(v) / len(v) / a:.4f} (mean tokens/s over {len(v)} rounds)")
+PY
