@@ -255,7 +255,7 @@ class RecursiveBlock(nn.Module):
         the mask rebuilt once for each compacted set).
         ``caches``: run the entries as new tokens appended to the units' caches (the prompt's prefill;
         the one-token steps after it run ``decode_step.DecodeStep``)."""
-        b, seq_len, dim = x.shape
+        seq_len = x.shape[1]
         counts = self.tokens_per_depth(seq_len)
         capacities = self.depth_capacities() if mode == "causal" else None
         losses: dict[str, list[torch.Tensor]] = {"mod": [], "mor": []}

@@ -62,7 +62,7 @@ RANK_PRIOR = 256.0
 @dataclass
 class Selection:
     order: torch.Tensor | None  # None: every candidate, in place
-    weight: torch.Tensor | None  # None: weight 1
+    weight: torch.Tensor | None  # None: weight 1, or (top-k, Router.gates_entries) the block's entry_gate
     valid: torch.Tensor | None  # None: all entries are real tokens of the unit
     aux_loss: torch.Tensor | None  # router loss (BCE for expert-choice); None: adds no loss term
     stats: torch.Tensor  # [3]: fraction of the row executed, mean gate, top-k/threshold agreement
