@@ -5,7 +5,8 @@
 # are warm. One GPU, one run at a time: no card-to-card or shared-host difference enters the ratio (on an
 # H100 a tree's two rounds agreed within 0.1%, benchmarks/BENCHMARKS.md, twenty-seventh session).
 #   bash benchmarks/device_ab.sh OTHER_TREE ROUNDS [bench flags...]
-# Writes each run's log and JSON to $OUT (when set, else ./ab_runs) and prints a table last.
+# Writes each run's log and JSON to $OUT (when set, else ./ab_runs) and prints a table last (with
+# `--inference`, each run's decode tokens/s per batch too).
 set -uo pipefail
 other=$(cd "${1:?usage: device_ab.sh OTHER_TREE ROUNDS [bench flags...]}" && pwd)
 rounds=${2:?ROUNDS}
@@ -37,8 +38,10 @@ for r in range(1, rounds + 1):
         for row in json.loads(path.read_text())["rows"]:
             means.setdefault((side, row["arch"]), []).append(row["tokens_per_s"])
             peak = row.get("peak_memory_gb")
+            decode = [(k.rsplit("batch", 1)[1], v) for k, v in row.items() if k.startswith("decode_tokens_per_s_batch")]
             print(f"{side} {r:<4}{row['arch']:<7}{row['tokens_per_s']:>12,.0f}{row['step_ms']:>9.1f}"
-                  f"{'-' if peak is None else f'{peak:.1f}':>9}{row['first_step_s']:>14.1f}")
+                  f"{'-' if peak is None else f'{peak:.1f}':>9}{row['first_step_s']:>14.1f}"
+                  + ("  decode " + " / ".join(f"b{b} {v:,.0f}" for b, v in decode) if decode else ""))
 for (side, arch), v in sorted(means.items()):
     if side == "B" and ("A", arch) in means:
         a = sum(means[("A", arch)]) / len(means[("A", arch)])
