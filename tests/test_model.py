@@ -146,15 +146,16 @@ def test_decode_step_skips_the_units_no_token_enters(overrides):
             assert torch.equal(skipped.route * candidate, full.route * candidate)
 
 
-@pytest.mark.parametrize("min_skip", [0.0, 1.01, None], ids=["read_every_decision", "read_none", "default"])
+@pytest.mark.parametrize("min_skip", [0.0, 1e9, None], ids=["read_every_decision", "read_none", "default"])
 def test_decode_step_reads_back_only_decisions_that_skip_often_and_stays_exact(monkeypatch, min_skip):
     """A decision that is not read back runs its units masked: the logits stay the forward's to the bit.
-    By default only decisions that no row enters often enough are read: at batch 4 the tiny model's first
-    depth (some row enters it with probability 1 - 0.5^4) runs without a read-back, its deeper ones read."""
+    By default only decisions whose skips save enough units are read: at batch 4 the tiny model's first
+    depth (no row enters it with probability 0.5^4, saving 3 units then) runs without a read-back, its
+    deeper ones read."""
     from hydra_lm.model import decode_step
 
     if min_skip is not None:
-        monkeypatch.setattr(decode_step, "READBACK_MIN_SKIP_CHANCE", min_skip)
+        monkeypatch.setattr(decode_step, "READBACK_MIN_UNITS_SAVED", min_skip)
     model = tiny_model().double().eval()
     ids = _ids(4, 30, seed=5)
     full = model(ids)["logits"]
@@ -164,13 +165,22 @@ def test_decode_step_reads_back_only_decisions_that_skip_often_and_stays_exact(m
     for t in range(5, 30):
         torch.testing.assert_close(step(ids[:, t:t + 1], t), full[:, t], rtol=0, atol=1e-9)
     steps, blocks = 25, len(model.blocks)
-    if min_skip == 1.01:  # nothing read back: every unit runs, masked
+    if min_skip == 1e9:  # nothing read back: every unit runs, masked
         assert step.readbacks == 0 and step.unit_calls == blocks * model.config.recursions * steps
     elif min_skip == 0.0:  # every decision reached is read: each block's first and most of the later ones
         assert step.readbacks > 2 * blocks * steps
     else:  # the first depth's decision never, the second's always (it is always reached)
         assert blocks * steps <= step.readbacks <= 2 * blocks * steps
         assert step.unit_calls >= blocks * steps
+
+
+@pytest.mark.parametrize("batch,reads", [(1, 2), (4, 2), (8, 0), (32, 0)])
+def test_a_mod_decision_that_skips_one_unit_is_read_back_only_where_it_saves_half_a_unit(batch, reads):
+    """MoD only (one recursion): a skip saves one unit, so a router of capacity 0.125 is read back while
+    no row enters it at least half the time (0.875^B >= 0.5: batch <= 5), not at batch 8 or 32."""
+    model = tiny_model(n_blocks=4, recursions=1, mod_every=2, mod_capacity=0.125).eval()
+    step = DecodeStep(model, model.init_cache(batch, 16), batch, "cpu", graphed=False, compiled=False)
+    assert sum(op.decides for op in step._ops) == reads
 
 
 def test_greedy_generate_equals_repeated_full_forwards(variant):

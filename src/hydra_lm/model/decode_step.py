@@ -11,8 +11,9 @@ token entered: if none did, the rest of that block is skipped. A skipped unit le
 masked one would (no slot marked valid, conv and value-shift state unchanged; its router's state marks no
 candidate) and the residual stream unchanged, so the tokens are those of the full forward. For the same
 reason a decision need not be read back at all: its units can run masked. Each read-back stalls the GPU
-for a host round trip, so only decisions that skip often enough are read (``READBACK_MIN_SKIP_CHANCE``):
-at batch 1 all of the presets' decisions, at batch 32 only the deep recursions'.
+for a host round trip, so only decisions whose skips save enough units are read
+(``READBACK_MIN_UNITS_SAVED``): at batch 1 all of the presets' decisions, at batch 32 only the deep
+recursions'.
 
 On CUDA the ops between two decisions are one CUDA graph ("segment"), captured on the second call after
 an eager first call that runs every op (compiling every graph the segments use). The host still
@@ -33,11 +34,14 @@ from .cuda_graphs import capture
 from .routing import routed_selection
 
 
-# A decision is read back only if no row's token entering it is at least this likely ((1 - f)^B for B rows
-# that each enter with the probability f, the share of a row its depth runs in training). Below it the
-# saved unit rarely pays for the round trip: measured per decoded unit, about 150 us with its read-back
-# against 57 us per layer of the dense model's one-graph step (benchmarks/BENCHMARKS.md, tenth session).
-READBACK_MIN_SKIP_CHANCE = 0.25
+# A decision is read back only if the units it skips, on average, are at least this many: the chance that
+# no row's token enters it ((1 - f)^B for B rows that each enter with the probability f, the share of a
+# row its depth runs in training) times the units a skip leaves out (its depth to the block's last). A
+# read-back costs most of a unit: at batch 8 the MoD-only form's four read-backs, each skipping one unit
+# a third of the time, cost more than running every unit (1.18 ms a step against the same graph's 1.01 ms
+# at batch 32 without them), while at batch 1 skipping 0.875 of a unit per read-back paid
+# (benchmarks/BENCHMARKS.md, twenty-sixth and twenty-seventh sessions).
+READBACK_MIN_UNITS_SAVED = 0.5
 
 
 def decode_compiles(device: torch.device, compile_step: bool | None) -> bool:
@@ -150,7 +154,8 @@ class DecodeStep:
                     weight = torch.zeros(batch, 1, dtype=gate_dtype, device=x.device)
                     mask = torch.zeros(batch, 1, dtype=torch.bool, device=x.device) if mode == "causal" else None
                     # A token-choice depth's share is not fixed (its fraction is an upper bound): always read.
-                    skips = not router.fixed_k or (1 - fractions[j]) ** batch >= READBACK_MIN_SKIP_CHANCE
+                    saved = (1 - fractions[j]) ** batch * (block.recursions - j)
+                    skips = not router.fixed_k or saved >= READBACK_MIN_UNITS_SAVED
                     route = self._route_op(router, j, capacities[j], caches[i][j][0].route, valid, mask, weight,
                                            None if j == 0 else decision, reads=mask is not None and skips)
                     ops.append(route)
