@@ -11,12 +11,12 @@ Each SDPA variant is compiled alone at static shapes; flex and varlen run as cal
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 from hydra_lm.model.doc_attention import _flex_doc_attention, dense_doc_mask, documents
+from muon_step_time import timed  # benchmarks/: the script's own directory is on the path
 
 
 def packed_documents(batch: int, n: int, device) -> torch.Tensor:
@@ -47,19 +47,12 @@ def varlen(q, k, v, doc):
     return out.view(b, n, h, d).transpose(1, 2)
 
 
-def time_variant(fn, q, k, v, grad, iters: int = 20) -> float:
+def time_variant(fn, q, k, v, grad) -> float:
     """Mean milliseconds of forward + backward after three warm-up calls."""
     def step():
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
         fn(qq, kk, vv).backward(grad)
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e3
+    return timed(step)
 
 
 def main() -> None:

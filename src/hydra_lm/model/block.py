@@ -70,14 +70,12 @@ def run_cached_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, we
     xc.copy_(run_unit(layers, xc, rec, pos, rope, caches, valid, None, weight))
 
 
-def _gather_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    if x.dim() == 2:
-        return x.gather(1, order)
-    return x.gather(1, order[..., None].expand(-1, -1, x.shape[-1]))
-
-
 def _row_index(order: torch.Tensor, width: int) -> torch.Tensor:
     return order[..., None].expand(-1, -1, width)
+
+
+def _gather_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    return x.gather(1, order if x.dim() == 2 else _row_index(order, x.shape[-1]))
 
 
 class _TakeRows(torch.autograd.Function):
