@@ -3,23 +3,27 @@
 # pytest per GPU at the same time: 40 tests in ~5-7.5 minutes on 4 H100s, against the 10-minute limit of
 # one device call for a single GPU.
 #   bash benchmarks/device_gpu_tests.sh [N_GPUS] [extra pytest args]
+# GPU_IDS="2 3" picks the GPUs (then N_GPUS is their count), leaving the others to other jobs.
 # Logs to $OUT/gpu_tests_gG.log (when set, else ./gpu_test_logs); prints each GPU's summary line last.
 set -uo pipefail
 n=${1:-$(nvidia-smi -L | wc -l)}
 shift || true
+read -r -a gpus <<< "${GPU_IDS:-$(seq -s ' ' 0 $((n - 1)))}"
+n=${#gpus[@]}
 here=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$here/gpu_test_logs}
 mkdir -p "$out"
 cd "$here"
 export PYTHONPATH="$here/src${PYTHONPATH:+:$PYTHONPATH}"
 python -m pytest -q -p no:cacheprovider --collect-only -m gpu tests/ 2>/dev/null | grep "::" > "$out/gpu_test_ids.txt"
-echo "$(wc -l < "$out/gpu_test_ids.txt") GPU tests over $n GPUs"
-for g in $(seq 0 $((n - 1))); do
-  mapfile -t ids < <(awk -v g="$g" -v n="$n" '(NR - 1) % n == g' "$out/gpu_test_ids.txt")
+echo "$(wc -l < "$out/gpu_test_ids.txt") GPU tests over GPUs ${gpus[*]}"
+for i in $(seq 0 $((n - 1))); do
+  g=${gpus[$i]}
+  mapfile -t ids < <(awk -v i="$i" -v n="$n" '(NR - 1) % n == i' "$out/gpu_test_ids.txt")
   [ "${#ids[@]}" -gt 0 ] || continue
   CUDA_VISIBLE_DEVICES=$g python -m pytest -v -p no:cacheprovider -m gpu "$@" "${ids[@]}" > "$out/gpu_tests_g$g.log" 2>&1 &
 done
 wait
-for g in $(seq 0 $((n - 1))); do
+for g in "${gpus[@]}"; do
   [ -f "$out/gpu_tests_g$g.log" ] && echo "GPU $g: $(tail -1 "$out/gpu_tests_g$g.log")"
 done
