@@ -485,6 +485,42 @@ def test_scaling_fit_recovers_a_known_law_and_compares_compute(tmp_path, capsys)
     assert "cannot fit hydra" in err and "at least 4" in err and err.count("\n") == 1
 
 
+def test_scaling_fits_each_familys_frontier_with_the_seeds_of_a_variant_averaged(tmp_path, capsys):
+    from hydra_lm.diagnostics.scaling import frontier
+
+    assert frontier([3.0, 1.0, 2.0, 2.0, 4.0], [1.5, 3.0, 2.0, 2.5, 1.6]) == ([1.0, 2.0, 3.0], [3.0, 2.0, 1.5])
+    law = lambda x: 3e3 * x ** -0.3 + 1.8  # noqa: E731
+    c = np.geomspace(1e12, 1e15, 6)
+
+    def run(arch, loss, variant, seed=0):
+        return {"variant": variant, "seed": seed, "arch": arch,
+                "evals": [{"step": i, "flops": x, "val_loss_causal": loss(x)} for i, x in enumerate(c)]}
+    # Each family: a variant on its law (HYDRA's over seeds whose noise cancels) and a worse setting of it.
+    # Dense needs twice HYDRA's compute for any loss: L_dense(C) = L_hydra(C / 2).
+    experiment = {"budget": {"kind": "flops", "value": 1e15}, "settings": {"seed": 0, "batch_size": 8}}
+    first = {"good.seed0": run("hydra", lambda x: law(x) + 0.01, "good"),
+             "good.seed1": run("hydra", lambda x: law(x) - 0.02, "good", 1),
+             "badlr": run("hydra", lambda x: law(x) + 0.3, "badlr"),
+             "d4": run("dense", lambda x: law(x / 2), "d4"), "d9": run("dense", lambda x: law(x / 2) + 0.2, "d9")}
+    later = {"good.seed2": run("hydra", lambda x: law(x) + 0.01, "good", 2)}  # a seed run apart, same experiment
+    for name, variants in (("first", first), ("later", later)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({**experiment, "settings": {
+            **experiment["settings"], "seed": 2 if name == "later" else 0}, "variants": variants}))
+    dirs = [str(tmp_path / "first"), str(tmp_path / "later")]
+    assert main(["scaling", "--results", *dirs, "--predict", "1e16", "--bootstrap", "0", "--out", str(tmp_path)]) == 0
+    assert "dense needs 2x the compute" in capsys.readouterr().out
+    hydra = json.loads((tmp_path / "scaling.json").read_text())["groups"]["hydra"]
+    assert hydra["points"] == len(c) and hydra["b"] == pytest.approx(0.3, rel=1e-3)
+    assert hydra["loss"] == pytest.approx(law(1e16), abs=1e-4)
+    # Every run's points: the worse settings pull the fits, and the multiplier is no longer the laws'.
+    assert main(["scaling", "--results", *dirs, "--predict", "1e16", "--bootstrap", "0", "--out", str(tmp_path),
+                 "--points", "all"]) == 0
+    capsys.readouterr()
+    hydra = json.loads((tmp_path / "scaling.json").read_text())["groups"]["hydra"]
+    assert hydra["points"] == 4 * len(c) and abs(hydra["multiplier"] - 2.0) > 0.1
+
+
 def test_the_report_reads_off_the_time_and_compute_a_routed_variant_took_to_reach_each_dense_loss():
     from hydra_lm.diagnostics.report import first_reach, reach_rows
 

@@ -81,7 +81,7 @@ def _cmd_scaling(args: argparse.Namespace) -> int:
     from .diagnostics.scaling import run_scaling
 
     return run_scaling(args.results, args.out, args.x, args.group, args.reference, args.predict, args.bootstrap,
-                       args.seed)
+                       args.seed, args.points)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -216,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                       "training FLOPs or seconds")
     scaling.add_argument("--group", default="family", choices=["family", "variant"],
                          help="fit per family (hydra-like vs dense-like) or per variant name")
+    scaling.add_argument("--points", default="frontier", choices=["frontier", "all"],
+                         help="frontier: each variant's seeds averaged, then only the points no point at less or "
+                              "equal compute beats (a family's best model at each compute); all: every run's points")
     scaling.add_argument("--reference", default="dense", help="the group other groups' compute is compared with")
     scaling.add_argument("--predict", type=float, default=None, metavar="C", help="predict the loss at this compute")
     scaling.add_argument("--bootstrap", type=int, default=200, help="resamples for the uncertainty")

@@ -2,6 +2,11 @@
 predict the loss at a larger budget, and measure how much compute each group needs for the same
 loss as the reference group (HYDRA vs dense), with a bootstrap interval.
 
+By default a group's fit takes its frontier: the seeds of each variant averaged, then only the points
+that no point at less or equal compute beats. A family compared at several depths and learning rates
+is then the curve of its best model at each compute ("the best dense model of any size"), not a fit
+through its worst settings too.
+
 The fit uses numpy only: scipy is not a dependency, and for a fixed floor c the model is a straight
 line in log-log space, so a search over c with exact least squares for (a, b) at each candidate
 needs no starting guess and cannot diverge the way an iterative curve fit can.
@@ -70,12 +75,27 @@ def compute_for(fit: dict[str, float], loss: float) -> float:
     return (fit["a"] / (loss - fit["c"])) ** (1.0 / fit["b"])
 
 
-def load_points(dirs: list[str | Path], x: str, group: str) -> dict[str, dict[str, list[float]]]:
-    """Every evaluation point after the start of every variant in ``dirs``, grouped by family
-    (hydra: CCGQA variants; dense: dense variants) or by variant name."""
+def frontier(xs: list[float], ys: list[float]) -> tuple[list[float], list[float]]:
+    """The points (in increasing x) whose y is below every y at a smaller or equal x."""
+    kept_x, kept_y, best = [], [], math.inf
+    for xi, yi in sorted(zip(xs, ys), key=lambda p: (p[0], p[1])):
+        if yi < best:
+            kept_x.append(xi)
+            kept_y.append(yi)
+            best = yi
+    return kept_x, kept_y
+
+
+def load_points(dirs: list[str | Path], x: str, group: str,
+                points: str = "frontier") -> dict[str, dict[str, list[float]]]:
+    """Evaluation points after the start of every variant in ``dirs``, grouped by family (hydra: CCGQA
+    variants; dense: dense variants) or by variant name. ``points="frontier"``: the runs of one variant
+    (its seeds) averaged point by point, then the group's ``frontier``; ``"all"``: every run's points."""
+    if points not in ("frontier", "all"):
+        raise ValueError(f"points={points!r}: choose 'frontier' or 'all'")
     key = X_KEYS[x][0]
-    groups: dict[str, dict[str, list[float]]] = {}
-    for d in dirs:
+    runs: dict[tuple[str, str, str], list[list[tuple[float, float]]]] = {}
+    for n, d in enumerate(dirs):
         path = Path(d).expanduser() / "results.json"
         if not path.is_file():
             raise ValueError(f"{path} does not exist: pass directories written by `hydra-lm compare --out DIR`")
@@ -83,15 +103,32 @@ def load_points(dirs: list[str | Path], x: str, group: str) -> dict[str, dict[st
             results = json.loads(path.read_text(encoding="utf-8"))
         except ValueError as err:
             raise ValueError(f"{path} is not valid JSON ({err}): run the compare again") from None
+        # Seeds of one experiment: the same variant, budget and settings, in this directory or another
+        # (seeds run apart); without a recorded budget, only within the directory.
+        settings = {k: v for k, v in results.get("settings", {}).items() if k != "seed"}
+        experiment = json.dumps([results["budget"], settings], sort_keys=True) if "budget" in results else str(n)
         for name, v in results.get("variants", {}).items():
-            # a compare with --seeds: the runs of one variant (NAME.seedS) fit together
-            label = v.get("variant", name) if group == "variant" else (
-                "hydra" if v.get("arch", "hydra") == "hydra" else "dense")
-            g = groups.setdefault(label, {"x": [], "y": []})
-            for p in v.get("evals", []):
-                if p.get(key) and p.get("val_loss_causal") is not None:
-                    g["x"].append(float(p[key]))
-                    g["y"].append(float(p["val_loss_causal"]))
+            variant = v.get("variant", name)  # a compare with --seeds: NAME.seedS is a run of NAME
+            label = variant if group == "variant" else ("hydra" if v.get("arch", "hydra") == "hydra" else "dense")
+            pts = [(float(p[key]), float(p["val_loss_causal"])) for p in v.get("evals", [])
+                   if p.get(key) and p.get("val_loss_causal") is not None]
+            runs.setdefault((label, variant, experiment), []).append(pts)
+    groups: dict[str, dict[str, list[float]]] = {}
+    for (label, _, _), seeds in runs.items():
+        g = groups.setdefault(label, {"x": [], "y": []})
+        if points == "all":
+            for pts in seeds:
+                g["x"] += [p[0] for p in pts]
+                g["y"] += [p[1] for p in pts]
+            continue
+        # Seeds of one budget share their evaluation schedule: average the i-th points of the runs that have one.
+        for i in range(max(len(pts) for pts in seeds)):
+            at = [pts[i] for pts in seeds if i < len(pts)]
+            g["x"].append(sum(p[0] for p in at) / len(at))
+            g["y"].append(sum(p[1] for p in at) / len(at))
+    if points == "frontier":
+        for g in groups.values():
+            g["x"], g["y"] = frontier(g["x"], g["y"])
     return groups
 
 
@@ -115,26 +152,28 @@ def bootstrap_multiplier(g: dict[str, list[float]], ref: dict[str, list[float]],
 
 
 def run_scaling(dirs: list[str], out: str | None, x: str, group: str, reference: str, predict: float | None,
-                bootstrap: int, seed: int) -> int:
+                bootstrap: int, seed: int, points: str = "frontier") -> int:
     from .plots import write_scaling_plot
 
     if predict is not None and not (math.isfinite(predict) and predict > 0):
         raise ValueError(f"--predict {predict}: must be a positive compute value")
     if bootstrap < 0:
         raise ValueError(f"--bootstrap {bootstrap}: must be >= 0")
-    groups = load_points(dirs, x, group)
+    groups = load_points(dirs, x, group, points)
     if not groups:
         raise ValueError("the results hold no variants")
     for name, g in groups.items():
         try:
             g["fit"] = fit_power_law(g["x"], g["y"])
         except ValueError as err:
-            raise ValueError(f"cannot fit {name} ({len(g['x'])} points): {err}; add evaluation points (--evals) or "
-                             "compare results of more budgets or sizes") from None
+            kept = " on its frontier (--points all fits every run's points)" if points == "frontier" else ""
+            raise ValueError(f"cannot fit {name} ({len(g['x'])} points{kept}): {err}; add evaluation points (--evals) "
+                             "or compare results of more budgets or sizes") from None
     unit = X_KEYS[x][1]
     rng = np.random.default_rng(seed)
-    summary: dict[str, Any] = {"x": x, "predict": predict, "reference": reference, "groups": {}}
-    print(f"L(C) = a*C^-b + c, C = {unit}")
+    summary: dict[str, Any] = {"x": x, "points": points, "predict": predict, "reference": reference, "groups": {}}
+    print(f"L(C) = a*C^-b + c, C = {unit}, " + ("each group's frontier (seeds averaged; the best run at each compute)"
+                                                  if points == "frontier" else "every run's points"))
     for name, g in groups.items():
         fit = g["fit"]
         at = predict or max(g["x"])
