@@ -40,6 +40,28 @@ def test_fp8_converts_only_the_layers_linears_with_dims_divisible_by_16():
     assert any(name.endswith("mlp.gate_up") for name in chosen)
 
 
+def test_each_fp8_format_casts_the_output_gradients_to_its_own_dtype(monkeypatch):
+    """e5m2 (the default) gives the output gradients e5m2, e4m3 gives them e4m3; the forward is e4m3 in both.
+    torchao's default config would run e5m2 gradients for both names."""
+    pytest.importorskip("torchao")
+    import torch
+
+    from hydra_lm.train import fp8
+    from hydra_lm.train.options import TrainConfig
+
+    monkeypatch.setattr(fp8, "check_fp8_device", lambda device: None)
+    assert TrainConfig().fp8_format == "e5m2"
+    for fmt, grad_dtype in (("e5m2", torch.float8_e5m2), ("e4m3", torch.float8_e4m3fn)):
+        model = hydra_lm.create_model("debug", vocab_size=97, dim=64, n_heads=2, n_kv_heads=1, mlp_hidden=96)
+        assert fp8.convert_to_fp8(model, fmt, torch.device("cpu")) > 0
+        configs = [m.config for m in model.modules() if hasattr(m, "min_tokens")]
+        assert configs and all(c.cast_config_grad_output.target_dtype == grad_dtype for c in configs)
+        assert all(c.cast_config_input.target_dtype == c.cast_config_weight.target_dtype == torch.float8_e4m3fn
+                   for c in configs)
+    with pytest.raises(ValueError, match="fp8_format 'e3m4'"):
+        fp8.convert_to_fp8(model, "e3m4", torch.device("cpu"))
+
+
 def test_fp8_layers_run_calls_under_the_token_gate_in_high_precision_and_the_rest_in_float8(monkeypatch):
     """A routed depth's few tokens skip float8's casts; the whole batch's call goes through float8 (on a
     CPU too: torch runs float8 GEMMs there, slowly, so the Hopper check is lifted), with gradients either way."""

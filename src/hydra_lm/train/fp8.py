@@ -3,8 +3,10 @@
 Only the Linear layers inside the routed blocks (attention projections and MLPs) are converted,
 and only those whose both dimensions are multiples of 16 (what the float8 GEMM accepts); the
 embedding, LM head, routers and MoE experts stay in bf16. Scaling is torchao's dynamic
-tensor-wise default. ``--fp8_format e4m3`` casts inputs, weights and output gradients to e4m3;
-``e5m2`` keeps e4m3 for the forward operands and gives the output gradients e5m2's wider range.
+tensor-wise default. ``--fp8_format e5m2`` (the default, and torchao's) keeps e4m3 for the forward
+operands and gives the output gradients e5m2's wider range; ``e4m3`` casts the output gradients to
+e4m3 too. (Until the twenty-eighth session ``e4m3`` was the default and, left to torchao's default
+config, ran exactly what ``e5m2`` runs: every FP8 measurement before then is of e5m2 gradients.)
 Needs a CUDA GPU of compute capability 9.0 or newer (Hopper) and torchao (the ``gpu`` extra).
 
 A converted layer runs a call in float8 only when the call brings at least ``--fp8_min_tokens`` tokens,
@@ -24,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FP8_FORMATS = ("e4m3", "e5m2")
+# --fp8_format -> what it casts to what, as the trainer logs it
+FP8_FORMATS = {"e5m2": "e4m3 forward, e5m2 output gradients", "e4m3": "e4m3 forward and output gradients"}
 MIN_CAPABILITY = (9, 0)
 
 
@@ -73,16 +76,17 @@ def convert_to_fp8(model: nn.Module, fmt: str, device: torch.device, min_tokens:
         from torchao.float8.float8_linear import Float8Linear
     except ImportError:
         raise ValueError("--experimental_fp8 needs torchao: pip install 'hydra-lm[gpu]'") from None
+    if fmt not in FP8_FORMATS:
+        raise ValueError(f"--fp8_format {fmt!r}: choose one of {', '.join(FP8_FORMATS)}")
+    grad_dtype = torch.float8_e5m2 if fmt == "e5m2" else torch.float8_e4m3fn
     # A routed unit runs on as few tokens as its depth keeps (e.g. one per row): the weight gradient's
-    # inner dimension is that token count, and the float8 GEMM needs multiples of 16, so pad it.
-    config = Float8LinearConfig(pad_inner_dim=True)
-    if fmt == "e5m2":
-        try:
-            config = Float8LinearConfig(pad_inner_dim=True,
-                                        cast_config_grad_output=CastConfig(target_dtype=torch.float8_e5m2))
-        except TypeError:
-            raise ValueError("--fp8_format e5m2 needs a torchao whose CastConfig takes target_dtype: upgrade "
-                             "torchao or use --fp8_format e4m3") from None
+    # inner dimension is that token count, and the float8 GEMM needs multiples of 16, so pad it. The
+    # gradients' dtype is set, not left to torchao's default (e5m2), so that each format is what it says.
+    try:
+        config = Float8LinearConfig(pad_inner_dim=True, cast_config_grad_output=CastConfig(target_dtype=grad_dtype))
+    except TypeError:
+        raise ValueError("--experimental_fp8 needs a torchao whose CastConfig takes target_dtype (0.10 or newer): "
+                         "upgrade torchao") from None
     convert_to_float8_training(model, config=config, module_filter_fn=convertible)
     # The gate subclasses Float8Linear without state of its own, so the converted modules take its class
     # (torchao's conversion applies its own compiler patches; building the modules ourselves would skip them).

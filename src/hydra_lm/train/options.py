@@ -126,8 +126,8 @@ class TrainConfig:
 
     experimental_fp8: bool = opt(False, "float8 matmuls (torchao) for the transformer layers' Linear weights; CUDA "
                                         "compute capability 9.0+ only", type=bool)
-    fp8_format: str = opt("e4m3", "--experimental_fp8: e4m3 everywhere, or e5m2 for the output gradients (e4m3 "
-                                  "forward)", type=str, choices=("e4m3", "e5m2"))
+    fp8_format: str = opt("e5m2", "--experimental_fp8: e5m2 for the output gradients and e4m3 forward (torchao's "
+                                  "default), or e4m3 for both", type=str, choices=("e5m2", "e4m3"))
     fp8_min_tokens: int = opt(4096, "--experimental_fp8: a layer's call on fewer tokens (a routed depth's few) "
                                     "stays in bf16, where float8's casts cost more than its GEMM saves", type=int)
 

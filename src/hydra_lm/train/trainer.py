@@ -35,7 +35,7 @@ from .safe_optimizations import AnomalyMonitor, SafeOptimizations, Switch
 from .schedule import AdaptiveLR, lr_at
 from .swa import WeightAverage
 from .attention_kernels import enable_fa3
-from .fp8 import convert_to_fp8
+from .fp8 import FP8_FORMATS, convert_to_fp8
 from .moe_training import check_moe_options, hold_routers
 from .resume import continue_after_switch, handle_divergence, restore, save_checkpoint
 from .seq_len_schedule import SeqLenSchedule, carry_over
@@ -119,7 +119,8 @@ class Trainer:
         if cfg.experimental_fp8:
             n = convert_to_fp8(self.model, cfg.fp8_format, self.device, cfg.fp8_min_tokens)
             self.log.info(f"--experimental_fp8: {n} Linear layers of the transformer layers now train in float8 "
-                          f"({cfg.fp8_format}) on calls of at least {cfg.fp8_min_tokens} tokens, bf16 below")
+                          f"({FP8_FORMATS[cfg.fp8_format]}) on calls of at least {cfg.fp8_min_tokens} tokens, bf16 "
+                          "below")
         if cfg.mor_ramp and self.s.model_cfg.mor_routing != "expert":
             raise ValueError("--mor_ramp sets the capacities of expert-choice MoR; with --model.mor_routing token "
                              "each token picks its own depth: drop --mor_ramp")
