@@ -122,7 +122,9 @@ def main() -> None:
     p.add_argument("--no_documents", action="store_true",
                    help="no document ids (hydra-lm bench's setting; the trainer passes them by default)")
     p.add_argument("--fp8_min_tokens", type=int, default=None,
-                   help="float8 layers (torchao, e4m3) on calls of at least this many tokens; default bf16 only")
+                   help="float8 layers (torchao) on calls of at least this many tokens; default bf16 only")
+    p.add_argument("--fp8_format", default="e5m2", choices=("e5m2", "e4m3"),
+                   help="with --fp8_min_tokens: the output gradients' float8 dtype (the trainer's default e5m2)")
     p.add_argument("--fp8_mlp_only", action="store_true",
                    help="with --fp8_min_tokens: the attention projections stay bf16 (their gate set out of reach)")
     p.add_argument("--inductor", nargs="*", default=[], metavar="OPTION=VALUE",
@@ -145,7 +147,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = HydraModel(preset_config(args.model_size, max_seq_len=max(args.seq_len, 64), **overrides)).to(device)
     if args.fp8_min_tokens is not None:
-        convert_to_fp8(model, "e4m3", device, args.fp8_min_tokens)
+        convert_to_fp8(model, args.fp8_format, device, args.fp8_min_tokens)
         if args.fp8_mlp_only:
             for name, module in model.named_modules():
                 if hasattr(module, "min_tokens") and ".mlp." not in name:
