@@ -125,6 +125,8 @@ def main() -> None:
                    help="float8 layers (torchao) on calls of at least this many tokens; default bf16 only")
     p.add_argument("--fp8_format", default="e5m2", choices=("e5m2", "e4m3"),
                    help="with --fp8_min_tokens: the output gradients' float8 dtype (the trainer's default e5m2)")
+    p.add_argument("--fp8_recipe", default="tensorwise", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+                   help="with --fp8_min_tokens: torchao's scaling recipe (the row-wise ones need --fp8_format e4m3)")
     p.add_argument("--fp8_mlp_only", action="store_true",
                    help="with --fp8_min_tokens: the attention projections stay bf16 (their gate set out of reach)")
     p.add_argument("--inductor", nargs="*", default=[], metavar="OPTION=VALUE",
@@ -147,7 +149,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = HydraModel(preset_config(args.model_size, max_seq_len=max(args.seq_len, 64), **overrides)).to(device)
     if args.fp8_min_tokens is not None:
-        convert_to_fp8(model, args.fp8_format, device, args.fp8_min_tokens)
+        convert_to_fp8(model, args.fp8_format, device, args.fp8_min_tokens, args.fp8_recipe)
         if args.fp8_mlp_only:
             for name, module in model.named_modules():
                 if hasattr(module, "min_tokens") and ".mlp." not in name:

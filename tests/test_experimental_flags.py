@@ -16,6 +16,7 @@ from support import TINY_RUN
     (["--experimental_cuda_graphs"], "--cuda_graph needs a CUDA device"),
     (["--experimental_fp8"], "--experimental_fp8 needs a CUDA GPU of compute capability 9.0+ (Hopper); this run is "
                              "on cpu"),
+    (["--experimental_fp8", "--fp8_recipe", "rowwise"], "--fp8_recipe rowwise casts the output gradients to e4m3"),
 ])
 def test_bad_settings_fail_with_one_line(tiny_data, tmp_path, capsys, extra, message):
     code = main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "run"), "--max_steps", "2", *TINY_RUN,
@@ -60,6 +61,30 @@ def test_each_fp8_format_casts_the_output_gradients_to_its_own_dtype(monkeypatch
                    for c in configs)
     with pytest.raises(ValueError, match="fp8_format 'e3m4'"):
         fp8.convert_to_fp8(model, "e3m4", torch.device("cpu"))
+
+
+def test_fp8_rowwise_recipes_scale_per_row_and_need_e4m3_gradients(monkeypatch):
+    pytest.importorskip("torchao")
+    import torch
+    from torchao.float8.config import ScalingGranularity, ScalingType
+
+    from hydra_lm.train import fp8
+
+    monkeypatch.setattr(fp8, "check_fp8_device", lambda device: None)
+    for recipe, weight_grad_in_float8 in (("rowwise", True), ("rowwise_with_gw_hp", False)):
+        model = hydra_lm.create_model("debug", vocab_size=97, dim=64, n_heads=2, n_kv_heads=1, mlp_hidden=96)
+        assert fp8.convert_to_fp8(model, "e4m3", torch.device("cpu"), recipe=recipe) > 0
+        layers = [m for m in model.modules() if hasattr(m, "min_tokens")]
+        assert all(m.config.cast_config_input.scaling_granularity is ScalingGranularity.AXISWISE and
+                   m.config.pad_inner_dim for m in layers)
+        # the weight gradient's GEMM: its operands in float8, or (gw_hp) left in high precision
+        assert all((m.config.cast_config_grad_output_for_grad_weight.scaling_type is not ScalingType.DISABLED)
+                   == weight_grad_in_float8 for m in layers)
+        assert all(m.config.cast_config_grad_output.target_dtype == torch.float8_e4m3fn for m in layers)
+        x = torch.randn(2, 16, 64)
+        model.blocks[0].layers[0].mlp(x).square().sum().backward()  # float8 GEMMs on the CPU, forward and back
+    with pytest.raises(ValueError, match="add --fp8_format e4m3"):
+        fp8.convert_to_fp8(model, "e5m2", torch.device("cpu"), recipe="rowwise")
 
 
 def test_fp8_layers_run_calls_under_the_token_gate_in_high_precision_and_the_rest_in_float8(monkeypatch):

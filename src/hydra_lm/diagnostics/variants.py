@@ -35,7 +35,7 @@ CURRICULUM_FIELDS = ("mod_enable_pct", "mod_force_enable_pct", "mod_loss_gate", 
                      "mor_ramp_pct", "mod_off", "mor_off")
 OPTIMIZER_FIELDS = ("optimizer", "lr", "min_lr", "adamw_lr", "weight_decay")
 # The matmuls' precision likewise (bf16 against float8 at one budget).
-PRECISION_FIELDS = ("experimental_fp8", "fp8_format", "fp8_min_tokens")
+PRECISION_FIELDS = ("experimental_fp8", "fp8_format", "fp8_recipe", "fp8_min_tokens")
 TRAIN_FIELDS = CURRICULUM_FIELDS + OPTIMIZER_FIELDS + PRECISION_FIELDS
 # A variant's share of the shared budget (budget_scale=0.7: 70% of the seconds, tokens or FLOPs), so
 # "reaches the other's loss in 0.7x its time" is one run trained, schedule and all, to that budget.

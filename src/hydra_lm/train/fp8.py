@@ -20,12 +20,15 @@ sessions), so it saves memory, not time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+# torchao's scaling recipes (Float8LinearConfig.from_recipe_name), the first the default
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # --fp8_format -> what it casts to what, as the trainer logs it
 FP8_FORMATS = {"e5m2": "e4m3 forward, e5m2 output gradients", "e4m3": "e4m3 forward and output gradients"}
 MIN_CAPABILITY = (9, 0)
@@ -67,9 +70,11 @@ def token_gated_float8_linear() -> type:
     return TokenGatedFloat8Linear
 
 
-def convert_to_fp8(model: nn.Module, fmt: str, device: torch.device, min_tokens: int = 0) -> int:
+def convert_to_fp8(model: nn.Module, fmt: str, device: torch.device, min_tokens: int = 0,
+                   recipe: str = "tensorwise") -> int:
     """Swap the eligible Linear layers for torchao's float8 ones, each running in float8 only the calls on
-    at least ``min_tokens`` tokens; returns how many were converted."""
+    at least ``min_tokens`` tokens; returns how many were converted. ``recipe``: torchao's scaling recipe
+    (``FP8_RECIPES``); the row-wise ones cast the output gradients to e4m3, so they need ``fmt`` e4m3."""
     check_fp8_device(device)
     try:
         from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
@@ -78,12 +83,20 @@ def convert_to_fp8(model: nn.Module, fmt: str, device: torch.device, min_tokens:
         raise ValueError("--experimental_fp8 needs torchao: pip install 'hydra-lm[gpu]'") from None
     if fmt not in FP8_FORMATS:
         raise ValueError(f"--fp8_format {fmt!r}: choose one of {', '.join(FP8_FORMATS)}")
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"--fp8_recipe {recipe!r}: choose one of {', '.join(FP8_RECIPES)}")
+    if recipe != "tensorwise" and fmt != "e4m3":
+        raise ValueError(f"--fp8_recipe {recipe} casts the output gradients to e4m3: add --fp8_format e4m3")
     grad_dtype = torch.float8_e5m2 if fmt == "e5m2" else torch.float8_e4m3fn
     # A routed unit runs on as few tokens as its depth keeps (e.g. one per row): the weight gradient's
     # inner dimension is that token count, and the float8 GEMM needs multiples of 16, so pad it. The
     # gradients' dtype is set, not left to torchao's default (e5m2), so that each format is what it says.
     try:
-        config = Float8LinearConfig(pad_inner_dim=True, cast_config_grad_output=CastConfig(target_dtype=grad_dtype))
+        if recipe == "tensorwise":
+            config = Float8LinearConfig(pad_inner_dim=True,
+                                        cast_config_grad_output=CastConfig(target_dtype=grad_dtype))
+        else:
+            config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
     except TypeError:
         raise ValueError("--experimental_fp8 needs a torchao whose CastConfig takes target_dtype (0.10 or newer): "
                          "upgrade torchao") from None

@@ -117,10 +117,10 @@ class Trainer:
         if cfg.experimental_fa3:
             self.log.info(enable_fa3(self.device))
         if cfg.experimental_fp8:
-            n = convert_to_fp8(self.model, cfg.fp8_format, self.device, cfg.fp8_min_tokens)
+            n = convert_to_fp8(self.model, cfg.fp8_format, self.device, cfg.fp8_min_tokens, cfg.fp8_recipe)
             self.log.info(f"--experimental_fp8: {n} Linear layers of the transformer layers now train in float8 "
-                          f"({FP8_FORMATS[cfg.fp8_format]}) on calls of at least {cfg.fp8_min_tokens} tokens, bf16 "
-                          "below")
+                          f"({FP8_FORMATS[cfg.fp8_format]}, {cfg.fp8_recipe} scaling) on calls of at least "
+                          f"{cfg.fp8_min_tokens} tokens, bf16 below")
         if cfg.mor_ramp and self.s.model_cfg.mor_routing != "expert":
             raise ValueError("--mor_ramp sets the capacities of expert-choice MoR; with --model.mor_routing token "
                              "each token picks its own depth: drop --mor_ramp")
