@@ -35,7 +35,7 @@ from hydra_lm.model.hydra import HydraModel
 from hydra_lm.model.cuda_graphs import GraphedStep
 from hydra_lm.model.doc_attention import documents_for
 from hydra_lm.train.compile_policy import compile_units
-from hydra_lm.train.fp8 import convert_to_fp8
+from hydra_lm.train.fp8 import FP8_FORMATS, FP8_RECIPES, convert_to_fp8
 from hydra_lm.train.flags import parse_value
 
 
@@ -123,9 +123,9 @@ def main() -> None:
                    help="no document ids (hydra-lm bench's setting; the trainer passes them by default)")
     p.add_argument("--fp8_min_tokens", type=int, default=None,
                    help="float8 layers (torchao) on calls of at least this many tokens; default bf16 only")
-    p.add_argument("--fp8_format", default="e5m2", choices=("e5m2", "e4m3"),
+    p.add_argument("--fp8_format", default="e5m2", choices=tuple(FP8_FORMATS),
                    help="with --fp8_min_tokens: the output gradients' float8 dtype (the trainer's default e5m2)")
-    p.add_argument("--fp8_recipe", default="tensorwise", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    p.add_argument("--fp8_recipe", default="tensorwise", choices=FP8_RECIPES,
                    help="with --fp8_min_tokens: torchao's scaling recipe (the row-wise ones need --fp8_format e4m3)")
     p.add_argument("--fp8_mlp_only", action="store_true",
                    help="with --fp8_min_tokens: the attention projections stay bf16 (their gate set out of reach)")

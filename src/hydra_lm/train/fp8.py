@@ -34,6 +34,17 @@ FP8_FORMATS = {"e5m2": "e4m3 forward, e5m2 output gradients", "e4m3": "e4m3 forw
 MIN_CAPABILITY = (9, 0)
 
 
+def check_fp8_setting(fmt: str, recipe: str) -> None:
+    """Refuse an unknown format or recipe, or a row-wise recipe (whose GEMMs take e4m3 operands) with e5m2."""
+    if fmt not in FP8_FORMATS:
+        raise ValueError(f"--fp8_format {fmt!r}: choose one of {', '.join(FP8_FORMATS)}")
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"--fp8_recipe {recipe!r}: choose one of {', '.join(FP8_RECIPES)}")
+    if recipe != "tensorwise" and fmt != "e4m3":
+        raise ValueError(f"--fp8_recipe {recipe} casts the output gradients to e4m3 (torchao's recipe): add "
+                         "--fp8_format e4m3, or keep --fp8_recipe tensorwise for e5m2 gradients")
+
+
 def check_fp8_device(device: torch.device) -> None:
     if device.type != "cuda":
         raise ValueError(f"--experimental_fp8 needs a CUDA GPU of compute capability {MIN_CAPABILITY[0]}.0+ (Hopper); "
@@ -81,12 +92,7 @@ def convert_to_fp8(model: nn.Module, fmt: str, device: torch.device, min_tokens:
         from torchao.float8.float8_linear import Float8Linear
     except ImportError:
         raise ValueError("--experimental_fp8 needs torchao: pip install 'hydra-lm[gpu]'") from None
-    if fmt not in FP8_FORMATS:
-        raise ValueError(f"--fp8_format {fmt!r}: choose one of {', '.join(FP8_FORMATS)}")
-    if recipe not in FP8_RECIPES:
-        raise ValueError(f"--fp8_recipe {recipe!r}: choose one of {', '.join(FP8_RECIPES)}")
-    if recipe != "tensorwise" and fmt != "e4m3":
-        raise ValueError(f"--fp8_recipe {recipe} casts the output gradients to e4m3: add --fp8_format e4m3")
+    check_fp8_setting(fmt, recipe)
     grad_dtype = torch.float8_e5m2 if fmt == "e5m2" else torch.float8_e4m3fn
     # A routed unit runs on as few tokens as its depth keeps (e.g. one per row): the weight gradient's
     # inner dimension is that token count, and the float8 GEMM needs multiples of 16, so pad it. The

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .fp8 import FP8_FORMATS, FP8_RECIPES, check_fp8_setting
 from .seq_len_schedule import SeqLenSchedule
 
 MODES = ("testing", "production")
@@ -127,11 +128,11 @@ class TrainConfig:
     experimental_fp8: bool = opt(False, "float8 matmuls (torchao) for the transformer layers' Linear weights; CUDA "
                                         "compute capability 9.0+ only", type=bool)
     fp8_format: str = opt("e5m2", "--experimental_fp8: e5m2 for the output gradients and e4m3 forward (torchao's "
-                                  "default), or e4m3 for both", type=str, choices=("e5m2", "e4m3"))
+                                  "default), or e4m3 for both", type=str, choices=tuple(FP8_FORMATS))
     fp8_recipe: str = opt("tensorwise", "--experimental_fp8: torchao's scaling recipe: tensorwise (one scale per "
                                         "tensor, the cheapest casts), rowwise (a scale per row, e4m3 gradients), "
                                         "rowwise_with_gw_hp (rowwise, the weight gradient in bf16)", type=str,
-                          choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+                          choices=FP8_RECIPES)
     fp8_min_tokens: int = opt(4096, "--experimental_fp8: a layer's call on fewer tokens (a routed depth's few) "
                                     "stays in bf16, where float8's casts cost more than its GEMM saves", type=int)
 
@@ -366,9 +367,8 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("eval_every", "eval_batches", "warmup_steps", "experimental_prefetch_threads", "batch_filter_warmup",
                  "fp8_min_tokens"):
         need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)} must be >= 0")
-    need(not cfg.experimental_fp8 or cfg.fp8_recipe == "tensorwise" or cfg.fp8_format == "e4m3",
-         f"--fp8_recipe {cfg.fp8_recipe} casts the output gradients to e4m3 (torchao's recipe; its row-wise GEMMs take "
-         f"e4m3 operands): add --fp8_format e4m3, or keep --fp8_recipe tensorwise for e5m2 gradients")
+    if cfg.experimental_fp8:
+        check_fp8_setting(cfg.fp8_format, cfg.fp8_recipe)
     need(cfg.prefetch_buffer_size >= 1, f"prefetch_buffer_size={cfg.prefetch_buffer_size} must be >= 1")
     for name in ("lr", "min_lr", "weight_decay", "grad_clip", "beta1", "beta2", "rollback_lr_factor"):
         need(math.isfinite(getattr(cfg, name)), f"{name}={getattr(cfg, name)} must be a finite number")
