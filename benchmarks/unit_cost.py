@@ -123,10 +123,11 @@ def main() -> None:
                    help="no document ids (hydra-lm bench's setting; the trainer passes them by default)")
     p.add_argument("--fp8_min_tokens", type=int, default=None,
                    help="float8 layers (torchao) on calls of at least this many tokens; default bf16 only")
-    p.add_argument("--fp8_format", default="e5m2", choices=tuple(FP8_FORMATS),
-                   help="with --fp8_min_tokens: the output gradients' float8 dtype (the trainer's default e5m2)")
-    p.add_argument("--fp8_recipe", default="tensorwise", choices=FP8_RECIPES,
-                   help="with --fp8_min_tokens: torchao's scaling recipe (the row-wise ones need --fp8_format e4m3)")
+    p.add_argument("--fp8_format", default="e4m3", choices=tuple(FP8_FORMATS),
+                   help="with --fp8_min_tokens: the output gradients' float8 dtype (the trainer's default e4m3)")
+    p.add_argument("--fp8_recipe", default=FP8_RECIPES[0], choices=FP8_RECIPES,
+                   help="with --fp8_min_tokens: torchao's scaling recipe (the trainer's default first; e5m2 needs "
+                        "tensorwise)")
     p.add_argument("--fp8_mlp_only", action="store_true",
                    help="with --fp8_min_tokens: the attention projections stay bf16 (their gate set out of reach)")
     p.add_argument("--inductor", nargs="*", default=[], metavar="OPTION=VALUE",

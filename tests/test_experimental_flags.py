@@ -16,7 +16,8 @@ from support import TINY_RUN
     (["--experimental_cuda_graphs"], "--cuda_graph needs a CUDA device"),
     (["--experimental_fp8"], "--experimental_fp8 needs a CUDA GPU of compute capability 9.0+ (Hopper); this run is "
                              "on cpu"),
-    (["--experimental_fp8", "--fp8_recipe", "rowwise"], "--fp8_recipe rowwise casts the output gradients to e4m3"),
+    (["--experimental_fp8", "--fp8_format", "e5m2"], "--fp8_recipe rowwise_with_gw_hp casts the output gradients to "
+                                                     "e4m3 (torchao's recipe): drop --fp8_format e5m2"),
 ])
 def test_bad_settings_fail_with_one_line(tiny_data, tmp_path, capsys, extra, message):
     code = main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "run"), "--max_steps", "2", *TINY_RUN,
@@ -42,8 +43,8 @@ def test_fp8_converts_only_the_layers_linears_with_dims_divisible_by_16():
 
 
 def test_each_fp8_format_casts_the_output_gradients_to_its_own_dtype(monkeypatch):
-    """e5m2 (the default) gives the output gradients e5m2, e4m3 gives them e4m3; the forward is e4m3 in both.
-    torchao's default config would run e5m2 gradients for both names."""
+    """Under the tensorwise recipe e5m2 gives the output gradients e5m2, e4m3 (the default) gives them e4m3; the
+    forward is e4m3 in both. torchao's default config would run e5m2 gradients for both names."""
     pytest.importorskip("torchao")
     import torch
 
@@ -51,10 +52,10 @@ def test_each_fp8_format_casts_the_output_gradients_to_its_own_dtype(monkeypatch
     from hydra_lm.train.options import TrainConfig
 
     monkeypatch.setattr(fp8, "check_fp8_device", lambda device: None)
-    assert TrainConfig().fp8_format == "e5m2"
+    assert (TrainConfig().fp8_format, TrainConfig().fp8_recipe) == ("e4m3", "rowwise_with_gw_hp")
     for fmt, grad_dtype in (("e5m2", torch.float8_e5m2), ("e4m3", torch.float8_e4m3fn)):
         model = hydra_lm.create_model("debug", vocab_size=97, dim=64, n_heads=2, n_kv_heads=1, mlp_hidden=96)
-        assert fp8.convert_to_fp8(model, fmt, torch.device("cpu")) > 0
+        assert fp8.convert_to_fp8(model, fmt, torch.device("cpu"), recipe="tensorwise") > 0
         configs = [m.config for m in model.modules() if hasattr(m, "min_tokens")]
         assert configs and all(c.cast_config_grad_output.target_dtype == grad_dtype for c in configs)
         assert all(c.cast_config_input.target_dtype == c.cast_config_weight.target_dtype == torch.float8_e4m3fn
@@ -83,7 +84,7 @@ def test_fp8_rowwise_recipes_scale_per_row_and_need_e4m3_gradients(monkeypatch):
         assert all(m.config.cast_config_grad_output.target_dtype == torch.float8_e4m3fn for m in layers)
         x = torch.randn(2, 16, 64)
         model.blocks[0].layers[0].mlp(x).square().sum().backward()  # float8 GEMMs on the CPU, forward and back
-    with pytest.raises(ValueError, match="add --fp8_format e4m3"):
+    with pytest.raises(ValueError, match="drop --fp8_format e5m2"):
         fp8.convert_to_fp8(model, "e5m2", torch.device("cpu"), recipe="rowwise")
 
 
@@ -114,3 +115,16 @@ def test_fp8_layers_run_calls_under_the_token_gate_in_high_precision_and_the_res
         out.square().sum().backward()
         assert torch.isfinite(layer.weight.grad).all() and layer.weight.grad.abs().sum() > 0
         layer.weight.grad = None
+
+
+def test_a_run_saved_before_fp8_recipes_existed_resumes_with_the_scaling_it_trained_with():
+    """Such a run trained tensorwise (with e5m2 or e4m3 gradients): resuming it must not switch to the new
+    default recipe, which would also refuse its saved e5m2."""
+    from hydra_lm.train.fp8 import check_fp8_setting
+    from hydra_lm.train.run import merge_layers
+
+    old = merge_layers({}, {}, {"experimental_fp8": True, "fp8_format": "e5m2"})
+    assert (old.fp8_recipe, old.fp8_format) == ("tensorwise", "e5m2")
+    check_fp8_setting(old.fp8_format, old.fp8_recipe)
+    assert merge_layers({}, {}, {"experimental_fp8": True, "fp8_recipe": "rowwise"}).fp8_recipe == "rowwise"
+    assert merge_layers({}, {}, None).fp8_recipe == "rowwise_with_gw_hp"

@@ -2,20 +2,21 @@
 
 Only the Linear layers inside the routed blocks (attention projections and MLPs) are converted,
 and only those whose both dimensions are multiples of 16 (what the float8 GEMM accepts); the
-embedding, LM head, routers and MoE experts stay in bf16. Scaling is torchao's dynamic
-tensor-wise default. ``--fp8_format e5m2`` (the default, and torchao's) keeps e4m3 for the forward
-operands and gives the output gradients e5m2's wider range; ``e4m3`` casts the output gradients to
-e4m3 too. (Until the twenty-eighth session ``e4m3`` was the default and, left to torchao's default
-config, ran exactly what ``e5m2`` runs: every FP8 measurement before then is of e5m2 gradients.)
+embedding, LM head, routers and MoE experts stay in bf16. ``--fp8_recipe`` picks torchao's dynamic
+scaling. The default, ``rowwise_with_gw_hp`` (a scale per row of each operand, e4m3 operands and output
+gradients, the weight gradient's GEMM in bf16), is the one measured faster than bf16: on the 1B preset's
+unit at the whole batch (16,384 tokens, H200) 7.37 ms against bf16's 8.10, where ``tensorwise`` took
+8.77 and ``rowwise`` 10.50, and 1.04x bf16's tokens/s in the trainer (benchmarks/BENCHMARKS.md,
+twenty-ninth session). ``tensorwise`` (one scale per tensor) takes ``--fp8_format e5m2`` (e4m3
+forward, e5m2 output gradients: torchao's default, and every FP8 number before the twenty-ninth
+session) or ``e4m3``; the row-wise recipes cast everything to e4m3, so they take ``e4m3`` only.
 Needs a CUDA GPU of compute capability 9.0 or newer (Hopper) and torchao (the ``gpu`` extra).
 
 A converted layer runs a call in float8 only when the call brings at least ``--fp8_min_tokens`` tokens,
 and in bf16 otherwise. A routed block's weights serve all its depths: the first sees the whole batch,
 the deeper ones (and MoD's) a few tokens per row, where casting the whole weight to float8 (and its
-transpose in the backward) on every call costs more than the faster GEMM saves. On the 1B preset
-(H100) every call in float8 trained at 0.87x bf16's tokens/s, the gated layers at 0.95x: at that width
-even the whole batch's calls are slower in float8 (benchmarks/BENCHMARKS.md, eleventh and twentieth
-sessions), so it saves memory, not time.
+transpose in the backward) on every call costs more than the faster GEMM saves (with the default
+recipe the 1B unit breaks even between 2,048 and 8,192 tokens).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # torchao's scaling recipes (Float8LinearConfig.from_recipe_name), the first the default
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+FP8_RECIPES = ("rowwise_with_gw_hp", "tensorwise", "rowwise")
 # --fp8_format -> what it casts to what, as the trainer logs it
 FP8_FORMATS = {"e5m2": "e4m3 forward, e5m2 output gradients", "e4m3": "e4m3 forward and output gradients"}
 MIN_CAPABILITY = (9, 0)
@@ -41,8 +42,8 @@ def check_fp8_setting(fmt: str, recipe: str) -> None:
     if recipe not in FP8_RECIPES:
         raise ValueError(f"--fp8_recipe {recipe!r}: choose one of {', '.join(FP8_RECIPES)}")
     if recipe != "tensorwise" and fmt != "e4m3":
-        raise ValueError(f"--fp8_recipe {recipe} casts the output gradients to e4m3 (torchao's recipe): add "
-                         "--fp8_format e4m3, or keep --fp8_recipe tensorwise for e5m2 gradients")
+        raise ValueError(f"--fp8_recipe {recipe} casts the output gradients to e4m3 (torchao's recipe): drop "
+                         f"--fp8_format {fmt}, or add --fp8_recipe tensorwise for {fmt} gradients")
 
 
 def check_fp8_device(device: torch.device) -> None:
@@ -82,7 +83,7 @@ def token_gated_float8_linear() -> type:
 
 
 def convert_to_fp8(model: nn.Module, fmt: str, device: torch.device, min_tokens: int = 0,
-                   recipe: str = "tensorwise") -> int:
+                   recipe: str = FP8_RECIPES[0]) -> int:
     """Swap the eligible Linear layers for torchao's float8 ones, each running in float8 only the calls on
     at least ``min_tokens`` tokens; returns how many were converted. ``recipe``: torchao's scaling recipe
     (``FP8_RECIPES``); the row-wise ones cast the output gradients to e4m3, so they need ``fmt`` e4m3."""

@@ -127,12 +127,12 @@ class TrainConfig:
 
     experimental_fp8: bool = opt(False, "float8 matmuls (torchao) for the transformer layers' Linear weights; CUDA "
                                         "compute capability 9.0+ only", type=bool)
-    fp8_format: str = opt("e5m2", "--experimental_fp8: e5m2 for the output gradients and e4m3 forward (torchao's "
-                                  "default), or e4m3 for both", type=str, choices=tuple(FP8_FORMATS))
-    fp8_recipe: str = opt("tensorwise", "--experimental_fp8: torchao's scaling recipe: tensorwise (one scale per "
-                                        "tensor, the cheapest casts), rowwise (a scale per row, e4m3 gradients), "
-                                        "rowwise_with_gw_hp (rowwise, the weight gradient in bf16)", type=str,
-                          choices=FP8_RECIPES)
+    fp8_format: str = opt("e4m3", "--experimental_fp8: the output gradients' float8 dtype (the forward's is "
+                                  "e4m3): e4m3, or e5m2 (with --fp8_recipe tensorwise only)", type=str,
+                          choices=tuple(FP8_FORMATS))
+    fp8_recipe: str = opt(FP8_RECIPES[0], "--experimental_fp8: torchao's scaling recipe: rowwise_with_gw_hp (a scale "
+                                          "per row, the weight gradient in bf16; the fastest measured), tensorwise "
+                                          "(one scale per tensor) or rowwise", type=str, choices=FP8_RECIPES)
     fp8_min_tokens: int = opt(4096, "--experimental_fp8: a layer's call on fewer tokens (a routed depth's few) "
                                     "stays in bf16, where float8's casts cost more than its GEMM saves", type=int)
 

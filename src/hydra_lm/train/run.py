@@ -91,6 +91,8 @@ def merge_layers(file_values: dict[str, Any], cli: dict[str, Any], saved: dict[s
     if saved is not None:
         base = normalize({k: v for k, v in saved.items() if k in FIELDS and k not in PER_INVOCATION},
                          "the run's saved config.json")
+        # Runs saved before --fp8_recipe existed trained tensorwise (then the only scaling), whatever the default now.
+        base.setdefault("fp8_recipe", "tensorwise")
         for key in FROZEN_ON_RESUME:
             for layer, where in ((file_values, "the config file"), (cli, "the command line")):
                 if key in layer and layer[key] != base.get(key):
