@@ -73,6 +73,13 @@ def test_compare_trains_reports_and_skips_finished_variants(tiny_data, tmp_path,
         assert blob.startswith(PNG_SIGNATURE) and len(blob) > 5000, name
         assert f"({name})" in report
 
+    # Only the newest checkpoint of a run is kept (the trainer keeps three by default); a marker that
+    # recorded another count (as before compare set it) still names the same finished run.
+    for name in ("hydra", "dense"):
+        assert [p.name for p in (out / "runs" / name / "checkpoints").glob("*_step*")] == ["hydra_debug_step8"]
+    marker_path = out / "runs" / "dense" / "compare.json"
+    marker = json.loads(marker_path.read_text())
+    marker_path.write_text(json.dumps({**marker, "settings": {**marker["settings"], "keep_checkpoints": 3}}))
     metrics = {name: (out / "runs" / name / "metrics.jsonl").read_bytes() for name in ("hydra", "dense")}
     assert compare(tiny_data, out, "--budget", "tokens=1k", "--variants", "hydra", "dense", "--evals", "2") == 0
     again = capsys.readouterr().out

@@ -277,7 +277,11 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
         # per-size default) unless the variant or the shared flags give them.
         own = resolve(TrainConfig(**{**shared, **v.train, "data": str(info.path), "model_size": preset}), preset,
                       on_cuda)
-        values = {**shared, **pinned, "lr": own.lr, "min_lr": own.min_lr, **v.train, "data": str(info.path),
+        # A run needs only its newest checkpoint (to resume, and for the final evaluation); the trainer's
+        # default three of every 1B run (10 GB each) likely filled a device's 128 GB disk mid-study
+        # (benchmarks/BENCHMARKS.md, twenty-ninth session).
+        values = {"keep_checkpoints": 1, **shared, **pinned, "lr": own.lr, "min_lr": own.min_lr, **v.train,
+                  "data": str(info.path),
                   "arch": v.arch, "model": {**base.model, **{k: x for k, x in v.overrides.items() if k != "arch"}}}
         share = budget.value * v.budget_scale
         if budget.kind == "seconds":

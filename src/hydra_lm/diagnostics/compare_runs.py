@@ -139,8 +139,10 @@ def executed_flops_at(steps: list[int], train_records: list[dict], model_cfg: Hy
 
 # ---------------------------------------------------------------------------- run bookkeeping
 def _fingerprint(values: dict[str, Any]) -> dict[str, Any]:
-    """The settings that define a variant's run (not where it is written or on which device)."""
-    return json.loads(json.dumps({k: v for k, v in values.items() if k not in ("out", "device", "resume")}))
+    """The settings that define a variant's run (not where it is written, on which device, or how many of its
+    checkpoints are kept)."""
+    return json.loads(json.dumps({k: v for k, v in values.items()
+                                  if k not in ("out", "device", "resume", "keep_checkpoints")}))
 
 
 def finished_marker(run: VariantRun) -> dict[str, Any] | None:
@@ -151,8 +153,8 @@ def finished_marker(run: VariantRun) -> dict[str, Any] | None:
         marker = json.loads(path.read_text(encoding="utf-8"))
     except ValueError:
         return None  # a marker cut short: the trainer resumes (or finds nothing to do) and it is rewritten
-    if marker.get("settings") != _fingerprint(run.values):
-        was, now = marker.get("settings", {}), _fingerprint(run.values)
+    was, now = _fingerprint(marker.get("settings", {})), _fingerprint(run.values)
+    if was != now:
         diff = sorted(k for k in {*was, *now} if was.get(k) != now.get(k))
         raise ValueError(f"{run.run_dir} was trained by an earlier compare with other settings ({', '.join(diff)}): "
                          "use a new --out directory, or remove that run directory to train it again")
