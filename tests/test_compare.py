@@ -58,6 +58,7 @@ def test_compare_trains_reports_and_skips_finished_variants(tiny_data, tmp_path,
         assert v["final"]["val_loss_topk"] == pytest.approx(ev["val_loss_topk"], abs=1e-5)
         assert v["final"]["gap"] == pytest.approx(ev["val_loss_causal"] - ev["val_loss_topk"], abs=1e-5)
     hydra = results["variants"]["hydra"]
+    assert hydra["device"] == dense["device"] == "cpu"
     assert 0 <= hydra["final"]["val_agreement"] <= 1 and dense["final"]["val_agreement"] is None
     assert "agree" in lines[header] and f"{hydra['final']['val_agreement']:.1%}" in lines[header + 2]
     rate = hydra["executed_flops"] / hydra["train_s"] / 1e12  # what the variant made of the device per second
@@ -67,6 +68,7 @@ def test_compare_trains_reports_and_skips_finished_variants(tiny_data, tmp_path,
     assert len(hydra["depths"]["causal"]) == 2 and dense["routing"] == {} and dense["depths"] is None
     report = (out / "report.md").read_text()
     assert "| hydra |" in report and "| dense |" in report and "## Routing health" in report
+    assert "- **hydra** (hydra on cpu, " in report
     assert "## Time and compute to each dense model's final loss" in report and "| hydra | dense |" in report
     for name in PLOTS:
         blob = (out / name).read_bytes()
@@ -425,6 +427,43 @@ def test_custom_variant_compares_optimizers_at_one_batch_with_their_own_learning
     line = _own_optimizers(results)
     assert "lion: lion" in line and "muon: muon" in line and "slow: adamw, 0.0001 -> 1e-05" in line
     assert "adamw:" not in line
+
+
+def test_seconds_budget_runs_on_different_devices_are_flagged_and_not_pooled_as_seeds(tiny_data, tmp_path, capsys):
+    """A training-time budget buys different work on an H100 and an H200: the report says so, and `scaling`
+    keeps such runs of one variant apart instead of averaging them as seeds."""
+    from hydra_lm.diagnostics.scaling import load_points
+
+    out = tmp_path / "cmp"
+    assert compare(tiny_data, out, "--budget", "seconds=1", "--variants", "hydra", "--seeds", "0", "1",
+                   "--evals", "1") == 0
+    results = json.loads((out / "results.json").read_text())
+    assert not any("different devices" in w for w in results["warnings"])
+    config = out / "runs" / "hydra.seed1" / "config.json"  # as if seed 1 had run on another machine
+    record = json.loads(config.read_text())
+    config.write_text(json.dumps({**record, "versions": {**record["versions"], "gpu": "NVIDIA H200"}}))
+    capsys.readouterr()
+    assert compare(tiny_data, out, "--budget", "seconds=1", "--variants", "hydra", "--seeds", "0", "1",
+                   "--evals", "1") == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [v["device"] for v in results["variants"].values()] == ["cpu", "NVIDIA H200"]
+    warning = next(w for w in results["warnings"] if "different devices" in w)
+    assert "NVIDIA H200: hydra.seed1" in warning and "cpu: hydra.seed0" in warning
+    assert warning in (out / "report.md").read_text()
+
+    # Two seeds of one variant at equal points: averaged when they share a device, kept apart otherwise
+    # (the frontier then keeps the lower run's points).
+    c = [1e12, 1e13, 1e14]
+    def seed_run(seed, device, shift):
+        return {"variant": "good", "seed": seed, "arch": "hydra", "device": device,
+                "evals": [{"step": i, "train_s": x, "val_loss_causal": 3.0 - i * 0.1 + shift} for i, x in enumerate(c)]}
+    for devices, expected in ((("H100", "H100"), [3.0, 2.9, 2.8]), (("H100", "H200"), [2.9, 2.8, 2.7])):
+        study = tmp_path / "_".join(devices)
+        study.mkdir()
+        (study / "results.json").write_text(json.dumps({
+            "budget": {"kind": "seconds", "value": 60}, "settings": {"seed": [0, 1]},
+            "variants": {"good.seed0": seed_run(0, devices[0], 0.1), "good.seed1": seed_run(1, devices[1], -0.1)}}))
+        assert load_points([study], "seconds", "family")["hydra"]["y"] == pytest.approx(expected)
 
 
 def test_time_budget_stops_on_training_time_and_resumes_it(tiny_data, tmp_path, capsys):

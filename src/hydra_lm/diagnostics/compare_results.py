@@ -13,6 +13,7 @@ import numpy as np
 
 from ..model.accounting import executed_flops_per_token
 from ..train.metrics import METRICS_FILE
+from ..train.run import CONFIG_JSON
 from .compare_runs import ComparePlan, VariantRun, executed_flops_at, finished_marker
 from .routing_health import health_warnings
 from .variants import parameter_count
@@ -56,6 +57,8 @@ def collect_results(plan: ComparePlan) -> dict[str, Any]:
         "variants": variants,
         "warnings": warnings,
     }
+    if plan.budget.kind == "seconds":
+        results["warnings"] += mixed_devices_warning(variants)
     if plan.seeds is not None:
         results["across_seeds"] = across_seeds(plan.runs, variants)
     if any(run.variant.swept_from for run in plan.runs):
@@ -67,6 +70,32 @@ def collect_results(plan: ComparePlan) -> dict[str, Any]:
                     "--lrs, so a better one may lie beyond it: extend the grid (--lr_extend N) before ranking the "
                     "variants")
     return results
+
+
+def run_device(run_dir: Path) -> str | None:
+    """The device a run trained on, as its newest start recorded it (the GPU's name, or "cpu")."""
+    path = run_dir / CONFIG_JSON
+    if not path.is_file():
+        return None
+    try:
+        versions = json.loads(path.read_text(encoding="utf-8")).get("versions", {})
+    except ValueError:
+        return None
+    return versions.get("gpu", "cpu")
+
+
+def mixed_devices_warning(variants: dict[str, Any]) -> list[str]:
+    """A seconds budget buys different work on different devices: its runs compare only on one kind."""
+    by_device: dict[str, list[str]] = {}
+    for name, entry in variants.items():
+        if entry.get("device") is not None:
+            by_device.setdefault(entry["device"], []).append(name)
+    if len(by_device) < 2:
+        return []
+    listed = "; ".join(f"{device}: {', '.join(names)}" for device, names in sorted(by_device.items()))
+    return [f"the runs of this seconds budget trained on different devices ({listed}): the same seconds buy "
+            "different work on each, so their losses (and seeds' spreads) do not compare; train them all on one "
+            "kind of device"]
 
 
 def lr_sweep(runs: list[VariantRun], variants: dict[str, Any]) -> dict[str, Any]:
@@ -152,6 +181,7 @@ def variant_results(run: VariantRun, seq_len: int, tokens_per_step: int, out_dir
         "budget_scale": run.variant.budget_scale,
         "description": run.variant.description, "arch": run.variant.arch, "overrides": run.variant.overrides,
         "run_dir": os.path.relpath(run.run_dir, out_dir), "status": marker.get("status", "unfinished"),
+        "device": run_device(run.run_dir),
         "params": parameter_count(run.model_cfg),
         "flops_per_token": executed_flops_per_token(run.model_cfg, seq_len, training=True),
         "max_steps": run.values["max_steps"], "steps": final_step, "tokens": final_step * tokens_per_step,

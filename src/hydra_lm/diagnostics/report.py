@@ -222,7 +222,8 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
     ]
     for name, v in results["variants"].items():
         routed = " with routing on" if v["routing"] else ""
-        lines.append(f"- **{name}** ({v['arch']}, {v['params']:,} parameters, {v['max_steps']} scheduled steps, "
+        on = f" on {v['device']}" if v.get("device") else ""
+        lines.append(f"- **{name}** ({v['arch']}{on}, {v['params']:,} parameters, {v['max_steps']} scheduled steps, "
                      f"{v['flops_per_token']:.3g} executed training FLOPs/token{routed}; evaluation "
                      f"{_num(v['eval_s'], '.1f')} s and compilation {_num(v['startup_s'], '.1f')} s not counted as "
                      f"training time): {v['description']}; run directory `{v['run_dir']}`")

@@ -104,10 +104,13 @@ def load_points(dirs: list[str | Path], x: str, group: str,
         except ValueError as err:
             raise ValueError(f"{path} is not valid JSON ({err}): run the compare again") from None
         # Seeds of one experiment: the same variant, budget and settings, in this directory or another
-        # (seeds run apart); without a recorded budget, only within the directory.
+        # (seeds run apart), and for a seconds budget the same device; without a recorded budget, only
+        # within the directory.
         settings = {k: v for k, v in results.get("settings", {}).items() if k != "seed"}
-        experiment = json.dumps([results["budget"], settings], sort_keys=True) if "budget" in results else str(n)
+        budget = results.get("budget")
         for name, v in results.get("variants", {}).items():
+            device = v.get("device") if budget is not None and budget.get("kind") == "seconds" else None
+            experiment = json.dumps([budget, settings, device], sort_keys=True) if budget is not None else str(n)
             variant = v.get("variant", name)  # a compare with --seeds: NAME.seedS is a run of NAME
             label = variant if group == "variant" else ("hydra" if v.get("arch", "hydra") == "hydra" else "dense")
             pts = [(float(p[key]), float(p["val_loss_causal"])) for p in v.get("evals", [])
