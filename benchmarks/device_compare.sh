@@ -6,23 +6,46 @@
 # and is issued at once. What comes back is one tarball (a call returns a limited number of files).
 #
 #   bash benchmarks/device_compare.sh start DATA OUT [compare flags...]   # detached; queued behind others
+#   CUDA_VISIBLE_DEVICES=2,3 bash benchmarks/device_compare.sh start ...  # the same, in the lane of GPUs 2-3
 #   bash benchmarks/device_compare.sh poll OUT [SECONDS]                  # progress; packs OUT into $OUT
 #
-# start: returns at once. The study waits for every study started before it on this host (a ticket per
-#   start, taken in order under one lock, so studies never share the GPUs or the host and run in the
-#   order they were started), then, when DATA holds no prepared corpus, builds one from
-#   the machine's source code (python_source_corpus.sh DATA 900 code: ~218M tokens on the device image,
-#   2 minutes), then runs the compare. Several starts in one call queue several studies in order.
+# start: returns at once. The study waits for every study started before it in its lane (a ticket per
+#   start, taken in order under the lane's lock, so a lane's studies never share its GPUs and run in the
+#   order they were started), then, when DATA holds no prepared corpus, builds one from the machine's
+#   source code (python_source_corpus.sh DATA 900 code: ~218M tokens on the device image, 2 minutes; one
+#   lane builds it, the others wait for it), then runs the compare. A lane is the CUDA_VISIBLE_DEVICES the
+#   study is started with (unset: one lane, every GPU): lanes on disjoint GPUs run at once, so a study can
+#   be queued on two GPUs while another runs on the other two, without stopping anything. A lane's study
+#   is pinned to its share of the host's cores (cores x its GPUs / all GPUs, `taskset`), which compare
+#   divides among its runs, so lanes do not compile on each other's cores.
 # poll: prints each run's last training and evaluation lines, waits up to SECONDS (default 0) for the
 #   study to end, then writes $OUT/OUT_NAME.tgz (report, results, plots, run logs) when $OUT is set.
 #   Run nothing else on the host during a seconds budget: other jobs' compilation makes the training
 #   runs' tokens/s waver (benchmarks/BENCHMARKS.md, fifteenth session).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-lock=${TMPDIR:-/tmp}/hydra_device_compare.lock
-tickets=${TMPDIR:-/tmp}/hydra_device_compare.tickets
+lane=${CUDA_VISIBLE_DEVICES:-all}
+lane=${lane//[^0-9a-zA-Z]/_}
+lock=${TMPDIR:-/tmp}/hydra_device_compare.$lane.lock
+tickets=${TMPDIR:-/tmp}/hydra_device_compare.$lane.tickets
 cmd=${1:?usage: device_compare.sh start DATA OUT [compare flags...] | poll OUT [SECONDS]}
 shift
+
+# The cores of the lane's GPUs' share of the host ("" when there is no lane, or no taskset / nvidia-smi).
+lane_cpus() {
+  [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && command -v taskset >/dev/null && command -v nvidia-smi >/dev/null || return 0
+  local n per g out=""
+  n=$(nvidia-smi -L | wc -l)
+  [ "$n" -gt 0 ] || return 0
+  per=$(($(nproc) / n))
+  [ "$per" -gt 0 ] || return 0
+  for g in ${CUDA_VISIBLE_DEVICES//,/ }; do
+    [[ "$g" =~ ^[0-9]+$ ]] || return 0  # GPU UUIDs: no pinning
+    out+="${out:+,}$((g * per))-$((g * per + per - 1))"
+  done
+  echo "$out"
+}
+
 case "$cmd" in
   start)
     data=${1:?start needs DATA}; out=${2:?start needs OUT}
@@ -30,17 +53,22 @@ case "$cmd" in
     # A waiting flock is not first come, first served: the tickets keep the order of the starts.
     ticket=$(date +%s%N); touch "$tickets/$ticket"
     setsid nohup bash "$here/device_compare.sh" run "$ticket" "$@" >"$out.log" 2>&1 < /dev/null &
-    echo "study queued (pid $!): log $out.log; poll with: bash $0 poll $out SECONDS"
+    echo "study queued in lane $lane (pid $!): log $out.log; poll with: bash $0 poll $out SECONDS"
     ;;
-  run)  # what start runs: waits for its turn, then holds the lock while it runs
+  run)  # what start runs: waits for its turn in the lane, then holds the lane's lock while it runs
     ticket=$1; data=$2; out=$3; shift 3
     exec 9>"$lock"
     while flock 9 && [ "$(ls "$tickets" | sort -n | head -1)" != "$ticket" ]; do flock -u 9; sleep 2; done
     trap 'rm -f "$tickets/$ticket"' EXIT
     trap 'exit 143' INT TERM
-    [ -f "$data/meta.json" ] || bash "$here/python_source_corpus.sh" "$data" 900 code
+    # One lane builds a missing corpus; a lane that finds it being built waits, then finds it built.
+    mkdir -p "$(dirname "$data")"
+    flock "$data.lock" bash -c '[ -f "$1/meta.json" ] || bash "$2/python_source_corpus.sh" "$1" 900 code' _ "$data" "$here"
     mkdir -p "$out"
-    python -m hydra_lm compare --data "$data" --out "$out" "$@"
+    cpus=$(lane_cpus)
+    pin=()
+    [ -z "$cpus" ] || { pin=(taskset -c "$cpus"); echo "lane $lane: cores $cpus"; }
+    "${pin[@]}" python -m hydra_lm compare --data "$data" --out "$out" "$@"
     ;;
   poll)
     out=${1:?poll needs OUT}; wait_s=${2:-0}
