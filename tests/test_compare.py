@@ -441,12 +441,18 @@ def test_seconds_budget_runs_on_different_devices_are_flagged_and_not_pooled_as_
     assert not any("different devices" in w for w in results["warnings"])
     config = out / "runs" / "hydra.seed1" / "config.json"  # as if seed 1 had run on another machine
     record = json.loads(config.read_text())
-    config.write_text(json.dumps({**record, "versions": {**record["versions"], "gpu": "NVIDIA H200"}}))
+    on_gpu = {**record, "train": {**record["train"], "device": "cuda"},
+              "versions": {**record["versions"], "gpu": "NVIDIA H200"}}
+    config.write_text(json.dumps(on_gpu))
     capsys.readouterr()
     assert compare(tiny_data, out, "--budget", "seconds=1", "--variants", "hydra", "--seeds", "0", "1",
                    "--evals", "1") == 0
     results = json.loads((out / "results.json").read_text())
     assert [v["device"] for v in results["variants"].values()] == ["cpu", "NVIDIA H200"]
+    from hydra_lm.diagnostics.compare_results import run_device  # a --device cpu run on a GPU host
+    config.write_text(json.dumps({**on_gpu, "train": {**record["train"], "device": "cpu"}}))
+    assert run_device(config.parent) == "cpu"
+    config.write_text(json.dumps(on_gpu))
     warning = next(w for w in results["warnings"] if "different devices" in w)
     assert "NVIDIA H200: hydra.seed1" in warning and "cpu: hydra.seed0" in warning
     assert warning in (out / "report.md").read_text()

@@ -78,10 +78,12 @@ def run_device(run_dir: Path) -> str | None:
     if not path.is_file():
         return None
     try:
-        versions = json.loads(path.read_text(encoding="utf-8")).get("versions", {})
+        record = json.loads(path.read_text(encoding="utf-8"))
     except ValueError:
         return None
-    return versions.get("gpu", "cpu")
+    if record.get("train", {}).get("device") == "cpu":  # --device cpu on a GPU host
+        return "cpu"
+    return record.get("versions", {}).get("gpu", "cpu")
 
 
 def mixed_devices_warning(variants: dict[str, Any]) -> list[str]:
