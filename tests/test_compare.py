@@ -79,9 +79,13 @@ def test_compare_trains_reports_and_skips_finished_variants(tiny_data, tmp_path,
     # recorded another count (as before compare set it) still names the same finished run.
     for name in ("hydra", "dense"):
         assert [p.name for p in (out / "runs" / name / "checkpoints").glob("*_step*")] == ["hydra_debug_step8"]
+        saves = [line for line in (out / "runs" / name / "train.log").read_text().splitlines()
+                 if "saved checkpoint" in line]
+        assert [line.rsplit("_step", 1)[1] for line in saves] == ["4", "8"]  # the middle and the end
     marker_path = out / "runs" / "dense" / "compare.json"
     marker = json.loads(marker_path.read_text())
-    marker_path.write_text(json.dumps({**marker, "settings": {**marker["settings"], "keep_checkpoints": 3}}))
+    marker_path.write_text(json.dumps({**marker, "settings": {**marker["settings"], "keep_checkpoints": 3,
+                                                                "save_every": 2}}))
     metrics = {name: (out / "runs" / name / "metrics.jsonl").read_bytes() for name in ("hydra", "dense")}
     assert compare(tiny_data, out, "--budget", "tokens=1k", "--variants", "hydra", "dense", "--evals", "2") == 0
     again = capsys.readouterr().out

@@ -295,6 +295,9 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
         # Rounded up: the last of the evals falls on the run's end (the trainer always evaluates there),
         # not one step before it (1000 steps // 3 = 333 evaluated at 999 and again at 1000).
         values["eval_every"] = shared.get("eval_every") or max(1, math.ceil(steps / evals))
+        # A checkpoint at the middle and the end: the trainer's default of one per tenth cost a 1B run
+        # about 30 s a save (twenty-ninth session), device time a study lacks.
+        values["save_every"] = shared.get("save_every") or max(1, math.ceil(steps / 2))
         check_on_device(v.name, own, device)
         for seed in seeds or [None]:
             name = v.name if seed is None else f"{v.name}.seed{seed}"

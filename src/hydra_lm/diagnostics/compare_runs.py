@@ -139,10 +139,10 @@ def executed_flops_at(steps: list[int], train_records: list[dict], model_cfg: Hy
 
 # ---------------------------------------------------------------------------- run bookkeeping
 def _fingerprint(values: dict[str, Any]) -> dict[str, Any]:
-    """The settings that define a variant's run (not where it is written, on which device, or how many of its
-    checkpoints are kept)."""
+    """The settings that define a variant's run (not where it is written, on which device, or how often it
+    saves checkpoints and how many it keeps)."""
     return json.loads(json.dumps({k: v for k, v in values.items()
-                                  if k not in ("out", "device", "resume", "keep_checkpoints")}))
+                                  if k not in ("out", "device", "resume", "keep_checkpoints", "save_every")}))
 
 
 def finished_marker(run: VariantRun) -> dict[str, Any] | None:
