@@ -208,6 +208,15 @@ def test_generate_restores_training_mode_and_checks_inputs():
         model.generate(_ids(1, 5), 2, cuda_graph=True)
 
 
+def test_forward_names_token_ids_the_embedding_cannot_look_up():
+    model = tiny_model()
+    for ids in (torch.tensor([[0, TINY["vocab_size"]]]), torch.tensor([[3, -1]])):
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, "):
+            model(ids)
+    with pytest.raises(ValueError, match="integer tensor, got torch.float32"):
+        model(torch.zeros(1, 4))
+
+
 def test_generate_stops_at_eos():
     model = tiny_model().double().eval()
     prompt = _ids(1, 6)

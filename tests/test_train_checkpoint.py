@@ -103,6 +103,10 @@ def test_resolve_checkpoint_accepts_a_directory_or_file(tmp_path):
     assert resolve_checkpoint(tmp_path, path / "model.safetensors").step == 7
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve_checkpoint(tmp_path, tmp_path / "nope")
+    stray = tmp_path / "model.pt"
+    stray.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="neither a checkpoint directory's file nor an exported"):
+        resolve_checkpoint(tmp_path, stray)
     with pytest.raises(CheckpointError, match="has no checkpoint"):
         resolve_checkpoint(tmp_path / "empty")
 

@@ -33,6 +33,19 @@ def moe_positions(n_blocks: int, n_moe: int) -> list[int]:
     return [(i + 1) * n_blocks // (n_moe + 1) - 1 for i in range(n_moe)]
 
 
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int, sync: bool = False) -> None:
+    """A clear error for token ids the embedding cannot look up (out of range, or not integers), where the
+    check is free: on the CPU, or with ``sync`` (generate reads the prompt once). A training step on CUDA
+    skips it: its value check would be a host sync inside a captured step (the data loader checks its
+    tokens instead, ``data.loader``)."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"token ids must be an integer tensor, got {ids.dtype}")
+    if (ids.device.type == "cpu" or sync) and ids.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{lo}, {hi}]")
+
 class HydraModel(nn.Module, GradientCheckpointMixin):
     def __init__(self, config: HydraConfig):
         super().__init__()
@@ -137,6 +150,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         if t > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.config.max_seq_len}; "
                              "raise HydraConfig.max_seq_len or feed shorter sequences")
+        check_token_ids(input_ids, self.config.vocab_size)
         # A tensor of its own, not a view: routed units pass gathered positions (not views) to the
         # same compiled unit, and a view would make its guards differ (compile_policy.compile_units).
         pos = torch.arange(t, device=input_ids.device).repeat(b, 1)
@@ -249,9 +263,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             raise ValueError(f"input_ids must be [batch, length>0], got shape {tuple(input_ids.shape)}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got [{lo}, {hi}]")
+        check_token_ids(input_ids, self.config.vocab_size, sync=True)
         b, t = input_ids.shape
         total = t + max_new_tokens
         if total > self.config.max_seq_len:

@@ -140,6 +140,9 @@ def verify(path: Path) -> Checkpoint:
         return _exported(path)
     if path.is_file() and path.name in (MODEL_FILE, STATE_FILE, TRAINER_FILE):
         path = path.parent
+    if path.is_file():
+        raise CheckpointError(f"checkpoint {path} is a file that is neither a checkpoint directory's file nor an "
+                              f"exported .safetensors model: pass a checkpoint directory (a run's checkpoints/step_N)")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
     state_path = path / STATE_FILE
