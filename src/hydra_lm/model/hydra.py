@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from ..config import HydraConfig
@@ -41,7 +42,8 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, sync: bool = False) -> N
     tokens instead, ``data.loader``)."""
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(f"token ids must be an integer tensor, got {ids.dtype}")
-    if (ids.device.type == "cpu" or sync) and ids.numel() and not torch.compiler.is_compiling():
+    # Fake tensors (memory estimates trace the model without data) have no values to read.
+    if (ids.device.type == "cpu" or sync) and ids.numel() and not torch.compiler.is_compiling() and not is_fake(ids):
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{lo}, {hi}]")
