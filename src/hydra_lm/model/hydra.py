@@ -34,7 +34,6 @@ def moe_positions(n_blocks: int, n_moe: int) -> list[int]:
     return [(i + 1) * n_blocks // (n_moe + 1) - 1 for i in range(n_moe)]
 
 
-
 def check_token_ids(ids: torch.Tensor, vocab_size: int, sync: bool = False) -> None:
     """A clear error for token ids the embedding cannot look up (out of range, or not integers), where the
     check is free: on the CPU, or with ``sync`` (generate reads the prompt once). A training step on CUDA
@@ -47,6 +46,7 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, sync: bool = False) -> N
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{lo}, {hi}]")
+
 
 class HydraModel(nn.Module, GradientCheckpointMixin):
     def __init__(self, config: HydraConfig):
