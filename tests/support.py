@@ -33,6 +33,12 @@ VARIANTS = {
 }
 
 
+def tokens_per_unit(model: hydra_lm.HydraModel, seq_len: int) -> dict[str, int]:
+    """Tokens per row each unit (block, depth) of ``model`` runs on in top-k mode, as its curriculum stands."""
+    return {f"{block.name}.depth{j}": k for block in model.blocks
+            for j, k in enumerate(block.tokens_per_depth(seq_len))}
+
+
 def tiny_model(seed: int = 0, **overrides) -> hydra_lm.HydraModel:
     torch.manual_seed(seed)
     return hydra_lm.create_model("debug", **{**TINY, **overrides})

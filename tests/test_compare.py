@@ -535,3 +535,39 @@ def test_plots_give_the_seeds_of_one_variant_one_colour_and_other_variants_other
     assert runs == {f"v{i}": 3 for i in range(6)}
     assert all(colors[f"v{i}.seed0"] == colors[f"v{i}.seed{s}"] for i in range(6) for s in (1, 2))
     assert len({colors[f"v{i}.seed0"] for i in range(6)}) == 6
+
+
+def test_the_seed_margin_gives_welchs_t_and_how_many_hydra_seeds_beat_every_dense_one():
+    from hydra_lm.diagnostics.report import margin_statistics, seed_margin
+    hydra, dense = [1.0051, 1.0061, 0.9958, 0.9997], [1.0025, 1.0125, 1.0091, 1.0114]
+    m = margin_statistics(hydra, dense)
+    assert m["difference"] == pytest.approx(np.mean(dense) - np.mean(hydra))
+    # scipy.stats.ttest_ind(dense, hydra, equal_var=False) on these: t 2.188064, df 5.967963
+    assert m["t"] == pytest.approx(2.188064, abs=1e-6) and m["df"] == pytest.approx(5.967963, abs=1e-6)
+    assert m["below_every_dense"] == 2  # 0.9958 and 0.9997 are below dense's best, 1.0025
+    summary = {name: {"arch": arch, "seeds": [1, 2, 3, 4], "causal": x, "mean": float(np.mean(x)), "min": min(x),
+                      "max": max(x)} for name, arch, x in (("b12r1", "hydra", hydra), ("d7", "dense", dense))}
+    text = seed_margin({"across_seeds": summary})
+    assert "0.0072 nats below the best dense variant d7" in text and "2.2 standard errors" in text
+    assert "2 of 4 HYDRA seeds end below every dense seed" in text
+    # One seed a side: no spread to weigh the difference by, so no t.
+    one = {name: dict(v, seeds=[1], causal=v["causal"][:1], mean=v["causal"][0]) for name, v in summary.items()}
+    assert margin_statistics(hydra[:1], dense[:1])["t"] is None
+    assert "standard errors" not in seed_margin({"across_seeds": one}) and "above the best dense" in seed_margin(
+        {"across_seeds": one})
+
+
+def test_seeds_of_separate_studies_pool_into_one_report_without_training_again(tiny_data, tmp_path, capsys):
+    """Seeds run on different machines: copy one study's seed runs into the other and compare again."""
+    import shutil
+    common = ("--budget", "tokens=256", "--variants", "hydra", "--evals", "1")
+    assert compare(tiny_data, tmp_path / "a", *common, "--seeds", "3") == 0
+    assert compare(tiny_data, tmp_path / "b", *common, "--seeds", "5") == 0
+    shutil.copytree(tmp_path / "b" / "runs" / "hydra.seed5", tmp_path / "a" / "runs" / "hydra.seed5")
+    capsys.readouterr()
+    assert compare(tiny_data, tmp_path / "a", *common, "--seeds", "3", "5") == 0
+    assert "compare: training " not in capsys.readouterr().out
+    results = json.loads((tmp_path / "a" / "results.json").read_text())
+    alone = json.loads((tmp_path / "b" / "results.json").read_text())["variants"]["hydra.seed5"]
+    assert results["across_seeds"]["hydra"]["seeds"] == [3, 5]
+    assert results["variants"]["hydra.seed5"]["final"] == alone["final"]

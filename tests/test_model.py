@@ -8,7 +8,7 @@ from hydra_lm.model.block import TransformerLayer
 from hydra_lm.model.decode_step import DecodeStep
 from hydra_lm.model.routing import RANK_PRIOR, rank_admits
 
-from support import TINY, tiny_model
+from support import TINY, tiny_model, tokens_per_unit
 
 
 def _ids(b=2, t=40, seed=1, vocab=TINY["vocab_size"]):
@@ -244,7 +244,7 @@ def test_topk_runs_exactly_the_configured_tokens_per_unit(schedule, per_block):
     model(_ids(2, t))
     for h in hooks:
         h.remove()
-    expected = list(model.tokens_per_unit(t).values())
+    expected = list(tokens_per_unit(model, t).values())
     assert [n for _, n in sizes] == expected
     assert expected == per_block * 3
 

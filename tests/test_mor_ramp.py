@@ -1,6 +1,6 @@
 """--mor_ramp: MoR capacities move from full depth to the configured ones in 4 levels, and resume exactly."""
 
-from support import tiny_model
+from support import tiny_model, tokens_per_unit
 from hydra_lm.train.curriculum import Curriculum, CurriculumPlan
 from hydra_lm.train.options import TrainConfig
 from hydra_lm.cli import main
@@ -9,7 +9,7 @@ from support import TINY_RUN, train_losses
 
 def test_capacities_ramp_in_four_levels_from_full_depth_to_the_configured_ones():
     model = tiny_model()
-    configured = model.tokens_per_unit(64)
+    configured = tokens_per_unit(model, 64)
     cfg = TrainConfig(max_steps=100, mod_enable_pct=0.0, mod_force_enable_pct=0.0, mor_enable_pct=0.2,
                       mor_ramp=True, mor_ramp_pct=0.4)
     curriculum = Curriculum(CurriculumPlan.from_config(cfg))
@@ -17,7 +17,7 @@ def test_capacities_ramp_in_four_levels_from_full_depth_to_the_configured_ones()
     for step in (10, 20, 33, 34, 47, 59, 60, 99):
         curriculum.apply(step, model)
         levels.append(curriculum.mor_ramp)
-        units.append(model.tokens_per_unit(64))
+        units.append(tokens_per_unit(model, 64))
     assert levels == [1.0, 0.25, 0.25, 0.5, 0.75, 0.75, 1.0, 1.0]
     assert units[-1] == configured
     name = next(n for n, k in configured.items() if not n.endswith("depth0") and k < configured[n[:-1] + "0"])

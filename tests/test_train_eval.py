@@ -9,6 +9,7 @@ import hydra_lm
 from hydra_lm.model import routing
 from hydra_lm.train import evaluate
 from hydra_lm.train.evaluate import format_eval
+from support import tokens_per_unit
 
 
 def batches(n=3, b=2, t=16, vocab=50, seed=0):
@@ -81,7 +82,7 @@ def test_agreement_over_decisions_weighs_each_router_by_its_candidates():
     # MoD 0.5 on every second block, MoR keeping 1/2 per depth: routers decide on 16, 8 or 4 of a row's 16.
     model = tiny(n_blocks=2, recursions=3, mod_every=2, mor_capacity_schedule="geometric", mor_capacity=0.5)
     result = evaluate(model, batches(), torch.device("cpu"))
-    tokens = model.tokens_per_unit(16)
+    tokens = tokens_per_unit(model, 16)
     candidates = {}
     for block in model.blocks:
         for name, depth in block.router_depths():

@@ -116,11 +116,6 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
     def router_names(self) -> list[str]:
         return [name for block in self.blocks for name in block.router_names()]
 
-    def tokens_per_unit(self, seq_len: int) -> dict[str, int]:
-        """Tokens per row each routed unit (block, depth) runs on in top-k mode."""
-        return {f"{block.name}.depth{j}": k for block in self.blocks
-                for j, k in enumerate(block.tokens_per_depth(seq_len))}
-
     def set_curriculum(self, mod_active: bool = True, mor_active: bool = True, mor_ramp: float = 1.0) -> None:
         """Switch MoD / MoR routing on or off (the training curriculum). Off: every token runs
         every block (MoD) / every recursion (MoR) with weight 1. ``mor_ramp`` in [0, 1] moves the
