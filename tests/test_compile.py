@@ -8,7 +8,7 @@ from hydra_lm.model.block import run_unit
 from hydra_lm.model.routing import routed_selection
 from hydra_lm.train.compile_policy import compile_units, use_layer_regions
 
-from support import TINY, compiled_graphs, tiny_model
+from support import TINY, compiled_graphs, tiny_model, tokens_per_unit
 
 
 def _batch(seed):
@@ -92,7 +92,7 @@ def test_layer_regions_trace_each_unit_size_once_and_match_eager():
     _assert_same_gradients(model, reference)
     graph = counter.graphs[0].graph
     regions = [n.target for n in graph.nodes if n.op == "get_attr" and str(n.target).startswith("subgraph")]
-    sizes = set(model.tokens_per_unit(ids.shape[1]).values())
+    sizes = set(tokens_per_unit(model, ids.shape[1]).values())
     assert counter.frame_count == 1 and len(sizes) == 3
     assert len(regions) == 9 and len(set(regions)) == len(sizes), "one traced layer per routed-unit size"
 
@@ -131,7 +131,7 @@ def test_one_token_units_and_evaluation_share_the_dynamic_unit_graphs():
     torch._dynamo.reset()
     routing = dict(mod_every=2, mod_capacity=0.125, mor_capacity=0.125, mor_capacity_schedule="geometric")
     model, reference = tiny_model(**routing).train(), tiny_model(**routing).train()
-    assert 1 in model.tokens_per_unit(32).values()
+    assert 1 in tokens_per_unit(model, 32).values()
     counter = CompileCounterWithBackend("aot_eager")
     compile_units(model, backend=counter)
     doc = torch.tensor([[0] * 20 + [1] * 12] * 2)
