@@ -2,7 +2,9 @@
 validation batches, each expert-choice router's logits (top-k forward, as the eval measures agreement)
 are compared with three choices: the row's top-k (what training takes and the eval reports), the
 batch's top-k pooled over its rows (the same number of tokens, picked by one boundary for the whole
-batch), and each other.
+batch), and each other; and, since a packed row may hold several documents while the causal rule looks
+inside a document only, each document's own top-k (its share of the row's k by candidate count) and the
+rule's agreement with the row's top-k on rows with and without a document boundary (printed last).
 
 A row's top-k boundary moves with the row's content; no causal rule can see it. If the causal rules
 agree much better with the pooled choice than with the row's, the rows' spread of boundaries is what
@@ -25,6 +27,22 @@ from hydra_lm.train.data_io import ValSet, open_data
 
 PAIRS = ("causal rule ~ row top-k", "threshold ~ row top-k", "threshold ~ pooled top-k", "causal rule ~ pooled top-k",
          "pooled ~ row top-k")
+DOC_PAIRS = ("causal rule ~ row top-k, rows without a boundary", "causal rule ~ row top-k, rows with one",
+             "causal rule ~ per-document top-k", "per-document ~ row top-k")
+
+
+def per_document_topk(r: torch.Tensor, k: int, doc: torch.Tensor) -> torch.Tensor:
+    """Each document of a row takes its share of the row's ``k`` (by candidate count, largest remainders
+    rounded up so the row still takes ``k``) of its own highest logits."""
+    chosen = torch.zeros_like(r, dtype=torch.bool)
+    for i in range(r.shape[0]):
+        _, counts = torch.unique_consecutive(doc[i], return_counts=True)
+        quota = counts.double() * k / r.shape[1]
+        take = quota.floor().long()
+        take[torch.argsort(quota - take, descending=True)[: k - int(take.sum())]] += 1
+        for start, n, q in zip((torch.cumsum(counts, 0) - counts).tolist(), counts.tolist(), take.tolist()):
+            chosen[i, start + torch.topk(r[i, start:start + n], q).indices] = True
+    return chosen
 
 
 def main() -> None:
@@ -50,6 +68,7 @@ def main() -> None:
     names = {id(r): name for name, r in model.named_modules() if isinstance(r, routing.ExpertChoiceRouter)}
     agree: dict[str, dict[str, float]] = {}
     spread: dict[str, list[tuple[float, float, float, float]]] = {}
+    by_doc = {pair: [0.0, 0.0] for pair in DOC_PAIRS}  # agreeing decisions, decisions
     with torch.no_grad():
         for i, batch in enumerate(ValSet(open_data(args.data), args.batch_size, args.seq_len)):
             if i >= args.batches:
@@ -70,6 +89,13 @@ def main() -> None:
                 a["n"] += r.numel()
                 for pair, same in zip(PAIRS, decisions):
                     a[pair] += same.float().sum().item()
+                doc = torch.zeros_like(r, dtype=torch.long) if doc is None else doc
+                split = (doc != doc[:, :1]).any(1, keepdim=True).expand(-1, n)  # rows with a boundary
+                per_doc = per_document_topk(r, k, doc)
+                for pair, same in zip(DOC_PAIRS, ((rule == row)[~split], (rule == row)[split], rule == per_doc,
+                                                  per_doc == row)):
+                    by_doc[pair][0] += same.float().sum().item()
+                    by_doc[pair][1] += same.numel()
                 boundaries = torch.topk(r, k, dim=1).values[:, -1]
                 spread.setdefault(names[id(router)], []).append(
                     (threshold.item(), routing.topk_boundary(r, k).item(), boundaries.std().item(), r.std().item()))
@@ -87,6 +113,8 @@ def main() -> None:
             total[p] += a[p]
         count += a["n"]
     print(f"{'all decisions':<22} {int(count):>10}  " + "  ".join(f"{total[p] / count:>26.4f}" for p in PAIRS))
+    for pair, (same, n) in by_doc.items():
+        print(f"{pair:<50} {same / max(n, 1.0):.4f} of {int(n)} decisions")
 
 
 if __name__ == "__main__":
