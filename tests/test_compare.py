@@ -550,6 +550,9 @@ def test_the_seed_margin_gives_welchs_t_and_how_many_hydra_seeds_beat_every_dens
     text = seed_margin({"across_seeds": summary})
     assert "0.0072 nats below the best dense variant d7" in text and "2.2 standard errors" in text
     assert "2 of 4 HYDRA seeds end below every dense seed" in text
+    two = {name: dict(v, seeds=[1, 2], causal=v["causal"][:2]) for name, v in summary.items()}
+    assert "too few for t to say much" in seed_margin({"across_seeds": two})  # about 1.1 degrees of freedom
+    assert "too few" not in text
     # One seed a side: no spread to weigh the difference by, so no t.
     one = {name: dict(v, seeds=[1], causal=v["causal"][:1], mean=v["causal"][0]) for name, v in summary.items()}
     assert margin_statistics(hydra[:1], dense[:1])["t"] is None

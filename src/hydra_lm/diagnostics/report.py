@@ -95,7 +95,7 @@ def seed_margin(results: dict[str, Any]) -> str | None:
         # Welch's t over a few seeds: the two-sided 5% level is 2.8 at 4 degrees of freedom, 2.3 at 8; a
         # smaller t is a difference the seeds' own spread can make.
         text += (f": {abs(stats['t']):.1f} standard errors of the difference (Welch's t, "
-                 f"{stats['df']:.1f} degrees of freedom)")
+                 f"{stats['df']:.1f} degrees of freedom{'; too few for t to say much' if stats['df'] < 3 else ''})")
     return text + f"; {stats['below_every_dense']} of {stats['n_hydra']} HYDRA seeds end below every dense seed."
 
 
