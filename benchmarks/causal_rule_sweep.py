@@ -14,6 +14,13 @@ causal against top-k. Evaluation only: the trained weights and calibrated thresh
 - ``--decode_batch B``: also decode with each ``--rank_prior`` (prompts of ``--decode_len`` validation tokens,
   as many greedy one-token steps, ``diagnostics.bench.decode_tokens_per_s``): tokens/s and routed units run
   per step, what the rule costs in generation.
+- ``--oracle``: then three non-causal choices in the causal pass, which split the gap into its parts:
+  each row's own top-k (gap 0 means the causal path is exact and the whole gap is the decisions); the
+  rule's count of tokens per row, but the row's highest logits (what the rule's allocation over rows
+  alone costs); and the row's top-k with a share of its choice swapped for the next-best tokens, at the
+  rule's measured disagreement (what as many errors at the boundary would cost). The rule's per-row count
+  over top-k's is printed as quantiles. A deeper router's candidates are those the causal pass left it,
+  so its "top-k" here is the capacity share of them.
 - ``--match_share N``: then, at the last ``--rank_prior``, N rounds that scale each router's causal capacity
   by its target over the share it executed in the previous round, measured on the same validation batches
   (an oracle: it shows how much of the gap an executed share at the target would close; the rest is which
@@ -21,7 +28,7 @@ causal against top-k. Evaluation only: the trained weights and calibrated thresh
   the threshold. The agreement column is measured in the top-k pass at the unscaled capacity.
 
     PYTHONPATH=src python benchmarks/causal_rule_sweep.py --run RUN_DIR [RUN_DIR ...] [--rank_prior 16 64 512] \\
-        [--capacity_prior 36.6] [--match_share 2] [--eval_batches 16] [--decode_batch 8 --decode_len 64]
+        [--capacity_prior 36.6] [--oracle] [--match_share 2] [--eval_batches 16] [--decode_batch 8 --decode_len 64]
 """
 
 from __future__ import annotations
@@ -47,6 +54,55 @@ def row(label: str, r: dict) -> str:
             f"{r.get('val_exec_frac_causal', NAN):.4f} / {r.get('val_exec_frac_topk', NAN):.4f}")
 
 
+def row_topk(s: torch.Tensor, valid: torch.Tensor | None, capacity: float, counts: torch.Tensor | None = None,
+             swap: float = 0.0) -> torch.Tensor:
+    """Each row's ``counts`` (default: the capacity share of its valid candidates) highest logits of ``s``
+    [B, N]; with ``swap``, that share of each row's choice traded for the next-best candidates."""
+    v = torch.ones_like(s, dtype=torch.bool) if valid is None else valid
+    n = v.sum(1)
+    counts = (capacity * n).round().long() if counts is None else counts
+    ranked = torch.argsort(s.masked_fill(~v, float("-inf")), dim=1, descending=True)
+    rank = torch.empty_like(ranked).scatter_(1, ranked, torch.arange(s.shape[1], device=s.device).expand_as(ranked))
+    chosen = rank < counts[:, None]
+    if swap:
+        m = (swap * counts).round().long().clamp(max=n - counts)[:, None]
+        chosen = (rank < counts[:, None] - m) | ((rank >= counts[:, None]) & (rank < counts[:, None] + m))
+    return chosen & v
+
+
+def oracle_rows(evaluate) -> None:
+    admits, select = routing.rank_admits, routing.ExpertChoiceRouter.select
+    ratios, disagree, mode = [], [], [""]
+
+    def select_noting_mode(self, x, valid, k, mode_, *args, **kwargs):
+        mode[0] = mode_
+        return select(self, x, valid, k, mode_, *args, **kwargs)
+
+    def measured(s, valid, capacity, threshold, doc=None):
+        chosen = admits(s, valid, capacity, threshold, doc)
+        if mode[0] == "causal":  # the top-k pass also asks the rule, for the agreement it reports
+            top = row_topk(s, valid, capacity)
+            ratios.append(chosen.sum(1) / top.sum(1).clamp(min=1))
+            disagree.append(((chosen != top).sum() / top.sum().clamp(min=1)).item())
+        return chosen
+
+    try:
+        routing.ExpertChoiceRouter.select, routing.rank_admits = select_noting_mode, measured
+        print(row("rule (measured)", evaluate()), flush=True)
+        share = sum(disagree) / len(disagree) / 2  # each swap makes two disagreements
+        q = torch.quantile(torch.cat(ratios).float(), torch.tensor([0.1, 0.5, 0.9]))
+        routing.rank_admits = lambda s, valid, capacity, threshold, doc=None: row_topk(s, valid, capacity)
+        print(row("row top-k", evaluate()), flush=True)
+        routing.rank_admits = lambda s, valid, capacity, threshold, doc=None: row_topk(
+            s, valid, capacity, counts=admits(s, valid, capacity, threshold, doc).sum(1))
+        print(row("rule's count per row", evaluate()), flush=True)
+        routing.rank_admits = lambda s, valid, capacity, threshold, doc=None: row_topk(s, valid, capacity, swap=share)
+        print(row(f"top-k, {share:.0%} swapped", evaluate()), flush=True)
+        print(f"{'':>22}  the rule's count per row over top-k's: p10 {q[0]:.2f}, median {q[1]:.2f}, p90 {q[2]:.2f}")
+    finally:
+        routing.rank_admits, routing.ExpertChoiceRouter.select = admits, select
+
+
 def capacity_weighted(decision, k: float):
     """``routing.rank_decision`` with the threshold's weight set from each call's capacity (evaluation and
     decoding here run eagerly, so the module constant can change between calls)."""
@@ -62,6 +118,7 @@ def main() -> None:
     ap.add_argument("--rank_prior", type=float, nargs="+", default=[routing.RANK_PRIOR])
     ap.add_argument("--capacity_prior", type=float, nargs="*", default=[],
                     help="also the threshold weighed as K (1 - c) / c pseudo-candidates at capacity c, per K")
+    ap.add_argument("--oracle", action="store_true", help="also split the gap with non-causal choices (above)")
     ap.add_argument("--match_share", type=int, default=0, help="rounds of per-router share matching (oracle)")
     ap.add_argument("--eval_batches", type=int, default=16)
     ap.add_argument("--device", default="auto")
@@ -108,6 +165,8 @@ def sweep(run: str, args: argparse.Namespace) -> None:
             routing.rank_decision = capacity_weighted(decision, k)
             print(row(f"capacity_prior {k:g}", evaluate()) + decode(), flush=True)
             routing.rank_decision, routing.RANK_PRIOR = decision, prior
+        if args.oracle:
+            oracle_rows(evaluate)
         RecursiveBlock.depth_capacities = scaled_capacities
         for round_ in range(1, args.match_share + 1):
             for name, r in result.get("routing", {}).items():  # e.g. "block3.mod0": block3, depth 0
