@@ -233,11 +233,12 @@ def _record_unit_sizes(model):
     return sizes, hooks
 
 
-# MoD at 0.75 in each of the 3 blocks, then MoR: (R-j)/R of that (paper), or half of the previous
-# depth (geometric at 0.5: 40 * 0.75 * 0.25 = 7.5 rounds to 8)
-@pytest.mark.parametrize("schedule, per_block", [(dict(mor_capacity_schedule="paper"), [30, 20, 10]),
-                                                 (dict(mor_capacity=0.5), [30, 15, 8])], ids=["paper", "geometric"])
-def test_topk_runs_exactly_the_configured_tokens_per_unit(schedule, per_block):
+# MoD at 0.75 in the 2 blocks after the first (which runs every token), then MoR: (R-j)/R of that (paper),
+# or half of the previous depth (geometric at 0.5: 40 * 0.75 * 0.25 = 7.5 rounds to 8)
+@pytest.mark.parametrize("schedule, first, per_block", [
+    (dict(mor_capacity_schedule="paper"), [40, 27, 13], [30, 20, 10]),
+    (dict(mor_capacity=0.5), [40, 20, 10], [30, 15, 8])], ids=["paper", "geometric"])
+def test_topk_runs_exactly_the_configured_tokens_per_unit(schedule, first, per_block):
     model = tiny_model(mod_capacity=0.75, **schedule).train()
     t = 40
     sizes, hooks = _record_unit_sizes(model)
@@ -246,7 +247,7 @@ def test_topk_runs_exactly_the_configured_tokens_per_unit(schedule, per_block):
         h.remove()
     expected = list(tokens_per_unit(model, t).values())
     assert [n for _, n in sizes] == expected
-    assert expected == per_block * 3
+    assert expected == first + per_block * 2
 
 
 def test_static_mode_runs_every_token_through_every_unit():
@@ -261,7 +262,7 @@ def test_static_mode_runs_every_token_through_every_unit():
 
 def test_deeper_recursions_take_a_subset_of_the_shallower_ones():
     model = tiny_model().train()
-    block = model.blocks[0]
+    block = model.blocks[1]  # the first MoD-routed block (the first block runs every token)
     chosen = []
     original = block.routers["1"].select
 
@@ -318,11 +319,11 @@ def test_curriculum_switches_routing_off_and_on():
     out = model(_ids(2, 40))
     for h in hooks:
         h.remove()
-    assert [n for _, n in sizes] == [20, 10, 5] * 3 and float(out["aux_loss"]) > 0
+    assert [n for _, n in sizes] == [40, 20, 10] + [20, 10, 5] * 2 and float(out["aux_loss"]) > 0
 
 
 def test_causal_mode_routes_the_first_candidates_of_a_row_by_threshold():
-    model = tiny_model(n_blocks=1, recursions=1, mod_capacity=0.5).double().eval()
+    model = tiny_model(n_blocks=1, recursions=1, mod_capacity=0.5, mod_first_block=True).double().eval()
     router = model.blocks[0].routers["0"]
     with torch.no_grad():
         router.proj.bias.fill_(-50.0)  # every logit negative: nothing enters the block

@@ -48,7 +48,8 @@ def describe(model_size: str, seq_len: int = 1024, arch: str = "hydra", vocab_si
             f"kv {cfg.n_kv_heads} heads x {cfg.head_dim} = {cfg.kv_latent} (dim/{cfg.dim // cfg.kv_latent}), "
             f"{cfg.n_heads // cfg.n_kv_heads} query heads per kv head; "
             f"convs k_seq={cfg.conv_seq_kernel}, k_ch={cfg.conv_ch_kernel}",
-            f"routing: MoD capacity {cfg.mod_capacity if cfg.mod_enabled else 1.0} on every {cfg.mod_every}. block, "
+            f"routing: MoD capacity {cfg.mod_capacity if cfg.mod_enabled else 1.0} on every {cfg.mod_every}. block"
+            f"{' (the first too)' if cfg.mod_first_block and cfg.mod_every == 1 else ''}, "
             f"MoR {cfg.mor_routing}-choice ({'on' if cfg.mor_enabled else 'off'}, "
             f"{cfg.mor_capacity_schedule} schedule"
             f"{f' keeping {cfg.mor_capacity:g} of each depth' if cfg.mor_capacity_schedule == 'geometric' else ''}), "

@@ -49,7 +49,7 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
     if not model_values:
         raise ValueError(f"checkpoint {ckpt.path} holds no model config")
     dev = pick_device(device)
-    model = create_model(HydraConfig.from_dict(model_values))
+    model = create_model(HydraConfig.from_saved(model_values))
     if ckpt.layout == "dcp":
         load_dcp(ckpt, model)
     else:

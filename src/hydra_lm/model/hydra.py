@@ -90,13 +90,14 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         if cfg.arch == "dense":
             return [RecursiveBlock([layer()], [1.0], cfg, f"layer{i}") for i in range(cfg.n_layers)]
 
-        def routed(index: int, n_routable: int, layers: list[TransformerLayer], name: str) -> RecursiveBlock:
-            return RecursiveBlock(layers, depth_fractions(cfg, index, n_routable), cfg, name)
+        def routed(index: int, n_routable: int, layers: list[TransformerLayer], name: str,
+                   first: bool = True) -> RecursiveBlock:
+            return RecursiveBlock(layers, depth_fractions(cfg, index, n_routable, first), cfg, name)
 
         if cfg.sharing == "middle_cycle":
             middle = [layer() for _ in range(cfg.n_blocks - 2)]
             return [RecursiveBlock([layer()], [1.0], cfg, "first"),
-                    routed(0, 1, middle, "middle"),
+                    routed(0, 1, middle, "middle", first=False),
                     RecursiveBlock([layer()], [1.0], cfg, "last")]
         return [routed(b, cfg.n_blocks, [layer()], f"block{b}") for b in range(cfg.n_blocks)]
 

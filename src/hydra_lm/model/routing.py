@@ -395,16 +395,19 @@ class TokenChoiceRouter(Router):
         return masked_selection(decision[..., 0] >= depth, weight, valid, row_len)
 
 
-def depth_fractions(cfg: HydraConfig, index: int, n_routable: int) -> list[float]:
+def depth_fractions(cfg: HydraConfig, index: int, n_routable: int, first: bool = True) -> list[float]:
     """Fraction of the row that each depth of routed block ``index`` (of ``n_routable``) runs on:
-    the MoD capacity on every ``mod_every``-th block, times the expert-choice MoR schedule.
+    the MoD capacity on every ``mod_every``-th block, times the expert-choice MoR schedule. Block 0 is
+    the model's first block when ``first`` (not behind middle_cycle's unshared first layer), which MoD
+    routes only with ``mod_first_block``.
 
     MoR "paper": (R-j)/R for j = 0..R-1 (the MoR paper's balanced hierarchical filtering).
     "layer_aware": the deepest depth keeps 60% of tokens in the first block rising to 80% in the
     last, with depths in between interpolated linearly.
     "geometric": mor_capacity**j, so a few tokens reach the deep recursions and most pay for one.
     """
-    mod = cfg.mod_capacity if cfg.mod_enabled and index % cfg.mod_every == cfg.mod_every - 1 else 1.0
+    routed = index % cfg.mod_every == cfg.mod_every - 1 and (index > 0 or cfg.mod_first_block or not first)
+    mod = cfg.mod_capacity if cfg.mod_enabled and routed else 1.0
     r = cfg.recursions
     if not cfg.mor_enabled or cfg.mor_routing != "expert" or r == 1:
         mor = [1.0] * r

@@ -254,7 +254,7 @@ def run_pretests_for_checkpoint(path: str | Path, size: str | None = None, devic
     train_config, dev = state["train_config"], torch.device(device)
     saved_size = state.get("model_size", train_config.get("model_size"))
     if size is None or size == saved_size:
-        model_cfg = HydraConfig.from_dict(state["model_config"])
+        model_cfg = HydraConfig.from_saved(state["model_config"])
         model = create_model(model_cfg)
         ckpt.load_model(model)
     else:

@@ -246,8 +246,8 @@ def check_same_run(saved: dict[str, Any], data: DataInfo, model_cfg: HydraConfig
         raise ValueError(f"tokenizer mismatch: {data.path} (vocab {data.vocab_size}) was not tokenized like the data "
                          f"run {run_dir} was trained on (vocab {was.get('vocab_size')}); resume with the run's data "
                          f"directory ({was.get('path')})")
-    # Read back through HydraConfig: fields added since the run was saved take their defaults.
-    was_model = HydraConfig.from_dict(saved["model"]).to_dict() if saved.get("model") else {}
+    # Read back through HydraConfig: fields added since the run was saved take what the run was built with.
+    was_model = HydraConfig.from_saved(saved["model"]).to_dict() if saved.get("model") else {}
     if was_model != model_cfg.to_dict():
         diff = sorted(k for k, v in model_cfg.to_dict().items() if was_model.get(k) != v)
         raise ValueError(f"the model config differs from the one {run_dir} was trained with (fields {diff}); "
