@@ -77,10 +77,10 @@ def test_unit_compile_reuses_one_graph_and_keeps_the_state_dict():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known: compiled, the regions' outputs differ from eager's in some layouts "
-                                       "(this one: the first block full, the others routed; also mod_every=2 with "
-                                       "4 blocks), and match when every block holds the same weights (found "
-                                       "2026-11-27, open)")
+@pytest.mark.xfail(strict=True, reason="known: on the CPU with torch 2.13, compiled regions' outputs differ from "
+                                       "eager's in some layouts (this one; mod_every=2 with 4 blocks) and match when "
+                                       "every block holds the same weights; on CUDA with torch 2.11 they match "
+                                       "(benchmarks/BENCHMARKS.md, thirty-third session; found 2026-11-27, open)")
 def test_layer_regions_trace_each_unit_size_once_and_match_eager():
     torch._dynamo.reset()
     model, reference = tiny_model().train(), tiny_model().train()
