@@ -56,7 +56,8 @@ class HydraConfig:
     # MoD-route the first block too (with mod_every=1). Off by default: that block's router sees bare token
     # embeddings, and a token it skips reaches the next router with nothing but its embedding, so routing
     # decides by token id and, through ties and row make-up, causal routing missed top-k by 0.035-0.071 nats
-    # at 100M (docs/routing.md, "The first block runs every token"). Checkpoints saved before the field read True.
+    # at 100M (docs/routing.md, "The first block runs every token"). Configs saved before the field existed with
+    # mod_every=1 load with it True (HydraConfig.from_saved), as they were built.
     mod_first_block: bool = False
     mor_enabled: bool = True  # False: fixed depth, every recursion runs every (MoD-selected) token
     mor_routing: str = "expert"  # "expert" (expert-choice, hierarchical) or "token" (token-choice)
