@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from hydra_lm.model.block import run_unit
+from hydra_lm.model.block import run_block, run_unit
 from hydra_lm.model.routing import routed_selection
 from hydra_lm.train.compile_policy import compile_units, use_layer_regions
 
@@ -55,10 +55,10 @@ def test_causal_eval_with_document_masks_compiles_fullgraph():
     assert counter.frame_count == 1
 
 
-# Routed units of three sizes (16, 11, 5 tokens); one dynamic unit graph takes every size, block and
-# batch, one selection graph every router (the naive loss is not compiled).
+# The tiny model's first block runs the whole row at depth 0, the others are MoD-routed there: two block
+# layouts, so two block graphs for training, whatever the batch; evaluation compiles the unit instead.
 @pytest.mark.slow
-def test_unit_compile_reuses_one_graph_and_keeps_the_state_dict():
+def test_compiled_training_reuses_one_graph_per_block_layout_and_keeps_the_state_dict():
     torch._dynamo.reset()
     model, reference = tiny_model().train(), tiny_model().train()
     keys = list(model.state_dict())
@@ -69,11 +69,90 @@ def test_unit_compile_reuses_one_graph_and_keeps_the_state_dict():
         ids, targets = _batch(seed)
         out = model(ids, targets=targets, doc_ids=doc)
         out["loss"].backward()
-        torch.testing.assert_close(out["loss"], reference(ids, targets=targets, doc_ids=doc)["loss"])
-    assert compiled_graphs(run_unit) == 1
-    assert compiled_graphs(routed_selection) == 1  # MoD and MoR routers alike
-    assert counter.frame_count == 2
+        ref = reference(ids, targets=targets, doc_ids=doc)
+        ref["loss"].backward()
+        torch.testing.assert_close(out["loss"], ref["loss"])
+    _assert_same_gradients(model, reference)
+    for (name, b), c in zip(model.named_buffers(), reference.buffers()):  # the routers' calibrated thresholds
+        torch.testing.assert_close(b, c, msg=name)
+    assert compiled_graphs(run_block) == 2 and counter.frame_count == 2
+    assert compiled_graphs(run_unit) == 0 and compiled_graphs(routed_selection) == 0  # inside the block graphs
     assert list(model.state_dict()) == keys
+
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager_with_few_graphs():
+    """Blocks and the fused loss's chunks compiled (chunks of 24 rows: two sizes); MoD on every 2nd
+    block, so ungated full-row units and gated ones occur. Loss and every gradient equal eager's,
+    and a second batch compiles nothing new."""
+    torch._dynamo.reset()
+    model, reference = tiny_model(mod_every=2).train(), tiny_model(mod_every=2).train()
+    for m in (model, reference):
+        m.ce_impl, m.ce_chunk_size = "chunked", 24
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_units(model, backend=counter)
+    for seed in (1, 2):
+        ids, targets = _batch(seed)
+        out, ref = model(ids, targets=targets), reference(ids, targets=targets)
+        out["loss"].backward()
+        ref["loss"].backward()
+        torch.testing.assert_close(out["loss"], ref["loss"])
+        if seed == 1:
+            first = counter.frame_count
+    _assert_same_gradients(model, reference)
+    # two block layouts (routed at depth 0 or not), two loss-chunk sizes (64 = 24 + 24 + 16)
+    assert compiled_graphs(run_block) == 2
+    assert first == 4 and counter.frame_count == first
+
+
+@pytest.mark.slow
+def test_one_token_units_train_in_the_block_graphs_and_evaluate_in_one_dynamic_unit_graph():
+    """A geometric schedule whose deep depths keep one token per row (4 / 1 / 1 of 32, like the 100M
+    preset's 128/16/2/1 of 1,024): training runs them inside the static block graphs; evaluation's
+    units run padded with a copy of the entry, so no unit graph is compiled for one token. Loss,
+    gradients and evaluation logits equal eager's."""
+    torch._dynamo.reset()
+    routing = dict(mod_every=2, mod_capacity=0.125, mor_capacity=0.125, mor_capacity_schedule="geometric")
+    model, reference = tiny_model(**routing).train(), tiny_model(**routing).train()
+    assert 1 in tokens_per_unit(model, 32).values()
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_units(model, backend=counter)
+    doc = torch.tensor([[0] * 20 + [1] * 12] * 2)
+    for seed in (1, 2):
+        ids, targets = _batch(seed)
+        out, ref = model(ids, targets=targets, doc_ids=doc), reference(ids, targets=targets, doc_ids=doc)
+        out["loss"].backward()
+        ref["loss"].backward()
+        torch.testing.assert_close(out["loss"], ref["loss"])
+    _assert_same_gradients(model, reference)
+    assert compiled_graphs(run_unit) == 0
+    with torch.no_grad():
+        model.eval(), reference.eval()
+        for mode in ("causal", "topk"):
+            torch.testing.assert_close(model(ids, doc_ids=doc, routing=mode)["logits"],
+                                       reference(ids, doc_ids=doc, routing=mode)["logits"])
+    assert compiled_graphs(run_unit) == 1, ("evaluation compiles one graph without gradients for whole rows and "
+                                            "masked causal entries alike, and none for one token")
+    assert compiled_graphs(routed_selection) == 0  # evaluation's selections run eager
+
+
+@pytest.mark.slow
+def test_a_mor_ramp_in_progress_trains_in_the_dynamic_unit_graph():
+    """While the MoR ramp moves the depths' token counts (a new count at each level) the blocks' static graphs
+    would compile again at each: training then runs the dynamic unit graph, and equals eager."""
+    torch._dynamo.reset()
+    model, reference = tiny_model().train(), tiny_model().train()
+    compile_units(model, backend="aot_eager")
+    for ramp, seed in ((0.3, 1), (0.6, 2)):
+        for m in (model, reference):
+            m.set_curriculum(mor_ramp=ramp)
+        ids, targets = _batch(seed)
+        out, ref = model(ids, targets=targets), reference(ids, targets=targets)
+        out["loss"].backward()
+        ref["loss"].backward()
+        torch.testing.assert_close(out["loss"], ref["loss"])
+    _assert_same_gradients(model, reference)
+    assert compiled_graphs(run_block) == 0 and compiled_graphs(run_unit) == 1
 
 
 @pytest.mark.slow
@@ -99,60 +178,3 @@ def test_layer_regions_trace_each_unit_size_once_and_match_eager():
     sizes = set(tokens_per_unit(model, ids.shape[1]).values())
     assert counter.frame_count == 1 and len(sizes) == 4  # the first block: full row, 1/2, 1/4; the others 1/2 to 1/8
     assert len(regions) == 9 and len(set(regions)) == len(sizes), "one traced layer per routed-unit size"
-
-
-@pytest.mark.slow
-def test_compile_units_matches_eager_with_few_graphs():
-    """Units and the fused loss's chunks compiled (chunks of 24 rows: two sizes); MoD on every 2nd
-    block, so ungated full-row units and gated ones occur. Loss and every gradient equal eager's,
-    and a second batch compiles nothing new."""
-    torch._dynamo.reset()
-    model, reference = tiny_model(mod_every=2).train(), tiny_model(mod_every=2).train()
-    for m in (model, reference):
-        m.ce_impl, m.ce_chunk_size = "chunked", 24
-    counter = CompileCounterWithBackend("aot_eager")
-    compile_units(model, backend=counter)
-    for seed in (1, 2):
-        ids, targets = _batch(seed)
-        out, ref = model(ids, targets=targets), reference(ids, targets=targets)
-        out["loss"].backward()
-        ref["loss"].backward()
-        torch.testing.assert_close(out["loss"], ref["loss"])
-        if seed == 1:
-            first = counter.frame_count
-    _assert_same_gradients(model, reference)
-    # one unit graph for gated and ungated units of every size, one selection graph for every router,
-    # two loss-chunk sizes (64 = 24 + 24 + 16)
-    assert compiled_graphs(run_unit) == 1 and compiled_graphs(routed_selection) == 1
-    assert first == 4 and counter.frame_count == first
-
-
-@pytest.mark.slow
-def test_one_token_units_and_evaluation_share_the_dynamic_unit_graphs():
-    """A geometric schedule whose deep depths keep one token per row (4 / 1 / 1 of 32, like the 100M
-    preset's 128/16/2/1 of 1,024): those units run padded with a copy of the entry, so no graph is
-    compiled for one token, and loss, gradients and evaluation logits equal eager's."""
-    torch._dynamo.reset()
-    routing = dict(mod_every=2, mod_capacity=0.125, mor_capacity=0.125, mor_capacity_schedule="geometric")
-    model, reference = tiny_model(**routing).train(), tiny_model(**routing).train()
-    assert 1 in tokens_per_unit(model, 32).values()
-    counter = CompileCounterWithBackend("aot_eager")
-    compile_units(model, backend=counter)
-    doc = torch.tensor([[0] * 20 + [1] * 12] * 2)
-    for seed in (1, 2):
-        ids, targets = _batch(seed)
-        out, ref = model(ids, targets=targets, doc_ids=doc), reference(ids, targets=targets, doc_ids=doc)
-        out["loss"].backward()
-        ref["loss"].backward()
-        torch.testing.assert_close(out["loss"], ref["loss"])
-    _assert_same_gradients(model, reference)
-    assert compiled_graphs(run_unit) == 1
-    selections = compiled_graphs(routed_selection)
-    with torch.no_grad():
-        model.eval(), reference.eval()
-        for mode in ("causal", "topk"):
-            torch.testing.assert_close(model(ids, doc_ids=doc, routing=mode)["logits"],
-                                       reference(ids, doc_ids=doc, routing=mode)["logits"])
-    assert compiled_graphs(run_unit) == 2, ("evaluation adds one graph without gradients for whole rows and "
-                                            "masked causal entries alike, and none for one token")
-    assert compiled_graphs(routed_selection) == selections  # evaluation's selections run eager

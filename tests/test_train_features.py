@@ -64,11 +64,11 @@ def test_compiled_training_gives_the_eager_numbers(tiny_data, tmp_path, monkeypa
     if scope:
         regions = {n.target for g in counter.graphs for n in g.graph.nodes if str(n.target).startswith("subgraph")}
         assert counter.frame_count >= 1 and regions, "the layers must reach the compiled graph as nested regions"
-    else:  # every unit of both blocks and depths shares one graph per autograd mode: training, and
-        # evaluation without gradients, whose top-k rows and causal masked entries both pass a mask
-        units = [g for g in counter.graphs if any("layers" in str(n.target) for n in g.graph.nodes)]
-        masked = [g for g in units if any(n.name == "l_valid_" for n in g.graph.nodes)]
-        assert len(units) == 2 and len(masked) == 1, [g.graph for g in counter.graphs]
+    else:  # training: one graph per block layout (MoD-routed at depth 0 or not); evaluation: one unit graph
+        # without gradients for every unit, whose top-k rows and causal masked entries both pass a mask
+        layered = [g for g in counter.graphs if any("layers" in str(n.target) for n in g.graph.nodes)]
+        masked = [g for g in layered if any(n.name == "l_valid_" for n in g.graph.nodes)]
+        assert len(layered) == 3 and len(masked) == 1, [g.graph for g in counter.graphs]
     log = (tmp_path / "compiled" / "train.log").read_text()
     assert ("routed units" in log) == (not scope) and ("layer regions" in log) == bool(scope)
 

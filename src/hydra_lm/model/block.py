@@ -193,6 +193,7 @@ class RecursiveBlock(nn.Module):
         self.layer_regions = False  # compile_policy.use_layer_regions: layers as nested compile regions
         self.compiled_unit = None  # compile_policy.compile_units: a compiled run_unit, shared by all blocks
         self.compiled_select = None  # compile_policy.compile_units: a compiled routed_selection, likewise
+        self.compiled_block = None  # compile_policy.compile_units: a compiled run_block (training forwards)
 
     # ------------------------------------------------------------------ routers
     def all_routers(self) -> list[Router]:
@@ -253,6 +254,13 @@ class RecursiveBlock(nn.Module):
         the mask rebuilt once for each compacted set).
         ``caches``: run the entries as new tokens appended to the units' caches (the prompt's prefill;
         the one-token steps after it run ``decode_step.DecodeStep``)."""
+        if self.compiled_block is not None and caches is None and torch.is_grad_enabled() and self.mor_ramp == 1.0:
+            return self.compiled_block(self, x, pos, rope, mode, doc)
+        return self.route_and_run(x, pos, rope, mode, caches, doc, compiled=True)
+
+    def route_and_run(self, x, pos, rope, mode: str, caches=None, doc=None, compiled: bool = False):
+        """``forward``'s work; ``compiled``: call the compiled unit and selection where they are set
+        (False: everything as plain code, which ``run_block`` hands to the compiler whole)."""
         seq_len = x.shape[1]
         counts = self.tokens_per_depth(seq_len)
         capacities = self.depth_capacities() if mode == "causal" else None
@@ -265,7 +273,8 @@ class RecursiveBlock(nn.Module):
         routers = self.all_routers()
         # Without gradients (evaluation) the selections run eager: each routing mode's compiled selection is a
         # graph of its own to compile at the first evaluation, for kernels that take a small share of its time.
-        select = self.compiled_select if caches is None and torch.is_grad_enabled() else None
+        select = self.compiled_select if compiled and caches is None and torch.is_grad_enabled() else None
+        unit = self.compiled_unit if compiled and caches is None else None
         gates = {j: r for r in routers for j in r.depths}
         # One view per depth from one op: backward stacks the depths' gradients once, where indexing per
         # depth would write each into a zeroed [R, E] tensor and add the R of them.
@@ -312,11 +321,10 @@ class RecursiveBlock(nn.Module):
             weight = None if sel is None else sel.weight
             if mode == "topk" and router is not None and router.gates_entries and sel.order is not None:
                 weight = router.entry_gate(xc)
-            if self.compiled_unit is not None and caches is None:
+            if unit is not None:
                 if weight is None:  # weight 1, exactly, and like a gate's: every unit shares one graph
                     weight = xc.new_ones(xc.shape[:2], dtype=torch.float32, requires_grad=torch.is_grad_enabled())
-                xc = _run_compiled_unit(self.compiled_unit, self.layers, xc, rec, pc, rope, _eval_mask(xc, vc), doc,
-                                        weight)
+                xc = _run_compiled_unit(unit, self.layers, xc, rec, pc, rope, _eval_mask(xc, vc), doc, weight)
             else:
                 xc = run_unit(self.layers, xc, rec, pc, rope, None if caches is None else caches[j], vc, doc, weight,
                               self.layer_regions)
@@ -324,3 +332,11 @@ class RecursiveBlock(nn.Module):
         for stream, order in reversed(parents):
             xc = _PutRows.apply(stream, order, xc)
         return xc, losses, stats
+
+
+def run_block(block: RecursiveBlock, x, pos, rope, mode: str, doc):
+    """A block's training forward (``RecursiveBlock.route_and_run`` without caches) as a free function of its
+    inputs, so that ``train.compile_policy.compile_units`` compiles it once for all blocks of one layout:
+    the routing between the units (gathers, scatters, router losses) then fuses with them, and autograd
+    sums each shared weight's gradient over the recursions inside the compiled backward."""
+    return block.route_and_run(x, pos, rope, mode, None, doc)

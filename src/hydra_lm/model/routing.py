@@ -55,7 +55,8 @@ THRESHOLD_BUFFERS = ("threshold_sum", "threshold_weight")
 # on the 19-setting grid at 100M (GPU, 1,024-token rows) its worst causal/top-k gap is +0.0096 against
 # +0.0537 at 64 and +0.1036 at 16 (capacity 0.125 on every block with 2 or 4 recursions), and it has the
 # lowest gap in 16 of 19 settings. Lighter weights agree with top-k on more decisions (96.2% at 16 against
-# 95.6%), as on the CPU grid, where 16 also had the lower gaps: that evidence does not carry (docs/routing.md).
+# 95.6%), as on the CPU grid, where 16 also had the lower gaps: that evidence does not carry. With the first
+# block unrouted, 16 breaks no setting but gives a higher causal loss in all 19 (docs/routing.md).
 RANK_PRIOR = 256.0
 
 

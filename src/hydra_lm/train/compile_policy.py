@@ -3,10 +3,12 @@ defaults per device and process count, and the one place that refuses combinatio
 
 The settings ``compile``, ``cuda_graph`` and ``chunked_ce`` are None for "automatic":
 
-- CUDA, one process: compile the routed units (``compile_units``: one dynamic graph for
-  every unit, one for every router's selection), capture the whole step as CUDA graphs, fuse head
-  and loss in chunks. On an H100 (100M preset) the first step takes about a minute (cold caches) and
-  this is the fastest steady state measured (benchmarks/BENCHMARKS.md).
+- CUDA, one process: compile each block's training forward, routing and recursions included, as one
+  static graph per block layout (``compile_units``; evaluation and prefill run one dynamic graph for
+  every routed unit), capture the whole step as CUDA graphs, fuse head and loss in chunks. On an H100
+  (100M preset) this trains 1.15x faster than compiled units with the routing between them eager, and
+  its first step takes about two minutes with cold caches against 70 s (benchmarks/BENCHMARKS.md,
+  thirty-fourth session).
 - CUDA under torchrun: compile the whole model, fused loss; no CUDA graphs (FSDP2/DDP communication
   cannot be captured) and no unit compilation (one process only).
 - CPU: eager, plain loss.
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..model.block import run_unit
+from ..model.block import run_block, run_unit
 from ..model.routing import routed_selection
 from ..model.loss import resolve_impl
 
@@ -51,7 +53,8 @@ class SpeedPlan:
         return self.compile is not None and self.compile_mode == "reduce-overhead"
 
     def describe(self) -> list[str]:
-        names = {"units": "routed units", "regions": "layer regions", "model": "whole model"}
+        names = {"units": "blocks for training, routed units for evaluation", "regions": "layer regions",
+             "model": "whole model"}
         parts = [f"torch.compile ({self.compile_mode}, {names[self.compile]})"] if self.compile else ["eager"]
         if self.cuda_graph:
             parts.append("whole-step CUDA graphs" if self.update_graphed else
@@ -139,14 +142,22 @@ def apply_speed_plan(model, wrapped: torch.nn.Module, plan: SpeedPlan):
 
 
 def compile_units(model, **kwargs):
-    """Compile what every routed unit of a ``HydraModel`` repeats, once: ``block.run_unit`` (recursion
-    embedding, the layer stack, the gated residual update) with dynamic token counts (default
-    ``dynamic=True, fullgraph=True``), so all 32 units of the 100M preset share one graph, and the
-    fused chunked loss's per-chunk work (``ce_impl`` other than "naive"), and every router's selection
-    (``routing.routed_selection``: one graph for all routers). Gathers and scatters between units run
-    eager; pair it with a whole-step CUDA graph
-    (``hydra_lm.model.cuda_graphs.GraphedStep``) so the eager kernels cost no launch time. Returns the
-    model; parameter names and the state dict are unchanged."""
+    """Compile a ``HydraModel``'s blocks and routed units in place, each once for every block it serves:
+
+    - training forwards (gradients on, no cache): ``block.run_block``, a whole block with its routers and
+      recursions, at static shapes (one batch shape per run): one graph per block layout (the 100M
+      preset has two: routed at depth 0 or not), so the routing between units fuses with them and
+      autograd sums the shared weights' gradients over the recursions inside the compiled backward.
+      Eager routing between compiled units cost the 100M preset 13% of its step on an H100;
+    - evaluation, the prompt's prefill and a MoR ramp in progress (each of its levels would compile the
+      block graphs again): ``block.run_unit`` (recursion embedding, the layer stack, the gated residual
+      update) with dynamic token counts, and the routers' selections (``routing.routed_selection``),
+      with the gathers and scatters between them eager;
+    - the fused chunked loss's per-chunk work (``ce_impl`` other than "naive"), and MoE blocks.
+
+    Options default to ``fullgraph=True`` (and ``dynamic=True`` for the units). Pair it with a whole-step
+    CUDA graph (``hydra_lm.model.cuda_graphs.GraphedStep``) so the eager kernels cost no launch time.
+    Returns the model; parameter names and the state dict are unchanged."""
     kwargs = {"fullgraph": True, "dynamic": True, **kwargs}
     if kwargs.get("mode") == "default":
         del kwargs["mode"]  # torch.compile takes options or a mode, not both
@@ -164,8 +175,14 @@ def compile_units(model, **kwargs):
     # The routers' selections likewise: eager, each is a few dozen kernels of a few microseconds (top-k,
     # calibration, router loss); compiled, the 100M preset trains ~2% faster on an H100.
     select = patch(torch.compile(routed_selection, **kwargs))
+    # Whole blocks at static shapes: with dynamic shapes the 100M preset's first step took over 400 s on
+    # an H100 (its depths' token counts derive from the row length), against 109-115 s static.
+    compiled_block = patch(torch.compile(run_block, **{**kwargs, "dynamic": False}))
     for block in model.blocks:
         block.compiled_unit, block.compiled_select = unit, select
+        # A block of one unrouted unit (dense layers, middle_cycle's ends) has no routing to fuse: its unit
+        # graph serves it (on an H100 a dense model's block graphs trained no faster, with 1.2 GB more peak).
+        block.compiled_block = compiled_block if block.recursions > 1 or block.all_routers() else None
     for moe in model.moe_blocks.values():
         moe.compile(**kwargs)
     model.ce_compile = {"backend": kwargs.get("backend", "inductor"), "mode": kwargs.get("mode")}

@@ -138,7 +138,7 @@ def compare(key: str, model: torch.nn.Module, batch, autocast, device_type: str,
         if getattr(module, "compiled_unit", None) is not None:
             # Eager units in the copy: the run's compiled unit, called with the copy's modules, would fail
             # its guards and compile again (half a minute on a GPU, and towards Dynamo's recompile limit).
-            module.compiled_unit = module.compiled_select = None
+            module.compiled_unit = module.compiled_select = module.compiled_block = None
     want = _Path(work, work, "naive")
     if key == "chunked_ce":
         got = _Path(work, work, ce_impl)
