@@ -1,9 +1,8 @@
 """Cold compile time of one training step (forward + backward), and where it goes.
 
-    python benchmarks/compile_time.py --model_size 100M --scope model     # torch.compile(model)
-    python benchmarks/compile_time.py --model_size 100M --scope regions   # layers as nested regions (use_layer_regions)
+    python benchmarks/compile_time.py --model_size 100M --scope model     # torch.compile(model) (torchrun's)
     python benchmarks/compile_time.py --model_size 100M --scope units     # compile_policy.compile_units (CUDA default)
-    python benchmarks/compile_time.py --scope regions --backend aot_eager --cprofile 40   # front end only, profiled
+    python benchmarks/compile_time.py --scope units --backend aot_eager --cprofile 40   # front end only, profiled
     python benchmarks/compile_time.py --scope units --batch_size 2 --seq_len 1024 --eval   # + first evaluation
 
 Dynamo tracing, AOT autograd and inductor's scheduling do not depend on the device, so a CPU run
@@ -22,13 +21,13 @@ import torch
 from torch._dynamo.utils import compile_times, counters
 
 import hydra_lm
-from hydra_lm.train.compile_policy import compile_units, use_layer_regions
+from hydra_lm.train.compile_policy import compile_units
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model_size", default="100M")
-    p.add_argument("--scope", default="model", choices=["model", "regions", "units"])
+    p.add_argument("--scope", default="model", choices=["model", "units"])
     p.add_argument("--batch_size", type=int, default=1)
     p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--device", default="cpu")
@@ -49,7 +48,6 @@ def main() -> None:
     if args.scope == "units":
         step = compile_units(model, backend=args.backend)
     else:
-        use_layer_regions(model, args.scope == "regions")
         step = torch.compile(model, fullgraph=True, backend=args.backend)
     ids = torch.randint(0, 50257, (args.batch_size, args.seq_len), device=args.device)
     cuda = ids.device.type == "cuda"

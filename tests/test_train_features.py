@@ -7,11 +7,8 @@ import json
 import pytest
 import torch
 
-import hydra_lm
-
 from hydra_lm.cli import main
 from hydra_lm.train import optim
-from hydra_lm.train.compile_policy import use_layer_regions
 from hydra_lm.train.options import TrainConfig
 from support import TINY_RUN, prepare, records, write_corpus
 
@@ -44,9 +41,8 @@ def test_gradient_checkpointing_and_chunked_ce_do_not_change_the_numbers(tiny_da
         assert a == pytest.approx([r["loss"] for r in records(tmp_path / other, "train")], rel=1e-5)
 
 
-@pytest.mark.parametrize("scope", [["--compile_regions"], []], ids=["regions", "units"])
 @pytest.mark.slow
-def test_compiled_training_gives_the_eager_numbers(tiny_data, tmp_path, monkeypatch, scope):
+def test_compiled_training_gives_the_eager_numbers(tiny_data, tmp_path, monkeypatch):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     counter = CompileCounterWithBackend("aot_eager")  # the trainer's graph, without inductor's C++ build on CPU
@@ -54,40 +50,17 @@ def test_compiled_training_gives_the_eager_numbers(tiny_data, tmp_path, monkeypa
     monkeypatch.setattr(torch, "compile", lambda model, mode=None, options=None, **kw:
                         compile_fn(model, backend=counter, **kw))
     torch._dynamo.reset()
-    # MoR at full depth during these 3 steps: with MoR routing on, the layers reach the trace inlined,
-    # not as nested regions (test_layer_regions_survive_mor_routing below).
-    phase = ["--mor_enable_pct", "1"]
+    phase = ["--mor_enable_pct", "1"]  # MoR at full depth during these 3 steps (the graph counts below)
     assert train(tiny_data, tmp_path / "eager", *phase) == 0
-    assert train(tiny_data, tmp_path / "compiled", "--compile", *scope, *phase) == 0  # the CPU's default is eager
+    assert train(tiny_data, tmp_path / "compiled", "--compile", *phase) == 0  # the CPU's default is eager
     eager = [r["loss"] for r in records(tmp_path / "eager", "train")]
     assert eager == pytest.approx([r["loss"] for r in records(tmp_path / "compiled", "train")], rel=1e-5)
-    if scope:
-        regions = {n.target for g in counter.graphs for n in g.graph.nodes if str(n.target).startswith("subgraph")}
-        assert counter.frame_count >= 1 and regions, "the layers must reach the compiled graph as nested regions"
-    else:  # training: one graph per block layout (MoD-routed at depth 0 or not); evaluation: one unit graph
-        # without gradients for every unit, whose top-k rows and causal masked entries both pass a mask
-        layered = [g for g in counter.graphs if any("layers" in str(n.target) for n in g.graph.nodes)]
-        masked = [g for g in layered if any(n.name == "l_valid_" for n in g.graph.nodes)]
-        assert len(layered) == 3 and len(masked) == 1, [g.graph for g in counter.graphs]
-    log = (tmp_path / "compiled" / "train.log").read_text()
-    assert ("routed units" in log) == (not scope) and ("layer regions" in log) == bool(scope)
-
-
-@pytest.mark.xfail(strict=True, reason="known: with MoR routing on, Dynamo inlines the layers instead of "
-                                       "keeping them as nested compile regions (found 2026-11-23, open)")
-def test_layer_regions_survive_mor_routing():
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    model = hydra_lm.create_model("debug", vocab_size=300, dim=64, n_heads=2, n_kv_heads=1, mlp_hidden=128,
-                                    mor_capacity_schedule="paper")
-    model.set_curriculum(mod_active=True, mor_active=True)
-    use_layer_regions(model, True)
-    counter = CompileCounterWithBackend("aot_eager")
-    torch._dynamo.reset()
-    ids = torch.randint(0, 300, (4, 32))
-    torch.compile(model, backend=counter)(ids, ids)
-    regions = {n.target for g in counter.graphs for n in g.graph.nodes if str(n.target).startswith("subgraph")}
-    assert regions
+    # training: one graph per block layout (MoD-routed at depth 0 or not); evaluation: one unit graph
+    # without gradients for every unit, whose top-k rows and causal masked entries both pass a mask
+    layered = [g for g in counter.graphs if any("layers" in str(n.target) for n in g.graph.nodes)]
+    masked = [g for g in layered if any(n.name == "l_valid_" for n in g.graph.nodes)]
+    assert len(layered) == 3 and len(masked) == 1, [g.graph for g in counter.graphs]
+    assert "routed units" in (tmp_path / "compiled" / "train.log").read_text()
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from hydra_lm.cli import main
 from hydra_lm.train.flags import load_config_file, parse_value, split_model_overrides, to_toml
 from hydra_lm.train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
 from hydra_lm.train.options import TrainConfig, normalize, resolve
+from hydra_lm.train.run import merge_layers
 from support import TINY_RUN
 
 
@@ -112,8 +113,8 @@ def test_speed_defaults_follow_the_device_and_process_count(device, distributed,
 
 @pytest.mark.parametrize("settings, expected", [
     (dict(compile=False, cuda_graph=False, chunked_ce=False), SpeedPlan(None, "default", False, "naive", 4096)),
-    (dict(compile_regions=True, compile_mode="reduce-overhead"),  # its own graphs: no whole-step capture
-     SpeedPlan("regions", "reduce-overhead", False, "auto", 4096)),
+    (dict(compile_mode="max-autotune-no-cudagraphs"),  # inductor's tuning, inside the whole-step graphs
+     SpeedPlan("units", "max-autotune-no-cudagraphs", True, "chunked", 4096, update_graphed=True)),
     # not capturable: forward + backward graphed, the update eager
     (dict(optimizer="lion"), SpeedPlan("units", "default", True, "chunked", 4096)),
     # Muon's step (train/muon.py) is captured like fused AdamW's
@@ -127,13 +128,10 @@ def test_speed_opt_outs_and_automatic_fallbacks_on_cuda(settings, expected):
 
 
 @pytest.mark.parametrize("settings, device, distributed, message", [
-    (dict(compile_regions=True), CPU, False, "add --compile"),
-    (dict(compile=True, compile_mode="reduce-overhead"), CUDA, False, "needs --compile_regions"),
-    (dict(compile_regions=True, compile_mode="reduce-overhead", cuda_graph=True), CUDA, False, "not reduce-overhead"),
+    (dict(compile=True, compile_mode="reduce-overhead"), CUDA, False, "cannot run inside the whole-step graphs"),
     (dict(cuda_graph=True, gradient_checkpointing=True), CUDA, False, "drop one of them"),
     (dict(cuda_graph=True), CPU, False, "needs a CUDA device"),
     (dict(cuda_graph=True), CUDA, True, "one process only"),
-    (dict(compile_regions=True, compile_mode="reduce-overhead"), CUDA, True, "one process only"),
     (dict(ce_impl="chunked"), CPU, False, "add --chunked_ce"),
     (dict(chunked_ce=True, ce_impl="liger", cuda_graph=True), CUDA, False, "cannot capture Liger"),
     (dict(chunked_ce=True, ce_impl="liger"), CPU, False, "liger"),
@@ -151,18 +149,30 @@ def test_the_speed_plan_is_applied_to_the_model():
     assert apply_speed_plan(model, model, units) is model  # compiled in place, the step calls the model
     assert all(b.compiled_unit is not None for b in model.blocks)
     assert (model.ce_impl, model.ce_chunk_size) == ("chunked", 64)
-    regions = tiny_model()
-    compiled = apply_speed_plan(regions, regions, SpeedPlan("regions", "default", False, "naive", 4096))
-    assert compiled is not regions and compiled._orig_mod is regions
-    assert all(b.layer_regions and b.compiled_unit is None for b in regions.blocks)
+    whole = tiny_model()
+    compiled = apply_speed_plan(whole, whole, SpeedPlan("model", "default", False, "naive", 4096))
+    assert compiled is not whole and compiled._orig_mod is whole  # torchrun's plan: a compiled wrapper
+    assert all(b.compiled_unit is None for b in whole.blocks)
     eager = tiny_model()
     assert apply_speed_plan(eager, eager, SpeedPlan(None, "default", False, "naive", 4096)) is eager
-    assert all(not b.layer_regions and b.compiled_unit is None for b in eager.blocks)
+    assert all(b.compiled_unit is None for b in eager.blocks)
 
 
 def test_old_runs_saved_with_compile_units_still_load():
     assert normalize({"compile_units": True, "lr": 1e-3}, "config.json") == {"compile": True, "lr": 1e-3}
     assert normalize({"compile_units": False}, "config.json") == {}
+
+
+def test_removed_options_say_what_replaced_them(capsys):
+    for command in ("train", "bench"):
+        with pytest.raises(SystemExit):
+            main([command, "--compile_regions"])
+        assert "--compile_regions was removed" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--compile_regions was removed"):
+        normalize({"compile_regions": True}, "config file c.toml")
+    # a run saved with them resumes on the default path (merge_layers keeps only today's fields and modes)
+    saved = {**TrainConfig().to_dict(), "compile_regions": True, "compile_mode": "reduce-overhead"}
+    assert merge_layers({}, {}, saved).compile_mode == "default"
 
 
 def test_model_overrides_parse_from_argv():

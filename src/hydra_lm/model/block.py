@@ -34,25 +34,14 @@ class TransformerLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def _run_layer(layer: TransformerLayer, h, pos, rope, cache, valid, doc):
-    return layer(h, pos, rope, cache, valid, doc)
-
-
-# Under torch.compile, calls with the same input shapes share one Dynamo trace and one inductor
-# compilation of the layer (hierarchical compilation; AOT autograd still re-traces each call site,
-# benchmarks/BENCHMARKS.md); a no-op in eager mode.
-_run_layer_region = torch.compiler.nested_compile_region(_run_layer)
-
-
-def run_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, doc, weight, regions: bool = False):
+def run_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, doc, weight):
     """One routed unit: the layer stack on the unit's tokens ``xc`` (plus the recursion embedding
     ``rec``), written back as ``xc + weight * (stack(u) - u)`` for valid entries. A free function
     of its inputs, so ``train.compile_policy.compile_units`` compiles it once for every block and depth."""
     u = xc if rec is None else xc + rec.to(xc.dtype)
     h = u
-    run = _run_layer_region if regions and caches is None else _run_layer
     for i, layer in enumerate(layers):
-        h = run(layer, h, pos, rope, None if caches is None else caches[i], valid, doc)
+        h = layer(h, pos, rope, None if caches is None else caches[i], valid, doc)
     delta = h - u
     if weight is not None:
         delta = delta * weight[..., None].to(delta.dtype)
@@ -190,7 +179,6 @@ class RecursiveBlock(nn.Module):
         self.mor_active = True
         # The MoR ramp: 0 runs every block-entering token at every depth, 1 the configured fractions.
         self.mor_ramp = 1.0
-        self.layer_regions = False  # compile_policy.use_layer_regions: layers as nested compile regions
         self.compiled_unit = None  # compile_policy.compile_units: a compiled run_unit, shared by all blocks
         self.compiled_select = None  # compile_policy.compile_units: a compiled routed_selection, likewise
         self.compiled_block = None  # compile_policy.compile_units: a compiled run_block (training forwards)
@@ -326,8 +314,7 @@ class RecursiveBlock(nn.Module):
                     weight = xc.new_ones(xc.shape[:2], dtype=torch.float32, requires_grad=torch.is_grad_enabled())
                 xc = _run_compiled_unit(unit, self.layers, xc, rec, pc, rope, _eval_mask(xc, vc), doc, weight)
             else:
-                xc = run_unit(self.layers, xc, rec, pc, rope, None if caches is None else caches[j], vc, doc, weight,
-                              self.layer_regions)
+                xc = run_unit(self.layers, xc, rec, pc, rope, None if caches is None else caches[j], vc, doc, weight)
 
         for stream, order in reversed(parents):
             xc = _PutRows.apply(stream, order, xc)

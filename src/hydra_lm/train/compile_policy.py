@@ -16,9 +16,10 @@ The settings ``compile``, ``cuda_graph`` and ``chunked_ce`` are None for "automa
   cannot be captured: their update (and Sophia's Hessian estimate) runs eagerly between the replays
   of the forward + backward graph.
 
-``compile_regions`` instead compiles the whole model with the layers as shared nested regions; with
-``compile_mode reduce-overhead`` (no whole-step graphs) it has the fastest steady state measured at
-low MoD capacity, at the cost of a cold compile of two to three minutes.
+The whole model compiled with its layers as nested compile regions and inductor's own CUDA graphs
+(reduce-overhead) was a third path until the thirty-fifth session: 1.11x the compiled units' steady state
+against the blocks' 1.15x, a 125-183 s cold first step against 109-115 s, and wrong outputs on the CPU
+with torch 2.13 in some layouts (benchmarks/BENCHMARKS.md, thirty-third and thirty-fourth sessions).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from ..model.block import run_block, run_unit
 from ..model.routing import routed_selection
 from ..model.loss import resolve_impl
+from .options import COMPILE_MODES
 
 # Optimizers whose step replays in a CUDA graph: fused AdamW, and Muon (train/muon.py) with AdamW beside it.
 CAPTURABLE_OPTIMIZERS = ("adamw", "muon")
@@ -38,7 +40,7 @@ CAPTURABLE_OPTIMIZERS = ("adamw", "muon")
 
 @dataclass(frozen=True)
 class SpeedPlan:
-    compile: str | None  # "units", "regions", "model" (whole model) or None (eager)
+    compile: str | None  # "units" (blocks and routed units), "model" (whole model) or None (eager)
     compile_mode: str  # torch.compile mode
     cuda_graph: bool  # the micro-batch forward + backward as a CUDA graph
     ce_impl: str  # the model's loss path: "naive", "chunked" or "auto" (Liger when installed)
@@ -47,14 +49,8 @@ class SpeedPlan:
     # (CAPTURABLE_OPTIMIZERS, the learning rate in a device tensor); the others step eagerly between replays.
     update_graphed: bool = False
 
-    @property
-    def graphs_inside_compile(self) -> bool:
-        """reduce-overhead: the compiled code replays its own CUDA graphs (a step must mark its start)."""
-        return self.compile is not None and self.compile_mode == "reduce-overhead"
-
     def describe(self) -> list[str]:
-        names = {"units": "blocks for training, routed units for evaluation", "regions": "layer regions",
-             "model": "whole model"}
+        names = {"units": "blocks for training, routed units for evaluation", "model": "whole model"}
         parts = [f"torch.compile ({self.compile_mode}, {names[self.compile]})"] if self.compile else ["eager"]
         if self.cuda_graph:
             parts.append("whole-step CUDA graphs" if self.update_graphed else
@@ -65,29 +61,21 @@ class SpeedPlan:
 
 
 def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> SpeedPlan:
-    """``cfg``: a TrainConfig or BenchConfig (fields compile, compile_mode, compile_regions, cuda_graph,
+    """``cfg``: a TrainConfig or BenchConfig (fields compile, compile_mode, cuda_graph,
     chunked_ce, chunked_ce_size; a bench has no optimizer or gradient_checkpointing field and runs
     fused AdamW without checkpointing). Raises ValueError for what cannot run."""
     cuda = device.type == "cuda"
     optimizer = getattr(cfg, "optimizer", "adamw")
     checkpointing = getattr(cfg, "gradient_checkpointing", False)
     compile_on = cuda if cfg.compile is None else cfg.compile
-    reduce_overhead = compile_on and cfg.compile_mode == "reduce-overhead"
 
     def refuse(ok: bool, msg: str) -> None:
         if not ok:
             raise ValueError(msg)
 
-    refuse(compile_on or not cfg.compile_regions, "--compile_regions chooses what --compile compiles, and "
-           "compilation is off (--no-compile, or the CPU's default): add --compile")
-    refuse(not (reduce_overhead and distributed), "--compile_mode reduce-overhead (CUDA graphs) works in one "
-           "process only: FSDP2/DDP communication hooks cannot be captured; use --compile_mode default under torchrun")
-    refuse(not (reduce_overhead and not cfg.compile_regions), "--compile_mode reduce-overhead "
-           "needs --compile_regions: the routed units' graphs would be overwritten within a step (the default "
-           "whole-step CUDA graphs already remove the launch overhead)")
+    refuse(cfg.compile_mode in COMPILE_MODES, f"--compile_mode {cfg.compile_mode!r}: must be one of "
+           f"{list(COMPILE_MODES)} (modes that capture CUDA graphs themselves cannot run inside the whole-step graphs)")
     if cfg.cuda_graph:  # asked for explicitly
-        refuse(not reduce_overhead, "--cuda_graph already graphs the whole step: use it with --compile_mode "
-               "default, not reduce-overhead (whose graphs cannot nest inside another capture)")
         refuse(not checkpointing, "--cuda_graph with gradient checkpointing is not supported (recomputation saves "
                "and restores RNG states on the host); drop one of them")
         refuse(cuda, f"--cuda_graph needs a CUDA device (this run is on {device}): drop --cuda_graph")
@@ -95,14 +83,12 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
                "captured; drop --cuda_graph under torchrun")
         graphs = True
     elif cfg.cuda_graph is None:  # automatic: wherever it can run
-        graphs = cuda and not distributed and not reduce_overhead and not checkpointing
+        graphs = cuda and not distributed and not checkpointing
     else:
         graphs = False
     chunked = cuda if cfg.chunked_ce is None else cfg.chunked_ce
     if not compile_on:
         scope = None
-    elif cfg.compile_regions:
-        scope = "regions"
     else:  # the units' compilation works in one process only; torchrun compiles the whole model
         scope = "model" if distributed else "units"
     refuse(chunked or cfg.ce_impl == "auto", "--ce_impl picks the fused loss of --chunked_ce, which is off: add "
@@ -132,10 +118,8 @@ def apply_speed_plan(model, wrapped: torch.nn.Module, plan: SpeedPlan):
     (the model, or its FSDP2/DDP wrapper) itself, or a compiled module around it."""
     model.ce_impl, model.ce_chunk_size = plan.ce_impl, plan.ce_chunk_size
     if plan.compile == "units":
-        compile_units(model, mode=plan.compile_mode)  # compiled in place; gathers and scatters stay eager
+        compile_units(model, mode=plan.compile_mode)  # compiled in place
         return wrapped
-    if plan.compile == "regions":
-        use_layer_regions(model, True)
     if plan.compile is not None:
         return torch.compile(wrapped, mode=plan.compile_mode)
     return wrapped
@@ -187,12 +171,3 @@ def compile_units(model, **kwargs):
         moe.compile(**kwargs)
     model.ce_compile = {"backend": kwargs.get("backend", "inductor"), "mode": kwargs.get("mode")}
     return model
-
-
-def use_layer_regions(model, on: bool = True) -> None:
-    """Mark (or unmark) a ``HydraModel``'s transformer layers as nested compile regions for a later
-    ``torch.compile`` of the model or of a wrapper around it (no effect in eager mode): layers called
-    with the same token count share one Dynamo trace and one inductor compilation (7 layer graphs
-    instead of 32 for the 100M preset; routing stays inside the one graph)."""
-    for block in model.blocks:
-        block.layer_regions = bool(on)

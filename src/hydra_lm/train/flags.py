@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .options import FIELDS, KEY_ALIASES, MODEL_ALIASES, normalize
+from .options import FIELDS, KEY_ALIASES, MODEL_ALIASES, REMOVED_KEYS, normalize
 
 MODEL_PREFIX = "--model."
 
@@ -48,6 +48,20 @@ def add_field_arguments(parser: argparse.ArgumentParser, fields: dict[str, Any])
         else:
             parser.add_argument(*flags, dest=name, default=None, type=meta["type"], choices=meta.get("choices"),
                                 help=meta["help"])
+    for name, message in REMOVED_KEYS.items():  # hidden: typed, they say what replaced them
+        if name not in fields:
+            parser.add_argument(f"--{name}", nargs="?", action=_Removed, message=message, help=argparse.SUPPRESS)
+
+
+class _Removed(argparse.Action):
+    """A flag that no longer exists: typing it stops with what to do instead."""
+
+    def __init__(self, *args, message: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.message = message
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(self.message)
 
 
 def split_model_overrides(argv: list[str]) -> tuple[list[str], dict[str, Any]]:

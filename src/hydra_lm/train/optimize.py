@@ -122,7 +122,7 @@ def optimize_for_gpu(model: nn.Module, device: torch.device | str | None = None,
     matmuls, the speed plan of ``compile_policy`` (a HydraModel: its routed units compiled, fused chunked
     loss; any other module: compiled whole) and the plan's CUDA graphs, which a training step captures
     (``create_optimized_training_setup``). ``options``: the train flags of the same names (``compile``,
-    ``compile_mode``, ``compile_regions``, ``cuda_graph``, ``chunked_ce``, ``ce_impl``, ``optimizer``...),
+    ``compile_mode``, ``cuda_graph``, ``chunked_ce``, ``ce_impl``, ``optimizer``...),
     automatic when left out. Without CUDA it warns and leaves the model eager."""
     return _prepare(model, _train_config(options), device)
 

@@ -21,7 +21,9 @@ MODES = ("testing", "production")
 SCHEDULES = ("cosine", "wsd")
 OPTIMIZERS = ("adamw", "adam8bit", "adafactor", "lion", "clion", "muon", "sophia")
 ARCHS = ("hydra", "dense")
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# Modes whose CUDA graphs inductor captures itself ("reduce-overhead", "max-autotune") cannot nest inside the
+# whole-step graphs, and their one use, the layer regions, was removed (REMOVED_KEYS).
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 CE_IMPLS = ("auto", "chunked", "liger")
 
 # Runs shorter than this skip the MoD loss gate unless --no_short_run_override (see curriculum.py).
@@ -156,17 +158,13 @@ class TrainConfig:
     # compiled (no graphs); on the CPU everything runs eager.
     compile: bool | None = opt(None, "torch.compile the model (default: on CUDA; the routed units in one process, "
                                      "the whole model under torchrun; --no-compile: eager)", type=bool)
-    compile_mode: str = opt("default", "torch.compile mode; reduce-overhead (CUDA graphs inside the compiled "
-                                       "code) needs --compile_regions and turns the whole-step graphs off", type=str,
+    compile_mode: str = opt("default", "torch.compile mode (max-autotune-no-cudagraphs: inductor benchmarks "
+                                       "GEMM and kernel choices, minutes of cold compile)", type=str,
                             choices=COMPILE_MODES)
-    compile_regions: bool = opt(False, "compile the whole model with each transformer layer traced once per "
-                                       "routed-unit size (nested compile regions) instead of the routed units; "
-                                       "with --compile_mode reduce-overhead the fastest steady state at low MoD "
-                                       "capacity, but minutes of cold compile", type=bool)
     cuda_graph: bool | None = opt(None, "capture the training step (forward, backward; clipping and the update "
                                         "too with adamw and muon, the others step eagerly) as CUDA graphs and "
                                         "replay them (default: on CUDA in one process, without gradient "
-                                        "checkpointing or reduce-overhead)", type=bool)
+                                        "checkpointing)", type=bool)
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass", type=bool)
     checkpoint_every: int | None = opt(None, "gradient checkpointing every N blocks (implies "
                                              "--gradient_checkpointing)", type=int)
@@ -222,6 +220,11 @@ KEY_ALIASES: dict[str, tuple[str, Any]] = {
     "compile_units": ("compile", True),  # runs saved before the routed units became what --compile compiles
     "experimental_cuda_graphs": ("cuda_graph", True),
 }
+# Keys that no longer exist, with what to do instead: a config file or flag that names one gets this message.
+REMOVED_KEYS: dict[str, str] = {
+    "compile_regions": "--compile_regions was removed: each block compiled with its routing (the default) trained "
+                       "faster than the layer regions and compiles sooner (benchmarks/BENCHMARKS.md); drop the flag",
+}
 # Train keys that set a model config field of the same name (as --model.NAME does), with their types.
 MODEL_ALIASES: dict[str, type] = {"moe": bool, "moe_num_experts": int, "moe_top_k": int, "moe_num_layers": int,
                                   "static_routing_mode": bool}
@@ -232,6 +235,8 @@ FROZEN_ON_RESUME = ("model_size", "arch", "model", "seq_len", "batch_size", "see
 
 def check_train_keys(values: dict[str, Any], where: str) -> None:
     for key in values:
+        if key in REMOVED_KEYS:
+            raise ValueError(f"{where}: {REMOVED_KEYS[key]}")
         if key not in FIELDS and key not in KEY_ALIASES and key not in MODEL_ALIASES:
             close = difflib.get_close_matches(key, sorted([*FIELDS, *KEY_ALIASES, *MODEL_ALIASES]), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""

@@ -94,8 +94,8 @@ def pretest_batch(vocab_size: int, batch_size: int, seq_len: int, device: torch.
 class _Path:
     """One side of a comparison: what to call on the shared model copy, and its last repeat's results."""
 
-    def __init__(self, model: torch.nn.Module, call: Callable, ce_impl: str, mark_step: bool = False):
-        self.model, self.call, self.ce_impl, self.mark_step = model, call, ce_impl, mark_step
+    def __init__(self, model: torch.nn.Module, call: Callable, ce_impl: str):
+        self.model, self.call, self.ce_impl = model, call, ce_impl
         self.times, self.loss, self.grads = [], math.nan, []
 
     def step(self, batch, autocast, timed: bool) -> None:
@@ -105,8 +105,6 @@ class _Path:
         if inputs.is_cuda:
             torch.cuda.synchronize(inputs.device)
         t0 = time.perf_counter()
-        if self.mark_step:
-            torch.compiler.cudagraph_mark_step_begin()
         with autocast():
             out = self.call(inputs, targets=targets)
         out["loss"].backward()
@@ -143,8 +141,7 @@ def compare(key: str, model: torch.nn.Module, batch, autocast, device_type: str,
     if key == "chunked_ce":
         got = _Path(work, work, ce_impl)
     elif key == "compile":
-        got = _Path(work, torch.compile(work, mode=compile_mode), "naive",
-                    mark_step=compile_mode == "reduce-overhead" and device_type == "cuda")
+        got = _Path(work, torch.compile(work, mode=compile_mode), "naive")
     else:
         raise ValueError(f"no pretest for --{key} (pretested: {', '.join(PRETESTED)})")
     try:

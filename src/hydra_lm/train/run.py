@@ -22,7 +22,7 @@ from .distributed import DistInfo, broadcast_object, init_distributed, launched_
 from .flags import to_toml
 from .metrics import RunLog, git_revision, versions
 from .fit_batch import fit_micro_batch
-from .options import FIELDS, FROZEN_ON_RESUME, TrainConfig, normalize, resolve, validate
+from .options import COMPILE_MODES, FIELDS, FROZEN_ON_RESUME, TrainConfig, normalize, resolve, validate
 from .run_lock import RunLock
 
 CONFIG_JSON = "config.json"
@@ -89,8 +89,10 @@ def read_saved_config(run_dir: Path) -> dict[str, Any] | None:
 def merge_layers(file_values: dict[str, Any], cli: dict[str, Any], saved: dict[str, Any] | None) -> TrainConfig:
     base: dict[str, Any] = {}
     if saved is not None:
-        base = normalize({k: v for k, v in saved.items() if k in FIELDS and k not in PER_INVOCATION},
-                         "the run's saved config.json")
+        kept = {k: v for k, v in saved.items() if k in FIELDS and k not in PER_INVOCATION}
+        if kept.get("compile_mode") not in (None, *COMPILE_MODES):  # a removed mode: the device's default path
+            del kept["compile_mode"]
+        base = normalize(kept, "the run's saved config.json")
         # Runs saved before --fp8_recipe existed trained tensorwise (then the only scaling), whatever the default now.
         base.setdefault("fp8_recipe", "tensorwise")
         for key in FROZEN_ON_RESUME:

@@ -56,8 +56,6 @@ class TrainStep:
 
     def micro_step(self, input_ids, targets, doc_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of one micro-batch: (loss parts [5], routing stats)."""
-        if self.plan.graphs_inside_compile and self.device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are consumed
         kwargs = {"doc_ids": doc_ids} if doc_ids is not None else {}
         with self.autocast():
             out = self.step_model(input_ids, targets=targets, **kwargs)
