@@ -9,8 +9,10 @@ rule's agreement with the row's top-k on rows with and without a document bounda
 A row's top-k boundary moves with the row's content; no causal rule can see it. If the causal rules
 agree much better with the pooled choice than with the row's, the rows' spread of boundaries is what
 costs agreement; if not, the threshold itself is off (e.g. validation text unlike the training batches).
-Also printed per router: the calibrated threshold, the batch's pooled boundary, and the spread of the
-rows' boundaries against the logits' own spread.
+Also printed per router: the calibrated threshold, the batch's pooled boundary, the spread of the
+rows' boundaries against the logits' own spread, and the most a choice of the rule's count of tokens per
+row could agree with the row's top-k (1 - mean |admitted - k| / candidates): where the rule's agreement
+reaches it, the rule takes each row's highest logits and every disagreement is how many, not which.
 
     PYTHONPATH=src python benchmarks/agreement_by_pooling.py --run RUN_DIR --data DATA_DIR --batches 8
 """
@@ -85,8 +87,9 @@ def main() -> None:
                 rule = routing.rank_admits(r, None, k / n, threshold, doc)
                 decisions = (rule == row, (r > threshold) == row, (r > threshold) == pooled, rule == pooled,
                              pooled == row)
-                a = agree.setdefault(names[id(router)], {"n": 0.0, **dict.fromkeys(PAIRS, 0.0)})
+                a = agree.setdefault(names[id(router)], {"n": 0.0, "counts": 0.0, **dict.fromkeys(PAIRS, 0.0)})
                 a["n"] += r.numel()
+                a["counts"] += r.numel() - (rule.sum(1) - k).abs().sum().item()
                 for pair, same in zip(PAIRS, decisions):
                     a[pair] += same.float().sum().item()
                 doc = torch.zeros_like(r, dtype=torch.long) if doc is None else doc
@@ -102,17 +105,18 @@ def main() -> None:
     routing.ExpertChoiceRouter.select = select
 
     print(f"{'router':<22} {'candidates':>10}  " + "  ".join(f"{p:>26}" for p in PAIRS)
-          + "  threshold  pooled boundary  rows' boundary std / logit std")
-    total = dict.fromkeys(PAIRS, 0.0)
+          + "  rows' counts allow  threshold  pooled boundary  rows' boundary std / logit std")
+    total = dict.fromkeys((*PAIRS, "counts"), 0.0)
     count = 0.0
     for name, a in agree.items():
         s = torch.tensor(spread[name]).mean(0).tolist()
         print(f"{name:<22} {int(a['n']):>10}  " + "  ".join(f"{a[p] / a['n']:>26.4f}" for p in PAIRS)
-              + f"  {s[0]:+9.3f}  {s[1]:+15.3f}  {s[2]:.3f} / {s[3]:.3f}")
-        for p in PAIRS:
+              + f"  {a['counts'] / a['n']:>18.4f}  {s[0]:+9.3f}  {s[1]:+15.3f}  {s[2]:.3f} / {s[3]:.3f}")
+        for p in total:
             total[p] += a[p]
         count += a["n"]
-    print(f"{'all decisions':<22} {int(count):>10}  " + "  ".join(f"{total[p] / count:>26.4f}" for p in PAIRS))
+    print(f"{'all decisions':<22} {int(count):>10}  " + "  ".join(f"{total[p] / count:>26.4f}" for p in PAIRS)
+          + f"  {total['counts'] / count:>18.4f}")
     for pair, (same, n) in by_doc.items():
         print(f"{pair:<50} {same / max(n, 1.0):.4f} of {int(n)} decisions")
 

@@ -18,6 +18,7 @@ import statistics
 import time
 
 import torch
+import torch._inductor.metrics
 from torch._dynamo.utils import compile_times, counters
 
 import hydra_lm
@@ -72,7 +73,8 @@ def main() -> None:
             steady.append(t2 - t0)
     if steady:
         print(f"median of the {len(steady)} compiled steps after the first: {statistics.median(steady):.3f} s")
-    print(f"unique graphs: {counters['stats']['unique_graphs']}")
+    print(f"unique graphs: {counters['stats']['unique_graphs']}, inductor kernels generated: "
+          f"{torch._inductor.metrics.generated_kernel_count}")
     if args.eval:
         model.eval()
         for call in range(3):
