@@ -26,14 +26,19 @@ causal against top-k. Evaluation only: the trained weights and calibrated thresh
   (an oracle: it shows how much of the gap an executed share at the target would close; the rest is which
   tokens are chosen). The capacity moves the rank part of the rule only: a row's first candidates follow
   the threshold. The agreement column is measured in the top-k pass at the unscaled capacity.
+  ``--match_on train`` measures the shares on ``--eval_batches`` batches of the training split instead (a
+  fixed sample), as a calibration in the trainer could: no longer an oracle; the losses are still validation's.
 
     PYTHONPATH=src python benchmarks/causal_rule_sweep.py --run RUN_DIR [RUN_DIR ...] [--rank_prior 16 64 512] \\
-        [--capacity_prior 36.6] [--oracle] [--match_share 2] [--eval_batches 16] [--decode_batch 8 --decode_len 64]
+        [--capacity_prior 36.6] [--oracle] [--match_share 2 [--match_on train]] [--eval_batches 16]
+        [--decode_batch 8 --decode_len 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 
 import torch
 
@@ -42,7 +47,8 @@ from hydra_lm.infer import eval_run
 from hydra_lm.infer.runs import load_run
 from hydra_lm.model import routing
 from hydra_lm.model.block import RecursiveBlock
-from hydra_lm.train.data_io import ValSet, open_data
+from hydra_lm.train.data_io import ValSet, open_data, train_loader
+from hydra_lm.train.evaluate import evaluate as evaluate_batches
 
 NAN = float("nan")
 
@@ -120,6 +126,8 @@ def main() -> None:
                     help="also the threshold weighed as K (1 - c) / c pseudo-candidates at capacity c, per K")
     ap.add_argument("--oracle", action="store_true", help="also split the gap with non-causal choices (above)")
     ap.add_argument("--match_share", type=int, default=0, help="rounds of per-router share matching (oracle)")
+    ap.add_argument("--match_on", choices=("val", "train"), default="val",
+                    help="the batches whose executed shares the matching follows")
     ap.add_argument("--eval_batches", type=int, default=16)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--decode_batch", type=int, default=0, help="also decode this many rows with each --rank_prior")
@@ -140,6 +148,17 @@ def sweep(run: str, args: argparse.Namespace) -> None:
 
     def evaluate() -> dict:
         return eval_run(run, max_batches=args.eval_batches, device=args.device)
+
+    def shares_on_train() -> dict:
+        """Causal and top-k routing of a fixed sample of training batches (as the run trained: its batch shape,
+        its document masks): the executed shares a calibration on training data would see."""
+        loaded = load_run(run, None, args.device)
+        cfg = loaded.config["train"]
+        loader = train_loader(open_data(cfg["data"]), cfg["batch_size"], cfg["seq_len"], seed=cfg.get("seed", 0) + 1)
+        autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if loaded.device.type == "cuda" \
+            else contextlib.nullcontext
+        batches = list(itertools.islice(iter(loader), args.eval_batches))
+        return evaluate_batches(loaded.model, batches, loaded.device, 0, autocast, cfg.get("document_masking", True))
 
     decoder = None
     if args.decode_batch:
@@ -169,13 +188,14 @@ def sweep(run: str, args: argparse.Namespace) -> None:
             oracle_rows(evaluate)
         RecursiveBlock.depth_capacities = scaled_capacities
         for round_ in range(1, args.match_share + 1):
-            for name, r in result.get("routing", {}).items():  # e.g. "block3.mod0": block3, depth 0
+            measured = shares_on_train() if args.match_on == "train" else result
+            for name, r in measured.get("routing", {}).items():  # e.g. "block3.mod0": block3, depth 0
                 block, _, kind_depth = name.partition(".")
                 key = f"{block}.{int(kind_depth.lstrip('modr'))}"
                 if r["exec_causal"] > 0:
                     scale[key] = min(scale.get(key, 1.0) * r["target"] / r["exec_causal"], 1e3)
             result = evaluate()
-            print(row(f"share matched, round {round_}", result), flush=True)
+            print(row(f"matched on {args.match_on}, {round_}", result), flush=True)
     finally:
         routing.RANK_PRIOR, RecursiveBlock.depth_capacities, routing.rank_decision = prior, capacities, decision
 
