@@ -25,7 +25,7 @@ causal against top-k. Evaluation only: the trained weights and calibrated thresh
   by its target over the share it executed in the previous round, measured on the same validation batches
   (an oracle: it shows how much of the gap an executed share at the target would close; the rest is which
   tokens are chosen). The capacity moves the rank part of the rule only: a row's first candidates follow
-  the threshold. The agreement column is measured in the top-k pass at the unscaled capacity.
+  the threshold. The agreement column is measured in the top-k pass with the same scaled capacities.
   ``--match_on train`` measures the shares on ``--eval_batches`` batches of the training split instead (a
   fixed sample), as a calibration in the trainer could: no longer an oracle; the losses are still validation's.
 
@@ -140,11 +140,30 @@ def main() -> None:
 
 def sweep(run: str, args: argparse.Namespace) -> None:
     prior, capacities, decision = routing.RANK_PRIOR, RecursiveBlock.depth_capacities, routing.rank_decision
+    route_and_run, select = RecursiveBlock.route_and_run, routing.ExpertChoiceRouter.select
     scale: dict[str, float] = {}
+    running = [""]  # the block whose routers decide now (evaluation runs eagerly, one block at a time)
 
     def scaled_capacities(block: RecursiveBlock) -> list[float]:
         base = capacities(block)
         return [c * scale.get(f"{block.name}.{j}", 1.0) for j, c in enumerate(base)]
+
+    def noting_block(block, *args, **kwargs):
+        running[0] = block.name
+        return route_and_run(block, *args, **kwargs)
+
+    def select_scaled(self, x, valid, k, mode, row_len, depth=0, *args, **kwargs):
+        """The top-k pass's agreement asks the rule at the scaled capacity too (causal mode takes it from
+        ``depth_capacities``; top-k mode asks at ``k`` over its candidates)."""
+        factor = scale.get(f"{running[0]}.{depth}", 1.0)
+        if mode != "topk" or factor == 1.0:
+            return select(self, x, valid, k, mode, row_len, depth, *args, **kwargs)
+        admits = routing.rank_admits
+        routing.rank_admits = lambda s, v, c, t, doc=None: admits(s, v, c * factor, t, doc)
+        try:
+            return select(self, x, valid, k, mode, row_len, depth, *args, **kwargs)
+        finally:
+            routing.rank_admits = admits
 
     def evaluate() -> dict:
         return eval_run(run, max_batches=args.eval_batches, device=args.device)
@@ -187,6 +206,7 @@ def sweep(run: str, args: argparse.Namespace) -> None:
         if args.oracle:
             oracle_rows(evaluate)
         RecursiveBlock.depth_capacities = scaled_capacities
+        RecursiveBlock.route_and_run, routing.ExpertChoiceRouter.select = noting_block, select_scaled
         for round_ in range(1, args.match_share + 1):
             measured = shares_on_train() if args.match_on == "train" else result
             for name, r in measured.get("routing", {}).items():  # e.g. "block3.mod0": block3, depth 0
@@ -198,6 +218,7 @@ def sweep(run: str, args: argparse.Namespace) -> None:
             print(row(f"matched on {args.match_on}, {round_}", result), flush=True)
     finally:
         routing.RANK_PRIOR, RecursiveBlock.depth_capacities, routing.rank_decision = prior, capacities, decision
+        RecursiveBlock.route_and_run, routing.ExpertChoiceRouter.select = route_and_run, select
 
 
 if __name__ == "__main__":
