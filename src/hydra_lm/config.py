@@ -12,6 +12,7 @@ from typing import Any
 ARCHS = ("hydra", "dense")
 SHARING = ("sequence", "middle_cycle")
 MOR_ROUTING = ("expert", "token")
+TOPK_OVER = ("row", "batch")
 MOR_SCHEDULES = ("paper", "layer_aware", "geometric")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "xformers")
 DOC_MASK_BACKENDS = ("auto", "flex", "sdpa")
@@ -61,6 +62,12 @@ class HydraConfig:
     mod_first_block: bool = False
     mor_enabled: bool = True  # False: fixed depth, every recursion runs every (MoD-selected) token
     mor_routing: str = "expert"  # "expert" (expert-choice, hierarchical) or "token" (token-choice)
+    # What training's top-k of an expert-choice router (MoD, expert-choice MoR) ranks: "row" (each row's k
+    # highest logits, the MoD paper's) or "batch" (the batch's rows * k highest, one boundary for all rows, so
+    # rows' counts vary as the causal rule's do). On CPU models "batch" raised agreement with the causal rule
+    # by 5-6 points and lowered the causal loss (docs/routing.md, "Top-k over the batch"); its units attend
+    # over the batch's chosen entries as one row with the rows kept apart as documents.
+    topk_over: str = "row"
     # "geometric" (default; best val loss per GPU-second measured at 100M): each depth keeps mor_capacity
     # of the previous depth's tokens; "paper": (R-j+1)/R of the row; "layer_aware": deeper late blocks
     mor_capacity_schedule: str = "geometric"
@@ -110,6 +117,7 @@ class HydraConfig:
         _choice(self, "arch", ARCHS)
         _choice(self, "sharing", SHARING)
         _choice(self, "mor_routing", MOR_ROUTING)
+        _choice(self, "topk_over", TOPK_OVER)
         _choice(self, "mor_capacity_schedule", MOR_SCHEDULES)
         _choice(self, "attention_backend", ATTENTION_BACKENDS)
         _choice(self, "doc_mask_backend", DOC_MASK_BACKENDS)

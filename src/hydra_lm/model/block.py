@@ -14,7 +14,7 @@ from torch import nn
 
 from ..config import HydraConfig
 from .attention import AttentionCache
-from .doc_attention import Documents
+from .doc_attention import Documents, documents, documents_for
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from .routing import Router, Selection, build_routers, pass_through
 
@@ -107,6 +107,15 @@ class _PutRows(torch.autograd.Function):
         return grad, None, grad.gather(1, _row_index(order, grad.shape[-1]))
 
 
+def _rows_apart(ids: torch.Tensor | None, rows: int, n: int, device) -> torch.Tensor:
+    """The document ids of ``rows`` rows of ``n`` entries laid end to end ([1, rows * n]; ``ids`` [rows, n],
+    None: one document per row), each row's moved past the previous row's so that no two rows share one."""
+    row = torch.arange(rows, device=device)[:, None]
+    if ids is None:
+        return row.expand(rows, n).reshape(1, -1)
+    return ((ids - ids.amin()) + row * (ids.amax() - ids.amin() + 1)).reshape(1, -1)
+
+
 def _admitted_prefix(sel: Selection) -> Selection:
     """Causal routing (evaluation, the prompt's prefill) admits a varying number of candidates per row, so its
     selection keeps all of them, admitted ones first in causal order. Outside compiled and captured code
@@ -182,6 +191,8 @@ class RecursiveBlock(nn.Module):
         self.compiled_unit = None  # compile_policy.compile_units: a compiled run_unit, shared by all blocks
         self.compiled_select = None  # compile_policy.compile_units: a compiled routed_selection, likewise
         self.compiled_block = None  # compile_policy.compile_units: a compiled run_block (training forwards)
+        # The entries of a top-k over the batch (HydraConfig.topk_over) attend as one row, rows as documents.
+        self.doc_layout = (config.doc_mask_backend, config.head_dim)
 
     # ------------------------------------------------------------------ routers
     def all_routers(self) -> list[Router]:
@@ -267,6 +278,7 @@ class RecursiveBlock(nn.Module):
         # One view per depth from one op: backward stacks the depths' gradients once, where indexing per
         # depth would write each into a zeroed [R, E] tensor and add the R of them.
         recs = None if self.rec_emb is None else self.rec_emb.unbind(0)
+        rows = 1  # rows laid end to end in each entry row: x.shape[0] after a top-k over the batch
         for j in range(self.recursions):
             router, sel = gates.get(j), None
             ids = None if doc is None else doc.ids
@@ -275,12 +287,13 @@ class RecursiveBlock(nn.Module):
             elif router is not None:
                 state = None if caches is None else caches[j][0].route
                 capacity = None if capacities is None else capacities[j]
+                k, row_len = counts[j] * rows, seq_len * rows
                 if select is None:
-                    sel = router.select(xc, vc, counts[j], mode, seq_len, depth=j, decision=decision, state=state,
+                    sel = router.select(xc, vc, k, mode, row_len, depth=j, decision=decision, state=state,
                                         capacity=capacity, doc=ids, pos=pc)
                 else:
                     valid = _eval_mask(xc, vc) if mode == "causal" else vc
-                    sel = Selection(*select(router, xc, valid, counts[j], mode, seq_len, j, decision, state,
+                    sel = Selection(*select(router, xc, valid, k, mode, row_len, j, decision, state,
                                             capacity, ids, pc))
                 if sel.aux_loss is not None:
                     losses[router.kind].append(sel.aux_loss)
@@ -289,11 +302,20 @@ class RecursiveBlock(nn.Module):
                 if mode == "causal" and sel.order is not None and sel.valid is not None:
                     sel = _admitted_prefix(sel)
                 if sel.order is not None:
-                    rows, stream = _TakeRows.apply(xc, sel.order)
-                    parents.append((stream, sel.order))
-                    xc, pc = rows, pc.gather(1, sel.order)
-                    if doc is not None:
+                    shape = None
+                    if sel.order.shape[0] < xc.shape[0]:  # a top-k over the batch: its rows as one row
+                        shape, rows = xc.shape, xc.shape[0] * rows
+                        ids = _rows_apart(ids, xc.shape[0], xc.shape[1], xc.device).gather(1, sel.order)
+                        doc = documents_for(ids, *self.doc_layout, xc.dtype) if doc is None else \
+                            documents(ids, None if doc.mask is None else doc.mask.dtype)
+                        xc, pc = xc.reshape(1, -1, xc.shape[-1]), pc.reshape(1, -1)
+                        vc = None if vc is None else vc.reshape(1, -1)
+                        decision = None if decision is None else decision.reshape(1, -1, decision.shape[-1])
+                    elif doc is not None:
                         doc = doc.gather(sel.order)
+                    entries, stream = _TakeRows.apply(xc, sel.order)
+                    parents.append((stream, sel.order, shape))
+                    xc, pc = entries, pc.gather(1, sel.order)
                     if decision is not None:
                         decision = _gather_rows(decision, sel.order)
                 vc = sel.valid
@@ -316,8 +338,10 @@ class RecursiveBlock(nn.Module):
             else:
                 xc = run_unit(self.layers, xc, rec, pc, rope, None if caches is None else caches[j], vc, doc, weight)
 
-        for stream, order in reversed(parents):
+        for stream, order, shape in reversed(parents):
             xc = _PutRows.apply(stream, order, xc)
+            if shape is not None:
+                xc = xc.reshape(shape)
         return xc, losses, stats
 
 

@@ -126,9 +126,12 @@ class ExpertChoiceRouter(Router):
     # 1024); taken of the gathered entries, their gradient joins the gather's own (issue 14).
     gates_entries = True
 
-    def __init__(self, dim: int, depth: int, gate_scale: float = 1.0):
+    def __init__(self, dim: int, depth: int, gate_scale: float = 1.0, over_batch: bool = False):
         super().__init__()
         self.depths = (depth,)
+        # Top-k of the batch's logits (HydraConfig.topk_over "batch"): the selection's order then indexes the
+        # batch's rows laid end to end ([1, rows * k]), and the block runs the units on them as one row.
+        self.over_batch = over_batch
         self.kind = "mod" if depth == 0 else "mor"
         # A tensor, not a Python float: a compiled selection would guard on the float's value and compile
         # the MoD routers (scale 1) and the MoR routers apart. Fixed by the config, so not saved.
@@ -211,10 +214,17 @@ class ExpertChoiceRouter(Router):
             frac = torch.ones((), device=x.device) if valid is None else valid.float().sum(1).mean() / row_len
             return Selection(None, weight, None, r.new_zeros(()), torch.stack((frac, weight.mean(), frac.new_ones(()))))
         if mode == "topk":
-            top = torch.topk(r, k, dim=1, sorted=False).indices
-            order = torch.sort(top, dim=1).values
-            chosen = torch.zeros_like(r).scatter_(1, order, 1.0)
             r_fixed = r.detach()
+            if self.over_batch and r.shape[0] > 1:
+                top = torch.topk(r_fixed.reshape(1, -1), k * r.shape[0], dim=1, sorted=False).indices
+                order = torch.sort(top, dim=1).values  # [1, rows * k], into the rows laid end to end
+                chosen = torch.zeros_like(r_fixed).view(1, -1).scatter_(1, order, 1.0).view_as(r_fixed)
+                mean_gate = self.gate(r_fixed.reshape(1, -1).gather(1, order)).mean()
+            else:
+                top = torch.topk(r, k, dim=1, sorted=False).indices
+                order = torch.sort(top, dim=1).values
+                chosen = torch.zeros_like(r).scatter_(1, order, 1.0)
+                mean_gate = self.gate(r_fixed.gather(1, order)).mean()
             if self.training:  # the threshold's update gives the boundary too
                 boundary, threshold = self.calibrate(r_fixed, k)
             else:
@@ -233,7 +243,6 @@ class ExpertChoiceRouter(Router):
                 causal = rank_admits(r_fixed, None, k / x.shape[1], threshold, doc)
             agree = (causal.float() == chosen).float().mean()
             frac = torch.full((), k / row_len, device=x.device)
-            mean_gate = self.gate(r_fixed.gather(1, order)).mean()
             return Selection(order, None, None, aux, torch.stack((frac, mean_gate, agree)))
         if mode == "causal":
             capacity = k / x.shape[1] if capacity is None else capacity
@@ -432,6 +441,7 @@ def build_routers(cfg: HydraConfig, dim: int, fractions: list[float]) -> tuple[n
     routers = nn.ModuleDict()
     for j, frac in enumerate(fractions):
         if frac < (1.0 if j == 0 else fractions[j - 1]) - 1e-9 and (j == 0 or not token_choice):
-            routers[str(j)] = ExpertChoiceRouter(dim, j, 1.0 if j == 0 else cfg.mor_gate_scale)
+            routers[str(j)] = ExpertChoiceRouter(dim, j, 1.0 if j == 0 else cfg.mor_gate_scale,
+                                                 over_batch=cfg.topk_over == "batch")
     depth_router = TokenChoiceRouter(dim, len(fractions)) if token_choice and len(fractions) > 1 else None
     return routers, depth_router

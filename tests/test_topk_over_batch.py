@@ -1,0 +1,139 @@
+"""Top-k over the batch (``HydraConfig.topk_over="batch"``): each expert-choice router takes the batch's
+rows * k highest logits, and the block runs the chosen entries of all rows as one row, rows kept apart
+as documents."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from hydra_lm.model import routing
+from hydra_lm.model.routing import ExpertChoiceRouter
+from hydra_lm.train.compile_policy import compile_units
+
+from support import TINY, tiny_model
+
+ROW_SELECT = ExpertChoiceRouter.select
+
+
+def masked_batch_select(self, x, valid, k, mode, row_len, depth=0, decision=None, state=None, capacity=None,
+                        doc=None, pos=None):
+    """The reference: the batch's rows * k highest logits among the valid candidates, every row keeping all of
+    its entries with the unchosen ones masked behind the chosen (as causal evaluation runs its units), so no
+    entry of one row ever meets another row's."""
+    if mode != "topk":
+        return ROW_SELECT(self, x, valid, k, mode, row_len, depth, decision, state, capacity, doc, pos)
+    r = self.logits(x.detach())
+    v = torch.ones_like(r, dtype=torch.bool) if valid is None else valid
+    masked = r.detach().masked_fill(~v, float("-inf"))
+    flat = torch.zeros(masked.numel(), dtype=torch.bool)
+    flat[torch.topk(masked.reshape(-1), k * r.shape[0]).indices] = True
+    chosen = flat.view_as(masked)
+    boundary = self.calibrate(masked, k)[0] if self.training else routing.topk_boundary(masked, k)
+    w = v.to(r.dtype)
+    aux = (F.binary_cross_entropy_with_logits(self.logits_of_parameters(x, r) - boundary, chosen.to(r.dtype),
+                                              reduction="none") * w).sum() / w.sum()
+    sel = routing.masked_selection(chosen, self.gate(r), valid, row_len, aux_loss=aux)
+    return dataclasses.replace(sel, weight=None)  # the block gates the chosen entries, as in top-k
+
+
+def _batch(seed, b=4, t=32):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TINY["vocab_size"], (b, t), generator=g)
+    return ids, torch.roll(ids, -1, 1)
+
+
+LAYOUTS = [{}, {"mod_every": 2, "mod_capacity": 0.25}, {"mor_routing": "token"}, {"recursions": 1}]
+
+
+@pytest.mark.parametrize("overrides", LAYOUTS, ids=["every_block", "every_2nd", "token_choice_mor", "mod_only"])
+@pytest.mark.parametrize("with_docs", [False, True], ids=["rows", "documents"])
+def test_batch_topk_trains_like_the_masked_reference(overrides, with_docs):
+    """Losses, every gradient and every calibrated threshold equal the masked reference's over two training
+    steps' forwards (float64), with and without documents packed in the rows."""
+    model = tiny_model(topk_over="batch", **overrides).double().train()
+    reference = tiny_model(topk_over="row", **overrides).double().train()
+    doc = torch.tensor([[0] * 20 + [1] * 12, [0] * 32, [0] * 5 + [1] * 27, [0] * 32]) if with_docs else None
+    ids, targets = _batch(1)
+    with torch.no_grad():  # the batch's choice is not the rows' (else this test would prove nothing)
+        rows = tiny_model(topk_over="row", **overrides).double().train()(ids, targets=targets, doc_ids=doc)
+        batch = tiny_model(topk_over="batch", **overrides).double().train()(ids, targets=targets, doc_ids=doc)
+    assert abs(float(rows["ce_loss"] - batch["ce_loss"])) > 1e-6
+    for seed in (1, 2):
+        ids, targets = _batch(seed)
+        out = model(ids, targets=targets, doc_ids=doc)
+        out["loss"].backward()
+        ExpertChoiceRouter.select = masked_batch_select
+        try:
+            ref = reference(ids, targets=targets, doc_ids=doc)
+        finally:
+            ExpertChoiceRouter.select = ROW_SELECT
+        ref["loss"].backward()
+        for key in ("ce_loss", "aux_loss", "ponder_loss"):
+            torch.testing.assert_close(out[key], ref[key], msg=key)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    routers = [m for m in model.modules() if isinstance(m, ExpertChoiceRouter)]
+    assert routers and all(r.proj.weight.grad.abs().sum() > 0 for r in routers), "the routers must learn"
+    for (name, b), c in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(b, c, msg=name)
+
+
+def test_the_batch_choice_lets_rows_counts_vary():
+    """The rows * k highest logits of the batch, whichever rows hold them: a row of high logits takes more
+    than k, and the order indexes the rows laid end to end."""
+    torch.manual_seed(0)
+    router = ExpertChoiceRouter(dim=3, depth=0, over_batch=True).eval()
+    x = torch.randn(3, 8, 3)
+    x[0] += 2.0 * torch.sign(router.proj.weight[0])  # row 0's logits run high
+    sel = router.select(x, None, 2, "topk", 8)
+    r = router.logits(x).reshape(-1)
+    assert sel.order.shape == (1, 6)
+    assert set(sel.order[0].tolist()) == set(torch.topk(r, 6).indices.tolist())
+    counts = torch.bincount(sel.order[0] // 8, minlength=3)
+    assert counts.sum() == 6 and counts[0] > 2
+    row = ExpertChoiceRouter(dim=3, depth=0).eval()
+    row.load_state_dict(router.state_dict())
+    assert row.select(x, None, 2, "topk", 8).order.shape == (3, 2)  # each row's top-k
+
+
+def test_causal_routing_and_one_row_batches_are_the_rows_own():
+    """Evaluation's causal routing is unchanged (it ranks within rows), and a batch of one row is its top-k."""
+    model = tiny_model(topk_over="batch").eval()
+    reference = tiny_model(topk_over="row").eval()
+    ids, _ = _batch(3)
+    with torch.no_grad():
+        for rows, mode in ((ids, "causal"), (ids[:1], "topk")):
+            torch.testing.assert_close(model(rows, routing=mode)["logits"], reference(rows, routing=mode)["logits"])
+
+
+@pytest.mark.slow
+def test_batch_topk_block_graphs_match_eager():
+    """The trainer's compiled blocks (static shapes: the batch's entries are rows * k whatever the rows' counts)
+    give eager's loss and gradients, and a second batch compiles nothing new."""
+    torch._dynamo.reset()
+    model, reference = tiny_model(topk_over="batch").train(), tiny_model(topk_over="batch").train()
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_units(model, backend=counter)
+    doc = torch.tensor([[0] * 20 + [1] * 12] * 4)
+    for seed in (1, 2):
+        ids, targets = _batch(seed)
+        out, ref = model(ids, targets=targets, doc_ids=doc), reference(ids, targets=targets, doc_ids=doc)
+        out["loss"].backward()
+        ref["loss"].backward()
+        torch.testing.assert_close(out["loss"], ref["loss"])
+        if seed == 1:
+            first = counter.frame_count
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert counter.frame_count == first
+
+
+def test_an_unknown_topk_over_is_refused():
+    with pytest.raises(ValueError, match="topk_over"):
+        tiny_model(topk_over="rows")
