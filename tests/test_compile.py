@@ -56,11 +56,13 @@ def test_causal_eval_with_document_masks_compiles_fullgraph():
 
 
 # The tiny model's first block runs the whole row at depth 0, the others are MoD-routed there: two block
-# layouts, so two block graphs for training, whatever the batch; evaluation compiles the unit instead.
+# layouts, so two block graphs for training, whatever the batch; evaluation compiles the unit instead. With
+# top-k over the batch the chosen entries are rows x k whatever the rows' counts: static shapes too.
+@pytest.mark.parametrize("topk_over", ["row", "batch"])
 @pytest.mark.slow
-def test_compiled_training_reuses_one_graph_per_block_layout_and_keeps_the_state_dict():
+def test_compiled_training_reuses_one_graph_per_block_layout_and_keeps_the_state_dict(topk_over):
     torch._dynamo.reset()
-    model, reference = tiny_model().train(), tiny_model().train()
+    model, reference = tiny_model(topk_over=topk_over).train(), tiny_model(topk_over=topk_over).train()
     keys = list(model.state_dict())
     counter = CompileCounterWithBackend("aot_eager")
     assert compile_units(model, backend=counter) is model

@@ -1,17 +1,15 @@
 """Top-k over the batch (``HydraConfig.topk_over="batch"``): each expert-choice router takes the batch's
 rows * k highest logits, and the block runs the chosen entries of all rows as one row, rows kept apart
-as documents."""
+as documents. (The compiled block graphs: tests/test_compile.py.)"""
 
 import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.testing import CompileCounterWithBackend
 
 from hydra_lm.model import routing
 from hydra_lm.model.routing import ExpertChoiceRouter
-from hydra_lm.train.compile_policy import compile_units
 
 from support import TINY, tiny_model
 
@@ -109,29 +107,6 @@ def test_causal_routing_and_one_row_batches_are_the_rows_own():
     with torch.no_grad():
         for rows, mode in ((ids, "causal"), (ids[:1], "topk")):
             torch.testing.assert_close(model(rows, routing=mode)["logits"], reference(rows, routing=mode)["logits"])
-
-
-@pytest.mark.slow
-def test_batch_topk_block_graphs_match_eager():
-    """The trainer's compiled blocks (static shapes: the batch's entries are rows * k whatever the rows' counts)
-    give eager's loss and gradients, and a second batch compiles nothing new."""
-    torch._dynamo.reset()
-    model, reference = tiny_model(topk_over="batch").train(), tiny_model(topk_over="batch").train()
-    counter = CompileCounterWithBackend("aot_eager")
-    compile_units(model, backend=counter)
-    doc = torch.tensor([[0] * 20 + [1] * 12] * 4)
-    for seed in (1, 2):
-        ids, targets = _batch(seed)
-        out, ref = model(ids, targets=targets, doc_ids=doc), reference(ids, targets=targets, doc_ids=doc)
-        out["loss"].backward()
-        ref["loss"].backward()
-        torch.testing.assert_close(out["loss"], ref["loss"])
-        if seed == 1:
-            first = counter.frame_count
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, msg=name)
-    assert counter.frame_count == first
 
 
 def test_an_unknown_topk_over_is_refused():
