@@ -65,9 +65,9 @@ class HydraConfig:
     # What training's top-k of an expert-choice router (MoD, expert-choice MoR) ranks: "row" (each row's k
     # highest logits, the MoD paper's) or "batch" (the batch's rows * k highest, one boundary for all rows, so
     # rows' counts vary as the causal rule's do). On CPU models "batch" raised agreement with the causal rule
-    # by 3-6 points, with the causal loss lower or tied (docs/routing.md, "Top-k over the batch"); its units
-    # attend over the batch's chosen entries as one row with the rows kept apart as documents. Opt-in until
-    # measured on a GPU.
+    # by 3-6 points, the causal loss lower, tied or higher by setting (docs/routing.md, "Top-k over the
+    # batch"); its units attend over the batch's chosen entries as one row with the rows kept apart as
+    # documents. Opt-in until measured on a GPU.
     topk_over: str = "row"
     # "geometric" (default; best val loss per GPU-second measured at 100M): each depth keeps mor_capacity
     # of the previous depth's tokens; "paper": (R-j+1)/R of the row; "layer_aware": deeper late blocks
