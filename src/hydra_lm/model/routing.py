@@ -215,16 +215,12 @@ class ExpertChoiceRouter(Router):
             return Selection(None, weight, None, r.new_zeros(()), torch.stack((frac, weight.mean(), frac.new_ones(()))))
         if mode == "topk":
             r_fixed = r.detach()
-            if self.over_batch and r.shape[0] > 1:
-                top = torch.topk(r_fixed.reshape(1, -1), k * r.shape[0], dim=1, sorted=False).indices
-                order = torch.sort(top, dim=1).values  # [1, rows * k], into the rows laid end to end
-                chosen = torch.zeros_like(r_fixed).view(1, -1).scatter_(1, order, 1.0).view_as(r_fixed)
-                mean_gate = self.gate(r_fixed.reshape(1, -1).gather(1, order)).mean()
-            else:
-                top = torch.topk(r, k, dim=1, sorted=False).indices
-                order = torch.sort(top, dim=1).values
-                chosen = torch.zeros_like(r).scatter_(1, order, 1.0)
-                mean_gate = self.gate(r_fixed.gather(1, order)).mean()
+            # Over the batch: the rows laid end to end as one, so the order is [1, rows * k] into them.
+            ranked = r_fixed.reshape(1, -1) if self.over_batch else r_fixed
+            top = torch.topk(ranked, k * r.shape[0] // ranked.shape[0], dim=1, sorted=False).indices
+            order = torch.sort(top, dim=1).values
+            chosen = torch.zeros_like(ranked).scatter_(1, order, 1.0).view_as(r_fixed)
+            mean_gate = self.gate(ranked.gather(1, order)).mean()
             if self.training:  # the threshold's update gives the boundary too
                 boundary, threshold = self.calibrate(r_fixed, k)
             else:
