@@ -160,6 +160,36 @@ def test_compiled_decode_step_matches_the_eager_step():
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05, msg=f"position {8 + t}")
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+def test_decode_step_deciding_on_the_device_matches_the_read_backs(batch):
+    """CUDA graph IF nodes (graph_conditionals): the composed step reads nothing back, runs the same units
+    and gives the read-back step's logits, float64 so that no decision sits on a rounding tie."""
+    from hydra_lm.model import graph_conditionals
+    from hydra_lm.model.decode_step import DecodeStep
+
+    reason = graph_conditionals.unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    torch.manual_seed(0)
+    model = hydra_lm.create_model("100M", vocab_size=1024, dim=256, n_heads=2, n_kv_heads=1,
+                                  max_seq_len=256).double().cuda().eval()
+    ids = _ids(batch, 48, 1024)
+    runs = []
+    with torch.no_grad():
+        for device_decisions in (False, True):
+            caches = model.init_cache(batch, 64)
+            model.forward_cached(ids[:, :8], 0, caches)
+            step = DecodeStep(model, caches, batch, ids.device, graphed=True, compiled=False,
+                              device_decisions=device_decisions)
+            logits = [step(ids[:, t:t + 1], t).clone() for t in range(8, 48)]
+            runs.append((logits, step.unit_calls, step.readbacks))
+    (want, units, reads), (got, device_units, device_reads) = runs
+    assert device_reads == 0 < reads
+    assert device_units == units < 40 * sum(block.recursions for block in model.blocks)
+    for t, (a, b) in enumerate(zip(want, got)):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-9, msg=f"position {8 + t}")
+
+
 def test_optimized_training_setup_compiles_graphs_and_matches_eager():
     """create_optimized_training_setup on CUDA: the trainer's plan (compiled units, whole-step CUDA graphs,
     fused loss, TF32) and losses within bf16 tolerance of the same setup run eagerly."""

@@ -155,7 +155,7 @@ def test_decode_step_reads_back_only_decisions_that_skip_often_and_stays_exact(m
     from hydra_lm.model import decode_step
 
     if min_skip is not None:
-        monkeypatch.setattr(decode_step, "READBACK_MIN_UNITS_SAVED", min_skip)
+        monkeypatch.setattr(decode_step, "MIN_UNITS_SAVED", min_skip)
     model = tiny_model().double().eval()
     ids = _ids(4, 30, seed=5)
     full = model(ids)["logits"]
@@ -181,6 +181,19 @@ def test_a_mod_decision_that_skips_one_unit_is_read_back_only_where_it_saves_hal
     model = tiny_model(n_blocks=4, recursions=1, mod_every=2, mod_capacity=0.125).eval()
     step = DecodeStep(model, model.init_cache(batch, 16), batch, "cpu", graphed=False, compiled=False)
     assert sum(op.decides for op in step._ops) == reads
+
+
+def test_decisions_on_the_device_need_a_graphed_cuda_step_and_say_why_not():
+    """Decisions as CUDA graph IF nodes (graph_conditionals) are built only for a graphed CUDA step; asked
+    for elsewhere, the step refuses with the reason, and by default it reads decisions back."""
+    from hydra_lm.model import graph_conditionals
+
+    assert "not a CUDA device" in graph_conditionals.unavailable_reason(torch.device("cpu"))
+    model = tiny_model().eval()
+    step = DecodeStep(model, model.init_cache(2, 16), 2, "cpu", graphed=False, compiled=False)
+    assert not step.device_decisions
+    with pytest.raises(ValueError, match="IF nodes, unavailable here: the step is not graphed"):
+        DecodeStep(model, model.init_cache(2, 16), 2, "cpu", graphed=False, compiled=False, device_decisions=True)
 
 
 def test_greedy_generate_equals_repeated_full_forwards(variant):

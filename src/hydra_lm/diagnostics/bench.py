@@ -29,6 +29,7 @@ from ..model.accounting import dense_flops_per_token, executed_flops_per_token, 
 from ..model.attention_backend import sdpa_kernel_only
 from ..model.doc_attention import resolve_doc_mask_backend
 from ..model.decode_step import DecodeStep, decode_compiles
+from ..model.graph_conditionals import unavailable_reason
 from .step_profile import format_profile, profile_steps
 from ..train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
 from ..train.optim import build_optimizer, check_optimizer_device
@@ -258,6 +259,8 @@ def bench_inference(model, cfg: BenchConfig, device: torch.device) -> dict[str, 
             result[f"decode_readbacks_per_step_batch{batch}"] = reads
         result["routed_units"] = sum(block.recursions for block in model.blocks)
         result["decode_cuda_graph"] = model.decode_capturable()
+        # The step's decisions as CUDA graph IF nodes (DecodeStep's default where they can be built).
+        result["decode_device_decisions"] = model.decode_capturable() and unavailable_reason(device) is None
         result["decode_compiled"] = compiled
     result["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(model.config, 2 * cfg.new_tokens)
     return result
@@ -335,7 +338,8 @@ def format_report(report: dict[str, Any]) -> str:
                      f"  {r['doc_mask_path']:<11}{','.join(r['attention_kernels']) or '-'}")
         if "prefill_tokens_per_s" in r:
             step = [name for name, on in (("compiled", r.get("decode_compiled")),
-                                          ("CUDA graph", r["decode_cuda_graph"])) if on]
+                                          ("CUDA graph", r["decode_cuda_graph"]),
+                                          ("decisions on the device", r.get("decode_device_decisions"))) if on]
             graph = f" ({', '.join(step)})" if step else ""
             decode = ", ".join(f"batch {k.removeprefix('decode_tokens_per_s_batch')} {v:,.0f}" for k, v in r.items()
                                if k.startswith("decode_tokens_per_s_batch"))

@@ -12,13 +12,14 @@ masked one would (no slot marked valid, conv and value-shift state unchanged; it
 candidate) and the residual stream unchanged, so the tokens are those of the full forward. For the same
 reason a decision need not be read back at all: its units can run masked. Each read-back stalls the GPU
 for a host round trip, so only decisions whose skips save enough units are read
-(``READBACK_MIN_UNITS_SAVED``): at batch 1 all of the presets' decisions, at batch 32 only the deep
+(``MIN_UNITS_SAVED``): at batch 1 all of the presets' decisions, at batch 32 only the deep
 recursions'.
 
 On CUDA the ops between two decisions are one CUDA graph ("segment"), captured on the second call after
-an eager first call that runs every op (compiling every graph the segments use). The host still
-synchronises once per decision; a CUDA graph IF node (PyTorch >= 2.13, not in the 2.11 measured here)
-could take the decision on the device instead.
+an eager first call that runs every op (compiling every graph the segments use). Where CUDA graph IF nodes
+can be built (``graph_conditionals``: the ``cuda-bindings`` package and a CUDA 12.4+ driver) the segments
+are composed into one graph whose IF nodes take every decision on the device, so a step is one launch and
+no read-back; elsewhere the host reads each decision back and replays the segment it leads to.
 """
 
 from __future__ import annotations
@@ -29,19 +30,22 @@ from typing import Callable
 
 import torch
 
+from . import graph_conditionals
 from .block import run_cached_unit
 from .cuda_graphs import capture
 from .routing import routed_selection
 
 
-# A decision is read back only if the units it skips, on average, are at least this many: the chance that
-# no row's token enters it ((1 - f)^B for B rows that each enter with the probability f, the share of a
-# row its depth runs in training) times the units a skip leaves out (its depth to the block's last). A
-# read-back costs most of a unit: at batch 8 the MoD-only form's four read-backs, each skipping one unit
-# a third of the time, cost more than running every unit (1.18 ms a step against the same graph's 1.01 ms
-# at batch 32 without them), while at batch 1 skipping 0.875 of a unit per read-back paid
-# (benchmarks/BENCHMARKS.md, twenty-sixth and twenty-seventh sessions).
-READBACK_MIN_UNITS_SAVED = 0.5
+# A decision may skip units (read back, or an IF node) only if the units it skips, on average, are at least
+# this many: the chance that no row's token enters it ((1 - f)^B for B rows that each enter with the
+# probability f, the share of a row its depth runs in training) times the units a skip leaves out (its depth
+# to the block's last). A read-back costs most of a unit: at batch 8 the MoD-only form's four read-backs,
+# each skipping one unit a third of the time, cost more than running every unit (1.18 ms a step against the
+# same graph's 1.01 ms at batch 32 without them), while at batch 1 skipping 0.875 of a unit per read-back
+# paid (benchmarks/BENCHMARKS.md, twenty-sixth and twenty-seventh sessions). An IF node costs less but not
+# nothing: 0.1 and 0 gave the same tokens/s as 0.5 at batch 1 and 8 and 0.5-4% less at 32 and 128
+# (thirty-seventh session), so one threshold serves both.
+MIN_UNITS_SAVED = 0.5
 
 
 def decode_compiles(device: torch.device, compile_step: bool | None) -> bool:
@@ -103,20 +107,28 @@ class DecodeStep:
     ``compiled``: every unit runs one compiled ``run_cached_unit`` and every router one compiled
     ``routed_selection`` (``compiled_decode_unit``, ``compiled_decode_select``). ``graphed`` (CUDA): the
     ops between two decisions replay as one CUDA graph each; the first call runs every op eagerly (and
-    compiles), the second captures the segments. ``unit_calls`` counts the units run so far, ``readbacks``
-    the decisions read back to the host.
+    compiles), the second captures the segments. ``device_decisions`` (with ``graphed``; default: where
+    ``graph_conditionals`` can build IF nodes): the segments form one graph that decides on the device.
+    ``unit_calls`` counts the units run so far (with device decisions, counted on the device and read when
+    asked), ``readbacks`` the decisions read back to the host.
     """
 
-    def __init__(self, model, caches: list, batch: int, device: torch.device, graphed: bool, compiled: bool):
+    def __init__(self, model, caches: list, batch: int, device: torch.device, graphed: bool, compiled: bool,
+                 device_decisions: bool | None = None):
         device = torch.device(device)
         self.device, self.graphed = device, graphed
+        reason = graph_conditionals.unavailable_reason(device) if graphed else "the step is not graphed"
+        if device_decisions and reason is not None:
+            raise ValueError(f"device_decisions=True needs CUDA graph IF nodes, unavailable here: {reason}")
+        self.device_decisions = reason is None if device_decisions is None else device_decisions
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.autocast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
         weight = model.embed.weight
         self.x = torch.zeros(batch, 1, weight.shape[1], dtype=weight.dtype, device=device)  # the residual stream
         self.logits: torch.Tensor | None = None  # allocated by the first call (the head's output dtype)
-        self.unit_calls = 0
+        self._unit_calls = 0
+        self._device_units = torch.zeros((), dtype=torch.long, device=device)  # counted by the composed graph
         self.readbacks = 0  # decisions read back to the host so far
         self._unit = compiled_decode_unit(device) if compiled else run_cached_unit
         self._rope = model.rope
@@ -130,7 +142,12 @@ class DecodeStep:
             self._ends[i] = end
         self._units = [sum(op.unit for op in self._ops[i:self._ends[i] + 1]) for i in range(len(self._ops))]
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] | None = None
+        self._composed: graph_conditionals.ConditionalGraph | None = None
         self._flag = torch.zeros((), dtype=torch.bool, pin_memory=graphed)
+
+    @property
+    def unit_calls(self) -> int:
+        return self._unit_calls + (int(self._device_units) if self._composed is not None else 0)
 
     # ------------------------------------------------------------------ the ops
     def _build(self, model, caches: list, batch: int) -> list[_Op]:
@@ -155,7 +172,7 @@ class DecodeStep:
                     mask = torch.zeros(batch, 1, dtype=torch.bool, device=x.device) if mode == "causal" else None
                     # A token-choice depth's share is not fixed (its fraction is an upper bound): always read.
                     saved = (1 - fractions[j]) ** batch * (block.recursions - j)
-                    skips = not router.fixed_k or saved >= READBACK_MIN_UNITS_SAVED
+                    skips = not router.fixed_k or saved >= MIN_UNITS_SAVED
                     route = self._route_op(router, j, capacities[j], caches[i][j][0].route, valid, mask, weight,
                                            None if j == 0 else decision, reads=mask is not None and skips)
                     ops.append(route)
@@ -213,15 +230,18 @@ class DecodeStep:
     def __call__(self, ids: torch.Tensor, position: int) -> torch.Tensor:
         self.ids.copy_(ids)
         self.pos.fill_(position)
-        if self.graphed and self._graphs is None and self.logits is not None:
-            self._capture()
+        if self.graphed and self._graphs is None and self._composed is None and self.logits is not None:
+            self._compose() if self.device_decisions else self._capture()
         if self.logits is None:  # the first call: every op, in order (compiles what every segment runs)
             self._run_all()
+            return self.logits
+        if self._composed is not None:
+            self._composed.launch()
             return self.logits
         i = 0
         while i < len(self._ops):
             end = self._ends[i]
-            self.unit_calls += self._units[i]
+            self._unit_calls += self._units[i]
             entered = self._run_segment(i)
             op = self._ops[end]
             self.readbacks += op.decides
@@ -242,7 +262,7 @@ class DecodeStep:
                 op.run()
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
-        self.unit_calls += sum(op.unit for op in self._ops)
+        self._unit_calls += sum(op.unit for op in self._ops)
 
     def _run_segment(self, i: int) -> bool:
         """Run the ops of the segment starting at ``i``; whether its closing decision let a token in."""
@@ -281,3 +301,40 @@ class DecodeStep:
                     self._flag.copy_(entered, non_blocking=True)
             graphs[i] = (graph, entered)
         self._graphs = graphs
+
+    def _compose(self) -> None:
+        """One graph for the whole step: each decision's device bool sets an IF node whose body holds the
+        ops it guards (to its block's end, nested decisions inside), captured as segments in one memory
+        pool in the order of a step that enters every unit. A skipped body leaves its segments' memory
+        unused, as the read-back path's skipped replays do. Each segment also adds its units to a device
+        counter (``unit_calls``)."""
+        pool = torch.cuda.graph_pool_handle()
+        composed = graph_conditionals.ConditionalGraph(self.device)
+        torch.cuda.synchronize()
+
+        def segment(i: int, end: int):  # ops i..end as one captured graph; what a closing decision returned
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            with capture(graph, pool=pool), self._autocast():
+                for op in self._ops[i:end]:
+                    op.run()
+                entered = self._ops[end].run()
+                units = sum(op.unit for op in self._ops[i:end + 1])
+                if units:
+                    self._device_units.add_(units)
+            return graph, entered
+
+        def add(body, i: int, stop: int) -> None:  # ops i..stop-1 into body
+            while i < stop:
+                end = min(self._ends[i], stop - 1)
+                graph, entered = segment(i, end)
+                composed.add(graph, body)
+                op = self._ops[end]
+                if op.decides:
+                    add(composed.add_if(entered, body), end + 1, op.skip_to)
+                    i = op.skip_to
+                else:
+                    i = end + 1
+
+        add(None, 0, len(self._ops))
+        composed.instantiate()
+        self._composed = composed
