@@ -196,6 +196,30 @@ def test_decisions_on_the_device_need_a_graphed_cuda_step_and_say_why_not():
         DecodeStep(model, model.init_cache(2, 16), 2, "cpu", graphed=False, compiled=False, device_decisions=True)
 
 
+@pytest.mark.parametrize("arch", ["hydra", "dense"])
+def test_under_autocast_the_cache_is_stored_in_its_dtype_and_decoding_loses_nothing(arch):
+    """init_cache under bf16 autocast: every cached value in bf16 (half an fp32 cache), and the prefill and
+    one-token steps give, to the bit, the logits of an fp32 cache (and the full forward's within bf16
+    rounding: its attention runs over other shapes)."""
+    overrides = {"arch": "dense", "n_layers": 2} if arch == "dense" else {}
+    model = tiny_model(**overrides).eval()
+    ids = _ids(2, 20, seed=3)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        full = model(ids)["logits"]
+        runs = []
+        for dtype in (None, torch.float32):
+            caches = model.init_cache(2, 32, dtype=dtype)
+            kv = [t for block in caches for depth in block for cache in depth
+                  for t in (cache.k, cache.v, cache.conv, cache.shift) if t is not None]
+            assert {t.dtype for t in kv} == {torch.bfloat16 if dtype is None else torch.float32}
+            logits = [model.forward_cached(ids[:, :5], 0, caches)]
+            logits += [model.forward_cached(ids[:, t:t + 1], t, caches) for t in range(5, 20)]
+            runs.append(torch.stack(logits, 1))
+    assert torch.equal(runs[0], runs[1])
+    torch.testing.assert_close(runs[0], full[:, 4:], rtol=0.02, atol=0.02)
+    assert model.init_cache(1, 8)[0][0][0].k.dtype == torch.float32  # outside autocast: the weights' dtype
+
+
 def test_greedy_generate_equals_repeated_full_forwards(variant):
     name, overrides = variant
     model = tiny_model(**overrides).double().eval()

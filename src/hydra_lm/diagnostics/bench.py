@@ -193,9 +193,12 @@ def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, co
     cache's positions are consumed once (``HydraModel.forward_cached``). Returns (tokens/s, routed units
     run per step in the timed runs: the step skips the units no row's token enters, decisions read back
     to the host per step). ``prompt`` [batch,
-    length]: token ids to prefill (default random ones; a trained model's routing wants real text)."""
+    length]: token ids to prefill (default random ones, the same for every run of one batch size: the units a
+    step runs follow the prompt, so two revisions or settings then time the same work; a trained model's
+    routing wants real text)."""
     if prompt is None:
-        prompt = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
+        seeded = torch.Generator().manual_seed(batch)
+        prompt = torch.randint(0, model.config.vocab_size, (batch, length), generator=seeded).to(device)
     caches = model.init_cache(batch, 2 * length)
     tensors = _cache_tensors(caches)
 

@@ -91,7 +91,11 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: tor
     before = slots[None, None, :] <= pos[:, :, None]
     # Each entry may always see its own slot, so no row is fully masked (which would give NaN).
     mask = (cache.slot_valid[:, None, :] & before) | (slots[None, None, :] == pos[:, :, None])
-    return F.scaled_dot_product_attention(q, cache.k.to(q.dtype), cache.v.to(q.dtype), attn_mask=mask[:, None],
+    # In the narrower of q's and the cache's dtypes: under autocast the cache is stored in the autocast dtype
+    # (HydraModel.init_cache), which SDPA would cast q and an fp32 cache to anyway, so it is read as stored
+    # instead of converted whole at every call.
+    dtype = cache.k.dtype if cache.k.element_size() < q.element_size() else q.dtype
+    return F.scaled_dot_product_attention(q.to(dtype), cache.k.to(dtype), cache.v.to(dtype), attn_mask=mask[:, None],
                                           enable_gqa=q.shape[1] != h_k)
 
 

@@ -24,6 +24,7 @@ no read-back; elsewhere the host reads each decision back and replays the segmen
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
@@ -121,6 +122,7 @@ class DecodeStep:
         if device_decisions and reason is not None:
             raise ValueError(f"device_decisions=True needs CUDA graph IF nodes, unavailable here: {reason}")
         self.device_decisions = reason is None if device_decisions is None else device_decisions
+        self._decisions_asked = bool(device_decisions)
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.autocast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
@@ -231,7 +233,7 @@ class DecodeStep:
         self.ids.copy_(ids)
         self.pos.fill_(position)
         if self.graphed and self._graphs is None and self._composed is None and self.logits is not None:
-            self._compose() if self.device_decisions else self._capture()
+            self._capture_step()
         if self.logits is None:  # the first call: every op, in order (compiles what every segment runs)
             self._run_all()
             return self.logits
@@ -283,6 +285,19 @@ class DecodeStep:
         for op in self._ops[i:end]:
             op.run()
         return self._ops[end].run()
+
+    def _capture_step(self) -> None:
+        if not self.device_decisions:
+            return self._capture()
+        try:
+            self._compose()
+        except RuntimeError as err:  # the bindings, NVRTC or the driver refused an IF node
+            if self._decisions_asked:
+                raise
+            warnings.warn(f"decode step: CUDA graph IF nodes could not be built ({err}); the decisions are read "
+                          "back to the host instead (pass device_decisions=False to skip trying)", stacklevel=3)
+            self.device_decisions = False
+            self._capture()
 
     def _capture(self) -> None:
         """One CUDA graph per segment start (the first op, and each op after a decision or a skip), all

@@ -213,10 +213,14 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
 
     # ------------------------------------------------------------------ incremental decoding
     def init_cache(self, batch: int, length: int, device=None, dtype=None) -> list:
-        """Per block, per depth, per layer: latent KV slots, conv state and value-shift state."""
+        """Per block, per depth, per layer: latent KV slots, conv state and value-shift state. ``dtype``
+        (default: autocast's where autocast is on for the device, else the weights'): what autocast computes
+        the cached values in, so storing them in it loses nothing and takes half an fp32 cache's memory."""
         weight = self.embed.weight
-        device = device or weight.device
-        dtype = dtype or weight.dtype
+        device = torch.device(device or weight.device)
+        if dtype is None:
+            autocast = torch.is_autocast_enabled(device.type)
+            dtype = torch.get_autocast_dtype(device.type) if autocast else weight.dtype
         return [block.new_caches(batch, length, device, dtype) for block in self.blocks]
 
     def forward_cached(self, input_ids: torch.Tensor, start: int | torch.Tensor, caches: list) -> torch.Tensor:
