@@ -1,5 +1,7 @@
 """Behaviour of the model: causality, decode == forward, routing, gradients, sharing."""
 
+import random
+
 import pytest
 import torch
 
@@ -194,6 +196,37 @@ def test_decisions_on_the_device_need_a_graphed_cuda_step_and_say_why_not():
     assert not step.device_decisions
     with pytest.raises(ValueError, match="IF nodes, unavailable here: the step is not graphed"):
         DecodeStep(model, model.init_cache(2, 16), 2, "cpu", graphed=False, compiled=False, device_decisions=True)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"mor_routing": "token"}, {"n_blocks": 4, "recursions": 1, "mod_every": 1},
+                                       {"moe": True, "moe_num_layers": 1}])
+def test_the_composed_step_runs_the_ops_the_read_back_loop_runs(overrides):
+    """The IF-node layout (DecodeStep.composition), walked with any decisions' outcomes, runs exactly the
+    ops, in the order, that the read-back loop runs with those outcomes; every op sits in one segment."""
+    model = tiny_model(**overrides).eval()
+    step = DecodeStep(model, model.init_cache(1, 16), 1, "cpu", graphed=False, compiled=False)
+    ops, layout = step._ops, step.composition()
+    decisions = [i for i, op in enumerate(ops) if op.decides]
+    assert decisions
+
+    def walk(plan, entered, out):
+        for start, end, guarded in plan:
+            out += range(start, end + 1)
+            if guarded is not None and entered[end]:
+                walk(guarded, entered, out)
+        return out
+
+    every = walk(layout, dict.fromkeys(decisions, True), [])
+    assert every == list(range(len(ops)))  # all entered: each op once, in order
+    rng = random.Random(0)
+    for _ in range(50):
+        entered = {i: rng.random() < 0.5 for i in decisions}
+        loop, i = [], 0
+        while i < len(ops):  # DecodeStep.__call__'s read-back control flow
+            end = step._ends[i]
+            loop += range(i, end + 1)
+            i = end + 1 if not ops[end].decides or entered[end] else ops[end].skip_to
+        assert walk(layout, entered, []) == loop
 
 
 @pytest.mark.parametrize("arch", ["hydra", "dense"])

@@ -287,16 +287,16 @@ class DecodeStep:
         return self._ops[end].run()
 
     def _capture_step(self) -> None:
-        if not self.device_decisions:
-            return self._capture()
-        try:
-            self._compose()
-        except RuntimeError as err:  # the bindings, NVRTC or the driver refused an IF node
-            if self._decisions_asked:
-                raise
-            warnings.warn(f"decode step: CUDA graph IF nodes could not be built ({err}); the decisions are read "
-                          "back to the host instead (pass device_decisions=False to skip trying)", stacklevel=3)
-            self.device_decisions = False
+        with torch.cuda.device(self.device):  # captures on the model's device, whichever is current
+            if self.device_decisions:
+                try:
+                    return self._compose()
+                except RuntimeError as err:  # the bindings, NVRTC or the driver refused an IF node
+                    if self._decisions_asked:
+                        raise
+                    warnings.warn(f"decode step: CUDA graph IF nodes could not be built ({err}); the decisions are "
+                                  "read back to the host instead (device_decisions=False skips trying)", stacklevel=3)
+                    self.device_decisions = False
             self._capture()
 
     def _capture(self) -> None:
@@ -316,6 +316,24 @@ class DecodeStep:
                     self._flag.copy_(entered, non_blocking=True)
             graphs[i] = (graph, entered)
         self._graphs = graphs
+
+    def composition(self, i: int = 0, stop: int | None = None) -> list[tuple[int, int, list | None]]:
+        """The composed step's layout over ops ``i``..``stop - 1``: (first op, last op, guarded) per segment,
+        ``guarded`` the layout of the ops an IF node on the last op's decision runs (to its block's end),
+        or None where the segment ends in no decision. Walked with every decision's outcome it runs the ops
+        the read-back loop of ``__call__`` runs, in its order."""
+        stop = len(self._ops) if stop is None else stop
+        layout = []
+        while i < stop:
+            end = min(self._ends[i], stop - 1)
+            op = self._ops[end]
+            if op.decides:
+                layout.append((i, end, self.composition(end + 1, op.skip_to)))
+                i = op.skip_to
+            else:
+                layout.append((i, end, None))
+                i = end + 1
+        return layout
 
     def _compose(self) -> None:
         """One graph for the whole step: each decision's device bool sets an IF node whose body holds the
@@ -338,18 +356,13 @@ class DecodeStep:
                     self._device_units.add_(units)
             return graph, entered
 
-        def add(body, i: int, stop: int) -> None:  # ops i..stop-1 into body
-            while i < stop:
-                end = min(self._ends[i], stop - 1)
-                graph, entered = segment(i, end)
+        def add(body, plan) -> None:
+            for start, end, guarded in plan:
+                graph, entered = segment(start, end)
                 composed.add(graph, body)
-                op = self._ops[end]
-                if op.decides:
-                    add(composed.add_if(entered, body), end + 1, op.skip_to)
-                    i = op.skip_to
-                else:
-                    i = end + 1
+                if guarded is not None:
+                    add(composed.add_if(entered, body), guarded)
 
-        add(None, 0, len(self._ops))
+        add(None, self.composition())
         composed.instantiate()
         self._composed = composed

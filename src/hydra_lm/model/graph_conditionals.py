@@ -105,8 +105,9 @@ class ConditionalGraph:
 
         self._driver = driver
         self.device = torch.device(device)
-        self._kernel = _set_condition_kernel(self.device)
-        self._ctx = _check(driver.cuCtxGetCurrent())
+        with torch.cuda.device(self.device):  # its primary context current: the kernel's and the handles'
+            self._kernel = _set_condition_kernel(self.device)
+            self._ctx = _check(driver.cuCtxGetCurrent())
         self._root = _check(driver.cuGraphCreate(0))
         self._last: dict[int, list] = {int(self._root): []}  # body -> its last node (a one-element list)
         self._keep: list = []  # the captured graphs and flags the nodes point into
@@ -157,6 +158,7 @@ class ConditionalGraph:
         self._exec = _check(self._driver.cuGraphInstantiate(self._root, 0))
 
     def launch(self) -> None:
+        """On the device's current stream."""
         stream = self._driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         _check(self._driver.cuGraphLaunch(self._exec, stream))
 
