@@ -233,7 +233,7 @@ def test_decode_rate_counts_only_the_steady_one_token_steps(monkeypatch):
         return torch.zeros(ids.shape[0], 512)
 
     class Step:  # stands for DecodeStep: runs 3 routed units per step, reads 2 decisions back
-        def __init__(self, model, caches, batch, device, graphed, compiled):
+        def __init__(self, model, caches, batch, device, graphed, compiled, device_decisions=None):
             self.unit_calls = self.readbacks = 0
 
         def __call__(self, ids, position):

@@ -183,7 +183,8 @@ def _routing_efficiency(model, routed: dict[str, Any], cfg: BenchConfig, plan: S
 
 @torch.no_grad()
 def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, compiled: bool,
-                        repeats: int = 3, prompt: torch.Tensor | None = None) -> tuple[float, float]:
+                        repeats: int = 3, prompt: torch.Tensor | None = None,
+                        device_decisions: bool | None = None) -> tuple[float, float, float]:
     """Steady-state decoding of ``batch`` rows: a prompt of ``length`` tokens is prefilled, then
     ``length`` one-token steps (greedy, CUDA-graphed where ``generate`` does so, units compiled when
     ``compiled``) are timed on their own, median of ``repeats``. Prefill, the first eager
@@ -195,7 +196,7 @@ def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, co
     to the host per step). ``prompt`` [batch,
     length]: token ids to prefill (default random ones, the same for every run of one batch size: the units a
     step runs follow the prompt, so two revisions or settings then time the same work; a trained model's
-    routing wants real text)."""
+    routing wants real text). ``device_decisions``: DecodeStep's (None: its default)."""
     if prompt is None:
         seeded = torch.Generator().manual_seed(batch)
         prompt = torch.randint(0, model.config.vocab_size, (batch, length), generator=seeded).to(device)
@@ -208,7 +209,7 @@ def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, co
         return model.forward_cached(prompt, 0, caches).argmax(-1)
 
     first = prefill()
-    step = DecodeStep(model, caches, batch, device, model.decode_capturable(), compiled)
+    step = DecodeStep(model, caches, batch, device, model.decode_capturable(), compiled, device_decisions)
     for position in (length, length + 1):  # eager warm-up, then the capture
         step(first[:, None], position)
 
@@ -256,14 +257,17 @@ def bench_inference(model, cfg: BenchConfig, device: torch.device) -> dict[str, 
         result["prefill_tokens_per_s"] = prefill_tokens_per_s(model, ids, device)
         compiled = decode_compiles(device, cfg.decode_compile)
         for batch in cfg.decode_batch_sizes():
-            rate, units, reads = decode_tokens_per_s(model, batch, cfg.new_tokens, device, compiled=compiled)
+            rate, units, reads = decode_tokens_per_s(model, batch, cfg.new_tokens, device, compiled=compiled,
+                                                     device_decisions=cfg.decode_device_decisions)
             result[f"decode_tokens_per_s_batch{batch}"] = rate
             result[f"decode_units_per_step_batch{batch}"] = units
             result[f"decode_readbacks_per_step_batch{batch}"] = reads
         result["routed_units"] = sum(block.recursions for block in model.blocks)
         result["decode_cuda_graph"] = model.decode_capturable()
         # The step's decisions as CUDA graph IF nodes (DecodeStep's default where they can be built).
-        result["decode_device_decisions"] = model.decode_capturable() and unavailable_reason(device) is None
+        on_device = model.decode_capturable() and unavailable_reason(device) is None
+        result["decode_device_decisions"] = on_device if cfg.decode_device_decisions is None else \
+            cfg.decode_device_decisions
         result["decode_compiled"] = compiled
     result["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(model.config, 2 * cfg.new_tokens)
     return result

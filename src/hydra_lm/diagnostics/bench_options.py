@@ -47,6 +47,10 @@ class BenchConfig:
     decode_compile: bool | None = opt(None, "--inference: torch.compile the decode step's routed units (one graph "
                                              "shared by all) before its CUDA graph is captured (default: on CUDA, "
                                              "as generate; --no-decode_compile: eager kernels)", type=bool)
+    decode_device_decisions: bool | None = opt(None, "--inference: take the decode step's routing decisions on the "
+                                                     "device as CUDA graph IF nodes (default: where cuda-bindings "
+                                                     "can build them, as generate; --no-decode_device_decisions: "
+                                                     "read them back to the host)", type=bool)
     vocab_size: int = opt(50257, "vocabulary size", type=int)
     device: str = opt("auto", "auto (cuda if available), cpu or cuda[:N]", type=str)
     json: str | None = opt(None, "also write the report here", type=str)
