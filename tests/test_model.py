@@ -229,6 +229,35 @@ def test_the_composed_step_runs_the_ops_the_read_back_loop_runs(overrides):
         assert walk(layout, entered, []) == loop
 
 
+@pytest.mark.parametrize("overrides", [{}, {"arch": "dense", "n_layers": 2}, {"tie_embeddings": False}])
+def test_under_autocast_the_decode_step_casts_linear_weights_once_and_gives_the_same_logits(monkeypatch, overrides):
+    """Under bf16 autocast DecodeStep runs its units and head on copies whose Linear weights are bf16 once
+    (decode_step.linears_cast), sharing every other parameter: the logits are, to the bit, those of the step
+    that lets autocast cast the fp32 weights at every call; the model itself is untouched."""
+    from hydra_lm.model import decode_step
+
+    model = tiny_model(**overrides).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    layers = model.blocks[0].layers
+    cast = decode_step.linears_cast(layers, torch.bfloat16)
+    linear = [m for m in cast.modules() if isinstance(m, torch.nn.Linear)]
+    assert linear and all(m.weight.dtype == torch.bfloat16 and not m.weight.requires_grad for m in linear)
+    assert cast[0].attn_norm.weight is layers[0].attn_norm.weight  # shared, not copied
+    assert decode_step.linears_cast(cast, torch.bfloat16) is cast  # nothing left to cast
+    ids = _ids(2, 16, seed=4)
+    runs = []
+    for precast in (True, False):
+        if not precast:
+            monkeypatch.setattr(decode_step, "linears_cast", lambda m, dtype: m)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            caches = model.init_cache(2, 16)
+            model.forward_cached(ids[:, :4], 0, caches)
+            step = DecodeStep(model, caches, 2, "cpu", graphed=False, compiled=False)
+            runs.append(torch.stack([step(ids[:, t:t + 1], t).clone() for t in range(4, 16)]))
+    assert torch.equal(runs[0], runs[1])
+    assert all(torch.equal(v, before[k]) and v.dtype == before[k].dtype for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize("arch", ["hydra", "dense"])
 def test_under_autocast_the_cache_is_stored_in_its_dtype_and_decoding_loses_nothing(arch):
     """init_cache under bf16 autocast: every cached value in bf16 (half an fp32 cache), and the prefill and

@@ -19,17 +19,20 @@ On CUDA the ops between two decisions are one CUDA graph ("segment"), captured o
 an eager first call that runs every op (compiling every graph the segments use). Where CUDA graph IF nodes
 can be built (``graph_conditionals``: the ``cuda-bindings`` package and a CUDA 12.4+ driver) the segments
 are composed into one graph whose IF nodes take every decision on the device, so a step is one launch and
-no read-back; elsewhere the host reads each decision back and replays the segment it leads to.
+no read-back; elsewhere the host reads each decision back and replays the segment it leads to. Under
+autocast the units and the head run on copies whose Linear weights are cast once (``linears_cast``).
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch import nn
 
 from . import graph_conditionals
 from .block import run_cached_unit
@@ -92,6 +95,24 @@ def compiled_decode_select(device: torch.device):
     return _compile_for_decode(routed_selection, device)
 
 
+def linears_cast(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module`` for decoding under autocast to ``dtype``: a copy whose ``nn.Linear`` weights (and biases) are
+    cast to ``dtype`` once, sharing every other parameter and buffer with ``module``. The step runs without
+    autocast's weight cache (it would hold tensors across a graph capture), so autocast would otherwise cast
+    every fp32 weight the step reads, at every step. Exact: autocast feeds a linear layer's GEMM the very
+    values cast here; the layers it keeps in their own precision (norms, convs, embeddings) stay untouched.
+    ``module`` itself when no weight needs the cast."""
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear) and m.weight.dtype != dtype]
+    if not linears:
+        return module
+    memo = {id(t): t for t in (*module.parameters(), *module.buffers())}  # shared, not copied
+    for m in linears:
+        for t in (m.weight, m.bias):
+            if t is not None:
+                memo[id(t)] = nn.Parameter(t.detach().to(dtype), requires_grad=False)
+    return copy.deepcopy(module, memo)
+
+
 @dataclass
 class _Op:
     run: Callable[[], torch.Tensor | None]  # a decision returns the 0-dim bool "some row's token entered"
@@ -136,6 +157,9 @@ class DecodeStep:
         self._rope = model.rope
         self._select = compiled_decode_select(device) if compiled else routed_selection
         self._mode = "static" if model.config.static_routing_mode else "causal"
+        enabled, dtype = self.autocast
+        self._cast = (lambda m: linears_cast(m, dtype)) if enabled else (lambda m: m)
+        self._lm_head = self._cast(model.lm_head)
         self._ops = self._build(model, caches, batch)
         # A segment runs from its first op to the first decision at or after it (or to the head).
         self._ends, end = [0] * len(self._ops), len(self._ops) - 1
@@ -161,6 +185,7 @@ class DecodeStep:
         self._one = torch.ones(batch, 1, dtype=gate_dtype, device=x.device)
         ops = [_Op(lambda: x.copy_(model.embed(self.ids)))]
         for i, block in enumerate(model.blocks):
+            layers = self._cast(block.layers)  # one copy for the block's depths, as they share the weights
             gates = {j: r for r in block.all_routers() for j in r.depths}
             capacities, fractions = block.depth_capacities(), block.fractions()
             decisions, valid = [], None
@@ -184,7 +209,7 @@ class DecodeStep:
                         valid = mask
                 if j == 0 and decision is not None:
                     ops.append(self._enter_op(block.depth_router, valid, decision))
-                ops.append(self._unit_op(block, j, caches[i][j], valid, weight))
+                ops.append(self._unit_op(block, layers, j, caches[i][j], valid, weight))
             if str(i) in model.moe_blocks:
                 moe = model.moe_blocks[str(i)]
                 ops.append(_Op(lambda moe=moe: x.copy_(moe(x)[0])))
@@ -211,19 +236,19 @@ class DecodeStep:
         x, mode = self.x, self._mode
         return _Op(lambda: decision.copy_(router.enter(x, valid, mode)[0]))
 
-    def _unit_op(self, block, j: int, caches, valid, weight) -> _Op:
+    def _unit_op(self, block, layers, j: int, caches, valid, weight) -> _Op:
         x, pos = self.x, self.pos
 
         def unit():
             # The recursion embedding as the training path takes it (a view from unbind): the same guards.
             rec = None if block.rec_emb is None else block.rec_emb.unbind(0)[j]
-            self._unit(block.layers, x, rec, pos, self._rope, caches, self._all if valid is None else valid,
+            self._unit(layers, x, rec, pos, self._rope, caches, self._all if valid is None else valid,
                        self._one if weight is None else weight)  # updates x in place
 
         return _Op(unit, unit=True)
 
     def _head(self, model) -> None:
-        logits = model.lm_head(model.norm(self.x[:, -1]))
+        logits = self._lm_head(model.norm(self.x[:, -1]))
         if self.logits is None:
             self.logits = torch.empty_like(logits)
         self.logits.copy_(logits)
