@@ -98,6 +98,12 @@ def run_tokenizer(run: LoadedRun):
                      "text generation needs a tokenizer")
 
 
+def _autocast(device: torch.device):
+    """The precision a run's model is evaluated and sampled in, as the trainer evaluates it: bf16 autocast on
+    CUDA, the weights' own dtype elsewhere."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def eval_run(run_dir: str | Path, checkpoint: str | Path | None = None, data: str | None = None,
              batch_size: int | None = None, seq_len: int | None = None, max_batches: int = 0,
              device: str = "auto") -> dict[str, Any]:
@@ -115,11 +121,9 @@ def eval_run(run_dir: str | Path, checkpoint: str | Path | None = None, data: st
     sl = seq_len or train_cfg.get("seq_len") or 256
     t0 = time.perf_counter()
 
-    def autocast():
-        return torch.autocast("cuda", dtype=torch.bfloat16) if run.device.type == "cuda" else contextlib.nullcontext()
-
     use_doc_ids = train_cfg.get("document_masking", True)
-    result = evaluate(run.model, ValSet(info, bs, sl), run.device, max_batches, autocast, use_doc_ids)
+    result = evaluate(run.model, ValSet(info, bs, sl), run.device, max_batches, lambda: _autocast(run.device),
+                      use_doc_ids)
     return {"checkpoint": str(run.checkpoint.path), "step": run.checkpoint.step, **result,
             "eval_s": round(time.perf_counter() - t0, 2)}
 
@@ -127,8 +131,8 @@ def eval_run(run_dir: str | Path, checkpoint: str | Path | None = None, data: st
 def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,
                   top_k: int | None = 50, top_p: float | None = None, seed: int = 0,
                   checkpoint: str | Path | None = None, device: str = "auto", compile_step: bool | None = None) -> str:
-    """Prompt in, prompt + continuation out, decoded with the run's tokenizer (causal routing);
-    ``compile_step`` as ``HydraModel.generate`` (default: compiled units on CUDA)."""
+    """Prompt in, prompt + continuation out, decoded with the run's tokenizer (causal routing), in bf16 autocast
+    on CUDA as evaluation runs; ``compile_step`` as ``HydraModel.generate`` (default: compiled units on CUDA)."""
     run = load_run(run_dir, checkpoint, device)
     tok = run_tokenizer(run)
     # Prepared documents start with the separator, so the prompt is framed as the start of one.
@@ -145,8 +149,9 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 100, t
         max_new_tokens = room
     gen = torch.Generator(device=run.device).manual_seed(seed)
     x = torch.tensor([ids], dtype=torch.long, device=run.device)
-    out = run.model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                             eos_token_id=tok.eos_id, generator=gen, compile_step=compile_step)
+    with _autocast(run.device):  # the precision its validation losses were measured in
+        out = run.model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 eos_token_id=tok.eos_id, generator=gen, compile_step=compile_step)
     new = out[0, len(ids):].tolist()
     if tok.eos_id in new:
         new = new[:new.index(tok.eos_id)]
