@@ -8,6 +8,8 @@
 #   bash benchmarks/device_targets.sh memory    # 100M at vocabulary 8,192, both archs: peak memory of the
 #                                               # trainer's step; then capacity 0.5 on every block: routing efficiency
 #   bash benchmarks/device_targets.sh 1B        # the 1B preset's MFU
+#   bash benchmarks/device_targets.sh decode    # HYDRA's decoding with its decisions read back to the host,
+#                                               # against the preset part's (CUDA graph IF nodes)
 #   bash benchmarks/device_targets.sh table     # the table alone
 set -uo pipefail
 part=${1:?usage: device_targets.sh preset|memory|1B|table}
@@ -25,8 +27,10 @@ case $part in
   memory) bench vocab8192 --model_size 100M --arch both --vocab_size 8192
           bench cap05 --model_size 100M --arch hydra --routing_efficiency --model.mod_capacity 0.5 --model.mod_every 1 ;;
   1B) bench 1B --model_size 1B --arch hydra ;;
+  decode) bench readback --model_size 100M --arch hydra --inference --decode_batches 1,8,32,128 \
+            --no-decode_device_decisions ;;
   table) ;;
-  *) echo "unknown part $part: preset, memory, 1B or table" >&2; exit 2 ;;
+  *) echo "unknown part $part: preset, memory, 1B, decode or table" >&2; exit 2 ;;
 esac
 python3 - "$out" <<'PY'
 import json, sys
@@ -38,6 +42,7 @@ def rows(name):
     return {r["arch"]: r for r in json.loads(path.read_text())["rows"]} if path.exists() else {}
 
 preset, small, cap05, big = rows("preset"), rows("vocab8192"), rows("cap05"), rows("1B")
+readback = rows("readback").get("hydra", {})
 table = []
 def target(name, value, goal, ok, fmt):  # ok None: reported, no target
     verdict = "-" if value is None or ok is None else ("met" if ok(value) else "MISSED")
@@ -58,6 +63,10 @@ for b in (1, 8, 32, 128):
     targeted = b in (1, 32)
     target(f"decode HYDRA / dense tokens/s, batch {b}", ratio, ">= 1.0x" if targeted else "",
            (lambda v: v >= 1.0) if targeted else None, "{:.2f}x")
+for b in (1, 8, 32, 128):  # the preset part's decisions on the device against the decode part's read-backs
+    key = f"decode_tokens_per_s_batch{b}"
+    ratio = h[key] / readback[key] if key in h and key in readback else None
+    target(f"decode, IF nodes / read-backs, batch {b}", ratio, "", None, "{:.2f}x")
 target("dense 100M MFU", d.get("mfu"), ">= 40%", lambda v: v >= 0.40, "{:.1%}")
 target("HYDRA 1B MFU", big.get("hydra", {}).get("mfu"), ">= 40%", lambda v: v >= 0.40, "{:.1%}")
 width = max(len(t[0]) for t in table)
