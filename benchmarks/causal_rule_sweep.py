@@ -189,8 +189,8 @@ def sweep(run: str, args: argparse.Namespace) -> None:
         if decoder is None:
             return ""
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=decoder.device.type == "cuda"):
-            rate, units, _ = decode_tokens_per_s(decoder.model.eval(), args.decode_batch, args.decode_len,
-                                                 decoder.device, compiled=False, repeats=2, prompt=prompt)
+            rate, units, _, _ = decode_tokens_per_s(decoder.model.eval(), args.decode_batch, args.decode_len,
+                                                    decoder.device, compiled=False, repeats=2, prompt=prompt)
         return f"  decode batch {args.decode_batch}: {rate:,.0f} tokens/s, {units:.2f} units per step"
 
     print(f"{'rule':>22}  causal    top-k     gap      agreement  of decisions  executed causal / top-k")

@@ -235,6 +235,7 @@ def test_decode_rate_counts_only_the_steady_one_token_steps(monkeypatch):
     class Step:  # stands for DecodeStep: runs 3 routed units per step, reads 2 decisions back
         def __init__(self, model, caches, batch, device, graphed, compiled, device_decisions=None):
             self.unit_calls = self.readbacks = 0
+            self.device_decisions = False
 
         def __call__(self, ids, position):
             steps.append(ids.shape[1])
@@ -245,9 +246,9 @@ def test_decode_rate_counts_only_the_steady_one_token_steps(monkeypatch):
 
     monkeypatch.setattr(model, "forward_cached", forward_cached)
     monkeypatch.setattr(bench, "DecodeStep", Step)
-    rate, units, reads = bench.decode_tokens_per_s(model, batch=4, length=8, device=torch.device("cpu"),
+    rate, units, reads, on_device = bench.decode_tokens_per_s(model, batch=4, length=8, device=torch.device("cpu"),
                                                    compiled=False, repeats=2)
-    assert 4 / 0.02 < rate <= 4 / 0.01 and units == 3 and reads == 2
+    assert 4 / 0.02 < rate <= 4 / 0.01 and units == 3 and reads == 2 and not on_device
     # prefill, two warm-up steps, then each timed run of 8 steps after a prefill of its own
     assert steps == [8] + [1] * 2 + ([8] + [1] * 8) * 2
 

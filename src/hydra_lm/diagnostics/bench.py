@@ -29,7 +29,6 @@ from ..model.accounting import dense_flops_per_token, executed_flops_per_token, 
 from ..model.attention_backend import sdpa_kernel_only
 from ..model.doc_attention import resolve_doc_mask_backend
 from ..model.decode_step import DecodeStep, decode_compiles
-from ..model.graph_conditionals import unavailable_reason
 from .step_profile import format_profile, profile_steps
 from ..train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
 from ..train.optim import build_optimizer, check_optimizer_device
@@ -184,7 +183,7 @@ def _routing_efficiency(model, routed: dict[str, Any], cfg: BenchConfig, plan: S
 @torch.no_grad()
 def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, compiled: bool,
                         repeats: int = 3, prompt: torch.Tensor | None = None,
-                        device_decisions: bool | None = None) -> tuple[float, float, float]:
+                        device_decisions: bool | None = None) -> tuple[float, float, float, bool]:
     """Steady-state decoding of ``batch`` rows: a prompt of ``length`` tokens is prefilled, then
     ``length`` one-token steps (greedy, CUDA-graphed where ``generate`` does so, units compiled when
     ``compiled``) are timed on their own, median of ``repeats``. Prefill, the first eager
@@ -193,7 +192,7 @@ def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, co
     the per-token cost. Each timed run starts from a fresh prefill into the same (zeroed) cache: a
     cache's positions are consumed once (``HydraModel.forward_cached``). Returns (tokens/s, routed units
     run per step in the timed runs: the step skips the units no row's token enters, decisions read back
-    to the host per step). ``prompt`` [batch,
+    to the host per step, whether the step took them on the device as CUDA graph IF nodes). ``prompt`` [batch,
     length]: token ids to prefill (default random ones, the same for every run of one batch size: the units a
     step runs follow the prompt, so two revisions or settings then time the same work; a trained model's
     routing wants real text). ``device_decisions``: DecodeStep's (None: its default)."""
@@ -223,7 +222,8 @@ def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, co
     before, reads = step.unit_calls, step.readbacks
     seconds = statistics.median(decode(prefill()) for _ in range(repeats))
     steps = repeats * length
-    return batch * length / seconds, (step.unit_calls - before) / steps, (step.readbacks - reads) / steps
+    return (batch * length / seconds, (step.unit_calls - before) / steps, (step.readbacks - reads) / steps,
+            step.device_decisions)
 
 
 def _cache_tensors(caches: list) -> list[torch.Tensor]:
@@ -257,17 +257,14 @@ def bench_inference(model, cfg: BenchConfig, device: torch.device) -> dict[str, 
         result["prefill_tokens_per_s"] = prefill_tokens_per_s(model, ids, device)
         compiled = decode_compiles(device, cfg.decode_compile)
         for batch in cfg.decode_batch_sizes():
-            rate, units, reads = decode_tokens_per_s(model, batch, cfg.new_tokens, device, compiled=compiled,
-                                                     device_decisions=cfg.decode_device_decisions)
+            rate, units, reads, on_device = decode_tokens_per_s(model, batch, cfg.new_tokens, device, compiled,
+                                                                device_decisions=cfg.decode_device_decisions)
             result[f"decode_tokens_per_s_batch{batch}"] = rate
             result[f"decode_units_per_step_batch{batch}"] = units
             result[f"decode_readbacks_per_step_batch{batch}"] = reads
         result["routed_units"] = sum(block.recursions for block in model.blocks)
         result["decode_cuda_graph"] = model.decode_capturable()
-        # The step's decisions as CUDA graph IF nodes (DecodeStep's default where they can be built).
-        on_device = model.decode_capturable() and unavailable_reason(device) is None
-        result["decode_device_decisions"] = on_device if cfg.decode_device_decisions is None else \
-            cfg.decode_device_decisions
+        result["decode_device_decisions"] = on_device  # as the last batch's step ran (after any fallback)
         result["decode_compiled"] = compiled
     result["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(model.config, 2 * cfg.new_tokens)
     return result
