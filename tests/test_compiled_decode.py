@@ -1,7 +1,7 @@
 """The compiled one-token decode step (``generate``'s default on CUDA, ``compile_step=True`` elsewhere):
 every routed unit runs one compiled ``run_cached_unit`` and every router one compiled
-``routed_selection``. Against the eager step: the same greedy tokens, one unit graph for all units and
-blocks, one selection graph per router signature, no recompilation per unit or per position. On a CPU
+``decide_entries``. Against the eager step: the same greedy tokens, one unit graph for all units and
+blocks, one decision graph per router signature, no recompilation per unit or per position. On a CPU
 they compile with "aot_eager" (``decode_step._compile_for_decode``)."""
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 import hydra_lm
 from hydra_lm.model import decode_step as decode_module
 from hydra_lm.model.block import run_cached_unit
-from hydra_lm.model.routing import routed_selection
+from hydra_lm.model.decode_step import decide_entries
 
 from support import TINY, compiled_graphs, tiny_model
 from test_causal_routing import _calibrate, _drift
@@ -58,7 +58,7 @@ def test_compiled_decode_step_gives_the_eager_steps_greedy_tokens(fresh_dynamo, 
     assert compiled_graphs(run_cached_unit) == 1
     # One selection graph per router signature: whether an earlier depth masked the candidates (expert
     # choice), or per depth (token choice reads its decision's column of that depth).
-    selections = compiled_graphs(routed_selection)
+    selections = compiled_graphs(decide_entries)
     assert 1 <= selections <= TINY["recursions"] + 1
     with torch._dynamo.config.patch(error_on_recompile=True):
         longer = model.generate(prompt, max_new_tokens=25, compile_step=True)  # same cache bucket: reused
@@ -83,7 +83,7 @@ def test_compiled_decode_step_of_the_100M_layout_is_one_graph(fresh_dynamo):
     prompt = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(0))
     eager = model.generate(prompt, max_new_tokens=4)
     assert torch.equal(model.generate(prompt, max_new_tokens=4, compile_step=True), eager)
-    assert compiled_graphs(run_cached_unit) == 1 and compiled_graphs(routed_selection) == 2
+    assert compiled_graphs(run_cached_unit) == 1 and compiled_graphs(decide_entries) == 2
 
 
 def test_units_of_different_layer_stacks_compile_one_graph_each(fresh_dynamo):

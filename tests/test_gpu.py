@@ -125,7 +125,7 @@ def test_compiled_decode_step_matches_the_eager_step():
     bf16 tolerance, teacher-forced so that a flipped tie cannot diverge."""
     from hydra_lm.model.block import run_cached_unit
     from hydra_lm.model.decode_step import DecodeStep
-    from hydra_lm.model.routing import routed_selection
+    from hydra_lm.model.decode_step import decide_entries
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -137,7 +137,7 @@ def test_compiled_decode_step_matches_the_eager_step():
         assert torch.equal(model.generate(prompt, max_new_tokens=25)[:, :27], eager)
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"] and compiled_graphs(run_cached_unit) == 1
-    assert 1 <= compiled_graphs(routed_selection) <= 2
+    assert 1 <= compiled_graphs(decide_entries) <= 2
 
     torch._dynamo.reset()
     counters.clear()
@@ -155,7 +155,7 @@ def test_compiled_decode_step_matches_the_eager_step():
             with torch._dynamo.config.patch(error_on_recompile=True):
                 logits += [step(ids[:, t:t + 1], t).float().clone() for t in range(9, 40)]
             steps.append(logits)
-    assert compiled_graphs(run_cached_unit) == 1 and compiled_graphs(routed_selection) == 2
+    assert compiled_graphs(run_cached_unit) == 1 and compiled_graphs(decide_entries) == 2
     for t, (want, got) in enumerate(zip(*steps)):
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05, msg=f"position {8 + t}")
 

@@ -37,7 +37,6 @@ from torch import nn
 from . import graph_conditionals
 from .block import run_cached_unit
 from .cuda_graphs import capture
-from .routing import routed_selection
 
 
 # A decision may skip units (read back, or an IF node) only if the units it skips, on average, are at least
@@ -87,12 +86,27 @@ def compiled_decode_unit(device: torch.device):
     return _compile_for_decode(run_cached_unit, device)
 
 
-def compiled_decode_select(device: torch.device):
-    """``routed_selection`` compiled like ``compiled_decode_unit``: a router's causal decision on the new
-    tokens (its rank among the earlier candidates kept in the decode state, updated in place) as a few
-    fused kernels instead of some sixty small ones; one graph per capacity and per whether an earlier
-    depth masked the router's candidates."""
-    return _compile_for_decode(routed_selection, device)
+def decide_entries(router, x, valid, mode: str, depth: int, decision, state, capacity: float, pos, weight, mask):
+    """A router's decision on the step's new tokens (``Router.decide_new``), written into the step's
+    buffers: the gate into ``weight`` and, routing causally, whether each row's token enters (and was a
+    candidate, ``valid``) into ``mask``. Returns whether some row's token entered (a 0-dim bool that the host
+    reads back or an IF node tests; None in static routing). What a decoded token needs and no more: a
+    selection (``Router.select``) also orders the entries and computes statistics, ten kernels more per
+    router on an H200."""
+    gate, admitted = router.decide_new(x, valid, mode, depth, decision, state, capacity, pos)
+    weight.copy_(gate)
+    if admitted is None:  # static routing: every token runs the unit, weighted by its gate
+        return None
+    mask.copy_(admitted if valid is None else admitted & valid)
+    return mask.any()
+
+
+def compiled_decode_decision(device: torch.device):
+    """``decide_entries`` compiled like ``compiled_decode_unit``: the router's logit, its causal rank among
+    the earlier candidates kept in the decode state (updated in place), the gate and the buffers' writes as a
+    few fused kernels; one graph per router kind, capacity and whether an earlier depth masked the router's
+    candidates."""
+    return _compile_for_decode(decide_entries, device)
 
 
 def linears_cast(module: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -127,7 +141,7 @@ class DecodeStep:
     order, each once per cache (the conv and value-shift states advance with every token).
 
     ``compiled``: every unit runs one compiled ``run_cached_unit`` and every router one compiled
-    ``routed_selection`` (``compiled_decode_unit``, ``compiled_decode_select``). ``graphed`` (CUDA): the
+    ``decide_entries`` (``compiled_decode_unit``, ``compiled_decode_decision``). ``graphed`` (CUDA): the
     ops between two decisions replay as one CUDA graph each; the first call runs every op eagerly (and
     compiles), the second captures the segments. ``device_decisions`` (with ``graphed``; default: where
     ``graph_conditionals`` can build IF nodes): the segments form one graph that decides on the device.
@@ -155,7 +169,7 @@ class DecodeStep:
         self.readbacks = 0  # decisions read back to the host so far
         self._unit = compiled_decode_unit(device) if compiled else run_cached_unit
         self._rope = model.rope
-        self._select = compiled_decode_select(device) if compiled else routed_selection
+        self._decide = compiled_decode_decision(device) if compiled else decide_entries
         self._mode = "static" if model.config.static_routing_mode else "causal"
         enabled, dtype = self.autocast
         self._cast = (lambda m: linears_cast(m, dtype)) if enabled else (lambda m: m)
@@ -220,15 +234,10 @@ class DecodeStep:
 
     def _route_op(self, router, j: int, capacity: float, state, valid, mask, weight, decision, reads: bool) -> _Op:
         """``reads``: the step reads back whether some row's token entered (else its units run masked)."""
-        x, pos, select, mode = self.x, self.pos, self._select, self._mode
-
+        x, pos, decide, mode = self.x, self.pos, self._decide, self._mode
         def route():
-            _, gate, chosen, _, _ = select(router, x, valid, 1, mode, 1, j, decision, state, capacity, None, pos)
-            weight.copy_(gate)
-            if mask is None:  # static routing: every token runs the unit, weighted by its gate
-                return None
-            mask.copy_(chosen)  # one entry per row: the selection's order is the identity
-            return mask.any() if reads else None
+            entered = decide(router, x, valid, mode, j, decision, state, capacity, pos, weight, mask)
+            return entered if reads else None
 
         return _Op(route, decides=reads)
 

@@ -256,7 +256,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         of small kernels leave the GPU idle. ``compile_step`` (default: on CUDA, eager on the CPU;
         ``False`` opts out): every routed unit of the step runs one ``torch.compile``d unit
         (``compiled_decode_unit``, static shapes), shared by all units and blocks, and every router one
-        compiled selection (``compiled_decode_select``), so the graphs replay fused kernels instead of
+        compiled decision (``compiled_decode_decision``), so the graphs replay fused kernels instead of
         many tiny eager ones. The first ``generate`` of a (batch, cache length) compiles, later ones reuse
         it. Its cache is then allocated for a power-of-two number of positions (capped at
         ``max_seq_len``), so prompts of similar length share one compilation.

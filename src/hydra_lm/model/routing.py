@@ -97,6 +97,16 @@ class Router(nn.Module):
     def enter(self, x: torch.Tensor, valid: torch.Tensor | None, mode: str):
         return None, None
 
+    def decide_new(self, x: torch.Tensor, valid: torch.Tensor | None, mode: str, depth: int,
+                   decision: torch.Tensor | None, state: torch.Tensor | None, capacity: float | None,
+                   pos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decision on a decode step's new entries ``x`` [B, n, E] in their own order, as a causal or
+        static ``select`` with the decode ``state`` takes it before ordering: (gate [B, n], admitted [B, n]
+        bool, not yet masked by ``valid``; None in static mode, where every entry runs weighted by its
+        gate). One entry per row needs no order, so the decode step takes this alone
+        (``decode_step.decide_entries``)."""
+        raise NotImplementedError
+
     def select(self, x: torch.Tensor, valid: torch.Tensor | None, k: int, mode: str, row_len: int,
                depth: int = 0, decision: torch.Tensor | None = None, state: torch.Tensor | None = None,
                capacity: float | None = None, doc: torch.Tensor | None = None,
@@ -185,10 +195,13 @@ class ExpertChoiceRouter(Router):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         # One fp32 (or wider) column outside autocast: autocast would first copy the whole [B, N, E]
-        # fp32 residual stream to bf16 for it, more memory traffic than the matmul itself.
+        # fp32 residual stream to bf16 for it, more memory traffic than the product itself. A product
+        # and a sum, not a one-column GEMM: compiled, it is one reduction kernel that fuses with its
+        # neighbours, where cuBLASLt ran a split-K GEMM and its reduction (11 us against 1.2 us per
+        # decode step's router on an H200, benchmarks/BENCHMARKS.md, thirty-eighth session).
         dtype = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.to(dtype), self.proj.weight.to(dtype), self.proj.bias.to(dtype)).squeeze(-1)
+            return (x.to(dtype) * self.proj.weight[0].to(dtype)).sum(-1) + self.proj.bias[0].to(dtype)
 
     def logits_of_parameters(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         """``self.logits(x.detach())`` (the logits as a function of the router's weight and bias only)
@@ -203,6 +216,10 @@ class ExpertChoiceRouter(Router):
 
     def entry_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.gate(self.logits(x))
+
+    def decide_new(self, x, valid, mode, depth, decision, state, capacity, pos):
+        r = self.logits(x)
+        return self.gate(r), None if mode == "static" else self.decode_admits(r, valid, pos, capacity, state)
 
     def select(self, x, valid, k, mode, row_len, depth=0, decision=None, state=None, capacity=None,
                doc=None, pos=None) -> Selection:
@@ -392,13 +409,17 @@ class TokenChoiceRouter(Router):
         weights = [reach[..., j] if mode == "static" else chosen_p for j in range(self.recursions)]
         return torch.stack([depth.float(), *weights], dim=-1), loss
 
+    def decide_new(self, x, valid, mode, depth, decision, state=None, capacity=None, pos=None):
+        weight = decision[..., 1 + depth]
+        return weight, None if mode == "static" else decision[..., 0] >= depth
+
     def select(self, x, valid, k, mode, row_len, depth=0, decision=None, state=None, capacity=None,
                doc=None, pos=None) -> Selection:
-        weight = decision[..., 1 + depth]
-        if mode == "static":
+        weight, chosen = self.decide_new(x, valid, mode, depth, decision)
+        if chosen is None:  # static
             frac = (torch.ones_like(weight) if valid is None else valid.float()).sum(1).mean() / row_len
             return Selection(None, weight, valid, None, torch.stack((frac, weight.mean(), frac.new_ones(()))))
-        return masked_selection(decision[..., 0] >= depth, weight, valid, row_len)
+        return masked_selection(chosen, weight, valid, row_len)
 
 
 def depth_fractions(cfg: HydraConfig, index: int, n_routable: int, first: bool = True) -> list[float]:
