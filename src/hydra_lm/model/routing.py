@@ -274,17 +274,17 @@ class ExpertChoiceRouter(Router):
 def routed_selection(router: Router, x, valid, k: int, mode: str, row_len: int, depth: int, decision, state,
                      capacity, doc, pos) -> tuple:
     """``router.select`` as a tuple of ``Selection``'s fields: a free function of its inputs, so that
-    ``train.compile_policy.compile_units`` (and a compiled decode step) compile it once for every
-    router. Its few dozen small ops per call (logits, top-k, calibration, the causal rank, the
-    router loss) then run as a handful of fused kernels."""
+    ``train.compile_policy.compile_units`` compiles it once for every router (a decode step compiles
+    ``decode_step.decide_entries`` instead). Its few dozen small ops per call (logits, top-k,
+    calibration, the causal rank, the router loss) then run as a handful of fused kernels."""
     sel = router.select(x, valid, k, mode, row_len, depth, decision, state, capacity, doc, pos)
     return sel.order, sel.weight, sel.valid, sel.aux_loss, sel.stats
 
 
 class _LogitsOfParameters(torch.autograd.Function):
-    """``F.linear(x, weight, bias).squeeze(-1)`` for ``x`` [..., E] that needs no gradient, given its value
-    ``r`` (computed already): the forward returns ``r``, the backward gives the weight and bias the
-    gradients that linear's backward gives them (``addmm``'s, as ``F.linear`` runs it on rows of ``x``)."""
+    """The router logits ``x @ weight[0] + bias`` (``ExpertChoiceRouter.logits``) for ``x`` [..., E] that needs
+    no gradient, given their value ``r`` (computed already): the forward returns ``r``, the backward gives
+    the weight and bias their gradients (the weight's as one GEMM over the rows of ``x``)."""
 
     @staticmethod
     def forward(ctx, r, x, weight, bias):
