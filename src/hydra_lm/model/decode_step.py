@@ -129,10 +129,14 @@ def linears_cast(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 @dataclass
 class _Op:
+    kind: str  # "embed", "route", "enter", "unit", "moe" or "head" (benchmarks/decode_profile.py groups by it)
     run: Callable[[], torch.Tensor | None]  # a decision returns the 0-dim bool "some row's token entered"
     decides: bool = False
     skip_to: int = -1  # a decision's next op when no token entered: the first after its block's units
-    unit: bool = False  # runs a routed unit (counted in DecodeStep.unit_calls)
+
+    @property
+    def unit(self) -> bool:  # runs a routed unit (counted in DecodeStep.unit_calls)
+        return self.kind == "unit"
 
 
 class DecodeStep:
@@ -197,7 +201,7 @@ class DecodeStep:
         # compiled unit with the same signature (tensors of the same dtypes), so they share one graph.
         self._all = torch.ones(batch, 1, dtype=torch.bool, device=x.device)
         self._one = torch.ones(batch, 1, dtype=gate_dtype, device=x.device)
-        ops = [_Op(lambda: x.copy_(model.embed(self.ids)))]
+        ops = [_Op("embed", lambda: x.copy_(model.embed(self.ids)))]
         for i, block in enumerate(model.blocks):
             layers = self._cast(block.layers)  # one copy for the block's depths, as they share the weights
             gates = {j: r for r in block.all_routers() for j in r.depths}
@@ -226,24 +230,25 @@ class DecodeStep:
                 ops.append(self._unit_op(block, layers, j, caches[i][j], valid, weight))
             if str(i) in model.moe_blocks:
                 moe = model.moe_blocks[str(i)]
-                ops.append(_Op(lambda moe=moe: x.copy_(moe(x)[0])))
+                ops.append(_Op("moe", lambda moe=moe: x.copy_(moe(x)[0])))
             for route in decisions:
                 route.skip_to = len(ops) - (1 if str(i) in model.moe_blocks else 0)
-        ops.append(_Op(lambda: self._head(model)))
+        ops.append(_Op("head", lambda: self._head(model)))
         return ops
 
     def _route_op(self, router, j: int, capacity: float, state, valid, mask, weight, decision, reads: bool) -> _Op:
         """``reads``: the step reads back whether some row's token entered (else its units run masked)."""
         x, pos, decide, mode = self.x, self.pos, self._decide, self._mode
+
         def route():
             entered = decide(router, x, valid, mode, j, decision, state, capacity, pos, weight, mask)
             return entered if reads else None
 
-        return _Op(route, decides=reads)
+        return _Op("route", route, decides=reads)
 
     def _enter_op(self, router, valid, decision) -> _Op:
         x, mode = self.x, self._mode
-        return _Op(lambda: decision.copy_(router.enter(x, valid, mode)[0]))
+        return _Op("enter", lambda: decision.copy_(router.enter(x, valid, mode)[0]))
 
     def _unit_op(self, block, layers, j: int, caches, valid, weight) -> _Op:
         x, pos = self.x, self.pos
@@ -254,7 +259,7 @@ class DecodeStep:
             self._unit(layers, x, rec, pos, self._rope, caches, self._all if valid is None else valid,
                        self._one if weight is None else weight)  # updates x in place
 
-        return _Op(unit, unit=True)
+        return _Op("unit", unit)
 
     def _head(self, model) -> None:
         logits = self._lm_head(model.norm(self.x[:, -1]))
