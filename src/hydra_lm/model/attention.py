@@ -82,11 +82,15 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: tor
     q [B, h_q, N, d]; k, v [B, h_k, N, d]; returns [B, h_q, N, d].
     """
     b, h_k, n, d = k.shape
-    index = pos[:, None, :, None].expand(b, h_k, n, d)
-    cache.k.scatter_(2, index, k.to(cache.k.dtype))
-    cache.v.scatter_(2, index, v.to(cache.v.dtype))
+    # index_put_, not scatter_: compiled, inductor writes an index_put_ in place (its reinplacing pass), while a
+    # scatter_ into a graph input becomes a copy of the whole cache, scattered, then copied back: two passes
+    # over every unit's K and V caches at every decode step.
+    rows = torch.arange(b, device=pos.device)[:, None]
+    at = (rows[..., None], torch.arange(h_k, device=pos.device)[None, :, None], pos[:, None, :])  # [B, h_k, n]
+    cache.k.index_put_(at, k.to(cache.k.dtype))
+    cache.v.index_put_(at, v.to(cache.v.dtype))
     is_valid = torch.ones_like(pos, dtype=torch.bool) if valid is None else valid
-    cache.slot_valid.scatter_(1, pos, is_valid)
+    cache.slot_valid.index_put_((rows, pos), is_valid)
     slots = torch.arange(cache.k.shape[2], device=pos.device)
     before = slots[None, None, :] <= pos[:, :, None]
     # Each entry may always see its own slot, so no row is fully masked (which would give NaN).
