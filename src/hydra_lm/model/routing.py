@@ -186,7 +186,8 @@ class ExpertChoiceRouter(Router):
         by position, like the K/V cache's."""
         v = torch.ones_like(r) if valid is None else valid.to(r.dtype)
         # Both channels in one index_put_, done in place when compiled (a scatter_ would copy the whole state
-        # twice, as attention.cached_attention explains); first, as new candidates are earlier ones of later.
+        # twice, as attention.cached_attention explains), before the read: the new candidates count as
+        # earlier ones for the new ones after them.
         at = (torch.arange(r.shape[0], device=r.device)[:, None, None], torch.arange(2, device=r.device)[None, :, None],
               pos[:, None, :])
         state.index_put_(at, torch.stack((r, v), 1).to(state.dtype))
