@@ -57,10 +57,10 @@ def test_compiled_decode_step_gives_the_eager_steps_greedy_tokens(fresh_dynamo, 
     # Every unit of every block, at every position, hits the first unit's graph: a recompilation per
     # unit (a guard on its layers or caches) would show here; per position or per call, below.
     assert compiled_graphs(run_cached_unit) == 1
-    # One selection graph per router signature: whether an earlier depth masked the candidates (expert
+    # One decision graph per router signature: whether an earlier depth masked the candidates (expert
     # choice), or per depth (token choice reads its decision's column of that depth).
-    selections = compiled_graphs(decide_entries)
-    assert 1 <= selections <= TINY["recursions"] + 1
+    decisions = compiled_graphs(decide_entries)
+    assert 1 <= decisions <= TINY["recursions"] + 1
     with torch._dynamo.config.patch(error_on_recompile=True):
         longer = model.generate(prompt, max_new_tokens=25, compile_step=True)  # same cache bucket: reused
     assert torch.equal(compiled, eager) and torch.equal(longer[:, :27], eager)
@@ -73,7 +73,7 @@ def test_compiled_decode_step_gives_the_eager_steps_greedy_tokens(fresh_dynamo, 
         assert 0 < len(calls) < units * (19 + 24)
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"], dict(counters["graph_break"])  # a break would hint at a host sync
-    assert counters["stats"]["unique_graphs"] == 1 + selections
+    assert counters["stats"]["unique_graphs"] == 1 + decisions
     assert torch.equal(compiled, _full_forward_tokens(model, prompt, 20))  # and what full forwards pick
 
 
