@@ -16,6 +16,7 @@ TOPK_OVER = ("row", "batch")
 MOR_SCHEDULES = ("paper", "layer_aware", "geometric")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "xformers")
 DOC_MASK_BACKENDS = ("auto", "flex", "sdpa")
+DECODE_KERNELS = ("auto", "triton", "torch")
 
 
 @dataclass
@@ -93,6 +94,10 @@ class HydraConfig:
     # document-masked attention: "auto"/"sdpa" a dense SDPA mask; "flex" block-sparse FlexAttention (on CUDA:
     # heads of >= 16 dimensions; model/doc_attention.py)
     doc_mask_backend: str = "auto"
+    # A decoded token's CCGQA attention (one new token per row, model/attention.py): "auto" one Triton kernel on
+    # CUDA where Triton is installed (kernels/ccgqa_decode.py: about 20 kernels fewer per unit), else PyTorch
+    # ops; "triton" the kernel always (on a CPU under TRITON_INTERPRET=1 only); "torch" the PyTorch ops.
+    decode_kernel: str = "auto"
 
     # Filled in by the preset that built this config (informational)
     preset: str | None = field(default=None, compare=False)
@@ -122,6 +127,7 @@ class HydraConfig:
         _choice(self, "mor_capacity_schedule", MOR_SCHEDULES)
         _choice(self, "attention_backend", ATTENTION_BACKENDS)
         _choice(self, "doc_mask_backend", DOC_MASK_BACKENDS)
+        _choice(self, "decode_kernel", DECODE_KERNELS)
         for name in ("vocab_size", "dim", "n_blocks", "recursions", "n_layers", "n_heads", "n_kv_heads",
                      "compression_factor", "mlp_hidden", "max_seq_len", "conv_seq_kernel", "conv_ch_kernel",
                      "mod_every", "moe_num_experts", "moe_num_layers", "moe_top_k", "moe_hidden"):

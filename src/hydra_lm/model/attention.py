@@ -12,16 +12,20 @@ every entry, ``pos`` [B, N]. Two ways to run:
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ATTENTION_BACKENDS
+from ..config import ATTENTION_BACKENDS, DECODE_KERNELS
 from .attention_backend import flexible_attention
 from .doc_attention import Documents, doc_causal_attention
 from .layers import RotaryEmbedding, apply_rotary
+
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
 @dataclass
@@ -113,14 +117,20 @@ class CCGQAttention(nn.Module):
     4. value shift: half of the value channels come from the previous token of the sequence;
     5. L2-normalise q, k to norm sqrt(d) (k times a learnable per-KV-head temperature exp(t)),
        RoPE at the original positions, causal softmax attention in the latent, W_o back to E.
+
+    One new token per row with a cache (a decode step) runs steps 1-5 up to W_o as one Triton kernel on CUDA
+    (``decode_kernel``, ``HydraConfig.decode_kernel``; kernels/ccgqa_decode.py); these ops are its reference.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, conv_seq_kernel: int = 3,
                  conv_ch_kernel: int = 2, qk_mean: bool = True, value_shift: bool = True, eps: float = 1e-6,
-                 backend: str = "auto"):
+                 backend: str = "auto", decode_kernel: str = "auto"):
         super().__init__()
+        if decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel {decode_kernel!r}: choose one of {list(DECODE_KERNELS)}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.backend = backend  # HydraConfig.attention_backend
+        self.decode_kernel = decode_kernel  # HydraConfig.decode_kernel
         self.q_dim, self.kv_dim = n_heads * head_dim, n_kv_heads * head_dim
         self.qk_mean, self.value_shift, self.eps = qk_mean, value_shift, eps
         self.v_prev_dim = self.kv_dim // 2 if value_shift else 0
@@ -145,6 +155,10 @@ class CCGQAttention(nn.Module):
                 cache: AttentionCache | None = None, valid: torch.Tensor | None = None,
                 doc: Documents | None = None) -> torch.Tensor:
         b, n, _ = x.shape
+        if cache is not None and n == 1 and doc is None and self._runs_decode_kernel(x):
+            from ..kernels.ccgqa_decode import ccgqa_decode  # imports Triton: only where the kernel runs
+
+            return self.out(ccgqa_decode(self, x, pos, rope, cache, valid))
         h_q, h_k, d = self.n_heads, self.n_kv_heads, self.head_dim
         ids = None if doc is None else doc.ids
         q0, k0, v_now, v_prev = self.qkv(x).split(
@@ -188,6 +202,23 @@ class CCGQAttention(nn.Module):
         y = cached_attention(q, k, v, pos, valid, cache) if cache is not None else \
             full_attention(q, k, v, doc, self.backend)
         return self.out(y.transpose(1, 2).reshape(b, n, self.q_dim))
+
+    def _runs_decode_kernel(self, x: torch.Tensor) -> bool:
+        """Whether a one-token cached forward on ``x`` runs the Triton decode kernel (``decode_kernel``)."""
+        if self.decode_kernel == "torch" or (self.decode_kernel == "auto" and not (x.is_cuda and TRITON_AVAILABLE)):
+            return False
+        d = self.head_dim
+        unsupported = f"head_dim {d} is not a power of two" if d & (d - 1) else None
+        if self.decode_kernel == "auto":
+            return unsupported is None
+        if unsupported is not None or not TRITON_AVAILABLE:
+            raise ValueError(f"decode_kernel='triton': {unsupported or 'Triton is not installed'}; set "
+                             "HydraConfig.decode_kernel='auto' or 'torch' (--model.decode_kernel)")
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("decode_kernel='triton' on a CPU runs only in Triton's interpreter: set "
+                             "TRITON_INTERPRET=1 before starting Python, or decode_kernel='auto' or 'torch' "
+                             "(--model.decode_kernel)")
+        return True
 
     def causal_convs(self, qk: torch.Tensor, history: torch.Tensor | None = None,
                      doc: torch.Tensor | None = None) -> torch.Tensor:

@@ -84,7 +84,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             else:
                 attn = CCGQAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.conv_seq_kernel,
                                      cfg.conv_ch_kernel, cfg.qk_mean, cfg.value_shift, cfg.norm_eps,
-                                     cfg.attention_backend)
+                                     cfg.attention_backend, cfg.decode_kernel)
             return TransformerLayer(cfg.dim, cfg.mlp_hidden, attn, cfg.norm_eps)
 
         if cfg.arch == "dense":
