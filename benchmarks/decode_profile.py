@@ -29,11 +29,11 @@ LABEL = "decode_op:"
 
 
 def profile_step(model, batch: int, prompt_len: int = 128, steps: int = 10, compiled: bool | None = None,
-                 seed: int = 0) -> dict:
+                 seed: int = 0, top: int = 8) -> dict:
     """Profile ``steps`` one-token steps after a ``prompt_len``-token prefill (and three warm-up steps).
     Returns {"steps", "unit_calls" (units run in the profiled steps, DecodeStep's count), "kinds": {kind:
-    {"calls", "kernels", "time_us", "top": [(kernel, calls, total us)]}}}; the kernel counts and times are
-    totals over the profiled steps."""
+    {"calls", "kernels", "time_us", "top": [(kernel, calls, total us)] (the ``top`` longest)}}}; the kernel counts
+    and times are totals over the profiled steps."""
     device = model.embed.weight.device
     cuda = device.type == "cuda"
     compiled = decode_compiles(device, compiled)
@@ -61,7 +61,7 @@ def profile_step(model, batch: int, prompt_len: int = 128, steps: int = 10, comp
                 position += 1
             if cuda:
                 torch.cuda.synchronize()
-    return {"steps": steps, "unit_calls": step.unit_calls - before, "kinds": _by_kind(prof.events(), cuda)}
+    return {"steps": steps, "unit_calls": step.unit_calls - before, "kinds": _by_kind(prof.events(), cuda, top)}
 
 
 def _labelled(run, label: str):
@@ -71,7 +71,7 @@ def _labelled(run, label: str):
     return labelled
 
 
-def _by_kind(events, cuda: bool) -> dict:
+def _by_kind(events, cuda: bool, top: int) -> dict:
     kinds: dict[str, dict] = {}
     for event in events:
         # The labels' CPU events; with CUDA the profiler also lists each label as a GPU-side annotation.
@@ -86,8 +86,8 @@ def _by_kind(events, cuda: bool) -> dict:
             kind["top"][name] += us
             kind["count"][name] += 1
     for kind in kinds.values():
-        top, count = kind.pop("top"), kind.pop("count")
-        kind["top"] = [(name, count[name], us) for name, us in top.most_common(8)]
+        longest, count = kind.pop("top"), kind.pop("count")
+        kind["top"] = [(name, count[name], us) for name, us in longest.most_common(top)]
     return kinds
 
 
@@ -114,6 +114,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--calibrate", type=int, default=0, help="training-mode forwards first (thresholds as trained)")
+    p.add_argument("--top", type=int, default=8, help="kernels listed per op kind (all of a unit's: 30)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-compile", dest="compile", action="store_false", default=None,
                    help="eager functions (default: compiled on CUDA, as generate)")
@@ -128,7 +129,7 @@ def main() -> None:
         with torch.no_grad(), autocast:
             for _ in range(args.calibrate):
                 model(torch.randint(0, args.vocab_size, (8, 1024), device=device))
-    result = profile_step(model, args.batch, steps=args.steps, compiled=args.compile)
+    result = profile_step(model, args.batch, steps=args.steps, compiled=args.compile, top=args.top)
     n = result["steps"]
     print(f"{args.arch} {args.model_size}, batch {args.batch}, {device.type}: {result['unit_calls'] / n:.2f} units a "
           f"step; per kind: calls a step, kernels a call, kernel time a call (us)")

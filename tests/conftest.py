@@ -1,9 +1,15 @@
 """Fixtures shared by the test files (helpers without fixtures live in support.py)."""
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels (hydra_lm/kernels) run in Triton's interpreter: read when a kernel is defined, so set
+    # before any test imports one. On a GPU host they compile for the GPU, as they run.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from support import VARIANTS, prepare, write_corpus
 

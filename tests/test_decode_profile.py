@@ -1,7 +1,9 @@
 """benchmarks/decode_profile.py attributes a decode step's work to the step's ops: as many unit calls as the
-step itself counts, one embedding and one head per step, and kernels (on a CPU, ATen ops) under each."""
+step itself counts, one embedding and one head per step, and kernels (on a CPU, ATen ops) under each;
+benchmarks/decode_rates.py times both archs' decoding."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import torch
@@ -11,8 +13,8 @@ from support import tiny_model
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_profile.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("decode_profile", SCRIPT)
+def _load(script: Path = SCRIPT):
+    spec = importlib.util.spec_from_file_location(script.stem, script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -27,3 +29,13 @@ def test_the_profile_counts_the_ops_the_step_runs():
     assert kinds["route"]["calls"] > 0
     for name, kind in kinds.items():
         assert kind["kernels"] > 0 and kind["time_us"] > 0 and kind["top"], name
+
+
+def test_decode_rates_times_both_archs_and_counts_units(tmp_path):
+    args = ["--model_size", "debug", "--batches", "2", "--calibrate", "1", "--new_tokens", "8", "--device", "cpu",
+            "--json", str(tmp_path / "r.json")]
+    rows = _load(SCRIPT.with_name("decode_rates.py")).main(args)
+    assert [(r["arch"], r["batch"]) for r in rows] == [("hydra", 2), ("dense", 2)]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert 0 < rows[0]["units_per_step"] <= 4 and rows[1]["units_per_step"] == 2  # debug: 2 x 2 units, 2 layers
+    assert json.loads((tmp_path / "r.json").read_text()) == rows

@@ -1,0 +1,124 @@
+"""The CCGQA decode kernel (kernels/ccgqa_decode.py, ``HydraConfig.decode_kernel``) against its reference, the
+PyTorch ops of ``CCGQAttention.forward`` on one cached token: the same attention output and the same decode
+state (K/V slot, slot flag, conv history, value-shift state) step after step, for rows whose token enters and
+rows whose token does not, in both of the kernel's attention paths (tl.dot tiles; products and sums for fp64
+and heads under 16 wide). On a GPU host the same tests run the compiled kernel on CUDA tensors; on a CPU, Triton's
+interpreter (conftest.py sets TRITON_INTERPRET=1 there)."""
+
+import copy
+
+import pytest
+import torch
+
+from hydra_lm.config import HydraConfig
+from hydra_lm.model.attention import CCGQAttention
+from hydra_lm.model.decode_step import DecodeStep
+from hydra_lm.model.layers import RotaryEmbedding
+
+from support import TINY, tiny_model
+
+pytest.importorskip("triton")
+
+STATE = ("k", "v", "conv", "shift", "slot_valid")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("layout", [
+    dict(n_heads=6, n_kv_heads=2, head_dim=8, dtype=torch.float64),  # three query heads a group, padded to four
+    dict(n_heads=4, n_kv_heads=1, head_dim=16, qk_mean=False, dtype=torch.float64),
+    dict(n_heads=4, n_kv_heads=4, head_dim=8, conv_seq_kernel=4, conv_ch_kernel=3, value_shift=False,
+         dtype=torch.float64),  # five history slots (padded to eight), no value shift
+    dict(n_heads=4, n_kv_heads=1, head_dim=16, dtype=torch.float32, start=150),  # tl.dot over two 128-slot tiles
+    dict(n_heads=6, n_kv_heads=2, head_dim=32, dtype=torch.float32),  # tl.dot, one of four padded rows dead
+], ids=["fp64_gqa3", "fp64_no_qk_mean", "fp64_wide_convs", "fp32_dot_two_tiles", "fp32_dot_gqa3"])
+def test_kernel_matches_the_reference_one_token_at_a_time(layout):
+    from hydra_lm.kernels.ccgqa_decode import ccgqa_decode
+
+    layout = dict(layout)
+    dtype, start = layout.pop("dtype"), layout.pop("start", 9)
+    torch.manual_seed(0)
+    d = layout["head_dim"]
+    attn = CCGQAttention(48, layout.pop("n_heads"), layout.pop("n_kv_heads"), decode_kernel="torch",
+                         **layout).to(DEVICE, dtype)
+    with torch.no_grad():
+        for p in attn.parameters():  # conv biases and temperatures away from their zero init
+            p.normal_(0, 0.3)
+    rope = RotaryEmbedding(d, 256).to(DEVICE)
+    batch, length = 3, start + 8
+    want = attn.new_cache(batch, length, DEVICE, dtype)
+    for t in (want.k, want.v, want.conv, want.shift):  # a history, as earlier steps would leave
+        t.normal_()
+    want.slot_valid[:, :start] = torch.rand(batch, start, device=DEVICE) > 0.4
+    got = copy.deepcopy(want)
+    # Every row's token enters at some step and skips at another.
+    entered = torch.tensor([[True, False, True], [False, True, True], [True, True, False]], device=DEVICE)
+    for step in range(3):
+        x = torch.randn(batch, 1, 48, dtype=dtype, device=DEVICE)
+        pos = torch.full((batch, 1), start + step, device=DEVICE)
+        valid = entered[:, step:step + 1]
+        with torch.no_grad():
+            reference = attn(x, pos, rope, want, valid)
+            out = attn.out(ccgqa_decode(attn, x, pos, rope, got, valid))
+        tol = dict(rtol=0, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out, reference, **tol, msg=f"step {step}")
+        for name in STATE:
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), **tol, msg=f"{name}, step {step}")
+    assert not torch.equal(got.conv, attn.new_cache(batch, length, DEVICE, dtype).conv)
+
+
+def _teacher_forced_logits(model, ids: torch.Tensor, prefill: int, compiled: bool) -> list[torch.Tensor]:
+    with torch.no_grad():
+        caches = model.init_cache(ids.shape[0], ids.shape[1])
+        model.forward_cached(ids[:, :prefill], 0, caches)
+        step = DecodeStep(model, caches, ids.shape[0], ids.device, graphed=False, compiled=compiled)
+        return [step(ids[:, t:t + 1], t).clone() for t in range(prefill, ids.shape[1])]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_decode_step_with_the_kernel_gives_the_full_forwards_logits(compiled):
+    """The whole decode step (every routed unit's attention through the kernel, eager or compiled as an opaque
+    op that mutates the caches in place) against the full forward and the PyTorch decode path, in float64."""
+    torch._dynamo.reset()
+    ids = torch.randint(0, TINY["vocab_size"], (2, 14), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    models = [tiny_model(decode_kernel=kernel).double().to(DEVICE).eval() for kernel in ("triton", "torch")]
+    full = models[0](ids)["logits"]
+    fused, reference = (_teacher_forced_logits(m, ids, 6, compiled) for m in models)
+    for t, (a, b) in enumerate(zip(fused, reference)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"position {6 + t}")
+        torch.testing.assert_close(a, full[:, 6 + t], rtol=0, atol=1e-9, msg=f"position {6 + t}")
+
+
+def test_decode_step_with_the_kernels_tensor_core_path_follows_the_reference():
+    """Heads 16 wide in float32: the kernel's tl.dot path through a model's decode step, teacher-forced."""
+    overrides = dict(dim=128, n_heads=2, n_kv_heads=1)  # head_dim 128 / 4 / 2 = 16
+    ids = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    fused, reference = (_teacher_forced_logits(tiny_model(decode_kernel=k, **overrides).to(DEVICE).eval(), ids, 5,
+                                               False)
+                        for k in ("triton", "torch"))
+    for a, b in zip(fused, reference):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_kernel_setting_is_checked_with_what_to_change(monkeypatch):
+    with pytest.raises(ValueError, match="decode_kernel"):
+        HydraConfig(decode_kernel="fused")
+    with pytest.raises(ValueError, match="decode_kernel"):
+        CCGQAttention(48, 2, 1, 8, decode_kernel="cuda")
+    cache_step = (torch.zeros(1, 1, 48), torch.zeros(1, 1, dtype=torch.long), RotaryEmbedding(12, 8))
+    odd = CCGQAttention(48, 2, 1, 12, decode_kernel="triton")  # 12 wide: no power of two
+    with pytest.raises(ValueError, match="head_dim 12 is not a power of two.*'auto' or 'torch'"):
+        odd(*cache_step, odd.new_cache(1, 8, "cpu", torch.float32))
+    attn = CCGQAttention(48, 2, 1, 8, decode_kernel="triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        attn(torch.zeros(1, 1, 48), torch.zeros(1, 1, dtype=torch.long), RotaryEmbedding(8, 8),
+             attn.new_cache(1, 8, "cpu", torch.float32))
+
+
+def test_auto_runs_the_pytorch_ops_off_cuda(monkeypatch):
+    from hydra_lm.kernels import ccgqa_decode as kernel_module
+
+    monkeypatch.setattr(kernel_module, "ccgqa_decode", lambda *a: pytest.fail("the kernel ran on a CPU under auto"))
+    model = tiny_model().eval()
+    assert model.config.decode_kernel == "auto"
+    model.generate(torch.zeros(1, 3, dtype=torch.long), max_new_tokens=3)
