@@ -32,8 +32,10 @@ def test_the_profile_counts_the_ops_the_step_runs():
 
 
 def test_decode_rates_times_both_archs_and_counts_units(tmp_path):
-    args = ["--model_size", "debug", "--batches", "2", "--calibrate", "1", "--new_tokens", "8", "--device", "cpu",
-            "--json", str(tmp_path / "r.json")]
+    # A small vocabulary: the calibration's logits at 50,257 would grow this process by GBs, which a later
+    # subprocess's peak RSS inherits (test_memory_estimate.py).
+    args = ["--model_size", "debug", "--vocab_size", "256", "--batches", "2", "--calibrate", "1", "--new_tokens", "8",
+            "--device", "cpu", "--json", str(tmp_path / "r.json")]
     rows = _load(SCRIPT.with_name("decode_rates.py")).main(args)
     assert [(r["arch"], r["batch"]) for r in rows] == [("hydra", 2), ("dense", 2)]
     assert all(r["tokens_per_s"] > 0 for r in rows)

@@ -1,15 +1,15 @@
-"""One decoded token's CCGQA attention in one Triton kernel: from the normed input to the latent attention
-output, with every decode-state write (K/V slot, slot flag, conv history, value-shift state) on the way.
+"""One decoded token's CCGQA attention in one Triton kernel: from the QKV projection's output to the latent
+attention output, with every decode-state write (K/V slot, slot flag, conv history, value-shift state) on the way.
 
-Compiled from PyTorch ops, a one-token CCGQA layer is about 20 kernels of a microsecond or two each before
-its output projection (the QKV GEMV, the two convs' taps and the grouped conv's GEMM, q/k norms, RoPE, the
-three cache writes, the two state updates, the attention mask and SDPA), so a decode step is bound by their
+Compiled from PyTorch ops, this part of a one-token CCGQA layer was 17 kernels of about a microsecond each
+(the convs' taps and the grouped conv's GEMM, q/k norms with the qk-mean, RoPE, the three cache writes, the
+conv-history and value-shift updates, the attention mask, SDPA), and a decode step is bound by its kernels'
 count, not by the bytes they move (benchmarks/BENCHMARKS.md, thirty-ninth session). torch.compile cannot fuse
-across the GEMMs and SDPA; no maintained library has CCGQA's conv/qk-mean/value-shift prologue. Here one
-program per (row, KV head) computes its query heads' and its KV head's share of the projection, the convs
-over the cached history, the qk-mean, the value shift, the norms and temperature, RoPE at the token's
-position, appends K/V to the cache and attends over the row's valid slots before it, all in fp32 (fp64
-for a float64 cache).
+across the GEMM and SDPA, and no maintained library has CCGQA's conv/qk-mean/value-shift prologue. Here one
+program per (row, KV head) runs the convs over the cached history for its query heads and its key head, the
+qk-mean, the value shift, the norms and temperature, RoPE at the token's position, and attention over the
+row's valid slots before the token, in fp32 (fp64 for a float64 cache). The QKV projection stays cuBLAS's:
+inside, two programs at batch 1 took 42 us reading the weights through two multiprocessors.
 
 The reference is ``CCGQAttention.forward`` with a cache and one new token (``decode_kernel="torch"``); the
 CPU tests run this kernel under ``TRITON_INTERPRET=1`` against it.
