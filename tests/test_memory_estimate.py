@@ -14,9 +14,11 @@ from hydra_lm.train.memory_estimate import estimate_training_memory, optimizer_s
 from hydra_lm.train.optim import build_optimizer
 from hydra_lm.train.options import TrainConfig
 
-# Peak RSS (KiB, Linux) of two fp32 training steps of the debug preset, less the RSS after the imports.
+# Peak RSS (KiB, Linux) of two fp32 training steps of the debug preset, less the RSS after the imports. The peak
+# is the process's own memory's (VmHWM, new at exec): ru_maxrss would keep the forking test process's RSS when
+# that was larger.
 MEASURE = """
-import json, os, resource, sys, torch
+import json, os, sys, torch
 from hydra_lm.config import preset_config
 from hydra_lm.model import HydraModel
 b, t, v = map(int, sys.argv[1:])
@@ -30,7 +32,9 @@ for _ in range(2):
     model(ids, targets=ids)["loss"].backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-print(json.dumps((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024))
+with open("/proc/self/status") as f:
+    peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+print(json.dumps((peak - base) / 1024))
 """
 
 

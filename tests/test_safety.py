@@ -20,7 +20,7 @@ from hydra_lm.cli import main
 from hydra_lm.train.checkpoint import verify
 from hydra_lm.train.trainer import Trainer
 from hydra_lm.train.step import TrainStep
-from support import TINY_RUN, records
+from support import TINY_RUN, records, tiny_model
 
 # Saves every 3 steps, logs every 5: a checkpoint falls between log points.
 FAST = [*TINY_RUN, "--max_steps", "12", "--save_every", "3", "--log_every", "5", "--eval_every", "0",
@@ -370,3 +370,21 @@ def descendants(pid: int) -> list[int]:
         found += children
         frontier = children
     return found
+
+
+def test_decoding_past_the_cache_is_refused_with_what_to_change():
+    """Positions past the caches would index out of them (on CUDA, where the decode kernel writes the caches,
+    out of bounds): refused before any write."""
+    from hydra_lm.model.decode_step import DecodeStep
+
+    model = tiny_model().eval()
+    caches = model.init_cache(2, 8)
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="positions 6..8 do not fit a cache of 8 positions"):
+        model.forward_cached(ids, 6, caches)
+    with pytest.raises(ValueError, match="positions 4..8 do not fit"):
+        model.forward_cached(ids, torch.tensor([[4], [6]]), caches)
+    model.forward_cached(ids, 5, caches)  # 5..7 fit
+    step = DecodeStep(model, caches, 2, torch.device("cpu"), graphed=False, compiled=False)
+    with pytest.raises(ValueError, match="position 8 is outside the caches' 8 positions"):
+        step(ids[:, :1], 8)

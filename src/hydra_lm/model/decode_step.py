@@ -162,6 +162,7 @@ class DecodeStep:
             raise ValueError(f"device_decisions=True needs CUDA graph IF nodes, unavailable here: {reason}")
         self.device_decisions = reason is None if device_decisions is None else device_decisions
         self._decisions_asked = bool(device_decisions)
+        self.length = caches[0][0][0].k.shape[2]  # positions the caches hold
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.autocast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
@@ -269,6 +270,9 @@ class DecodeStep:
 
     # ------------------------------------------------------------------ running
     def __call__(self, ids: torch.Tensor, position: int) -> torch.Tensor:
+        if not 0 <= position < self.length:
+            raise ValueError(f"decode step: position {position} is outside the caches' {self.length} positions; "
+                             "allocate longer caches (HydraModel.init_cache)")
         self.ids.copy_(ids)
         self.pos.fill_(position)
         if self.graphed and self._graphs is None and self._composed is None and self.logits is not None:

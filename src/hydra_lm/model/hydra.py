@@ -225,12 +225,18 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
 
     def forward_cached(self, input_ids: torch.Tensor, start: int | torch.Tensor, caches: list) -> torch.Tensor:
         """Run new tokens at positions start.. through the model, updating ``caches``; returns the
-        last position's logits [B, V]. ``start``: an int or a [B, 1] tensor. Positions are consumed in
+        last position's logits [B, V]. ``start``: an int or a [B, 1] tensor (read back to check that the positions
+        fit the caches: a ValueError if not). Positions are consumed in
         order, each once per cache (the conv and value-shift states advance with every token). Every
         routed unit runs, on masked entries up to the last one any row admits (the prompt's prefill;
         ``generate``'s one-token steps run ``decode_step.DecodeStep``, which skips the units no token
         enters)."""
         b, s = input_ids.shape
+        length = caches[0][0][0].k.shape[2]
+        first, last = (start, start) if isinstance(start, int) else (int(start.min()), int(start.max()))  # a read-back
+        if not 0 <= first <= last <= length - s:  # past the cache, CUDA's decode kernel would write out of bounds
+            raise ValueError(f"forward_cached: positions {first}..{last + s - 1} do not fit a cache of {length} "
+                             f"positions; allocate a longer one (init_cache(batch, length))")
         pos = (start + torch.arange(s, device=input_ids.device)).expand(b, s)
         mode = "static" if self.config.static_routing_mode else "causal"
         x, _ = self._trunk(self.embed(input_ids), pos, mode, caches)
