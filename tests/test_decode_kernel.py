@@ -115,6 +115,17 @@ def test_decode_kernel_setting_is_checked_with_what_to_change(monkeypatch):
              attn.new_cache(1, 8, "cpu", torch.float32))
 
 
+def test_kernel_refuses_strided_caches():
+    from hydra_lm.kernels.ccgqa_decode import ccgqa_decode
+
+    attn = CCGQAttention(48, 2, 1, 8, decode_kernel="triton").to(DEVICE)
+    cache = attn.new_cache(1, 8, DEVICE, torch.float32)
+    cache.k = cache.k.transpose(2, 3).contiguous().transpose(2, 3)  # same shape, other layout
+    with pytest.raises(ValueError, match="k_cache not contiguous"):
+        ccgqa_decode(attn, torch.zeros(1, 1, 48, device=DEVICE), torch.zeros(1, 1, dtype=torch.long, device=DEVICE),
+                     RotaryEmbedding(8, 8).to(DEVICE), cache, None)
+
+
 def test_auto_runs_the_pytorch_ops_off_cuda(monkeypatch):
     from hydra_lm.kernels import ccgqa_decode as kernel_module
 

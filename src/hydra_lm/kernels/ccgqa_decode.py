@@ -174,6 +174,11 @@ def _ccgqa_decode(qkv: torch.Tensor, cs_w: torch.Tensor, cs_b: torch.Tensor, cc_
                   qk_mean: bool, eps: float) -> torch.Tensor:
     b = qkv.shape[0]
     hk, length, d = k.shape[1], k.shape[2], k.shape[3]
+    named = dict(conv_seq=cs_w, conv_ch=cc_w, rope=cos, conv_state=conv, k_cache=k, v_cache=v, slot_valid=slot_valid)
+    strided = [name for name, t in named.items() if not t.is_contiguous()]
+    if strided:  # the kernel indexes every tensor as laid out contiguously
+        raise ValueError(f"ccgqa_decode: {', '.join(strided)} not contiguous; pass the caches HydraModel.init_cache "
+                         "allocates (or .contiguous() copies)")
     y = torch.empty(b, n_heads * d, dtype=k.dtype, device=qkv.device)
     group = n_heads // hk
     # tl.dot takes no fp64 on GPUs, nor operands under 16 wide.
