@@ -1,9 +1,10 @@
-"""The CCGQA decode kernel (kernels/ccgqa_decode.py, ``HydraConfig.decode_kernel``) against its reference, the
-PyTorch ops of ``CCGQAttention.forward`` on one cached token: the same attention output and the same decode
-state (K/V slot, slot flag, conv history, value-shift state) step after step, for rows whose token enters and
-rows whose token does not, in both of the kernel's attention paths (tl.dot tiles; products and sums for fp64
-and heads under 16 wide). On a GPU host the same tests run the compiled kernel on CUDA tensors; on a CPU, Triton's
-interpreter (conftest.py sets TRITON_INTERPRET=1 there)."""
+"""The decode kernels (``HydraConfig.decode_kernel``) against their references. The CCGQA kernel
+(kernels/ccgqa_decode.py) against the PyTorch ops of ``CCGQAttention.forward`` on one cached token: the same
+attention output and the same decode state (K/V slot, slot flag, conv history, value-shift state) step after
+step, for rows whose token enters and rows whose token does not, in both of the kernel's attention paths (tl.dot
+tiles; products and sums for fp64 and heads under 16 wide). The router's decision kernel (kernels/route_decode.py)
+against ``ExpertChoiceRouter.decide_new``. On a GPU host the same tests run the compiled kernels on CUDA
+tensors; on a CPU, Triton's interpreter (conftest.py sets TRITON_INTERPRET=1 there)."""
 
 import copy
 
@@ -14,6 +15,7 @@ from hydra_lm.config import HydraConfig
 from hydra_lm.model.attention import CCGQAttention
 from hydra_lm.model.decode_step import DecodeStep
 from hydra_lm.model.layers import RotaryEmbedding
+from hydra_lm.model.routing import RANK_PRIOR, ExpertChoiceRouter
 
 from support import TINY, tiny_model
 
@@ -28,7 +30,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dict(n_heads=4, n_kv_heads=1, head_dim=16, qk_mean=False, dtype=torch.float64),
     dict(n_heads=4, n_kv_heads=4, head_dim=8, conv_seq_kernel=4, conv_ch_kernel=3, value_shift=False,
          dtype=torch.float64),  # five history slots (padded to eight), no value shift
-    dict(n_heads=4, n_kv_heads=1, head_dim=16, dtype=torch.float32, start=150),  # tl.dot over two 128-slot tiles
+    dict(n_heads=4, n_kv_heads=1, head_dim=16, dtype=torch.float32, start=300),  # tl.dot over two 256-slot tiles
     dict(n_heads=6, n_kv_heads=2, head_dim=32, dtype=torch.float32),  # tl.dot, one of four padded rows dead
 ], ids=["fp64_gqa3", "fp64_no_qk_mean", "fp64_wide_convs", "fp32_dot_two_tiles", "fp32_dot_gqa3"])
 def test_kernel_matches_the_reference_one_token_at_a_time(layout):
@@ -43,7 +45,7 @@ def test_kernel_matches_the_reference_one_token_at_a_time(layout):
     with torch.no_grad():
         for p in attn.parameters():  # conv biases and temperatures away from their zero init
             p.normal_(0, 0.3)
-    rope = RotaryEmbedding(d, 256).to(DEVICE)
+    rope = RotaryEmbedding(d, 512).to(DEVICE)
     batch, length = 3, start + 8
     want = attn.new_cache(batch, length, DEVICE, dtype)
     for t in (want.k, want.v, want.conv, want.shift):  # a history, as earlier steps would leave
@@ -64,6 +66,44 @@ def test_kernel_matches_the_reference_one_token_at_a_time(layout):
         for name in STATE:
             torch.testing.assert_close(getattr(got, name), getattr(want, name), **tol, msg=f"{name}, step {step}")
     assert not torch.equal(got.conv, attn.new_cache(batch, length, DEVICE, dtype).conv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_route_kernel_matches_the_routers_decision(dtype):
+    """Gate, admission and the decode state's write of an expert-choice router's causal decision, step after step
+    over a state that fills up: rows with no earlier candidate, rows past one 1,024-slot tile, candidates and
+    non-candidates, a calibrated threshold. The admissions are exact; the logits as the precision allows."""
+    from hydra_lm.kernels.route_decode import route_decode
+
+    torch.manual_seed(0)
+    batch, dim, length, capacity = 5, 48, 1300, 0.25
+    router = ExpertChoiceRouter(dim, 1, gate_scale=0.1).to(DEVICE, dtype)
+    with torch.no_grad():
+        router.proj.weight.normal_()
+        router.proj.bias.normal_()
+        router.threshold_sum.fill_(0.4 * 7)
+        router.threshold_weight.fill_(7)
+    want = torch.zeros(batch, 2, length, dtype=torch.promote_types(dtype, torch.float32), device=DEVICE)
+    want[:, 0].normal_(mean=0.5)  # earlier candidates' logits: some above each new one, some below
+    want[:, 1] = (torch.rand(batch, length, device=DEVICE) > 0.3).to(want.dtype)
+    got = want.clone()
+    tol = dict(rtol=0, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    masks = []
+    for step in range(6):
+        x = torch.randn(batch, 1, dim, dtype=dtype, device=DEVICE)
+        valid = None if step % 2 == 0 else torch.rand(batch, 1, device=DEVICE) > 0.3
+        pos = torch.tensor([[step], [40 + step], [1030 + step], [1200 + step], [700]], device=DEVICE)
+        with torch.no_grad():
+            gate, admitted = router.decide_new(x, valid, "causal", 1, None, want, capacity, pos)
+        mask = torch.zeros(batch, 1, dtype=torch.bool, device=DEVICE)
+        weight = torch.zeros(batch, 1, dtype=gate.dtype, device=DEVICE)
+        route_decode(router, x, valid, pos, capacity, RANK_PRIOR, got, weight, mask)
+        assert torch.equal(mask, admitted if valid is None else admitted & valid), f"step {step}"
+        torch.testing.assert_close(weight, gate, **tol, msg=f"step {step}")
+        torch.testing.assert_close(got, want, **tol, msg=f"step {step}")
+        masks.append(mask)
+    masks = torch.cat(masks)
+    assert masks.any() and not masks.all()  # decisions both ways
 
 
 def _teacher_forced_logits(model, ids: torch.Tensor, prefill: int, compiled: bool) -> list[torch.Tensor]:
@@ -128,8 +168,10 @@ def test_kernel_refuses_strided_caches():
 
 def test_auto_runs_the_pytorch_ops_off_cuda(monkeypatch):
     from hydra_lm.kernels import ccgqa_decode as kernel_module
+    from hydra_lm.kernels import route_decode as route_module
 
     monkeypatch.setattr(kernel_module, "ccgqa_decode", lambda *a: pytest.fail("the kernel ran on a CPU under auto"))
+    monkeypatch.setattr(route_module, "route_decode", lambda *a: pytest.fail("the kernel ran on a CPU under auto"))
     model = tiny_model().eval()
     assert model.config.decode_kernel == "auto"
     model.generate(torch.zeros(1, 3, dtype=torch.long), max_new_tokens=3)

@@ -232,23 +232,31 @@ def test_the_composed_step_runs_the_ops_the_read_back_loop_runs(overrides):
 @pytest.mark.parametrize("overrides", [{}, {"arch": "dense", "n_layers": 2}, {"tie_embeddings": False}])
 def test_under_autocast_the_decode_step_casts_linear_weights_once_and_gives_the_same_logits(monkeypatch, overrides):
     """Under bf16 autocast DecodeStep runs its units and head on copies whose Linear weights are bf16 once
-    (decode_step.linears_cast), sharing every other parameter: the logits are, to the bit, those of the step
-    that lets autocast cast the fp32 weights at every call; the model itself is untouched."""
+    (decode_step.decode_weights), sharing every other parameter: the logits are, to the bit, those of the step
+    that lets autocast cast the fp32 weights at every call; the model itself is untouched. Where the CCGQA decode
+    kernel runs, the copies also hold each grouped conv's weight laid out by tap."""
     from hydra_lm.model import decode_step
 
     model = tiny_model(**overrides).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     layers = model.blocks[0].layers
-    cast = decode_step.linears_cast(layers, torch.bfloat16)
+    cast = decode_step.decode_weights(layers, torch.bfloat16, conv_taps=False)
     linear = [m for m in cast.modules() if isinstance(m, torch.nn.Linear)]
     assert linear and all(m.weight.dtype == torch.bfloat16 and not m.weight.requires_grad for m in linear)
     assert cast[0].attn_norm.weight is layers[0].attn_norm.weight  # shared, not copied
-    assert decode_step.linears_cast(cast, torch.bfloat16) is cast  # nothing left to cast
+    assert decode_step.decode_weights(cast, torch.bfloat16, conv_taps=False) is cast  # nothing left to cast
+    assert decode_step.decode_weights(layers, None, conv_taps=False) is layers
+    if overrides.get("arch") != "dense":
+        taps = decode_step.decode_weights(layers, None, conv_taps=True)
+        conv = layers[0].attn.conv_ch.weight  # [C, D, KC]
+        assert taps[0].attn.qkv.weight is layers[0].attn.qkv.weight
+        assert torch.equal(taps[0].attn.conv_ch_taps, conv.permute(2, 0, 1)) and taps[0].attn.conv_ch_taps.is_contiguous()
+        assert "conv_ch_taps" not in taps.state_dict() and not hasattr(layers[0].attn, "conv_ch_taps")
     ids = _ids(2, 16, seed=4)
     runs = []
     for precast in (True, False):
         if not precast:
-            monkeypatch.setattr(decode_step, "linears_cast", lambda m, dtype: m)
+            monkeypatch.setattr(decode_step, "decode_weights", lambda m, dtype, conv_taps: m)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             caches = model.init_cache(2, 16)
             model.forward_cached(ids[:, :4], 0, caches)

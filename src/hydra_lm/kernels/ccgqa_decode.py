@@ -49,9 +49,9 @@ def _convs(qkv_row, conv_row, cs_w_ptr, cs_b_ptr, cc_w_ptr, cc_b_ptr, c, live, d
             else:
                 tap = x0
             y1 += tl.load(cs_w_ptr + c * KS + j, mask=hm, other=0.0).to(ACC) * tap
-        # The grouped conv, one group per head: weight [C, D (input channel of the group), KC]; out channel
-        # c of head h reads the head's inputs h * D + i.
-        w = tl.load(cc_w_ptr + (c[:, :, None] * D + d[None, None, :]) * KC + t, mask=hm[:, :, None], other=0.0)
+        # The grouped conv, one group per head: weight by tap [KC, C, D (input channel of the group)]; out
+        # channel c of head h reads the head's inputs h * D + i.
+        w = tl.load(cc_w_ptr + (t * C + c[:, :, None]) * D + d[None, None, :], mask=hm[:, :, None], other=0.0)
         out += tl.sum(w.to(ACC) * y1[:, None, :], axis=2)
     return out, x0
 
@@ -174,14 +174,17 @@ def _ccgqa_decode(qkv: torch.Tensor, cs_w: torch.Tensor, cs_b: torch.Tensor, cc_
                   qk_mean: bool, eps: float) -> torch.Tensor:
     b = qkv.shape[0]
     hk, length, d = k.shape[1], k.shape[2], k.shape[3]
-    named = dict(conv_seq=cs_w, conv_ch=cc_w, rope=cos, conv_state=conv, k_cache=k, v_cache=v, slot_valid=slot_valid)
+    named = dict(conv_seq=cs_w, conv_ch_taps=cc_w, rope=cos, conv_state=conv, k_cache=k, v_cache=v,
+                 slot_valid=slot_valid)
     strided = [name for name, t in named.items() if not t.is_contiguous()]
     if strided:  # the kernel indexes every tensor as laid out contiguously
         raise ValueError(f"ccgqa_decode: {', '.join(strided)} not contiguous; pass the caches HydraModel.init_cache "
                          "allocates (or .contiguous() copies)")
     y = torch.empty(b, n_heads * d, dtype=k.dtype, device=qkv.device)
     group = n_heads // hk
-    # tl.dot takes no fp64 on GPUs, nor operands under 16 wide.
+    # tl.dot takes no fp64 on GPUs, nor operands under 16 wide. Tiles of 8,192 cached values (256 slots of 32-wide
+    # heads) in two stages: at the 100M layout's shapes on an H200 the fastest of 64-256 slots, 1-3 stages and 2
+    # or 4 warps (benchmarks/BENCHMARKS.md, fortieth session).
     fp64 = k.dtype == torch.float64
     use_dot = not fp64 and d >= 16
     heads = triton.next_power_of_2(group)
@@ -190,8 +193,8 @@ def _ccgqa_decode(qkv: torch.Tensor, cs_w: torch.Tensor, cs_b: torch.Tensor, cc_
         length, eps,
         H=n_heads, HK=hk, G=group, GP=heads, D=d, KS=kernel_seq, KC=kernel_ch,
         PP=triton.next_power_of_2(kernel_seq + kernel_ch - 2), VP=shift.shape[1], QK_MEAN=qk_mean, USE_DOT=use_dot,
-        QP=max(16, heads), BLOCK_L=(64 if d > 64 else 128) if use_dot else 32, ACC=tl.float64 if fp64 else tl.float32,
-        num_warps=4)
+        QP=max(16, heads), BLOCK_L=min(256, 8192 // d) if use_dot else 32, ACC=tl.float64 if fp64 else tl.float32,
+        num_warps=4, num_stages=2)
     return y
 
 
@@ -204,12 +207,15 @@ def _(qkv, cs_w, cs_b, cc_w, cc_b, temperature, cos, sin, pos, valid, conv, shif
 def ccgqa_decode(attn, x: torch.Tensor, pos: torch.Tensor, rope, cache, valid: torch.Tensor | None) -> torch.Tensor:
     """``attn`` (a CCGQAttention) on one new token per row: x [B, 1, E] (normed), pos [B, 1], ``valid`` [B, 1]
     (None: every row's token is the unit's); updates ``cache`` in place and returns the attention's latent
-    output [B, 1, n_heads * head_dim] in the cache's dtype, before the output projection."""
+    output [B, 1, n_heads * head_dim] in the cache's dtype, before the output projection. The grouped conv's
+    weight is read by tap, [KC, C, D]: ``attn.conv_ch_taps`` where the decode step laid it out once
+    (``decode_step.decode_weights``), else laid out here."""
     b = x.shape[0]
     valid = torch.ones(b, 1, dtype=torch.bool, device=x.device) if valid is None else valid
+    taps = getattr(attn, "conv_ch_taps", None)
+    taps = attn.conv_ch.weight.permute(2, 0, 1).contiguous() if taps is None else taps
     y = _ccgqa_decode(
-        attn.qkv(x).reshape(b, -1).contiguous(), attn.conv_seq.weight, attn.conv_seq.bias,
-        attn.conv_ch.weight, attn.conv_ch.bias, attn.temperature, rope.cos, rope.sin, pos.reshape(b).contiguous(),
+        attn.qkv(x).reshape(b, -1).contiguous(), attn.conv_seq.weight, attn.conv_seq.bias, taps, attn.conv_ch.bias, attn.temperature, rope.cos, rope.sin, pos.reshape(b).contiguous(),
         valid.reshape(b).contiguous(), cache.conv, cache.shift, cache.k, cache.v, cache.slot_valid,
         attn.n_heads, attn.conv_seq.kernel_size[0], attn.conv_ch.kernel_size[0], attn.qk_mean, attn.eps)
     return y[:, None]

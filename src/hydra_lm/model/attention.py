@@ -28,6 +28,23 @@ from .layers import RotaryEmbedding, apply_rotary
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
+def decode_kernels_run(setting: str, device: torch.device) -> bool:
+    """Whether a decode step on ``device`` runs the Triton decode kernels (``HydraConfig.decode_kernel``: "auto"
+    on CUDA with Triton installed, "triton" always, "torch" never); a ValueError for "triton" where they cannot
+    run."""
+    if setting == "torch" or (setting == "auto" and not (torch.device(device).type == "cuda" and TRITON_AVAILABLE)):
+        return False
+    if setting == "triton":
+        if not TRITON_AVAILABLE:
+            raise ValueError("decode_kernel='triton': Triton is not installed; set HydraConfig.decode_kernel='auto' "
+                             "or 'torch' (--model.decode_kernel)")
+        if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("decode_kernel='triton' on a CPU runs only in Triton's interpreter: set "
+                             "TRITON_INTERPRET=1 before starting Python, or decode_kernel='auto' or 'torch' "
+                             "(--model.decode_kernel)")
+    return True
+
+
 @dataclass
 class AttentionCache:
     """Decode state of one attention layer in one routed unit (slots indexed by original position)."""
@@ -205,20 +222,13 @@ class CCGQAttention(nn.Module):
 
     def _runs_decode_kernel(self, x: torch.Tensor) -> bool:
         """Whether a one-token cached forward on ``x`` runs the Triton decode kernel (``decode_kernel``)."""
-        if self.decode_kernel == "torch" or (self.decode_kernel == "auto" and not (x.is_cuda and TRITON_AVAILABLE)):
-            return False
         d = self.head_dim
-        unsupported = f"head_dim {d} is not a power of two" if d & (d - 1) else None
-        if self.decode_kernel == "auto":
-            return unsupported is None
-        if unsupported is not None or not TRITON_AVAILABLE:
-            raise ValueError(f"decode_kernel='triton': {unsupported or 'Triton is not installed'}; set "
-                             "HydraConfig.decode_kernel='auto' or 'torch' (--model.decode_kernel)")
-        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("decode_kernel='triton' on a CPU runs only in Triton's interpreter: set "
-                             "TRITON_INTERPRET=1 before starting Python, or decode_kernel='auto' or 'torch' "
-                             "(--model.decode_kernel)")
-        return True
+        if d & (d - 1):
+            if self.decode_kernel == "triton":
+                raise ValueError(f"decode_kernel='triton': head_dim {d} is not a power of two; set "
+                                 "HydraConfig.decode_kernel='auto' or 'torch' (--model.decode_kernel)")
+            return False
+        return decode_kernels_run(self.decode_kernel, x.device)
 
     def causal_convs(self, qk: torch.Tensor, history: torch.Tensor | None = None,
                      doc: torch.Tensor | None = None) -> torch.Tensor:

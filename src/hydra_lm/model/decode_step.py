@@ -20,7 +20,7 @@ an eager first call that runs every op (compiling every graph the segments use).
 can be built (``graph_conditionals``: the ``cuda-bindings`` package and a CUDA 12.4+ driver) the segments
 are composed into one graph whose IF nodes take every decision on the device, so a step is one launch and
 no read-back; elsewhere the host reads each decision back and replays the segment it leads to. Under
-autocast the units and the head run on copies whose Linear weights are cast once (``linears_cast``).
+autocast the units and the head run on copies whose Linear weights are cast once (``decode_weights``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ import torch
 from torch import nn
 
 from . import graph_conditionals
+from .attention import CCGQAttention, decode_kernels_run
 from .block import run_cached_unit
 from .cuda_graphs import capture
+from .routing import RANK_PRIOR, ExpertChoiceRouter
 
 
 # A decision may skip units (read back, or an IF node) only if the units it skips, on average, are at least
@@ -89,16 +91,14 @@ def compiled_decode_unit(device: torch.device):
 def decide_entries(router, x, valid, mode: str, depth: int, decision, state, capacity: float, pos, weight, mask):
     """A router's decision on the step's new tokens (``Router.decide_new``), written into the step's
     buffers: the gate into ``weight`` and, routing causally, whether each row's token enters (and was a
-    candidate, ``valid``) into ``mask``. Returns whether some row's token entered (a 0-dim bool that the host
-    reads back or an IF node tests; None in static routing). What a decoded token needs and no more: a
-    selection (``Router.select``) also orders the entries and computes statistics, ten kernels more per
-    router on an H200."""
+    candidate, ``valid``) into ``mask``. What a decoded token needs and no more: a selection
+    (``Router.select``) also orders the entries and computes statistics, ten kernels more per router on an
+    H200. An expert-choice router's causal decision on CUDA runs as one Triton kernel instead
+    (``kernels/route_decode.py``, ``DecodeStep``)."""
     gate, admitted = router.decide_new(x, valid, mode, depth, decision, state, capacity, pos)
     weight.copy_(gate)
-    if admitted is None:  # static routing: every token runs the unit, weighted by its gate
-        return None
-    mask.copy_(admitted if valid is None else admitted & valid)
-    return mask.any()
+    if admitted is not None:  # None: static routing, every token runs the unit weighted by its gate
+        mask.copy_(admitted if valid is None else admitted & valid)
 
 
 def compiled_decode_decision(device: torch.device):
@@ -109,28 +109,42 @@ def compiled_decode_decision(device: torch.device):
     return _compile_for_decode(decide_entries, device)
 
 
-def linears_cast(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """``module`` for decoding under autocast to ``dtype``: a copy whose ``nn.Linear`` weights (and biases) are
-    cast to ``dtype`` once, sharing every other parameter and buffer with ``module``. The step runs without
-    autocast's weight cache (it would hold tensors across a graph capture), so autocast would otherwise cast
-    every fp32 weight the step reads, at every step. Exact: autocast feeds a linear layer's GEMM the very
-    values cast here; the layers it keeps in their own precision (norms, convs, embeddings) stay untouched.
-    ``module`` itself when no weight needs the cast."""
-    linears = [m for m in module.modules() if isinstance(m, nn.Linear) and m.weight.dtype != dtype]
-    if not linears:
+def decode_weights(module: nn.Module, dtype: torch.dtype | None, conv_taps: bool) -> nn.Module:
+    """``module`` as the decode step runs it: a copy sharing every parameter and buffer with ``module``, except
+
+    - under autocast to ``dtype`` (None: no autocast), its ``nn.Linear`` weights (and biases) cast to ``dtype``
+      once. The step runs without autocast's weight cache (it would hold tensors across a graph capture), so
+      autocast would otherwise cast every fp32 weight the step reads, at every step. Exact: autocast feeds a
+      linear layer's GEMM the very values cast here; the layers it keeps in their own precision (norms, convs,
+      embeddings) stay untouched;
+    - with ``conv_taps`` (the CCGQA decode kernel runs), each CCGQA layer's grouped-conv weight laid out by tap,
+      [KC, C, D], as the buffer ``conv_ch_taps``: the kernel reads each tap's weights contiguously, where the
+      conv's own layout [C, D, KC] strides them (3.8 of the kernel's 10.6 us at batch 1 on an H200,
+      benchmarks/BENCHMARKS.md, fortieth session).
+
+    ``module`` itself when there is nothing to change."""
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear) and m.weight.dtype != dtype] if dtype else []
+    convs = [m for m in module.modules() if isinstance(m, CCGQAttention)
+             and not hasattr(m, "conv_ch_taps")] if conv_taps else []
+    if not linears and not convs:
         return module
     memo = {id(t): t for t in (*module.parameters(), *module.buffers())}  # shared, not copied
     for m in linears:
         for t in (m.weight, m.bias):
             if t is not None:
                 memo[id(t)] = nn.Parameter(t.detach().to(dtype), requires_grad=False)
-    return copy.deepcopy(module, memo)
+    copied = copy.deepcopy(module, memo)
+    for m in copied.modules():
+        if conv_taps and isinstance(m, CCGQAttention) and not hasattr(m, "conv_ch_taps"):
+            m.register_buffer("conv_ch_taps", m.conv_ch.weight.detach().permute(2, 0, 1).contiguous(),
+                              persistent=False)
+    return copied
 
 
 @dataclass
 class _Op:
     kind: str  # "embed", "route", "enter", "unit", "moe" or "head" (benchmarks/decode_profile.py groups by it)
-    run: Callable[[], torch.Tensor | None]  # a decision returns the 0-dim bool "some row's token entered"
+    run: Callable[[], torch.Tensor | None]  # a decision returns its mask [B, 1]: some row's token entered if any
     decides: bool = False
     skip_to: int = -1  # a decision's next op when no token entered: the first after its block's units
 
@@ -175,9 +189,11 @@ class DecodeStep:
         self._unit = compiled_decode_unit(device) if compiled else run_cached_unit
         self._rope = model.rope
         self._decide = compiled_decode_decision(device) if compiled else decide_entries
+        self._kernels = decode_kernels_run(model.config.decode_kernel, device)  # the Triton decode kernels
+        self._root_units = 0  # units a composed step runs outside any IF node (counted on the host)
         self._mode = "static" if model.config.static_routing_mode else "causal"
         enabled, dtype = self.autocast
-        self._cast = (lambda m: linears_cast(m, dtype)) if enabled else (lambda m: m)
+        self._cast = lambda m: decode_weights(m, dtype if enabled else None, self._kernels)
         self._lm_head = self._cast(model.lm_head)
         self._ops = self._build(model, caches, batch)
         # A segment runs from its first op to the first decision at or after it (or to the head).
@@ -240,10 +256,16 @@ class DecodeStep:
     def _route_op(self, router, j: int, capacity: float, state, valid, mask, weight, decision, reads: bool) -> _Op:
         """``reads``: the step reads back whether some row's token entered (else its units run masked)."""
         x, pos, decide, mode = self.x, self.pos, self._decide, self._mode
+        if self._kernels and mask is not None and isinstance(router, ExpertChoiceRouter):
+            from ..kernels.route_decode import route_decode  # imports Triton: only where the kernel runs
 
-        def route():
-            entered = decide(router, x, valid, mode, j, decision, state, capacity, pos, weight, mask)
-            return entered if reads else None
+            def route():
+                route_decode(router, x, valid, pos, capacity, RANK_PRIOR, state, weight, mask)
+                return mask if reads else None
+        else:
+            def route():
+                decide(router, x, valid, mode, j, decision, state, capacity, pos, weight, mask)
+                return mask if reads else None
 
         return _Op("route", route, decides=reads)
 
@@ -282,6 +304,7 @@ class DecodeStep:
             return self.logits
         if self._composed is not None:
             self._composed.launch()
+            self._unit_calls += self._root_units
             return self.logits
         i = 0
         while i < len(self._ops):
@@ -320,10 +343,10 @@ class DecodeStep:
             return bool(self._flag)
         with self._autocast():
             entered = self._run_ops(i)
-        return entered is None or bool(entered)
+        return entered is None or bool(entered.any())
 
     def _run_ops(self, i: int) -> torch.Tensor | None:
-        """The ops of the segment starting at ``i``; what its closing decision returned (None: no decision)."""
+        """The ops of the segment starting at ``i``; its closing decision's mask (None: no decision)."""
         end = self._ends[i]
         for op in self._ops[i:end]:
             op.run()
@@ -356,7 +379,7 @@ class DecodeStep:
             with capture(graph, pool=pool), self._autocast():
                 entered = self._run_ops(i)
                 if entered is not None:
-                    self._flag.copy_(entered, non_blocking=True)
+                    self._flag.copy_(entered.any(), non_blocking=True)
             graphs[i] = (graph, entered)
         self._graphs = graphs
 
@@ -379,11 +402,11 @@ class DecodeStep:
         return layout
 
     def _compose(self) -> None:
-        """One graph for the whole step: each decision's device bool sets an IF node whose body holds the
-        ops it guards (to its block's end, nested decisions inside), captured as segments in one memory
-        pool in the order of a step that enters every unit. A skipped body leaves its segments' memory
-        unused, as the read-back path's skipped replays do. Each segment also adds its units to a device
-        counter (``unit_calls``)."""
+        """One graph for the whole step: each decision's mask sets an IF node whose body holds the ops it guards
+        (to its block's end, nested decisions inside), captured as segments in one memory pool in the order of a
+        step that enters every unit. A skipped body leaves its segments' memory unused, as the read-back path's
+        skipped replays do. The units a step runs (``unit_calls``): those outside every IF node counted on the
+        host, each IF node's own on the device by its condition kernel."""
         pool = torch.cuda.graph_pool_handle()
         composed = graph_conditionals.ConditionalGraph(self.device)
         torch.cuda.synchronize()
@@ -394,18 +417,19 @@ class DecodeStep:
                 for op in self._ops[i:end]:
                     op.run()
                 entered = self._ops[end].run()
-                units = sum(op.unit for op in self._ops[i:end + 1])
-                if units:
-                    self._device_units.add_(units)
             return graph, entered
+
+        def units(plan) -> int:  # the units of a plan's own segments, not those under its IF nodes
+            return sum(op.unit for start, end, _ in plan for op in self._ops[start:end + 1])
 
         def add(body, plan) -> None:
             for start, end, guarded in plan:
                 graph, entered = segment(start, end)
                 composed.add(graph, body)
                 if guarded is not None:
-                    add(composed.add_if(entered, body), guarded)
+                    add(composed.add_if(entered, body, counter=(self._device_units, units(guarded))), guarded)
 
-        add(None, self.composition())
+        plan = self.composition()
+        add(None, plan)
         composed.instantiate()
-        self._composed = composed
+        self._composed, self._root_units = composed, units(plan)

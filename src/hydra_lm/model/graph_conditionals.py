@@ -19,13 +19,22 @@ import ctypes
 
 import torch
 
-# One thread sets the IF node's condition from a device bool. cudaGraphSetConditional is a device-runtime
-# builtin (no relocatable-code link step), declared here so that NVRTC needs no CUDA headers.
+# One warp sets the IF node's condition: whether any of a decision's n flags (one per row) is set, and when it
+# is, adds the units the IF node's body runs to a device counter (DecodeStep.unit_calls; none when null).
+# cudaGraphSetConditional is a device-runtime builtin (no relocatable-code link step), declared here so that
+# NVRTC needs no CUDA headers.
 _SET_CONDITION = rb"""
 typedef unsigned long long cudaGraphConditionalHandle;
 extern "C" __device__ void cudaGraphSetConditional(cudaGraphConditionalHandle handle, unsigned int value);
-extern "C" __global__ void set_condition(cudaGraphConditionalHandle handle, const bool* flag) {
-    cudaGraphSetConditional(handle, *flag ? 1u : 0u);
+extern "C" __global__ void set_condition(cudaGraphConditionalHandle handle, const bool* flags, int n,
+                                         long long* counter, long long add) {
+    bool any = false;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) any |= flags[i];
+    any = __any_sync(0xffffffffu, any);
+    if (threadIdx.x == 0) {
+        if (any && counter) *counter += add;
+        cudaGraphSetConditional(handle, any ? 1u : 0u);
+    }
 }
 """
 
@@ -126,20 +135,29 @@ class ConditionalGraph:
         child = driver.CUgraph(graph.raw_cuda_graph())
         self._append(body, lambda b, deps: _check(driver.cuGraphAddChildGraphNode(b, deps, len(deps), child)))
 
-    def add_if(self, flag: torch.Tensor, body=None):
-        """An IF node on ``flag`` appended to ``body``; returns the IF node's own body, empty."""
+    def add_if(self, flag: torch.Tensor, body=None, counter: tuple[torch.Tensor, int] | None = None):
+        """An IF node appended to ``body``, on whether any element of the bool CUDA tensor ``flag`` is set when
+        the node is reached; returns the IF node's own body, empty. ``counter``: (an int64 0-dim CUDA tensor,
+        n): add n to it whenever the body runs."""
         driver = self._driver
-        if flag.dtype != torch.bool or flag.numel() != 1 or not flag.is_cuda:
-            raise ValueError("an IF node's flag is a one-element bool CUDA tensor")
+        if flag.dtype != torch.bool or not flag.is_cuda or not flag.is_contiguous():
+            raise ValueError("an IF node's flag is a contiguous bool CUDA tensor")
+        if counter is not None and (counter[0].dtype != torch.int64 or counter[0].numel() != 1):
+            raise ValueError("an IF node's counter is a one-element int64 CUDA tensor")
         self._keep.append(flag)
         handle = _check(driver.cuGraphConditionalHandleCreate(self._root, self._ctx, 0,
                                                              driver.CU_GRAPH_COND_ASSIGN_DEFAULT))
         kernel = driver.CUDA_KERNEL_NODE_PARAMS()
         kernel.func = self._kernel
         kernel.gridDimX = kernel.gridDimY = kernel.gridDimZ = 1
-        kernel.blockDimX = kernel.blockDimY = kernel.blockDimZ = 1
+        kernel.blockDimX, kernel.blockDimY, kernel.blockDimZ = 32, 1, 1
         kernel.sharedMemBytes = 0
-        kernel.kernelParams = ((int(handle), flag.data_ptr()), (ctypes.c_ulonglong, ctypes.c_void_p))
+        count, add = (None, 0) if counter is None else (counter[0], counter[1])
+        if count is not None:
+            self._keep.append(count)
+        kernel.kernelParams = ((int(handle), flag.data_ptr(), flag.numel(), 0 if count is None else count.data_ptr(),
+                                add), (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                       ctypes.c_longlong))
         self._keep.append(kernel)
         self._append(body, lambda b, deps: _check(driver.cuGraphAddKernelNode(b, deps, len(deps), kernel)))
         params = driver.CUgraphNodeParams()
