@@ -250,7 +250,8 @@ def test_under_autocast_the_decode_step_casts_linear_weights_once_and_gives_the_
         taps = decode_step.decode_weights(layers, None, conv_taps=True)
         conv = layers[0].attn.conv_ch.weight  # [C, D, KC]
         assert taps[0].attn.qkv.weight is layers[0].attn.qkv.weight
-        assert torch.equal(taps[0].attn.conv_ch_taps, conv.permute(2, 0, 1)) and taps[0].attn.conv_ch_taps.is_contiguous()
+        laid_out = taps[0].attn.conv_ch_taps
+        assert torch.equal(laid_out, conv.permute(2, 0, 1)) and laid_out.is_contiguous()
         assert "conv_ch_taps" not in taps.state_dict() and not hasattr(layers[0].attn, "conv_ch_taps")
     ids = _ids(2, 16, seed=4)
     runs = []

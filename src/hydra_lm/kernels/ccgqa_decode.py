@@ -215,7 +215,8 @@ def ccgqa_decode(attn, x: torch.Tensor, pos: torch.Tensor, rope, cache, valid: t
     taps = getattr(attn, "conv_ch_taps", None)
     taps = attn.conv_ch.weight.permute(2, 0, 1).contiguous() if taps is None else taps
     y = _ccgqa_decode(
-        attn.qkv(x).reshape(b, -1).contiguous(), attn.conv_seq.weight, attn.conv_seq.bias, taps, attn.conv_ch.bias, attn.temperature, rope.cos, rope.sin, pos.reshape(b).contiguous(),
-        valid.reshape(b).contiguous(), cache.conv, cache.shift, cache.k, cache.v, cache.slot_valid,
+        attn.qkv(x).reshape(b, -1).contiguous(), attn.conv_seq.weight, attn.conv_seq.bias, taps, attn.conv_ch.bias,
+        attn.temperature, rope.cos, rope.sin, pos.reshape(b).contiguous(), valid.reshape(b).contiguous(),
+        cache.conv, cache.shift, cache.k, cache.v, cache.slot_valid,
         attn.n_heads, attn.conv_seq.kernel_size[0], attn.conv_ch.kernel_size[0], attn.qk_mean, attn.eps)
     return y[:, None]
