@@ -9,6 +9,7 @@ KV heads of 32), a bf16 cache of 1,024 slots.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 
 import torch
@@ -51,15 +52,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         y = torch.empty(batch, h * d, device=device, dtype=torch.bfloat16)
         for tile, stages, warps in itertools.product(*(map(int, s.split(",")) for s in (args.tiles, args.stages,
                                                                                          args.warps))):
-            def launch():
-                _ccgqa_decode_kernel[(batch, hk)](
-                    qkv, attn.conv_seq.weight, attn.conv_seq.bias, taps, attn.conv_ch.bias, attn.temperature,
-                    rope.cos, rope.sin, pos, valid, cache.conv, cache.shift, cache.k, cache.v, cache.slot_valid, y,
-                    args.length, attn.eps, H=h, HK=hk, G=h // hk, GP=triton.next_power_of_2(h // hk), D=d, KS=ks,
-                    KC=kc, PP=triton.next_power_of_2(ks + kc - 2), VP=cache.shift.shape[1], QK_MEAN=attn.qk_mean,
-                    USE_DOT=True, QP=max(16, triton.next_power_of_2(h // hk)), BLOCK_L=tile, ACC=tl.float32,
-                    num_warps=warps, num_stages=stages)
-
+            launch = functools.partial(
+                _ccgqa_decode_kernel[(batch, hk)], qkv, attn.conv_seq.weight, attn.conv_seq.bias, taps,
+                attn.conv_ch.bias, attn.temperature, rope.cos, rope.sin, pos, valid, cache.conv, cache.shift, cache.k,
+                cache.v, cache.slot_valid, y, args.length, attn.eps, H=h, HK=hk, G=h // hk,
+                GP=triton.next_power_of_2(h // hk), D=d, KS=ks, KC=kc, PP=triton.next_power_of_2(ks + kc - 2),
+                VP=cache.shift.shape[1], QK_MEAN=attn.qk_mean, USE_DOT=True,
+                QP=max(16, triton.next_power_of_2(h // hk)), BLOCK_L=tile, ACC=tl.float32, num_warps=warps,
+                num_stages=stages)
             launch()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
