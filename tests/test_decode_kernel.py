@@ -17,7 +17,7 @@ from hydra_lm.model.decode_step import DecodeStep
 from hydra_lm.model.layers import RotaryEmbedding
 from hydra_lm.model.routing import RANK_PRIOR, ExpertChoiceRouter
 
-from support import TINY, tiny_model
+from support import TINY, VARIANTS, tiny_model
 
 pytest.importorskip("triton")
 
@@ -126,6 +126,18 @@ def test_decode_step_with_the_kernel_gives_the_full_forwards_logits(compiled):
     for t, (a, b) in enumerate(zip(fused, reference)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"position {6 + t}")
         torch.testing.assert_close(a, full[:, 6 + t], rtol=0, atol=1e-9, msg=f"position {6 + t}")
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in ("hydra", "dense")])
+def test_decode_step_with_the_kernels_in_every_routing_configuration(variant):
+    """Both kernels (where the configuration has expert-choice routers, the route kernel; token choice and static
+    routing keep the compiled decision) give the PyTorch path's logits in float64, step after step."""
+    ids = torch.randint(0, TINY["vocab_size"], (3, 12), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    models = [tiny_model(decode_kernel=kernel, **VARIANTS[variant]).double().to(DEVICE).eval()
+              for kernel in ("triton", "torch")]
+    fused, reference = (_teacher_forced_logits(m, ids, 6, False) for m in models)
+    for t, (a, b) in enumerate(zip(fused, reference)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"position {6 + t}")
 
 
 def test_decode_step_with_the_kernels_tensor_core_path_follows_the_reference():
