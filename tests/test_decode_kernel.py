@@ -178,6 +178,17 @@ def test_kernel_refuses_strided_caches():
                      RotaryEmbedding(8, 8).to(DEVICE), cache, None)
 
 
+def test_route_kernel_refuses_a_strided_state():
+    from hydra_lm.kernels.route_decode import route_decode
+
+    router = ExpertChoiceRouter(16, 1).to(DEVICE)
+    state = torch.zeros(2, 8, 2, device=DEVICE).transpose(1, 2)  # [B, 2, L], not laid out as one
+    with pytest.raises(ValueError, match="route_decode: state not contiguous"):
+        route_decode(router, torch.zeros(2, 1, 16, device=DEVICE), None,
+                     torch.zeros(2, 1, dtype=torch.long, device=DEVICE), 0.5, RANK_PRIOR, state,
+                     torch.zeros(2, 1, device=DEVICE), torch.zeros(2, 1, dtype=torch.bool, device=DEVICE))
+
+
 def test_auto_runs_the_pytorch_ops_off_cuda(monkeypatch):
     from hydra_lm.kernels import ccgqa_decode as kernel_module
     from hydra_lm.kernels import route_decode as route_module
