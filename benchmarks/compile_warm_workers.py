@@ -45,7 +45,7 @@ def _sync(device: str) -> None:
 def worker(block_index: int, device: str, batch: int, seq_len: int) -> None:
     model = _model(device, seq_len)
     x = torch.randn(batch, seq_len, model.config.dim, device=device, requires_grad=True)
-    pos = torch.arange(seq_len, device=device)[None].expand(batch, seq_len)
+    pos = torch.arange(seq_len, device=device).repeat(batch, 1)  # as HydraModel.forward builds it
     start = time.perf_counter()
     with _autocast(device):
         out, losses, _ = model.blocks[block_index](x, pos, model.rope, "topk", None, None)

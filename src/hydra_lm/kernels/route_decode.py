@@ -82,10 +82,11 @@ def _(x, weight, bias, gate_scale, threshold_sum, threshold_weight, valid, pos, 
 def route_decode(router, x: torch.Tensor, valid: torch.Tensor | None, pos: torch.Tensor, capacity: float,
                  prior: float, state: torch.Tensor, gate: torch.Tensor, mask: torch.Tensor) -> None:
     """``router`` (an ExpertChoiceRouter) on one new token per row, causally: x [B, 1, E], ``valid`` [B, 1]
-    (None: every row's token is a candidate), ``pos`` [B, 1], ``prior``: ``routing.RANK_PRIOR``, its decode
-    ``state`` [B, 2, L]. Writes the gate
-    into ``gate`` [B, 1] and whether each row's token enters into ``mask`` [B, 1] (bool), and the token's logit
-    and candidate flag into ``state``: what ``decode_step.decide_entries`` writes, from the same rule."""
+    (None: every row's token is a candidate), ``pos`` [B, 1], ``prior`` (``routing.RANK_PRIOR``) and the router's
+    decode ``state`` [B, 2, L]. Writes the gate into ``gate`` [B, 1], whether each row's token enters into
+    ``mask`` [B, 1] (bool), and the token's logit and candidate flag into ``state``: what
+    ``decode_step.decide_entries`` writes, by the same rule. ``capacity`` enters the kernel as an fp32 scalar, so
+    in fp64 a capacity that fp32 cannot hold exactly may decide an exact tie of the rule otherwise."""
     b = x.shape[0]
     tensors = dict(x=x, state=state, gate=gate, mask=mask)
     strided = [name for name, t in tensors.items() if not t.is_contiguous()]

@@ -123,10 +123,11 @@ def decode_weights(module: nn.Module, dtype: torch.dtype | None, conv_taps: bool
       benchmarks/BENCHMARKS.md, fortieth session).
 
     ``module`` itself when there is nothing to change."""
+    def lays_out(m: nn.Module) -> bool:  # a CCGQA layer whose conv weight is still to be laid out by tap
+        return conv_taps and isinstance(m, CCGQAttention) and not hasattr(m, "conv_ch_taps")
+
     linears = [m for m in module.modules() if isinstance(m, nn.Linear) and m.weight.dtype != dtype] if dtype else []
-    convs = [m for m in module.modules() if isinstance(m, CCGQAttention)
-             and not hasattr(m, "conv_ch_taps")] if conv_taps else []
-    if not linears and not convs:
+    if not linears and not any(lays_out(m) for m in module.modules()):
         return module
     memo = {id(t): t for t in (*module.parameters(), *module.buffers())}  # shared, not copied
     for m in linears:
@@ -135,7 +136,7 @@ def decode_weights(module: nn.Module, dtype: torch.dtype | None, conv_taps: bool
                 memo[id(t)] = nn.Parameter(t.detach().to(dtype), requires_grad=False)
     copied = copy.deepcopy(module, memo)
     for m in copied.modules():
-        if conv_taps and isinstance(m, CCGQAttention) and not hasattr(m, "conv_ch_taps"):
+        if lays_out(m):
             m.register_buffer("conv_ch_taps", m.conv_ch.weight.detach().permute(2, 0, 1).contiguous(),
                               persistent=False)
     return copied
