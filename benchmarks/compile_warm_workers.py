@@ -6,6 +6,10 @@ cache. ``base`` runs the step alone on a fresh cache. Both print the first step 
     python benchmarks/compile_warm_workers.py base
     python benchmarks/compile_warm_workers.py warm [--device cuda]
 
+On the GPU host (16 cores, H200) the split did not pay: the workers compiled in 45-46 s each against the step's
+83 s alone, but each process's start (about 16 s) and the step on the warm cache (25.6 s) made 101.0 s in all
+against 97.8 s (benchmarks/BENCHMARKS.md, forty-first session).
+
 The workers must trace what the step traces (the same config, shapes, dtypes and inductor options), or their
 cache entries are not the step's: here no document masks and, on CUDA, bf16 autocast, as ``compile_time.py``.
 """
