@@ -307,8 +307,8 @@ def topk_boundary(r: torch.Tensor, k: int) -> torch.Tensor:
     n_sel = r.shape[0] * k
     if n_sel >= flat.shape[0]:  # everything is chosen: any threshold below the smallest logit
         return flat.amin() - 1.0
-    # A sort of all of them, not a top-k of n_sel + 1: CUDA's top-k of one long row runs in one thread block
-    # (about twice the time of the multi-block sort at the 100M preset's sizes on an H200,
+    # A sort of all of them, not a top-k of n_sel + 1: CUDA's top-k of one long row runs in one thread block,
+    # 1.1-2x the multi-block sort's time at the 100M preset's router sizes on an H200 (the step 1.4% faster,
     # benchmarks/BENCHMARKS.md, forty-first session).
     top = torch.sort(flat, descending=True).values
     return 0.5 * (top[n_sel - 1] + top[n_sel])
