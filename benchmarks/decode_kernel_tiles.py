@@ -15,6 +15,7 @@ import itertools
 import torch
 import triton
 import triton.language as tl
+from graph_timing import us_per_call  # this folder's helper (the script's folder is on sys.path)
 
 from hydra_lm.kernels.ccgqa_decode import _ccgqa_decode_kernel
 from hydra_lm.model.attention import CCGQAttention
@@ -60,22 +61,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 VP=cache.shift.shape[1], QK_MEAN=attn.qk_mean, USE_DOT=True,
                 QP=max(16, triton.next_power_of_2(h // hk)), BLOCK_L=tile, ACC=tl.float32, num_warps=warps,
                 num_stages=stages)
-            launch()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(50):
-                    launch()
-            for _ in range(3):
-                graph.replay()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            us = start.elapsed_time(end)  # ms for 1,000 calls: us a call
+            us = us_per_call(launch, calls=50, replays=20, warmup=1)
             rows.append(dict(batch=batch, slots=slots, tile=tile, stages=stages, warps=warps, us=us))
             print(f"batch {batch:4d}, {slots:5d} slots: tile {tile:4d}, {stages} stages, {warps} warps: {us:7.2f} us",
                   flush=True)

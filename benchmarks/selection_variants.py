@@ -18,25 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from graph_timing import us_per_call  # this folder's helper (the script's folder is on sys.path)
+
 from hydra_lm.model.loss import _chunk_loss_and_grad
-
-
-def us_per_call(fn, calls: int = 20, replays: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (calls * replays)
 
 
 def chunk_softmax_pattern(h, w, t, valid, row_scale, vocab: int, need_grad: bool):
