@@ -35,7 +35,10 @@ def main() -> None:
     p.add_argument("--ce_impl", default="naive", choices=["naive", "chunked", "liger", "auto"])
     p.add_argument("--backend", default="inductor", help="aot_eager: Dynamo + AOT autograd only, no code generation")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
-                   help="profile the first (compiling) forward with cProfile; print the top N by cumulative time")
+                   help="profile the first (compiling) step, forward and backward, with cProfile; print the top N "
+                   "functions by cumulative time")
+    p.add_argument("--cprofile_file", default=None, metavar="PATH",
+                   help="with --cprofile: also save the profile there (pstats format) for a closer look")
     p.add_argument("--steps", type=int, default=1, metavar="N",
                    help="compiled steps timed after the first (compiling) one; their median is printed")
     p.add_argument("--eval", action="store_true",
@@ -60,14 +63,16 @@ def main() -> None:
             if profiler:
                 profiler.enable()
             loss = step(ids, targets=torch.roll(ids, -1, 1))["loss"]
-            if profiler:
-                profiler.disable()
-                pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.cprofile)
         t1 = time.perf_counter()
-        loss.backward()
+        loss.backward()  # compiles the backward graphs on the first call
         if cuda:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
+        if profiler:
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.cprofile)
+            if args.cprofile_file:
+                profiler.dump_stats(args.cprofile_file)
         print(f"call {call}: forward {t1 - t0:.1f} s, backward {t2 - t1:.1f} s", flush=True)
         if call:
             steady.append(t2 - t0)
