@@ -8,8 +8,13 @@ import torch
 
 def us_per_call(fn, calls: int = 20, replays: int = 10, warmup: int = 3) -> float:
     """Microseconds a call of ``fn`` (which must be capturable: no host syncs), after ``warmup`` eager calls."""
-    for _ in range(warmup):
-        fn()
+    # Warm up on a side stream, as CUDA graph capture wants for autograd: the backward's streams are set there.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

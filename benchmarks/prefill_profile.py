@@ -2,6 +2,10 @@
 host syncs per call, for HYDRA and the dense baseline at two prompt shapes.
 
     python benchmarks/prefill_profile.py [--model_size 100M --vocab_size 50257] [--conv_impl taps conv1d]
+        [--units eager compiled]
+
+``--units``: the units eager, or compiled as ``generate`` runs them when it compiles its step
+(``forward_cached(compiled=True)``: one graph with dynamic shapes for every unit; the warm-up calls compile).
 
 ``--conv_impl``: time HYDRA's prefill with each CCGQA conv form in turn (``HydraModel.set_conv_impl``); cuDNN's
 ``conv1d`` is fewer torch calls than the taps (11.5% fewer for the whole 100M prefill, counted on the CPU).
@@ -24,21 +28,25 @@ def main() -> None:
     p.add_argument("--table", action="store_true", help="print HYDRA's host-time table at 8 x 1024")
     p.add_argument("--conv_impl", nargs="+", default=["taps"], choices=["taps", "conv1d"],
                    help="HYDRA's CCGQA conv forms to time, one after the other")
+    p.add_argument("--units", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"],
+                   help="the units eager or compiled (forward_cached's compiled), each timed in turn")
     args = p.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    for arch, conv in [*(("hydra", c) for c in args.conv_impl), ("dense", None)]:
+    runs = [(arch, conv, units) for units in args.units
+            for arch, conv in [*(("hydra", c) for c in args.conv_impl), ("dense", None)]]
+    for arch, conv, units in runs:
         torch.manual_seed(0)
         model = hydra_lm.create_model(args.model_size, vocab_size=args.vocab_size, max_seq_len=1024, arch=arch)
         model = model.to(dev).eval()
         if conv is not None:
             model.set_conv_impl(conv)
-            arch = f"hydra ({conv})"
+        arch = f"{arch}{f' ({conv})' if conv else ''}, {units}"
         for b, t in ((1, 128), (8, 1024)):
             ids = torch.randint(0, args.vocab_size, (b, t), device=dev)
 
-            def prefill(model=model, ids=ids, b=b):
-                model.forward_cached(ids, 0, model.init_cache(b, 1024))
+            def prefill(model=model, ids=ids, b=b, compiled=units == "compiled"):
+                model.forward_cached(ids, 0, model.init_cache(b, 1024), compiled=compiled)
 
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
                 for _ in range(3):

@@ -227,7 +227,7 @@ def test_decode_rate_counts_only_the_steady_one_token_steps(monkeypatch):
     model = hydra_lm.create_model("debug", vocab_size=512, max_seq_len=64).eval()
     steps = []
 
-    def forward_cached(ids, start, caches):
+    def forward_cached(ids, start, caches, compiled=False):
         steps.append(ids.shape[1])
         time.sleep(0.3)
         return torch.zeros(ids.shape[0], 512)
@@ -262,12 +262,15 @@ def test_the_prefill_rate_times_generates_prefill_into_a_fresh_cache(monkeypatch
     model = hydra_lm.create_model("debug", vocab_size=512, max_seq_len=64).eval()
     calls = []
 
-    def forward_cached(ids, start, caches):
+    def forward_cached(ids, start, caches, compiled=False):
         k = caches[0][0][0].k
-        calls.append((tuple(ids.shape), start, k.shape[2], bool(k.eq(0).all())))
+        calls.append((tuple(ids.shape), start, k.shape[2], bool(k.eq(0).all()), compiled))
         k.fill_(1.0)
         return torch.zeros(ids.shape[0], 512)
 
     monkeypatch.setattr(model, "forward_cached", forward_cached)
-    rate = bench.prefill_tokens_per_s(model, torch.zeros(8, 16, dtype=torch.long), torch.device("cpu"), repeats=3)
-    assert rate > 0 and calls == [((8, 16), 0, 16, True)] * 4
+    for compiled in (False, True):  # generate's prefill compiles its units when its step compiles
+        calls.clear()
+        rate = bench.prefill_tokens_per_s(model, torch.zeros(8, 16, dtype=torch.long), torch.device("cpu"), compiled,
+                                          repeats=3)
+        assert rate > 0 and calls == [((8, 16), 0, 16, True, compiled)] * 4

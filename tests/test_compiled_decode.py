@@ -1,16 +1,21 @@
 """The compiled one-token decode step (``generate``'s default on CUDA, ``compile_step=True`` elsewhere):
 every routed unit runs one compiled ``run_cached_unit`` and every router one compiled
 ``decide_entries``. Against the eager step: the same greedy tokens, one unit graph for all units and
-blocks, one decision graph per router signature, no recompilation per unit or per position. On a CPU
-they compile with "aot_eager" (``decode_step._compile_for_decode``)."""
+blocks, one decision graph per router signature, no recompilation per unit or per position. The prompt's
+prefill then runs one compiled ``run_prefill_unit`` per unit and one compiled ``prefill_selection`` per
+router (dynamic shapes): the eager prefill's logits and caches exactly, and no recompilation per prompt
+length. On a CPU they compile with "aot_eager" (``decode_step._compile_for_decode``)."""
 
 import pytest
 import torch
 
 import hydra_lm
 from hydra_lm.model import decode_step as decode_module
-from hydra_lm.model.block import run_cached_unit
+from hydra_lm.model.block import run_cached_unit, run_prefill_unit
 from hydra_lm.model.decode_step import decide_entries
+from hydra_lm.model.routing import prefill_selection
+
+from hydra_lm.diagnostics.bench import _cache_tensors
 
 from support import TINY, compiled_graphs, tiny_model
 from test_causal_routing import _calibrate, _drift
@@ -65,16 +70,44 @@ def test_compiled_decode_step_gives_the_eager_steps_greedy_tokens(fresh_dynamo, 
         longer = model.generate(prompt, max_new_tokens=25, compile_step=True)  # same cache bucket: reused
     assert torch.equal(compiled, eager) and torch.equal(longer[:, :27], eager)
     units = TINY["n_blocks"] * TINY["recursions"]
-    # The steps after the first token run compiled units (the prompt's prefill runs eager), except the
-    # units that no row's token enters: skipped (test_model.py). Static routing runs every unit.
+    # The steps after the first token run compiled units, except the units that no row's token enters:
+    # skipped (test_model.py). Static routing runs every unit.
     if overrides.get("static_routing_mode"):
         assert len(calls) == units * (19 + 24)
     else:
         assert 0 < len(calls) < units * (19 + 24)
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"], dict(counters["graph_break"])  # a break would hint at a host sync
-    assert counters["stats"]["unique_graphs"] == 1 + decisions
+    prefill = compiled_graphs(run_prefill_unit) + compiled_graphs(prefill_selection)
+    assert counters["stats"]["unique_graphs"] == 1 + decisions + prefill
     assert torch.equal(compiled, _full_forward_tokens(model, prompt, 20))  # and what full forwards pick
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(mor_routing="token"), dict(static_routing_mode=True)],
+                         ids=["hydra", "token_choice", "static"])
+def test_compiled_prefill_writes_the_eager_prefills_caches_and_logits(fresh_dynamo, overrides):
+    """Every cache tensor (K/V slots, valid slots, conv and value-shift states, routers' decode states) and
+    the last logits as the eager prefill writes them, for prompts whose admitted prefixes differ by unit; a
+    second prompt length reuses the graphs (their entry counts are symbols, not constants)."""
+    model = tiny_model(**overrides)
+    _drift(model)
+    _calibrate(model, batches=5)
+    model = model.double().eval()
+    with torch.no_grad():
+        for i, t in enumerate((23, 40)):
+            prompt = torch.randint(0, TINY["vocab_size"], (3, t), generator=torch.Generator().manual_seed(i))
+            eager_caches, caches = model.init_cache(3, 64), model.init_cache(3, 64)
+            eager = model.forward_cached(prompt, 0, eager_caches)
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                logits = model.forward_cached(prompt, 0, caches, compiled=True)
+            assert torch.equal(logits, eager)
+            for a, b in zip(_cache_tensors(caches), _cache_tensors(eager_caches), strict=True):
+                assert torch.equal(a, b)
+    # A few graphs for every unit of every block, and for every router: Dynamo specialises some sizes of the
+    # first call, and a selection's graph depends on its router's kind and whether its candidates are masked.
+    assert 1 <= compiled_graphs(run_prefill_unit) <= 3
+    assert overrides.get("static_routing_mode") or 1 <= compiled_graphs(prefill_selection) <= 4
+    assert not torch._dynamo.utils.counters["graph_break"]
 
 
 def test_compiled_decode_step_of_the_100M_layout_is_one_graph(fresh_dynamo):

@@ -161,6 +161,34 @@ def test_compiled_decode_step_matches_the_eager_step():
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05, msg=f"position {8 + t}")
 
 
+def test_compiled_prefill_matches_the_eager_prefill_on_gpu():
+    """forward_cached(compiled=True) (generate's prefill when its step compiles): the 100M layout, shrunk, in
+    fp32 (bf16 fusions could flip a routing decision, and a prefill cannot be teacher-forced): the eager
+    prefill's logits and K caches, and a second prompt length without recompiling."""
+    from hydra_lm.model.block import run_prefill_unit
+    from hydra_lm.model.routing import prefill_selection
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    big = hydra_lm.create_model("100M", vocab_size=1024, dim=256, n_heads=2, n_kv_heads=1,
+                                max_seq_len=256).cuda().eval()
+    with torch.no_grad():
+        for i, t in enumerate((40, 57)):
+            ids = _ids(4, t, 1024, seed=i)
+            eager_caches, caches = big.init_cache(4, 64), big.init_cache(4, 64)
+            want = big.forward_cached(ids, 0, eager_caches)
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                got = big.forward_cached(ids, 0, caches, compiled=True)
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+            for block, eager_block in zip(caches, eager_caches):
+                for depth, eager_depth in zip(block, eager_block):
+                    torch.testing.assert_close(depth[0].k, eager_depth[0].k, rtol=1e-3, atol=1e-3)
+                    assert torch.equal(depth[0].slot_valid, eager_depth[0].slot_valid)
+    assert 1 <= compiled_graphs(run_prefill_unit) <= 3 and 1 <= compiled_graphs(prefill_selection) <= 4
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_decode_step_deciding_on_the_device_matches_the_read_backs(batch):
     """CUDA graph IF nodes (graph_conditionals): the composed step reads nothing back, runs the same units

@@ -206,8 +206,10 @@ def test_muon_step_is_torch_muon_and_takes_a_tensor_learning_rate():
             opt.step()
         runs[name] = [p.detach() - s for p, s in zip(params, start)]  # what the three steps moved
     for ours, ref in zip(runs["float"], runs["torch"]):
-        # the steps move weights by ~0.03; batched and one-at-a-time bf16 products may round differently
-        assert torch.allclose(ours, ref, rtol=0, atol=1e-5)
+        # The steps move weights by ~0.03. Batched and one-at-a-time bf16 products may round differently, and
+        # on the CPU ours are fp32 sums rounded once (muon._baddbmm) where torch's bf16 kernel rounds its own
+        # way: up to about one bf16 step (2^-8) of the largest move.
+        assert torch.allclose(ours, ref, rtol=0, atol=ref.abs().max().item() * 2 ** -8)
         assert ref.abs().max() > 0.01  # the steps moved the weights
     for a, b in zip(runs["tensor"], runs["float"]):  # the LR's products in fp32 rather than double
         assert torch.allclose(a, b, rtol=0, atol=1e-6)

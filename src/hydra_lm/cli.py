@@ -257,8 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     # One prompt a process, at most max_seq_len tokens: the decode step's compile (about 20 s for the 100M preset
     # on an H200) cannot pay for itself here, where the compiled step saves well under a millisecond a token.
     gen.add_argument("--compile_step", default=False, action=argparse.BooleanOptionalAction,
-                     help="torch.compile the decode step's routed units (faster per token after a compile of about "
-                          "20 s at 100M; default off: one prompt cannot repay it)")
+                     help="torch.compile the decode step's routed units, and the prompt's prefill (faster per token "
+                          "after a compile of about 20 s at 100M; default off: one prompt cannot repay it)")
     gen.set_defaults(func=_cmd_generate)
 
     quick = sub.add_parser("quickstart", help="prepare the default corpus, train the debug preset for a few "

@@ -205,7 +205,7 @@ def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, co
     def prefill() -> torch.Tensor:
         for t in tensors:  # in place: a captured step reads these very tensors
             t.zero_()
-        return model.forward_cached(prompt, 0, caches).argmax(-1)
+        return model.forward_cached(prompt, 0, caches, compiled=compiled).argmax(-1)
 
     first = prefill()
     step = DecodeStep(model, caches, batch, device, model.decode_capturable(), compiled, device_decisions)
@@ -232,9 +232,11 @@ def _cache_tensors(caches: list) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def prefill_tokens_per_s(model, prompt: torch.Tensor, device: torch.device, repeats: int = 3) -> float:
-    """``generate``'s prefill: the prompt [B, T] through ``forward_cached`` into a zeroed cache of T
-    positions, median of ``repeats`` after a warm-up call. (A plain forward is not it: the prefill also
+def prefill_tokens_per_s(model, prompt: torch.Tensor, device: torch.device, compiled: bool,
+                         repeats: int = 3) -> float:
+    """``generate``'s prefill: the prompt [B, T] through ``forward_cached`` (its units compiled when
+    ``compiled``, as ``generate`` runs them with its compiled step) into a zeroed cache of T positions, median
+    of ``repeats`` after a warm-up call (which compiles). (A plain forward is not it: the prefill also
     writes every unit's caches and routing state.)"""
     caches = model.init_cache(*prompt.shape)
     tensors = _cache_tensors(caches)
@@ -242,7 +244,7 @@ def prefill_tokens_per_s(model, prompt: torch.Tensor, device: torch.device, repe
     def run() -> None:
         for t in tensors:
             t.zero_()
-        model.forward_cached(prompt, 0, caches)
+        model.forward_cached(prompt, 0, caches, compiled=compiled)
 
     run()
     return prompt.numel() / statistics.median(_timed(run, device) for _ in range(repeats))
@@ -254,8 +256,8 @@ def bench_inference(model, cfg: BenchConfig, device: torch.device) -> dict[str, 
     result: dict[str, Any] = {"decode_len": cfg.new_tokens, "prefill_len": cfg.seq_len}
     ids = torch.randint(0, model.config.vocab_size, (8, cfg.seq_len), device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        result["prefill_tokens_per_s"] = prefill_tokens_per_s(model, ids, device)
         compiled = decode_compiles(device, cfg.decode_compile)
+        result["prefill_tokens_per_s"] = prefill_tokens_per_s(model, ids, device, compiled)
         for batch in cfg.decode_batch_sizes():
             rate, units, reads, on_device = decode_tokens_per_s(model, batch, cfg.new_tokens, device, compiled,
                                                                 device_decisions=cfg.decode_device_decisions)

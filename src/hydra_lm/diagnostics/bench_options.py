@@ -45,8 +45,9 @@ class BenchConfig:
     new_tokens: int = opt(128, "--inference: prompt length and decode steps timed, per batch size", type=int)
     decode_batches: str = opt("1,8,32,128", "--inference: decode batch sizes, comma-separated", type=str)
     decode_compile: bool | None = opt(None, "--inference: torch.compile the decode step's routed units (one graph "
-                                             "shared by all) before its CUDA graph is captured (default: on CUDA, "
-                                             "as generate; --no-decode_compile: eager kernels)", type=bool)
+                                             "shared by all) before its CUDA graph is captured, and the prefill's "
+                                             "units and selections (default: on CUDA, as generate; "
+                                             "--no-decode_compile: eager kernels)", type=bool)
     decode_device_decisions: bool | None = opt(None, "--inference: take the decode step's routing decisions on the "
                                                      "device as CUDA graph IF nodes (default: where cuda-bindings "
                                                      "can build them, as generate; --no-decode_device_decisions: "

@@ -9,6 +9,8 @@ once per depth and kept compacted across deeper depths (a nested gather), then s
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 from torch import nn
 
@@ -57,6 +59,22 @@ def run_cached_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, we
     so that its compiled graphs and recompile count are separate from the training units'
     (``compile_policy.compile_units``)."""
     xc.copy_(run_unit(layers, xc, rec, pos, rope, caches, valid, None, weight))
+
+
+def run_prefill_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, weight):
+    """``run_unit`` on a prompt's entries appended to the unit's ``caches`` (``HydraModel.forward_cached``,
+    compiled by ``decode_step.compiled_prefill_unit``). A function of its own, like ``run_cached_unit``, so
+    that its graphs (dynamic entry counts) and recompile count are apart from the training units' and the
+    decode step's."""
+    return run_unit(layers, xc, rec, pos, rope, caches, valid, None, weight)
+
+
+class PrefillGraphs(NamedTuple):
+    """What a prompt's prefill runs compiled (``decode_step.compiled_prefill``): each unit (a compiled
+    ``run_prefill_unit``) and each router's selection (a compiled ``routing.prefill_selection``)."""
+
+    unit: Callable
+    select: Callable
 
 
 def _row_index(order: torch.Tensor, width: int) -> torch.Tensor:
@@ -245,19 +263,22 @@ class RecursiveBlock(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding, mode: str,
-                caches: list[list[AttentionCache]] | None = None, doc: Documents | None = None):
+                caches: list[list[AttentionCache]] | None = None, doc: Documents | None = None,
+                prefill: PrefillGraphs | None = None):
         """Returns (x, {"mod": [losses], "mor": [losses]}, [stats per router]).
 
         ``doc``: the documents of the positions (``doc_attention.Documents``); attention, convs and value
         shift then stay inside a document (gathered along with the positions when tokens are compacted,
         the mask rebuilt once for each compacted set).
         ``caches``: run the entries as new tokens appended to the units' caches (the prompt's prefill;
-        the one-token steps after it run ``decode_step.DecodeStep``)."""
+        the one-token steps after it run ``decode_step.DecodeStep``); ``prefill``: with ``caches``, the compiled
+        units and selections to run (None: plain code)."""
         if self.compiled_block is not None and caches is None and torch.is_grad_enabled() and self.mor_ramp == 1.0:
             return self.compiled_block(self, x, pos, rope, mode, doc)
-        return self.route_and_run(x, pos, rope, mode, caches, doc, compiled=True)
+        return self.route_and_run(x, pos, rope, mode, caches, doc, compiled=True, prefill=prefill)
 
-    def route_and_run(self, x, pos, rope, mode: str, caches=None, doc=None, compiled: bool = False):
+    def route_and_run(self, x, pos, rope, mode: str, caches=None, doc=None, compiled: bool = False,
+                      prefill: PrefillGraphs | None = None):
         """``forward``'s work; ``compiled``: call the compiled unit and selection where they are set
         (False: everything as plain code, which ``run_block`` hands to the compiler whole)."""
         seq_len = x.shape[1]
@@ -274,6 +295,8 @@ class RecursiveBlock(nn.Module):
         # graph of its own to compile at the first evaluation, for kernels that take a small share of its time.
         select = self.compiled_select if compiled and caches is None and torch.is_grad_enabled() else None
         unit = self.compiled_unit if compiled and caches is None else None
+        if prefill is not None and caches is not None:
+            select = prefill.select
         gates = {j: r for r in routers for j in r.depths}
         # One view per depth from one op: backward stacks the depths' gradients once, where indexing per
         # depth would write each into a zeroed [R, E] tensor and add the R of them.
@@ -331,7 +354,11 @@ class RecursiveBlock(nn.Module):
             weight = None if sel is None else sel.weight
             if mode == "topk" and router is not None and router.gates_entries and sel.order is not None:
                 weight = router.entry_gate(xc)
-            if unit is not None:
+            if prefill is not None and caches is not None:
+                if weight is None:  # as below: weight 1 and every entry marked, so every unit shares its graphs
+                    weight = xc.new_ones(xc.shape[:2], dtype=torch.float32)
+                xc = prefill.unit(self.layers, xc, rec, pc, rope, caches[j], _eval_mask(xc, vc), weight)
+            elif unit is not None:
                 if weight is None:  # weight 1, exactly, and like a gate's: every unit shares one graph
                     weight = xc.new_ones(xc.shape[:2], dtype=torch.float32, requires_grad=torch.is_grad_enabled())
                 xc = _run_compiled_unit(unit, self.layers, xc, rec, pc, rope, _eval_mask(xc, vc), doc, weight)

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import HydraConfig
 from .attention import CCGQAttention, GQAttention
-from .decode_step import DecodeStep, decode_compiles
+from .decode_step import DecodeStep, compiled_prefill, decode_compiles
 from .doc_attention import documents_for
 from .block import RecursiveBlock, TransformerLayer
 from .loss import linear_cross_entropy
@@ -184,7 +184,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         return (ce + cfg.resolved_mod_aux_weight * out["aux_loss"] + cfg.mor_aux_weight * out["ponder_loss"]
                 + cfg.moe_aux_weight * out["moe_loss"])
 
-    def _trunk(self, x, pos, mode, caches, doc=None):
+    def _trunk(self, x, pos, mode, caches, doc=None, prefill=None):
         mod, mor, moe, stats, loads = [], [], [], [], []
         for i, block in enumerate(self.blocks):
             block_caches = None if caches is None else caches[i]
@@ -192,7 +192,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
                 # Recompute each block in backward instead of storing its activations.
                 x, losses, block_stats = checkpoint(block, x, pos, self.rope, mode, None, doc, use_reentrant=False)
             else:
-                x, losses, block_stats = block(x, pos, self.rope, mode, block_caches, doc)
+                x, losses, block_stats = block(x, pos, self.rope, mode, block_caches, doc, prefill)
             mod += losses["mod"]
             mor += losses["mor"]
             stats += block_stats
@@ -223,14 +223,17 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             dtype = torch.get_autocast_dtype(device.type) if autocast else weight.dtype
         return [block.new_caches(batch, length, device, dtype) for block in self.blocks]
 
-    def forward_cached(self, input_ids: torch.Tensor, start: int | torch.Tensor, caches: list) -> torch.Tensor:
+    def forward_cached(self, input_ids: torch.Tensor, start: int | torch.Tensor, caches: list,
+                       compiled: bool = False) -> torch.Tensor:
         """Run new tokens at positions start.. through the model, updating ``caches``; returns the
         last position's logits [B, V]. ``start``: an int or a [B, 1] tensor (read back to check that the positions
         fit the caches: a ValueError if not). Positions are consumed in
         order, each once per cache (the conv and value-shift states advance with every token). Every
         routed unit runs, on masked entries up to the last one any row admits (the prompt's prefill;
         ``generate``'s one-token steps run ``decode_step.DecodeStep``, which skips the units no token
-        enters)."""
+        enters). ``compiled``: each unit and each router's selection runs a compiled graph with dynamic entry
+        counts (``decode_step.compiled_prefill``, shared by every unit and router and every prompt length);
+        ``generate`` compiles them when it compiles its decode step."""
         b, s = input_ids.shape
         length = caches[0][0][0].k.shape[2]
         first, last = (start, start) if isinstance(start, int) else (int(start.min()), int(start.max()))  # a read-back
@@ -239,7 +242,8 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
                              f"positions; allocate a longer one (init_cache(batch, length))")
         pos = (start + torch.arange(s, device=input_ids.device)).expand(b, s)
         mode = "static" if self.config.static_routing_mode else "causal"
-        x, _ = self._trunk(self.embed(input_ids), pos, mode, caches)
+        prefill = compiled_prefill(input_ids.device) if compiled else None
+        x, _ = self._trunk(self.embed(input_ids), pos, mode, caches, prefill=prefill)
         return self.lm_head(self.norm(x[:, -1]))
 
     def decode_capturable(self) -> bool:
@@ -263,8 +267,9 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         ``False`` opts out): every routed unit of the step runs one ``torch.compile``d unit
         (``compiled_decode_unit``, static shapes), shared by all units and blocks, and every router one
         compiled decision (``compiled_decode_decision``), so the graphs replay fused kernels instead of
-        many tiny eager ones. The first ``generate`` of a (batch, cache length) compiles, later ones reuse
-        it. Its cache is then allocated for a power-of-two number of positions (capped at
+        many tiny eager ones; the prompt's prefill then runs compiled units and selections too
+        (``compiled_prefill``, dynamic shapes). The first ``generate`` of a (batch, cache length) compiles,
+        later ones reuse it. Its cache is then allocated for a power-of-two number of positions (capped at
         ``max_seq_len``), so prompts of similar length share one compilation.
         """
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -291,7 +296,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         try:
             caches = self.init_cache(b, length)
             tokens = input_ids
-            logits = self.forward_cached(input_ids, 0, caches)
+            logits = self.forward_cached(input_ids, 0, caches, compiled=compiled)
             step = DecodeStep(self, caches, b, input_ids.device, graphed, compiled)
             done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
             for i in range(max_new_tokens):

@@ -4,8 +4,8 @@ defaults per device and process count, and the one place that refuses combinatio
 The settings ``compile``, ``cuda_graph`` and ``chunked_ce`` are None for "automatic":
 
 - CUDA, one process: compile each block's training forward, routing and recursions included, as one
-  static graph per block layout (``compile_units``; evaluation and prefill run one dynamic graph for
-  every routed unit), capture the whole step as CUDA graphs, fuse head and loss in chunks. On an H100
+  static graph per block layout (``compile_units``; evaluation runs one dynamic graph for every routed
+  unit), capture the whole step as CUDA graphs, fuse head and loss in chunks. On an H100
   (100M preset) this trains 1.15x faster than compiled units with the routing between them eager, and
   its first step takes about two minutes with cold caches against 70 s (benchmarks/BENCHMARKS.md,
   thirty-fourth session).
@@ -133,7 +133,7 @@ def compile_units(model, **kwargs):
       preset has two: routed at depth 0 or not), so the routing between units fuses with them and
       autograd sums the shared weights' gradients over the recursions inside the compiled backward.
       Eager routing between compiled units cost the 100M preset 13% of its step on an H100;
-    - evaluation, the prompt's prefill and a MoR ramp in progress (each of its levels would compile the
+    - evaluation and a MoR ramp in progress (each of its levels would compile the
       block graphs again): ``block.run_unit`` (recursion embedding, the layer stack, the gated residual
       update) with dynamic token counts, and the routers' selections (``routing.routed_selection``),
       with the gathers and scatters between them eager;
