@@ -1,11 +1,12 @@
-"""Where generate's eager prefill goes (CUDA): wall time against GPU kernel time, kernels, aten calls and
+"""Where generate's prefill goes (CUDA): wall time against GPU kernel time, kernels, aten calls and
 host syncs per call, for HYDRA and the dense baseline at two prompt shapes.
 
     python benchmarks/prefill_profile.py [--model_size 100M --vocab_size 50257] [--conv_impl taps conv1d]
         [--units eager compiled]
 
 ``--units``: the units eager, or compiled as ``generate`` runs them when it compiles its step
-(``forward_cached(compiled=True)``: one graph with dynamic shapes for every unit; the warm-up calls compile).
+(``forward_cached(compiled=True)``: one graph with dynamic shapes for every unit, a few for the routers'
+selections; the warm-up calls compile).
 
 ``--conv_impl``: time HYDRA's prefill with each CCGQA conv form in turn (``HydraModel.set_conv_impl``); cuDNN's
 ``conv1d`` is fewer torch calls than the taps (11.5% fewer for the whole 100M prefill, counted on the CPU).

@@ -10,12 +10,11 @@ import pytest
 import torch
 
 import hydra_lm
+from hydra_lm.diagnostics.bench import _cache_tensors
 from hydra_lm.model import decode_step as decode_module
 from hydra_lm.model.block import run_cached_unit, run_prefill_unit
 from hydra_lm.model.decode_step import decide_entries
 from hydra_lm.model.routing import prefill_selection
-
-from hydra_lm.diagnostics.bench import _cache_tensors
 
 from support import TINY, compiled_graphs, tiny_model
 from test_causal_routing import _calibrate, _drift

@@ -63,7 +63,7 @@ def run_cached_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, we
 
 def run_prefill_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, weight):
     """``run_unit`` on a prompt's entries appended to the unit's ``caches`` (``HydraModel.forward_cached``,
-    compiled by ``decode_step.compiled_prefill_unit``). A function of its own, like ``run_cached_unit``, so
+    compiled by ``decode_step.compiled_prefill``). A function of its own, like ``run_cached_unit``, so
     that its graphs (dynamic entry counts) and recompile count are apart from the training units' and the
     decode step's."""
     return run_unit(layers, xc, rec, pos, rope, caches, valid, None, weight)
@@ -295,7 +295,8 @@ class RecursiveBlock(nn.Module):
         # graph of its own to compile at the first evaluation, for kernels that take a small share of its time.
         select = self.compiled_select if compiled and caches is None and torch.is_grad_enabled() else None
         unit = self.compiled_unit if compiled and caches is None else None
-        if prefill is not None and caches is not None:
+        prefill = prefill if caches is not None else None  # compiled prefill graphs write caches
+        if prefill is not None:
             select = prefill.select
         gates = {j: r for r in routers for j in r.depths}
         # One view per depth from one op: backward stacks the depths' gradients once, where indexing per
@@ -354,7 +355,7 @@ class RecursiveBlock(nn.Module):
             weight = None if sel is None else sel.weight
             if mode == "topk" and router is not None and router.gates_entries and sel.order is not None:
                 weight = router.entry_gate(xc)
-            if prefill is not None and caches is not None:
+            if prefill is not None:
                 if weight is None:  # as below: weight 1 and every entry marked, so every unit shares its graphs
                     weight = xc.new_ones(xc.shape[:2], dtype=torch.float32)
                 xc = prefill.unit(self.layers, xc, rec, pc, rope, caches[j], _eval_mask(xc, vc), weight)
