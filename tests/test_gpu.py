@@ -165,8 +165,7 @@ def test_compiled_prefill_matches_the_eager_prefill_on_gpu():
     """forward_cached(compiled=True) (generate's prefill when its step compiles): the 100M layout, shrunk, in
     fp32 (bf16 fusions could flip a routing decision, and a prefill cannot be teacher-forced): the eager
     prefill's logits and K caches, and a second prompt length without recompiling."""
-    from hydra_lm.model.block import run_prefill_unit
-    from hydra_lm.model.routing import prefill_selection
+    from hydra_lm.model.block import run_prefill_block
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -183,9 +182,12 @@ def test_compiled_prefill_matches_the_eager_prefill_on_gpu():
             torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
             for block, eager_block in zip(caches, eager_caches):
                 for depth, eager_depth in zip(block, eager_block):
-                    torch.testing.assert_close(depth[0].k, eager_depth[0].k, rtol=1e-3, atol=1e-3)
-                    assert torch.equal(depth[0].slot_valid, eager_depth[0].slot_valid)
-    assert 1 <= compiled_graphs(run_prefill_unit) <= 3 and 1 <= compiled_graphs(prefill_selection) <= 4
+                    valid = eager_depth[0].slot_valid
+                    assert torch.equal(depth[0].slot_valid, valid)
+                    mask = valid[:, None, :, None]  # the compiled prefill also writes slots marked invalid
+                    torch.testing.assert_close(torch.where(mask, depth[0].k, 0), torch.where(mask, eager_depth[0].k, 0),
+                                               rtol=1e-3, atol=1e-3)
+    assert compiled_graphs(run_prefill_block) == 2  # the two block layouts: MoD-routed or not
     assert not torch._dynamo.utils.counters["graph_break"]
 
 

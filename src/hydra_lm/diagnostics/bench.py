@@ -234,8 +234,8 @@ def _cache_tensors(caches: list) -> list[torch.Tensor]:
 @torch.no_grad()
 def prefill_tokens_per_s(model, prompt: torch.Tensor, device: torch.device, compiled: bool,
                          repeats: int = 3) -> float:
-    """``generate``'s prefill: the prompt [B, T] through ``forward_cached`` (its units and selections compiled
-    when ``compiled``, as ``generate`` runs them with its compiled step) into a zeroed cache of T positions, median
+    """``generate``'s prefill: the prompt [B, T] through ``forward_cached`` (each block one compiled graph when
+    ``compiled``, as ``generate`` runs it with its compiled step) into a zeroed cache of T positions, median
     of ``repeats`` after a warm-up call (which compiles). (A plain forward is not it: the prefill also
     writes every unit's caches and routing state.)"""
     caches = model.init_cache(*prompt.shape)

@@ -9,7 +9,7 @@ once per depth and kept compacted across deeper depths (a nested gather), then s
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 from torch import nn
@@ -61,20 +61,13 @@ def run_cached_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, we
     xc.copy_(run_unit(layers, xc, rec, pos, rope, caches, valid, None, weight))
 
 
-def run_prefill_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, weight):
-    """``run_unit`` on a prompt's entries appended to the unit's ``caches`` (``HydraModel.forward_cached``,
-    compiled by ``decode_step.compiled_prefill``). A function of its own, like ``run_cached_unit``, so
-    that its graphs (dynamic entry counts) and recompile count are apart from the training units' and the
-    decode step's."""
-    return run_unit(layers, xc, rec, pos, rope, caches, valid, None, weight)
-
-
-class PrefillGraphs(NamedTuple):
-    """What a prompt's prefill runs compiled (``decode_step.compiled_prefill``): each unit (a compiled
-    ``run_prefill_unit``) and each router's selection (a compiled ``routing.prefill_selection``)."""
-
-    unit: Callable
-    select: Callable
+def run_prefill_block(block: "RecursiveBlock", x, pos, rope, mode: str, caches):
+    """A block's prefill of a prompt (``RecursiveBlock.route_and_run`` with ``caches``: the entries appended to
+    the units' caches, the routers' decode states written) as a free function of its inputs, so that
+    ``decode_step.compiled_prefill`` compiles it once for all blocks of one layout, with dynamic shapes (every
+    prompt length and batch size share the graph). Compiled, every unit runs on all of its candidates, the ones
+    its router did not admit masked: no host sync to cut them (``_admitted_prefix``), so the block is one call."""
+    return block.route_and_run(x, pos, rope, mode, caches)
 
 
 def _row_index(order: torch.Tensor, width: int) -> torch.Tensor:
@@ -135,7 +128,7 @@ def _rows_apart(ids: torch.Tensor | None, rows: int, n: int, device) -> torch.Te
 
 
 def _admitted_prefix(sel: Selection) -> Selection:
-    """Causal routing (evaluation, the prompt's prefill) admits a varying number of candidates per row, so its
+    """Causal routing (evaluation, the eager prefill) admits a varying number of candidates per row, so its
     selection keeps all of them, admitted ones first in causal order. Outside compiled and captured code
     the entries after every row's last admitted one are dropped here: no admitted entry reads them (they
     come later), their update is masked to zero, and they make up most of a deep unit's work (the 100M
@@ -264,7 +257,7 @@ class RecursiveBlock(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding, mode: str,
                 caches: list[list[AttentionCache]] | None = None, doc: Documents | None = None,
-                prefill: PrefillGraphs | None = None):
+                prefill: Callable | None = None):
         """Returns (x, {"mod": [losses], "mor": [losses]}, [stats per router]).
 
         ``doc``: the documents of the positions (``doc_attention.Documents``); attention, convs and value
@@ -272,13 +265,14 @@ class RecursiveBlock(nn.Module):
         the mask rebuilt once for each compacted set).
         ``caches``: run the entries as new tokens appended to the units' caches (the prompt's prefill;
         the one-token steps after it run ``decode_step.DecodeStep``); ``prefill``: with ``caches``, the compiled
-        units and selections to run (None: plain code)."""
+        ``run_prefill_block`` to run the block as (None: plain code)."""
         if self.compiled_block is not None and caches is None and torch.is_grad_enabled() and self.mor_ramp == 1.0:
             return self.compiled_block(self, x, pos, rope, mode, doc)
-        return self.route_and_run(x, pos, rope, mode, caches, doc, compiled=True, prefill=prefill)
+        if prefill is not None and caches is not None:
+            return prefill(self, x, pos, rope, mode, caches)
+        return self.route_and_run(x, pos, rope, mode, caches, doc, compiled=True)
 
-    def route_and_run(self, x, pos, rope, mode: str, caches=None, doc=None, compiled: bool = False,
-                      prefill: PrefillGraphs | None = None):
+    def route_and_run(self, x, pos, rope, mode: str, caches=None, doc=None, compiled: bool = False):
         """``forward``'s work; ``compiled``: call the compiled unit and selection where they are set
         (False: everything as plain code, which ``run_block`` hands to the compiler whole)."""
         seq_len = x.shape[1]
@@ -295,9 +289,6 @@ class RecursiveBlock(nn.Module):
         # graph of its own to compile at the first evaluation, for kernels that take a small share of its time.
         select = self.compiled_select if compiled and caches is None and torch.is_grad_enabled() else None
         unit = self.compiled_unit if compiled and caches is None else None
-        prefill = prefill if caches is not None else None  # compiled prefill graphs write caches
-        if prefill is not None:
-            select = prefill.select
         gates = {j: r for r in routers for j in r.depths}
         # One view per depth from one op: backward stacks the depths' gradients once, where indexing per
         # depth would write each into a zeroed [R, E] tensor and add the R of them.
@@ -355,11 +346,7 @@ class RecursiveBlock(nn.Module):
             weight = None if sel is None else sel.weight
             if mode == "topk" and router is not None and router.gates_entries and sel.order is not None:
                 weight = router.entry_gate(xc)
-            if prefill is not None:
-                if weight is None:  # as below: weight 1 and every entry marked, so every unit shares its graphs
-                    weight = xc.new_ones(xc.shape[:2], dtype=torch.float32)
-                xc = prefill.unit(self.layers, xc, rec, pc, rope, caches[j], _eval_mask(xc, vc), weight)
-            elif unit is not None:
+            if unit is not None:
                 if weight is None:  # weight 1, exactly, and like a gate's: every unit shares one graph
                     weight = xc.new_ones(xc.shape[:2], dtype=torch.float32, requires_grad=torch.is_grad_enabled())
                 xc = _run_compiled_unit(unit, self.layers, xc, rec, pc, rope, _eval_mask(xc, vc), doc, weight)

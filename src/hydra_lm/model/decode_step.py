@@ -36,9 +36,9 @@ from torch import nn
 
 from . import graph_conditionals
 from .attention import CCGQAttention, decode_kernels_run
-from .block import PrefillGraphs, run_cached_unit, run_prefill_unit
+from .block import run_cached_unit, run_prefill_block
 from .cuda_graphs import capture
-from .routing import RANK_PRIOR, ExpertChoiceRouter, prefill_selection
+from .routing import RANK_PRIOR, ExpertChoiceRouter
 
 
 # A decision may skip units (read back, or an IF node) only if the units it skips, on average, are at least
@@ -63,7 +63,7 @@ def decode_compiles(device: torch.device, compile_step: bool | None) -> bool:
 _compiled_decode_fns: dict = {}
 
 
-def _compile_for_decode(fn, device: torch.device, dynamic: bool = False):
+def _compile_for_decode(fn, device: torch.device, dynamic: bool | None = False):
     # Inductor generates Triton on CUDA; on the CPU "aot_eager" (Dynamo's trace and AOT's functionalized
     # cache updates, no code generation): inductor's C++ codegen fails on some of these graphs in some builds.
     backend = "inductor" if torch.device(device).type == "cuda" else "aot_eager"
@@ -88,17 +88,16 @@ def compiled_decode_unit(device: torch.device):
     return _compile_for_decode(run_cached_unit, device)
 
 
-def compiled_prefill(device: torch.device) -> PrefillGraphs:
-    """What ``HydraModel.forward_cached(compiled=True)`` runs: ``run_prefill_unit`` (a routed unit on a
-    prompt's entries, appending to its caches in place) and ``routing.prefill_selection`` (a router's causal
-    selection, writing its decode state), compiled like ``compiled_decode_unit`` but with dynamic shapes: a
-    unit's entries are the whole prompt or the prefix of it that some row admits (rounded up to a power of two,
-    ``block._admitted_prefix``), so one graph serves every unit, depth and prompt length (more only where
-    Dynamo specialises a size, e.g. one row). Eager, the 100M preset's prefill of one 128-token prompt
-    dispatches about 8,200 ATen ops, 70% of them in the units and most of the rest in the selections, and its
-    time is the host's."""
-    return PrefillGraphs(_compile_for_decode(run_prefill_unit, device, dynamic=True),
-                         _compile_for_decode(prefill_selection, device, dynamic=True))
+def compiled_prefill(device: torch.device):
+    """What ``HydraModel.forward_cached(compiled=True)`` runs for each block: ``block.run_prefill_block`` (the
+    block's routers and units on a prompt, appending to the units' caches and writing the routers' decode
+    states in place), compiled like ``compiled_decode_unit`` but with dynamic shapes, so one graph per block
+    layout serves every block of it, every prompt length and every batch size (more only where Dynamo
+    specialises a size, e.g. one row). Every unit runs on all its candidates, those not admitted masked: no host
+    sync, and the GPU's time is a small part of a prefill anyway. Eager, the 100M preset's prefill of one
+    128-token prompt dispatches about 8,200 ATen ops and its time is the host's; compiled per unit and per
+    router it still made about 60 calls and 28 host syncs (benchmarks/BENCHMARKS.md, forty-third session)."""
+    return _compile_for_decode(run_prefill_block, device, dynamic=None)
 
 
 def decide_entries(router, x, valid, mode: str, depth: int, decision, state, capacity: float, pos, weight, mask):

@@ -231,9 +231,10 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         order, each once per cache (the conv and value-shift states advance with every token). Every
         routed unit runs, on masked entries up to the last one any row admits (the prompt's prefill;
         ``generate``'s one-token steps run ``decode_step.DecodeStep``, which skips the units no token
-        enters). ``compiled``: each unit and each router's selection runs a compiled graph with dynamic entry
-        counts (``decode_step.compiled_prefill``, shared by every unit and router and every prompt length);
-        ``generate`` compiles them when it compiles its decode step."""
+        enters). ``compiled``: each block runs one compiled graph (``decode_step.compiled_prefill``, one per
+        block layout, the prompt's length a symbol, so every length shares it; a new batch size compiles
+        again), its units on all their entries, masked, with no host sync; ``generate`` compiles it when it
+        compiles its decode step."""
         b, s = input_ids.shape
         length = caches[0][0][0].k.shape[2]
         first, last = (start, start) if isinstance(start, int) else (int(start.min()), int(start.max()))  # a read-back
@@ -243,7 +244,11 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         pos = (start + torch.arange(s, device=input_ids.device)).expand(b, s)
         mode = "static" if self.config.static_routing_mode else "causal"
         prefill = compiled_prefill(input_ids.device) if compiled else None
-        x, _ = self._trunk(self.embed(input_ids), pos, mode, caches, prefill=prefill)
+        x = self.embed(input_ids)
+        if compiled:  # the prompt's length a symbol from the first call on: one graph for every length
+            torch._dynamo.maybe_mark_dynamic(x, 1)
+            torch._dynamo.maybe_mark_dynamic(pos, 1)
+        x, _ = self._trunk(x, pos, mode, caches, prefill=prefill)
         return self.lm_head(self.norm(x[:, -1]))
 
     def decode_capturable(self) -> bool:
@@ -267,8 +272,8 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         ``False`` opts out): every routed unit of the step runs one ``torch.compile``d unit
         (``compiled_decode_unit``, static shapes), shared by all units and blocks, and every router one
         compiled decision (``compiled_decode_decision``), so the graphs replay fused kernels instead of
-        many tiny eager ones; the prompt's prefill then runs compiled units and selections too
-        (``compiled_prefill``, dynamic shapes). The first ``generate`` of a (batch, cache length) compiles,
+        many tiny eager ones; the prompt's prefill then runs each block as one compiled graph
+        (``compiled_prefill``, the prompt's length dynamic). The first ``generate`` of a (batch, cache length) compiles,
         later ones reuse it. Its cache is then allocated for a power-of-two number of positions (capped at
         ``max_seq_len``), so prompts of similar length share one compilation.
         """

@@ -281,14 +281,6 @@ def routed_selection(router: Router, x, valid, k: int, mode: str, row_len: int, 
     return sel.order, sel.weight, sel.valid, sel.aux_loss, sel.stats
 
 
-def prefill_selection(router: Router, x, valid, k: int, mode: str, row_len: int, depth: int, decision, state,
-                      capacity, doc, pos) -> tuple:
-    """``routed_selection`` on a prompt's entries (``HydraModel.forward_cached``, compiled by
-    ``decode_step.compiled_prefill``): a function of its own so that its graphs (dynamic shapes) and
-    recompile count are apart from the training selections'."""
-    return routed_selection(router, x, valid, k, mode, row_len, depth, decision, state, capacity, doc, pos)
-
-
 class _LogitsOfParameters(torch.autograd.Function):
     """The router logits ``x @ weight[0] + bias`` (``ExpertChoiceRouter.logits``) for ``x`` [..., E] that needs
     no gradient, given their value ``r`` (computed already): the forward returns ``r``, the backward gives
