@@ -254,11 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--checkpoint", default=None)
     gen.add_argument("--device", default="auto")
-    # One prompt a process, at most max_seq_len tokens: the decode step's compile (about 20 s for the 100M preset
-    # on an H200) cannot pay for itself here, where the compiled step saves well under a millisecond a token.
+    # One prompt a process, at most max_seq_len tokens: the compiles (about 20 s for the 100M preset's decode step
+    # and about 50 s for its prefill on an H200) cannot pay for themselves here, where the compiled step saves well
+    # under a millisecond a token and the compiled prefill about 100 ms a prompt.
     gen.add_argument("--compile_step", default=False, action=argparse.BooleanOptionalAction,
                      help="torch.compile the decode step's routed units, and the prompt's prefill (faster per token "
-                          "after a compile of about 20 s at 100M; default off: one prompt cannot repay it)")
+                          "after about a minute of compiling at 100M; default off: one prompt cannot repay it)")
     gen.set_defaults(func=_cmd_generate)
 
     quick = sub.add_parser("quickstart", help="prepare the default corpus, train the debug preset for a few "
