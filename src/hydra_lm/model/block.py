@@ -62,11 +62,12 @@ def run_cached_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, we
 
 
 def run_prefill_block(block: "RecursiveBlock", x, pos, rope, mode: str, caches):
-    """A block's prefill of a prompt (``RecursiveBlock.route_and_run`` with ``caches``: the entries appended to
-    the units' caches, the routers' decode states written) as a free function of its inputs, so that
-    ``decode_step.compiled_prefill`` compiles it once for all blocks of one layout, with dynamic shapes (every
-    prompt length and batch size share the graph). Compiled, every unit runs on all of its candidates, the ones
-    its router did not admit masked: no host sync to cut them (``_admitted_prefix``), so the block is one call."""
+    """A block's prefill of a prompt (``RecursiveBlock.route_and_run`` with ``caches``: the entries appended to the
+    units' caches, the routers' decode states written) as a free function of its inputs, so that
+    ``decode_step.compiled_prefill`` compiles it once for all blocks of one layout, the prompt's length a symbol
+    (every length shares the graph; a second batch size compiles once more, the batch then a symbol too). Compiled,
+    every unit runs on all of its candidates, the ones its router did not admit masked: no host sync to cut them
+    (``_admitted_prefix``), so the block is one call."""
     return block.route_and_run(x, pos, rope, mode, caches)
 
 

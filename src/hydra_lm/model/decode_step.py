@@ -89,14 +89,16 @@ def compiled_decode_unit(device: torch.device):
 
 
 def compiled_prefill(device: torch.device):
-    """What ``HydraModel.forward_cached(compiled=True)`` runs for each block: ``block.run_prefill_block`` (the
-    block's routers and units on a prompt, appending to the units' caches and writing the routers' decode
-    states in place), compiled like ``compiled_decode_unit`` but with dynamic shapes, so one graph per block
-    layout serves every block of it, every prompt length and every batch size (more only where Dynamo
-    specialises a size, e.g. one row). Every unit runs on all its candidates, those not admitted masked: no host
-    sync, and the GPU's time is a small part of a prefill anyway. Eager, the 100M preset's prefill of one
-    128-token prompt dispatches about 8,200 ATen ops and its time is the host's; compiled per unit and per
-    router it still made about 60 calls and 28 host syncs (benchmarks/BENCHMARKS.md, forty-third session)."""
+    """What ``HydraModel.forward_cached(compiled=True)`` runs for each block: ``block.run_prefill_block`` (the block's
+    routers and units on a prompt, appending to the units' caches and writing the routers' decode states in place),
+    compiled like ``compiled_decode_unit`` but with the prompt's length a symbol (``HydraModel.forward_cached``
+    marks it), so one graph per block layout serves every block of it and every prompt length; a second batch size
+    compiles once more, with the batch a symbol from then on. Every unit runs on all its candidates, those not
+    admitted masked: no host sync, and the masked entries' GPU work (15.9 against 7.9 ms for an 8 x 1,024 prompt on
+    an H200) costs less than the syncs and calls it removes (benchmarks/BENCHMARKS.md, forty-fourth session). Eager,
+    the 100M preset's prefill of one 128-token prompt dispatches about 8,200 ATen ops and its time is the host's;
+    compiled per unit and per router it still made about 60 calls and 28 host syncs (benchmarks/BENCHMARKS.md,
+    forty-third session)."""
     return _compile_for_decode(run_prefill_block, device, dynamic=None)
 
 
