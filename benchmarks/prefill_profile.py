@@ -4,7 +4,7 @@ host syncs per call, for HYDRA and the dense baseline at two prompt shapes.
     python benchmarks/prefill_profile.py [--model_size 100M --vocab_size 50257] [--conv_impl taps conv1d]
         [--units eager compiled]
 
-``--units``: the units eager, or compiled as ``generate`` runs them when it compiles its step
+``--units``: the prefill eager, or compiled as ``generate`` runs it when it compiles its step
 (``forward_cached(compiled=True)``: one graph with dynamic shapes per block layout; the first call compiles,
 and its time is printed as "first call").
 
@@ -30,7 +30,7 @@ def main() -> None:
     p.add_argument("--conv_impl", nargs="+", default=["taps"], choices=["taps", "conv1d"],
                    help="HYDRA's CCGQA conv forms to time, one after the other")
     p.add_argument("--units", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"],
-                   help="the units eager or compiled (forward_cached's compiled), each timed in turn")
+                   help="the prefill eager or compiled (forward_cached's compiled), each timed in turn")
     args = p.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
