@@ -21,15 +21,16 @@ import hydra_lm
 from hydra_lm.diagnostics.bench import _cache_tensors
 
 
+def _seconds(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def _median_ms(fn, n: int = 10) -> float:
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return statistics.median(_seconds(fn) for _ in range(n)) * 1e3
 
 
 def main() -> None:
@@ -48,11 +49,7 @@ def main() -> None:
                         x.zero_()
                     return model.forward_cached(ids, 0, caches, compiled=True)
 
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                run()
-                torch.cuda.synchronize()
-                first = time.perf_counter() - t0
+                first = _seconds(run)
                 for _ in range(3):
                     run()
                 launched = _median_ms(run)
