@@ -6,8 +6,9 @@ For HYDRA and the dense baseline (100M, vocabulary 50,257, bf16 autocast without
 and 8 x 1,024: a random prompt prefilled into one persistent cache of 1,024 positions
 (``forward_cached(..., compiled=True)``, the cache zeroed in place first), then that call captured with
 ``torch.cuda.graph`` and replayed; median of 10 calls each, and whether the replay's logits equal the launched
-call's. A graph holds one (batch, prompt length, cache): this prices what a pool of cached prefill graphs could
-gain, it is not what ``generate`` runs (benchmarks/BENCHMARKS.md, forty-fifth session).
+call's. A graph holds one (batch, prompt length, cache): this priced what a pool of cached prefill graphs could
+gain (benchmarks/BENCHMARKS.md, forty-fifth session); ``generate`` now replays one per prompt-length bucket
+(``hydra_lm.model.decode_session``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 import torch
 
 import hydra_lm
-from hydra_lm.diagnostics.bench import _cache_tensors
+from hydra_lm.model.decode_session import cache_tensors
 
 
 def _seconds(fn) -> float:
@@ -42,7 +43,7 @@ def main() -> None:
             ids = torch.randint(0, 50257, (b, t), device=dev)
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
                 caches = model.init_cache(b, 1024)
-                tensors = _cache_tensors(caches)
+                tensors = cache_tensors(caches)
 
                 def run(model=model, ids=ids, caches=caches, tensors=tensors):
                     for x in tensors:

@@ -223,6 +223,7 @@ def test_decode_rate_counts_only_the_steady_one_token_steps(monkeypatch):
     import time
 
     from hydra_lm.diagnostics import bench
+    from hydra_lm.model import decode_session
 
     model = hydra_lm.create_model("debug", vocab_size=512, max_seq_len=64).eval()
     steps = []
@@ -245,7 +246,7 @@ def test_decode_rate_counts_only_the_steady_one_token_steps(monkeypatch):
             return torch.zeros(ids.shape[0], 512)
 
     monkeypatch.setattr(model, "forward_cached", forward_cached)
-    monkeypatch.setattr(bench, "DecodeStep", Step)
+    monkeypatch.setattr(decode_session, "DecodeStep", Step)
     rate, units, reads, on_device = bench.decode_tokens_per_s(model, batch=4, length=8, device=torch.device("cpu"),
                                                    compiled=False, repeats=2)
     assert 4 / 0.02 < rate <= 4 / 0.01 and units == 3 and reads == 2 and not on_device

@@ -191,6 +191,39 @@ def test_compiled_prefill_matches_the_eager_prefill_on_gpu():
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
+def test_generate_replays_a_prefill_graph_per_bucket_and_reuses_its_session():
+    """generate() on CUDA (graphed, compiled) keeps one session per (batch, cache length) and replays the prompt's
+    prefill as one CUDA graph per length bucket, the padded entries masked: in float64 every call's greedy tokens
+    are the eager loop's, a second prompt length of the same bucket replays the first's graph without recompiling,
+    another bucket captures one more graph in the same session. The 100M layout, shrunk, in fp32: the replayed
+    padded prefill gives the launched prefill's logits, call after call."""
+    from hydra_lm.model.decode_session import DecodeSession
+
+    torch._dynamo.reset()
+    model = tiny_model().double().cuda().eval()
+    for i, t in enumerate((7, 12, 7, 20)):
+        prompt = _ids(3, t, TINY["vocab_size"], seed=i)
+        eager = model.generate(prompt, max_new_tokens=20, cuda_graph=False, compile_step=False)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            assert torch.equal(model.generate(prompt, max_new_tokens=20), eager)
+    # The eager loops' sessions (a cache of the call's own length each, so one per total length) and one graphed
+    graphed = [s for s in model._decode_sessions.values() if s.bucket(7) is not None]
+    assert len(graphed) == 1 and sorted(graphed[0]._graphs) == [16, 32]
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    big = hydra_lm.create_model("100M", vocab_size=1024, dim=256, n_heads=2, n_kv_heads=1,
+                                max_seq_len=256).cuda().eval()
+    with torch.no_grad():
+        session = DecodeSession(big, 4, 64, torch.device("cuda"), graphed=True, compiled=True)
+        for i, t in enumerate((40, 57, 40)):
+            ids = _ids(4, t, 1024, seed=i)
+            got = session.prefill(ids).clone()
+            want = big.forward_cached(ids, 0, big.init_cache(4, 64), compiled=True)
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+        assert sorted(session._graphs) == [64]
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_decode_step_deciding_on_the_device_matches_the_read_backs(batch):
     """CUDA graph IF nodes (graph_conditionals): the composed step reads nothing back, runs the same units

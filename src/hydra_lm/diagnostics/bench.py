@@ -28,7 +28,8 @@ from .bench_options import BenchConfig
 from ..model.accounting import dense_flops_per_token, executed_flops_per_token, kv_cache_bytes_per_token
 from ..model.attention_backend import sdpa_kernel_only
 from ..model.doc_attention import resolve_doc_mask_backend
-from ..model.decode_step import DecodeStep, decode_compiles
+from ..model.decode_session import DecodeSession
+from ..model.decode_step import decode_compiles
 from .step_profile import format_profile, profile_steps
 from ..train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
 from ..train.optim import build_optimizer, check_optimizer_device
@@ -199,16 +200,13 @@ def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, co
     if prompt is None:
         seeded = torch.Generator().manual_seed(batch)
         prompt = torch.randint(0, model.config.vocab_size, (batch, length), generator=seeded).to(device)
-    caches = model.init_cache(batch, 2 * length)
-    tensors = _cache_tensors(caches)
+    session = DecodeSession(model, batch, 2 * length, device, model.decode_capturable(), compiled, device_decisions)
+    step = session.step
 
     def prefill() -> torch.Tensor:
-        for t in tensors:  # in place: a captured step reads these very tensors
-            t.zero_()
-        return model.forward_cached(prompt, 0, caches, compiled=compiled).argmax(-1)
+        return session.prefill(prompt).argmax(-1)
 
     first = prefill()
-    step = DecodeStep(model, caches, batch, device, model.decode_capturable(), compiled, device_decisions)
     for position in (length, length + 1):  # eager warm-up, then the capture
         step(first[:, None], position)
 
@@ -226,28 +224,16 @@ def decode_tokens_per_s(model, batch: int, length: int, device: torch.device, co
             step.device_decisions)
 
 
-def _cache_tensors(caches: list) -> list[torch.Tensor]:
-    return [t for block in caches for depth in block for cache in depth
-            for t in (getattr(cache, f.name) for f in dataclasses.fields(cache)) if t is not None]
-
-
 @torch.no_grad()
 def prefill_tokens_per_s(model, prompt: torch.Tensor, device: torch.device, compiled: bool,
                          repeats: int = 3) -> float:
-    """``generate``'s prefill: the prompt [B, T] through ``forward_cached`` (each block one compiled graph when
-    ``compiled``, as ``generate`` runs it with its compiled step) into a zeroed cache of T positions, median
-    of ``repeats`` after a warm-up call (which compiles). (A plain forward is not it: the prefill also
-    writes every unit's caches and routing state.)"""
-    caches = model.init_cache(*prompt.shape)
-    tensors = _cache_tensors(caches)
-
-    def run() -> None:
-        for t in tensors:
-            t.zero_()
-        model.forward_cached(prompt, 0, caches, compiled=compiled)
-
-    run()
-    return prompt.numel() / statistics.median(_timed(run, device) for _ in range(repeats))
+    """``generate``'s prefill of the prompt [B, T] into caches of T positions (``DecodeSession.prefill``: with a
+    compiled step on CUDA, replayed as a CUDA graph where B x T is at most ``GRAPHED_PREFILL_TOKENS``, else each
+    block one compiled graph, launched), median of ``repeats`` after a warm-up call (which compiles and captures).
+    (A plain forward is not it: the prefill also writes every unit's caches and routing state.)"""
+    session = DecodeSession(model, prompt.shape[0], prompt.shape[1], device, model.decode_capturable(), compiled)
+    session.prefill(prompt)
+    return prompt.numel() / statistics.median(_timed(lambda: session.prefill(prompt), device) for _ in range(repeats))
 
 
 @torch.no_grad()

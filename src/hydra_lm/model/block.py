@@ -61,14 +61,14 @@ def run_cached_unit(layers: nn.ModuleList, xc, rec, pos, rope, caches, valid, we
     xc.copy_(run_unit(layers, xc, rec, pos, rope, caches, valid, None, weight))
 
 
-def run_prefill_block(block: "RecursiveBlock", x, pos, rope, mode: str, caches):
+def run_prefill_block(block: "RecursiveBlock", x, pos, rope, mode: str, caches, valid=None):
     """A block's prefill of a prompt (``RecursiveBlock.route_and_run`` with ``caches``: the entries appended to the
     units' caches, the routers' decode states written) as a free function of its inputs, so that
     ``decode_step.compiled_prefill`` compiles it once for all blocks of one layout, the prompt's length a symbol
     (every length shares the graph; a second batch size compiles once more, the batch then a symbol too). Compiled,
     every unit runs on all of its candidates, the ones its router did not admit masked: no host sync to cut them
     (``_admitted_prefix``), so the block is one call."""
-    return block.route_and_run(x, pos, rope, mode, caches)
+    return block.route_and_run(x, pos, rope, mode, caches, valid=valid)
 
 
 def _row_index(order: torch.Tensor, width: int) -> torch.Tensor:
@@ -258,7 +258,7 @@ class RecursiveBlock(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding, mode: str,
                 caches: list[list[AttentionCache]] | None = None, doc: Documents | None = None,
-                prefill: Callable | None = None):
+                prefill: Callable | None = None, valid: torch.Tensor | None = None):
         """Returns (x, {"mod": [losses], "mor": [losses]}, [stats per router]).
 
         ``doc``: the documents of the positions (``doc_attention.Documents``); attention, convs and value
@@ -266,14 +266,16 @@ class RecursiveBlock(nn.Module):
         the mask rebuilt once for each compacted set).
         ``caches``: run the entries as new tokens appended to the units' caches (the prompt's prefill;
         the one-token steps after it run ``decode_step.DecodeStep``); ``prefill``: with ``caches``, the compiled
-        ``run_prefill_block`` to run the block as (None: plain code)."""
+        ``run_prefill_block`` to run the block as (None: plain code); ``valid`` [B, N], with ``caches``: the entries
+        that are tokens of the prompt, first in every row (the rest padding, computed but never stored as valid,
+        never a candidate of a router, never advancing a conv or value-shift state)."""
         if self.compiled_block is not None and caches is None and torch.is_grad_enabled() and self.mor_ramp == 1.0:
             return self.compiled_block(self, x, pos, rope, mode, doc)
         if prefill is not None and caches is not None:
-            return prefill(self, x, pos, rope, mode, caches)
-        return self.route_and_run(x, pos, rope, mode, caches, doc, compiled=True)
+            return prefill(self, x, pos, rope, mode, caches, valid)
+        return self.route_and_run(x, pos, rope, mode, caches, doc, compiled=True, valid=valid)
 
-    def route_and_run(self, x, pos, rope, mode: str, caches=None, doc=None, compiled: bool = False):
+    def route_and_run(self, x, pos, rope, mode: str, caches=None, doc=None, compiled: bool = False, valid=None):
         """``forward``'s work; ``compiled``: call the compiled unit and selection where they are set
         (False: everything as plain code, which ``run_block`` hands to the compiler whole)."""
         seq_len = x.shape[1]
@@ -282,7 +284,7 @@ class RecursiveBlock(nn.Module):
         losses: dict[str, list[torch.Tensor]] = {"mod": [], "mor": []}
         stats: list[torch.Tensor] = []
         parents: list[tuple[torch.Tensor, torch.Tensor]] = []
-        xc, pc, vc = x, pos, None
+        xc, pc, vc = x, pos, valid
         decision = None  # per-entry routing state a router decided on entry (Router.enter)
 
         routers = self.all_routers()

@@ -194,7 +194,7 @@ class DecodeStep:
         self.length = caches[0][0][0].k.shape[2]  # positions the caches hold
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.autocast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+        self._autocast_state = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
         weight = model.embed.weight
         self.x = torch.zeros(batch, 1, weight.shape[1], dtype=weight.dtype, device=device)  # the residual stream
         self.logits: torch.Tensor | None = None  # allocated by the first call (the head's output dtype)
@@ -207,7 +207,7 @@ class DecodeStep:
         self._kernels = decode_kernels_run(model.config.decode_kernel, device)  # the Triton decode kernels
         self._root_units = 0  # units a composed step runs outside any IF node (counted on the host)
         self._mode = "static" if model.config.static_routing_mode else "causal"
-        enabled, dtype = self.autocast
+        enabled, dtype = self._autocast_state
         self._cast = lambda m: decode_weights(m, dtype if enabled else None, self._kernels)
         self._lm_head = self._cast(model.lm_head)
         self._ops = self._build(model, caches, batch)
@@ -331,16 +331,17 @@ class DecodeStep:
             i = end + 1 if not op.decides or entered else op.skip_to
         return self.logits
 
-    def _autocast(self):
-        enabled, dtype = self.autocast
-        # Without the cast cache: it would hold tensors across a graph capture.
+    def autocast(self):
+        """The autocast the step was built under, without its weight cache: the cache would hold tensors across a
+        graph capture."""
+        enabled, dtype = self._autocast_state
         return torch.autocast(self.device.type, dtype=dtype, enabled=enabled, cache_enabled=False)
 
     def _run_all(self) -> None:
         side = torch.cuda.Stream() if self.graphed else None
         if side is not None:  # warm-up away from the default stream, as a later capture requires
             side.wait_stream(torch.cuda.current_stream())
-        with (torch.cuda.stream(side) if side is not None else nullcontext()), self._autocast():
+        with (torch.cuda.stream(side) if side is not None else nullcontext()), self.autocast():
             for op in self._ops:
                 op.run()
         if side is not None:
@@ -356,7 +357,7 @@ class DecodeStep:
                 return True
             torch.cuda.current_stream().synchronize()
             return bool(self._flag)
-        with self._autocast():
+        with self.autocast():
             entered = self._run_ops(i)
         return entered is None or bool(entered.any())
 
@@ -391,7 +392,7 @@ class DecodeStep:
         torch.cuda.synchronize()
         for i in starts:
             graph = torch.cuda.CUDAGraph()
-            with capture(graph, pool=pool), self._autocast():
+            with capture(graph, pool=pool), self.autocast():
                 entered = self._run_ops(i)
                 if entered is not None:
                     self._flag.copy_(entered.any(), non_blocking=True)
@@ -428,7 +429,7 @@ class DecodeStep:
 
         def segment(i: int, end: int):  # ops i..end as one captured graph; what a closing decision returned
             graph = torch.cuda.CUDAGraph(keep_graph=True)
-            with capture(graph, pool=pool), self._autocast():
+            with capture(graph, pool=pool), self.autocast():
                 for op in self._ops[i:end]:
                     op.run()
                 entered = self._ops[end].run()

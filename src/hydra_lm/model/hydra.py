@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import HydraConfig
 from .attention import CCGQAttention, GQAttention
-from .decode_step import DecodeStep, compiled_prefill, decode_compiles
+from .decode_session import DecodeSessions
+from .decode_step import compiled_prefill, decode_compiles
 from .doc_attention import documents_for
 from .block import RecursiveBlock, TransformerLayer
 from .loss import linear_cross_entropy
@@ -71,6 +72,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         self.ce_impl = "naive"
         self.ce_chunk_size = 4096
         self.ce_compile: dict | None = None  # compile_policy.compile_units: compile settings of the loss chunks
+        self._decode_sessions = DecodeSessions()  # what generate keeps between calls (decode_session)
         self._init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -184,7 +186,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         return (ce + cfg.resolved_mod_aux_weight * out["aux_loss"] + cfg.mor_aux_weight * out["ponder_loss"]
                 + cfg.moe_aux_weight * out["moe_loss"])
 
-    def _trunk(self, x, pos, mode, caches, doc=None, prefill=None):
+    def _trunk(self, x, pos, mode, caches, doc=None, prefill=None, valid=None):
         mod, mor, moe, stats, loads = [], [], [], [], []
         for i, block in enumerate(self.blocks):
             block_caches = None if caches is None else caches[i]
@@ -192,7 +194,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
                 # Recompute each block in backward instead of storing its activations.
                 x, losses, block_stats = checkpoint(block, x, pos, self.rope, mode, None, doc, use_reentrant=False)
             else:
-                x, losses, block_stats = block(x, pos, self.rope, mode, block_caches, doc, prefill)
+                x, losses, block_stats = block(x, pos, self.rope, mode, block_caches, doc, prefill, valid)
             mod += losses["mod"]
             mor += losses["mor"]
             stats += block_stats
@@ -224,7 +226,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         return [block.new_caches(batch, length, device, dtype) for block in self.blocks]
 
     def forward_cached(self, input_ids: torch.Tensor, start: int | torch.Tensor, caches: list,
-                       compiled: bool = False) -> torch.Tensor:
+                       compiled: bool = False, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Run new tokens at positions start.. through the model, updating ``caches``; returns the
         last position's logits [B, V]. ``start``: an int or a [B, 1] tensor (read back to check that the positions
         fit the caches: a ValueError if not). Positions are consumed in
@@ -234,7 +236,10 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         enters). ``compiled``: each block runs one compiled graph (``decode_step.compiled_prefill``, one per
         block layout, the prompt's length a symbol, so every length shares it; a new batch size compiles
         again), its units on all their entries, masked, with no host sync; ``generate`` compiles it when it
-        compiles its decode step."""
+        compiles its decode step. ``valid`` [B, T] bool: the tokens of the prompt, first in every row, the rest
+        padding (a prompt padded to a length that a compiled or captured prefill has seen): padded entries are
+        computed but leave the caches as if they were not there, and the logits are each row's last valid
+        entry's."""
         b, s = input_ids.shape
         length = caches[0][0][0].k.shape[2]
         first, last = (start, start) if isinstance(start, int) else (int(start.min()), int(start.max()))  # a read-back
@@ -246,10 +251,12 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         prefill = compiled_prefill(input_ids.device) if compiled else None
         x = self.embed(input_ids)
         if compiled:  # the prompt's length a symbol from the first call on: one graph for every length
-            torch._dynamo.maybe_mark_dynamic(x, 1)
-            torch._dynamo.maybe_mark_dynamic(pos, 1)
-        x, _ = self._trunk(x, pos, mode, caches, prefill=prefill)
-        return self.lm_head(self.norm(x[:, -1]))
+            for t in (x, pos) if valid is None else (x, pos, valid):
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+        x, _ = self._trunk(x, pos, mode, caches, prefill=prefill, valid=valid)
+        last = x[:, -1] if valid is None else x.gather(1, (valid.sum(1) - 1).clamp(min=0)[:, None, None].expand(
+            -1, 1, x.shape[-1]))[:, 0]
+        return self.lm_head(self.norm(last))
 
     def decode_capturable(self) -> bool:
         """Whether ``generate`` can replay its steps as a CUDA graph (model on CUDA, current autocast):
@@ -276,6 +283,10 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         (``compiled_prefill``, the prompt's length dynamic). The first ``generate`` of a (batch, cache length) compiles,
         later ones reuse it. Its cache is then allocated for a power-of-two number of positions (capped at
         ``max_seq_len``), so prompts of similar length share one compilation.
+
+        The caches, the step with its graphs and (graphed and compiled) the prefill's CUDA graph per prompt-length
+        bucket are kept for the next call of the same (batch, cache length, settings) while the weights stay as
+        they were (``decode_session``); ``release_decode_state()`` frees them.
         """
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [batch, length>0], got shape {tuple(input_ids.shape)}")
@@ -298,11 +309,12 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         length = min(self.config.max_seq_len, max(64, 1 << (total - 1).bit_length())) if compiled else total
         was_training = self.training
         self.eval()
+        session = None
         try:
-            caches = self.init_cache(b, length)
+            session = self._decode_sessions.get_or_build(self, b, length, input_ids.device, graphed, compiled)
             tokens = input_ids
-            logits = self.forward_cached(input_ids, 0, caches, compiled=compiled)
-            step = DecodeStep(self, caches, b, input_ids.device, graphed, compiled)
+            logits = session.prefill(input_ids)
+            step = session.step
             done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
             for i in range(max_new_tokens):
                 nxt = sample_next(logits, temperature, top_k, top_p, generator)
@@ -314,8 +326,16 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
                     break
                 logits = step(nxt[:, None], t + i)
             return tokens
+        except BaseException:
+            if session is not None:  # interrupted mid-step or mid-capture: not to be reused
+                self._decode_sessions.drop(session)
+            raise
         finally:
             self.train(was_training)
+
+    def release_decode_state(self) -> None:
+        """Free what ``generate`` keeps between calls (``decode_session``: caches, CUDA graphs and their memory)."""
+        self._decode_sessions.clear()
 
     # ------------------------------------------------------------------ kernels
     def set_conv_impl(self, impl: str) -> None:

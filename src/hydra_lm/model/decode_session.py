@@ -1,0 +1,149 @@
+"""What ``HydraModel.generate`` keeps from one call to the next: the caches, the one-token step (with its
+captured CUDA graphs) and, where the step is graphed and compiled, the prompt's prefill captured as a CUDA graph
+per prompt-length bucket.
+
+Built afresh for every call, a call paid its step's construction (the Linear weights cast once), an eager first
+step and a capture before its second token, and a prefill launched kernel by kernel from the host: on an H200
+about 94 ms a call for the 100M preset at batch 1 and 32 against 46 ms for 128 new tokens at batch 1
+(benchmarks/BENCHMARKS.md, forty-sixth session). A session is built once per (batch, cache length, device,
+settings) and kept while the model's weights, buffers, routing curriculum and config stay as they were
+(``fingerprint``); anything else builds a new one. A model keeps its ``SESSIONS_KEPT`` most recent sessions
+(``HydraModel.release_decode_state`` frees them).
+
+The prefill graph: a prompt of T tokens is padded to its bucket (the next power of two, at least
+``MIN_PREFILL_BUCKET``, at most the cache) with the padded entries marked invalid, which prefills exactly as the
+prompt alone would (``HydraModel.forward_cached(valid=)``), and the bucket's graph replays the zeroing of the
+caches and the whole compiled prefill. Launched, the compiled prefill is bound by the host launching about 1,500
+kernels (20-50 ms for the 100M preset at 1 x 128); replayed it takes 3.9 ms (forty-fifth session). A graph keeps
+its intermediate memory reserved, so prompts of more than ``GRAPHED_PREFILL_TOKENS`` tokens (batch x bucket), whose
+prefill is less host-bound, are launched as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import OrderedDict
+
+import torch
+
+from .cuda_graphs import capture
+from .decode_step import DecodeStep
+
+SESSIONS_KEPT = 4
+MIN_PREFILL_BUCKET = 16
+GRAPHED_PREFILL_TOKENS = 8192
+
+
+def cache_tensors(caches: list) -> list[torch.Tensor]:
+    """Every tensor of ``HydraModel.init_cache``'s caches: zeroed in place, they are a fresh cache whose
+    addresses the captured graphs still read."""
+    return [t for block in caches for depth in block for cache in depth
+            for t in (getattr(cache, f.name) for f in dataclasses.fields(cache)) if t is not None]
+
+
+def fingerprint(model) -> tuple:
+    """What a session's step and graphs were built from: every parameter's and buffer's storage and version
+    (an optimizer step, ``load_state_dict`` or ``.to()`` changes one), the blocks' routing curriculum and the
+    config."""
+    tensors = tuple((t.data_ptr(), t._version) for t in itertools.chain(model.parameters(), model.buffers()))
+    curriculum = tuple((b.mod_active, b.mor_active, b.mor_ramp) for b in model.blocks)
+    return tensors, curriculum, repr(model.config)
+
+
+class DecodeSession:
+    """Caches of ``length`` positions for ``batch`` rows, the ``DecodeStep`` over them (``graphed``, ``compiled``,
+    ``device_decisions`` as there), and ``prefill(prompt)``: the caches zeroed, the prompt run into them, its last
+    logits returned (graph-replayed per bucket where ``graphed and compiled``, and the prompt is short enough)."""
+
+    def __init__(self, model, batch: int, length: int, device: torch.device, graphed: bool, compiled: bool,
+                 device_decisions: bool | None = None):
+        self.model, self.batch, self.length, self.compiled = model, batch, length, compiled
+        self.caches = model.init_cache(batch, length, device)
+        self._tensors = cache_tensors(self.caches)
+        self.step = DecodeStep(model, self.caches, batch, device, graphed, compiled, device_decisions)
+        self.fingerprint = fingerprint(model)
+        self._graph_prefill = graphed and compiled
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._pool = None  # one memory pool for every bucket's graph: they never run at once
+        self._logits: torch.Tensor | None = None  # what every bucket's graph writes its logits into
+
+    def bucket(self, t: int) -> int | None:
+        """The padded length a prompt of ``t`` tokens replays at; None: launched as it is."""
+        if not self._graph_prefill:
+            return None
+        bucket = min(self.length, max(MIN_PREFILL_BUCKET, 1 << (t - 1).bit_length()))
+        return bucket if self.batch * bucket <= GRAPHED_PREFILL_TOKENS else None
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` [batch, T] from position 0 -> the last position's logits [batch, V] (a graph's output buffer,
+        overwritten by the next prefill of this session)."""
+        bucket = self.bucket(ids.shape[1])
+        if bucket is None:
+            for t in self._tensors:
+                t.zero_()
+            return self.model.forward_cached(ids, 0, self.caches, compiled=self.compiled)
+        if bucket not in self._graphs:
+            self._graphs[bucket] = self._capture(bucket)
+        graph, padded, valid = self._graphs[bucket]
+        t = ids.shape[1]
+        padded[:, :t].copy_(ids)
+        padded[:, t:].zero_()
+        valid.copy_(torch.arange(bucket, device=valid.device) < t)
+        graph.replay()
+        return self._logits
+
+    def _run_padded(self, padded: torch.Tensor, valid: torch.Tensor) -> None:
+        for t in self._tensors:
+            t.zero_()
+        logits = self.model.forward_cached(padded, 0, self.caches, compiled=True, valid=valid)
+        if self._logits is None:
+            self._logits = torch.empty_like(logits)
+        self._logits.copy_(logits)
+
+    def _capture(self, bucket: int):
+        device = self.caches[0][0][0].k.device
+        padded = torch.zeros(self.batch, bucket, dtype=torch.long, device=device)
+        valid = torch.ones(self.batch, bucket, dtype=torch.bool, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), self.step.autocast():  # compiles (once per batch size) off the capture
+            for _ in range(2):
+                self._run_padded(padded, valid)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(device), capture(graph, pool=self._pool), self.step.autocast():
+            self._run_padded(padded, valid)
+        return graph, padded, valid
+
+
+class DecodeSessions(OrderedDict):
+    """A model's sessions, most recently used last. Copying or pickling the model copies none of them (they hold
+    CUDA graphs and the caches of one device)."""
+
+    def __deepcopy__(self, memo):
+        return DecodeSessions()
+
+    def __reduce__(self):
+        return DecodeSessions, ()
+
+    def get_or_build(self, model, batch: int, length: int, device: torch.device, graphed: bool,
+                     compiled: bool) -> DecodeSession:
+        enabled = torch.is_autocast_enabled(device.type)
+        key = (batch, length, str(device), graphed, compiled, enabled, torch.get_autocast_dtype(device.type)
+               if enabled else None)
+        session = self.pop(key, None)
+        if session is not None and session.fingerprint != fingerprint(model):
+            session = None  # built from other weights: its cast copies and graphs are stale
+        if session is None:
+            while len(self) >= SESSIONS_KEPT:
+                self.popitem(last=False)
+            session = DecodeSession(model, batch, length, device, graphed, compiled)
+        self[key] = session
+        return session
+
+    def drop(self, session: DecodeSession) -> None:
+        for key in [k for k, v in self.items() if v is session]:
+            del self[key]

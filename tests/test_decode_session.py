@@ -1,0 +1,133 @@
+"""What ``generate`` keeps between calls (``hydra_lm.model.decode_session``): the caches and the one-token step of a
+(batch, cache length, settings), reused while the weights stay as they were. A reused session must decode exactly
+as a fresh one would, whatever the previous call left in it; a session built from other weights must never be
+reused. (The prefill graph per prompt-length bucket needs CUDA: tests/test_gpu.py.)"""
+
+import copy
+
+import pytest
+import torch
+
+from hydra_lm.model import decode_session
+from hydra_lm.model import hydra as hydra_module
+
+from support import TINY, tiny_model
+from test_causal_routing import _calibrate, _drift
+
+
+def _model(**overrides):
+    model = tiny_model(**overrides)
+    _drift(model)
+    _calibrate(model, batches=5)  # causal routing with calibrated thresholds, as after training
+    return model.double().eval()
+
+
+def _prompt(b: int, t: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _full_forward_tokens(model, prompt, n: int) -> torch.Tensor:
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(n):
+            tokens = torch.cat((tokens, model(tokens)["logits"][:, -1].argmax(-1)[:, None]), dim=1)
+    return tokens
+
+
+def _sessions(model) -> list:
+    return list(model._decode_sessions.values())
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(mor_routing="token"), dict(moe=True, moe_num_layers=2)],
+                         ids=["hydra", "token_choice", "moe"])
+def test_a_reused_session_decodes_each_prompt_as_a_fresh_one(overrides):
+    """Three calls of one shape, the third repeating the first's prompt after a different second: one session
+    serves all three, and each call's greedy tokens are what repeated full forwards pick."""
+    model = _model(**overrides)
+    prompts = [_prompt(3, 9, 0), _prompt(3, 9, 1), _prompt(3, 9, 0)]
+    outs = [model.generate(p, max_new_tokens=12) for p in prompts]
+    assert len(_sessions(model)) == 1
+    for prompt, out in zip(prompts, outs):
+        assert torch.equal(out, _full_forward_tokens(model, prompt, 12))
+    assert torch.equal(outs[0], outs[2]) and not torch.equal(outs[0], outs[1])
+
+
+def _train_steps(model) -> None:
+    """In-place optimizer updates: the parameters keep their storage, their versions move."""
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=True)
+    for seed in range(5):
+        ids = _prompt(2, 16, seed)
+        model(ids, targets=torch.roll(ids, -1, 1))["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+
+
+@pytest.mark.parametrize("change", ["optimizer_step", "load_state_dict", "curriculum", "device_copy"])
+def test_a_session_built_from_other_weights_is_never_reused(change):
+    """After an optimizer step, a loaded state dict, a routing curriculum change or a copy of the weights to new
+    storage, the next call builds a new session (the old one's cast weights, graphs and op list are stale: on a
+    GPU the step holds bf16 copies of the Linear weights and graphs that read the old storage) and decodes with
+    the model as it is now; the call after it, nothing changed, reuses the new one."""
+    model = _model()
+    prompt = _prompt(2, 8, 5)
+    model.generate(prompt, max_new_tokens=10)
+    old = _sessions(model)[0]
+    if change == "optimizer_step":
+        _train_steps(model)
+    elif change == "load_state_dict":
+        other = _model()
+        _train_steps(other)
+        model.load_state_dict(other.state_dict())
+    elif change == "curriculum":
+        model.set_curriculum(mod_active=False)
+    else:
+        model.to(torch.float32).to(torch.float64)
+    after = model.generate(prompt, max_new_tokens=10)
+    new = _sessions(model)[0]
+    assert new is not old and len(_sessions(model)) == 1
+    assert torch.equal(after, _full_forward_tokens(model, prompt, 10))
+    model.generate(prompt, max_new_tokens=10)  # nothing changed since: reused
+    assert _sessions(model) == [new]
+
+
+def test_sessions_are_bounded_released_and_never_copied(monkeypatch):
+    """At most SESSIONS_KEPT sessions, the least recently used dropped first; release_decode_state frees them; a
+    deep copy of the model carries none (it decodes with its own); an error inside a call drops its session."""
+    model = _model()
+    for b in range(1, decode_session.SESSIONS_KEPT + 2):
+        model.generate(_prompt(b, 5, b), max_new_tokens=3)
+    kept = [key[0] for key in model._decode_sessions]
+    assert kept == list(range(2, decode_session.SESSIONS_KEPT + 2))  # batch 1, the oldest, dropped
+    model.generate(_prompt(2, 5, 0), max_new_tokens=3)  # batch 2 used again: now the most recent
+    assert [key[0] for key in model._decode_sessions][-1] == 2
+
+    twin = copy.deepcopy(model)
+    assert len(twin._decode_sessions) == 0
+    assert torch.equal(twin.generate(_prompt(2, 5, 0), 3), model.generate(_prompt(2, 5, 0), 3))
+
+    model.release_decode_state()
+    assert len(model._decode_sessions) == 0
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("interrupted")
+
+    model.generate(_prompt(1, 5, 0), max_new_tokens=3)
+    model.generate(_prompt(2, 5, 0), max_new_tokens=3)
+    monkeypatch.setattr(hydra_module, "sample_next", failing)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.generate(_prompt(2, 5, 0), max_new_tokens=3)
+    assert [key[0] for key in model._decode_sessions] == [1]  # the failed call's session dropped, no other
+
+
+def test_prompt_buckets_are_powers_of_two_within_the_cache_and_the_token_bound():
+    """The padded length a graphed prefill replays at: the next power of two (at least MIN_PREFILL_BUCKET), never
+    past the cache; none above GRAPHED_PREFILL_TOKENS tokens, nor where the step is not graphed and compiled."""
+    session = decode_session.DecodeSession.__new__(decode_session.DecodeSession)
+    session._graph_prefill, session.batch, session.length = True, 2, 512
+    assert [session.bucket(t) for t in (1, 16, 17, 100, 128, 129, 500)] == [16, 16, 32, 128, 128, 256, 512]
+    session.batch = decode_session.GRAPHED_PREFILL_TOKENS // 256
+    assert session.bucket(256) == 256 and session.bucket(257) is None
+    session._graph_prefill = False
+    assert session.bucket(16) is None
