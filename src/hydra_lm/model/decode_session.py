@@ -80,23 +80,25 @@ class DecodeSession:
         overwritten by the next prefill of this session)."""
         bucket = self.bucket(ids.shape[1])
         if bucket is None:
-            for t in self._tensors:
-                t.zero_()
-            return self.model.forward_cached(ids, 0, self.caches, compiled=self.compiled)
+            return self._run(ids)
         if bucket not in self._graphs:
             self._graphs[bucket] = self._capture(bucket)
         graph, padded, valid = self._graphs[bucket]
         t = ids.shape[1]
         padded[:, :t].copy_(ids)
         padded[:, t:].zero_()
-        valid.copy_(torch.arange(bucket, device=valid.device) < t)
+        valid[:, :t].fill_(True)
+        valid[:, t:].fill_(False)
         graph.replay()
         return self._logits
 
-    def _run_padded(self, padded: torch.Tensor, valid: torch.Tensor) -> None:
+    def _run(self, ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         for t in self._tensors:
             t.zero_()
-        logits = self.model.forward_cached(padded, 0, self.caches, compiled=True, valid=valid)
+        return self.model.forward_cached(ids, 0, self.caches, compiled=self.compiled, valid=valid)
+
+    def _run_padded(self, padded: torch.Tensor, valid: torch.Tensor) -> None:
+        logits = self._run(padded, valid)
         if self._logits is None:
             self._logits = torch.empty_like(logits)
         self._logits.copy_(logits)
