@@ -4,9 +4,11 @@
 
 For HYDRA and the dense baseline (100M, vocabulary 50,257, bf16 autocast, random weights, greedy): the wall time of
 ``--calls`` consecutive ``generate`` calls on one random prompt (the first compiles), and of calls with 1 and 3 new
-tokens (prefill alone; prefill plus the eager first step and the capture), each the median of the calls after the
-first. ``steady`` is the decode rate of ``bench --inference`` for the same batch and lengths: what a call's
-new tokens would cost without a call's fixed work. ``overhead`` = a call's median wall minus its new tokens at the
+tokens (prefill alone; prefill plus the eager first step and the capture), the median of the calls after the first
+(128 new tokens) or after the first two (1 and 3: a new session's first prefill is launched, its second captured).
+``--no-compile_step``: ``generate(compile_step=False)``, eager kernels captured. ``steady`` is the decode rate of
+``bench --inference`` for the same batch and lengths: what a call's new tokens would cost without a call's fixed
+work. ``overhead`` = a call's median wall minus its new tokens at the
 steady rate: the prefill, the step's construction, its eager first step and its CUDA graph capture.
 """
 
@@ -37,6 +39,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--calls", type=int, default=4)
     ap.add_argument("--archs", default="hydra,dense")
+    ap.add_argument("--no-compile_step", dest="compile_step", action="store_false",
+                    help="generate(compile_step=False): the step and the prefill replay eager kernels")
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows = []
@@ -47,12 +51,14 @@ def main() -> None:
             ids = torch.randint(0, 50257, (b, args.prompt), device=dev)
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 def call(n: int, ids=ids, model=model) -> None:
-                    model.generate(ids, n)
+                    model.generate(ids, n, compile_step=args.compile_step)
 
                 walls = [_wall(lambda: call(args.new)) for _ in range(args.calls)]
-                one = statistics.median(_wall(lambda: call(1)) for _ in range(3))
-                three = statistics.median(_wall(lambda: call(3)) for _ in range(3))
-                steady, *_ = decode_tokens_per_s(model, b, args.prompt, dev, compiled=True,
+                # Each length is a session's first (launched), second (captured) and later (replayed) prefills
+                # when its cache length differs (without a compiled step a session's cache is the call's length).
+                one = statistics.median([_wall(lambda: call(1)) for _ in range(4)][2:])
+                three = statistics.median([_wall(lambda: call(3)) for _ in range(4)][2:])
+                steady, *_ = decode_tokens_per_s(model, b, args.prompt, dev, compiled=args.compile_step,
                                                  prompt=ids if args.new == args.prompt else None)
             warm = statistics.median(walls[1:])
             overhead = warm - b * (args.new - 1) / steady

@@ -123,7 +123,7 @@ def test_sessions_are_bounded_released_and_never_copied(monkeypatch):
 
 def test_prompt_buckets_are_powers_of_two_within_the_cache_and_the_token_bound():
     """The padded length a graphed prefill replays at: the next power of two (at least MIN_PREFILL_BUCKET), never
-    past the cache; none above GRAPHED_PREFILL_TOKENS tokens, nor where the step is not graphed and compiled."""
+    past the cache; none above GRAPHED_PREFILL_TOKENS tokens, nor where the step is not graphed."""
     session = decode_session.DecodeSession.__new__(decode_session.DecodeSession)
     session._graph_prefill, session.batch, session.length = True, 2, 512
     assert [session.bucket(t) for t in (1, 16, 17, 100, 128, 129, 500)] == [16, 16, 32, 128, 128, 256, 512]
@@ -131,3 +131,22 @@ def test_prompt_buckets_are_powers_of_two_within_the_cache_and_the_token_bound()
     assert session.bucket(256) == 256 and session.bucket(257) is None
     session._graph_prefill = False
     assert session.bucket(16) is None
+
+
+def test_a_buckets_first_prompt_is_launched_padded_and_prefills_as_the_prompt_alone():
+    """A one-off call pays no capture: a graphed session launches its bucket's first prompt, padded to the bucket
+    with the padding masked, and remembers the bucket (its second prompt captures the graph, on CUDA:
+    tests/test_gpu.py). Its logits and caches are the unpadded prefill's, so the tokens decoded after it are too."""
+    model = _model()
+    prompt = _prompt(2, 11, 0)
+    session = decode_session.DecodeSession(model, 2, 32, torch.device("cpu"), graphed=False, compiled=False)
+    session._graph_prefill = True  # as on CUDA; only a repeated bucket would capture
+    with torch.no_grad():
+        got = session.prefill(prompt)
+        want = model.forward_cached(prompt, 0, caches := model.init_cache(2, 32))
+        assert session._seen == {16} and not session._graphs
+        torch.testing.assert_close(got, want)
+        for position in range(11, 14):  # the padded slots were never stored as valid: the steps after it agree
+            token = want.argmax(-1)[:, None]
+            got, want = session.step(token, position), model.forward_cached(token, position, caches)
+            torch.testing.assert_close(got, want)

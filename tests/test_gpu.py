@@ -194,8 +194,9 @@ def test_compiled_prefill_matches_the_eager_prefill_on_gpu():
 def test_generate_replays_a_prefill_graph_per_bucket_and_reuses_its_session():
     """generate() on CUDA (graphed, compiled) keeps one session per (batch, cache length) and replays the prompt's
     prefill as one CUDA graph per length bucket, the padded entries masked: in float64 every call's greedy tokens
-    are the eager loop's, a second prompt length of the same bucket replays the first's graph without recompiling,
-    another bucket captures one more graph in the same session. The 100M layout, shrunk, in fp32: the replayed
+    are the eager loop's; a bucket's first prompt is launched padded, its second captures the graph without
+    recompiling, and later prompts of the bucket replay it; another bucket captures one more graph in the same
+    session. Without a compiled step the eager prefill is captured alike. The 100M layout, shrunk, in fp32: the replayed
     padded prefill gives the launched prefill's logits, call after call."""
     from hydra_lm.model.decode_session import DecodeSession
 
@@ -206,9 +207,19 @@ def test_generate_replays_a_prefill_graph_per_bucket_and_reuses_its_session():
         eager = model.generate(prompt, max_new_tokens=20, cuda_graph=False, compile_step=False)
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             assert torch.equal(model.generate(prompt, max_new_tokens=20), eager)
-    # The eager loops' sessions (a cache of the call's own length each, so one per total length) and one graphed
-    graphed = [s for s in model._decode_sessions.values() if s.bucket(7) is not None]
-    assert len(graphed) == 1 and sorted(graphed[0]._graphs) == [16, 32]
+        # The step and the prefill replayed without compiling: the eager kernels captured at the second call (no
+        # host sync: the prefill runs every unit on all its candidates while a stream captures).
+        for _ in range(2):
+            assert torch.equal(model.generate(prompt, max_new_tokens=20, compile_step=False), eager)
+    assert any(s._graphs for s in model._decode_sessions.values() if s._graph_prefill and not s.compiled)
+    # The compiled session: bucket 16 captured at its second prompt; bucket 32 seen once, launched, then captured.
+    graphed = [s for s in model._decode_sessions.values() if s.bucket(7) is not None and s.compiled]
+    assert len(graphed) == 1 and sorted(graphed[0]._graphs) == [16] and graphed[0]._seen == {16, 32}
+    prompt = _ids(3, 17, TINY["vocab_size"], seed=4)
+    eager = model.generate(prompt, max_new_tokens=20, cuda_graph=False, compile_step=False)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(model.generate(prompt, max_new_tokens=20), eager)
+    assert sorted(graphed[0]._graphs) == [16, 32]
 
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -229,10 +229,12 @@ def prefill_tokens_per_s(model, prompt: torch.Tensor, device: torch.device, comp
                          repeats: int = 3) -> float:
     """``generate``'s prefill of the prompt [B, T] into caches of T positions (``DecodeSession.prefill``: with a
     compiled step on CUDA, replayed as a CUDA graph where B x T is at most ``GRAPHED_PREFILL_TOKENS``, else each
-    block one compiled graph, launched), median of ``repeats`` after a warm-up call (which compiles and captures).
+    block one compiled graph, launched), median of ``repeats`` after two warm-up calls (the first compiles, the second
+    captures).
     (A plain forward is not it: the prefill also writes every unit's caches and routing state.)"""
     session = DecodeSession(model, prompt.shape[0], prompt.shape[1], device, model.decode_capturable(), compiled)
-    session.prefill(prompt)
+    for _ in range(2):
+        session.prefill(prompt)
     return prompt.numel() / statistics.median(_timed(lambda: session.prefill(prompt), device) for _ in range(repeats))
 
 

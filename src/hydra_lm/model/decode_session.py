@@ -1,5 +1,5 @@
 """What ``HydraModel.generate`` keeps from one call to the next: the caches, the one-token step (with its
-captured CUDA graphs) and, where the step is graphed and compiled, the prompt's prefill captured as a CUDA graph
+captured CUDA graphs) and, where the step is graphed (compiled or not), the prompt's prefill captured as a CUDA graph
 per prompt-length bucket.
 
 Built afresh for every call, a call paid its step's construction (the Linear weights cast once), an eager first
@@ -13,10 +13,13 @@ settings) and kept while the model's weights, buffers, routing curriculum and co
 The prefill graph: a prompt of T tokens is padded to its bucket (the next power of two, at least
 ``MIN_PREFILL_BUCKET``, at most the cache) with the padded entries marked invalid, which prefills exactly as the
 prompt alone would (``HydraModel.forward_cached(valid=)``), and the bucket's graph replays the zeroing of the
-caches and the whole compiled prefill. Launched, the compiled prefill is bound by the host launching about 1,500
-kernels (20-50 ms for the 100M preset at 1 x 128); replayed it takes 3.9 ms (forty-fifth session). A graph keeps
-its intermediate memory reserved, so prompts of more than ``GRAPHED_PREFILL_TOKENS`` tokens (batch x bucket), whose
-prefill is less host-bound, are launched as before.
+caches and the whole prefill. Launched, the compiled prefill is bound by the host launching about 1,500
+kernels (20-50 ms for the 100M preset at 1 x 128; eager, about 5,000 and 115 ms); replayed it takes 3.6-3.9 ms
+(forty-fifth and forty-sixth sessions). Where the step is not compiled the prefill's eager kernels are captured
+the same way (the eager prefill skips its host-synced cut while a stream captures). A bucket's first prompt is
+launched, padded (a one-off call pays no warm-up and capture); its second captures the graph. A graph keeps its
+intermediate memory reserved, so prompts of more than ``GRAPHED_PREFILL_TOKENS`` tokens (batch x bucket), whose
+prefill is less host-bound, are always launched.
 """
 
 from __future__ import annotations
@@ -51,10 +54,21 @@ def fingerprint(model) -> tuple:
     return tensors, curriculum, repr(model.config)
 
 
+def _pad(ids: torch.Tensor, padded: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids`` [B, T] written into ``padded`` [B, bucket] (the rest zero), ``valid`` marking its first T entries."""
+    t = ids.shape[1]
+    padded[:, :t].copy_(ids)
+    padded[:, t:].zero_()
+    valid[:, :t].fill_(True)
+    valid[:, t:].fill_(False)
+    return padded, valid
+
+
 class DecodeSession:
     """Caches of ``length`` positions for ``batch`` rows, the ``DecodeStep`` over them (``graphed``, ``compiled``,
     ``device_decisions`` as there), and ``prefill(prompt)``: the caches zeroed, the prompt run into them, its last
-    logits returned (graph-replayed per bucket where ``graphed and compiled``, and the prompt is short enough)."""
+    logits returned (graph-replayed per bucket from a bucket's second prompt on where ``graphed``, and the prompt is
+    short enough)."""
 
     def __init__(self, model, batch: int, length: int, device: torch.device, graphed: bool, compiled: bool,
                  device_decisions: bool | None = None):
@@ -63,8 +77,9 @@ class DecodeSession:
         self._tensors = cache_tensors(self.caches)
         self.step = DecodeStep(model, self.caches, batch, device, graphed, compiled, device_decisions)
         self.fingerprint = fingerprint(model)
-        self._graph_prefill = graphed and compiled
+        self._graph_prefill = graphed
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._seen: set[int] = set()  # buckets prefilled once, launched: the next prompt of one captures its graph
         self._pool = None  # one memory pool for every bucket's graph: they never run at once
         self._logits: torch.Tensor | None = None  # what every bucket's graph writes its logits into
 
@@ -82,20 +97,24 @@ class DecodeSession:
         if bucket is None:
             return self._run(ids)
         if bucket not in self._graphs:
+            if bucket not in self._seen:  # a bucket's first prompt is launched: a one-off call pays no capture
+                self._seen.add(bucket)
+                padded, valid = _pad(ids, torch.zeros(self.batch, bucket, dtype=torch.long, device=ids.device),
+                                     torch.empty(self.batch, bucket, dtype=torch.bool, device=ids.device))
+                return self._run(padded, valid)
             self._graphs[bucket] = self._capture(bucket)
         graph, padded, valid = self._graphs[bucket]
-        t = ids.shape[1]
-        padded[:, :t].copy_(ids)
-        padded[:, t:].zero_()
-        valid[:, :t].fill_(True)
-        valid[:, t:].fill_(False)
+        _pad(ids, padded, valid)
         graph.replay()
         return self._logits
 
     def _run(self, ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         for t in self._tensors:
             t.zero_()
-        return self.model.forward_cached(ids, 0, self.caches, compiled=self.compiled, valid=valid)
+        # The step's autocast (no weight cache) for every prefill, launched or captured: one set of compiled graphs
+        # (Dynamo guards on the autocast cache flag).
+        with self.step.autocast():
+            return self.model.forward_cached(ids, 0, self.caches, compiled=self.compiled, valid=valid)
 
     def _run_padded(self, padded: torch.Tensor, valid: torch.Tensor) -> None:
         logits = self._run(padded, valid)
@@ -109,14 +128,14 @@ class DecodeSession:
         valid = torch.ones(self.batch, bucket, dtype=torch.bool, device=device)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), self.step.autocast():  # compiles (once per batch size) off the capture
+        with torch.cuda.stream(side):  # compiles (once per batch size) off the capture
             for _ in range(2):
                 self._run_padded(padded, valid)
         torch.cuda.current_stream(device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(device), capture(graph, pool=self._pool), self.step.autocast():
+        with torch.cuda.device(device), capture(graph, pool=self._pool):
             self._run_padded(padded, valid)
         return graph, padded, valid
 
