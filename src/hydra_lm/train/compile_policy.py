@@ -19,7 +19,9 @@ The settings ``compile``, ``cuda_graph`` and ``chunked_ce`` are None for "automa
 The whole model compiled with its layers as nested compile regions and inductor's own CUDA graphs
 (reduce-overhead) was a third path until the thirty-fifth session: 1.11x the compiled units' steady state
 against the blocks' 1.15x, a 125-183 s cold first step against 109-115 s, and wrong outputs on the CPU
-with torch 2.13 in some layouts (benchmarks/BENCHMARKS.md, thirty-third and thirty-fourth sessions).
+with torch 2.13 in some layouts (benchmarks/BENCHMARKS.md, thirty-third and thirty-fourth sessions). Inside the
+block graphs, the deep units (at most 16 entries a row) padded to one shape and shared as one nested compile region
+trained 5.5% slower on an H200 and compiled no faster (forty-seventh session, branch ``shared-small-unit``).
 """
 
 from __future__ import annotations
