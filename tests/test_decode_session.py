@@ -136,7 +136,8 @@ def test_prompt_buckets_are_powers_of_two_within_the_cache_and_the_token_bound()
 def test_a_buckets_first_prompt_is_launched_padded_and_prefills_as_the_prompt_alone():
     """A one-off call pays no capture: a graphed session launches its bucket's first prompt, padded to the bucket
     with the padding masked, and remembers the bucket (its second prompt captures the graph, on CUDA:
-    tests/test_gpu.py). Its logits and caches are the unpadded prefill's, so the tokens decoded after it are too."""
+    tests/test_gpu.py). Its logits are the unpadded prefill's, and so are the steps' after it (the padded slots
+    were never stored as valid)."""
     model = _model()
     prompt = _prompt(2, 11, 0)
     session = decode_session.DecodeSession(model, 2, 32, torch.device("cpu"), graphed=False, compiled=False)
@@ -146,7 +147,7 @@ def test_a_buckets_first_prompt_is_launched_padded_and_prefills_as_the_prompt_al
         want = model.forward_cached(prompt, 0, caches := model.init_cache(2, 32))
         assert session._seen == {16} and not session._graphs
         torch.testing.assert_close(got, want)
-        for position in range(11, 14):  # the padded slots were never stored as valid: the steps after it agree
+        for position in range(11, 14):
             token = want.argmax(-1)[:, None]
             got, want = session.step(token, position), model.forward_cached(token, position, caches)
             torch.testing.assert_close(got, want)

@@ -99,7 +99,7 @@ class DecodeSession:
         if bucket not in self._graphs:
             if bucket not in self._seen:  # a bucket's first prompt is launched: a one-off call pays no capture
                 self._seen.add(bucket)
-                padded, valid = _pad(ids, torch.zeros(self.batch, bucket, dtype=torch.long, device=ids.device),
+                padded, valid = _pad(ids, ids.new_empty(self.batch, bucket),
                                      torch.empty(self.batch, bucket, dtype=torch.bool, device=ids.device))
                 return self._run(padded, valid)
             self._graphs[bucket] = self._capture(bucket)
