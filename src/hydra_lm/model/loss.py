@@ -131,7 +131,7 @@ def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction, 
     # Low-precision operands summed into the fp32 buffer inside the GEMM: no separate fp32 add over [V, E]
     # per chunk (4 of 0.14 ms a step at vocabulary 50,257, width 768, on an H200), and the first chunk's
     # GEMM writes the buffer, so it needs no zero fill (0.035 ms a step there).
-    gemm_sums = hidden.is_cuda and gw_dtype != mm_dtype and not torch.compiler.is_compiling()
+    gemm_sums = hidden.is_cuda and gw_dtype != mm_dtype and not torch.compiler.is_compiling() and n > 0
     grad_w = None
     if need_gw:
         grad_w = (torch.empty if gemm_sums else torch.zeros)((padded, weight.shape[1]), dtype=gw_dtype,
