@@ -292,3 +292,14 @@ def test_gpu_liger_chunked_naive_agree(autocast, monkeypatch):
     for impl in impls:
         loss, gh, gw = _run(impl, hidden, weight, all_ignored, autocast)
         assert loss.item() == 0.0 and not gh.any() and not gw.any(), impl
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_empty_batch_gives_zero_head_gradient():
+    """No chunk's GEMM writes the head gradient of an empty batch: it must still be zero, not uninitialised."""
+    weight = torch.randn(50257, 64, device="cuda", requires_grad=True)  # padded to 50,304 rows inside
+    stale = torch.ones(50304, 64, device="cuda")  # freed below; the caching allocator hands its block out next
+    del stale
+    hidden = torch.empty(0, 64, device="cuda", requires_grad=True)
+    loss, gh, gw = _run("chunked", hidden, weight, torch.empty(0, dtype=torch.long, device="cuda"), autocast=True)
+    assert loss.item() == 0.0 and gh.shape == (0, 64) and gw.shape == weight.shape and not gw.any()
