@@ -3,7 +3,7 @@
 
 - the fused loss's chunk (``model/loss._chunk_loss_and_grad``, 4,096 rows x vocabulary 50,257, bf16) against the
   same chunk written as inductor's softmax pattern (max, exp of the difference, sum), which inductor can lower to an
-  online softmax;
+  online softmax, and against the GEMM and the Triton row kernel that CUDA runs (kernels/cross_entropy_rows.py);
 - the routers' top-k boundary (``model/routing.topk_boundary``, the batch's (b*k)-th and (b*k+1)-th logits) as a
   sorted top-k of b*k+1 (the form before the forty-first session), an unsorted top-k, a full sort (the form
   since), two ``kthvalue`` calls, and the per-row selection's order (a top-k, then a sort of the indices) against
@@ -20,6 +20,7 @@ import torch
 
 from graph_timing import us_per_call  # this folder's helper (the script's folder is on sys.path)
 
+from hydra_lm.kernels.cross_entropy_rows import cross_entropy_rows
 from hydra_lm.model.loss import _chunk_loss_and_grad
 
 
@@ -36,6 +37,13 @@ def chunk_softmax_pattern(h, w, t, valid, row_scale, vocab: int, need_grad: bool
     part = torch.where(valid, lse - logits.gather(1, safe_t).squeeze(1), torch.zeros_like(lse)).sum()
     hit = torch.arange(logits.shape[1], device=logits.device) == safe_t
     return part, ((e / total - hit.to(acc_dtype)) * row_scale).to(h.dtype)
+
+
+def chunk_row_kernel(h, w, t, valid, row_scale, vocab: int, need_grad: bool):
+    """The chunk as ``loss._chunked_pass`` runs it on CUDA: the GEMM, then the row kernel."""
+    scale = row_scale.max()  # every valid row's scale (1 / rows here)
+    rows, g = cross_entropy_rows(h @ w.t(), torch.where(valid, t, -100), scale, vocab, -100, need_grad)
+    return rows.sum(), g
 
 
 def boundary_sorted_topk(r, k):
@@ -92,9 +100,12 @@ def main() -> None:
     args = (h, w, t, valid, row_scale, vocab, True)
     base, pattern = compile_(_chunk_loss_and_grad), compile_(chunk_softmax_pattern)
     diff = (base(*args)[1].float() - pattern(*args)[1].float()).abs().max().item()
+    loss_diff = (base(*args)[0] - chunk_row_kernel(*args)[0]).abs().item()
+    kernel_diff = (base(*args)[1].float() - chunk_row_kernel(*args)[1].float()).abs().max().item()
     print(f"loss chunk: GEMM alone {us_per_call(lambda: h @ w.t()):.1f} us, logsumexp form "
           f"{us_per_call(lambda: base(*args)):.1f} us, softmax pattern {us_per_call(lambda: pattern(*args)):.1f} us "
-          f"(largest gradient difference {diff:.1e})")
+          f"(largest gradient difference {diff:.1e}), row kernel {us_per_call(lambda: chunk_row_kernel(*args)):.1f} "
+          f"us (loss difference {loss_diff:.1e}, largest gradient difference {kernel_diff:.1e})")
     boundaries = {"sorted top-k": boundary_sorted_topk, "unsorted top-k": boundary_unsorted_topk,
                   "sort": boundary_sort, "kthvalue": boundary_kthvalue}
     orders = {"order: sort": order_by_sort, "order: count": order_by_count, "order: nonzero": order_by_nonzero}

@@ -5,8 +5,9 @@
 keeps at most one chunk of logits alive:
 
 - ``liger``: Liger's fused linear cross-entropy Triton kernel (CUDA only, optional package).
-- ``chunked``: pure PyTorch, chunk by chunk along the tokens, with the gradients computed during the
-  forward; runs everywhere and traces under ``torch.compile(fullgraph=True)``.
+- ``chunked``: chunk by chunk along the tokens, with the gradients computed during the forward; runs
+  everywhere and traces under ``torch.compile(fullgraph=True)``. On CUDA each chunk's softmax and logit
+  gradient is one Triton kernel (kernels/cross_entropy_rows.py), elsewhere PyTorch ops.
 - ``naive``: materialises the logits; the reference the other two are tested against.
 """
 
@@ -65,6 +66,12 @@ def _compute_dtypes(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.d
 _VOCAB_ALIGN = 64
 
 
+def _rows_kernel_applies(hidden: torch.Tensor, acc_dtype: torch.dtype) -> bool:
+    """Whether each chunk's loss and logit gradient run the Triton kernel (kernels/cross_entropy_rows.py, on CUDA;
+    it computes in fp32) instead of ``_chunk_loss_and_grad``."""
+    return hidden.is_cuda and acc_dtype == torch.float32
+
+
 def _chunk_loss_and_grad(h, w, t, valid, row_scale, vocab: int, need_grad: bool):
     """One block of rows: (summed loss, d loss / d logits in ``h``'s dtype or None). ``w`` may have
     padding rows past ``vocab``; their logits are masked out, so their gradient is exactly 0."""
@@ -121,6 +128,7 @@ def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction, 
         scale = 1.0 / valid_all.sum().clamp(min=1).to(acc_dtype)
     else:
         scale = torch.ones((), dtype=acc_dtype, device=hidden.device)
+    kernel = _rows_kernel_applies(hidden, acc_dtype)
     chunk_fn = _chunk_loss_and_grad
     if compile_chunks is not None and not torch.compiler.is_compiling():
         chunk_fn = _compiled_chunk_fn(compile_chunks.get("backend", "inductor"), compile_chunks.get("mode"))
@@ -139,9 +147,16 @@ def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction, 
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
         h = hidden[start:end].to(mm_dtype)
-        valid = valid_all[start:end]
-        row_scale = (valid.to(acc_dtype) * scale).unsqueeze(1)
-        part, g = chunk_fn(h, w, targets[start:end], valid, row_scale, vocab, need_gh or need_gw)
+        if kernel:
+            from ..kernels.cross_entropy_rows import cross_entropy_rows
+
+            rows, g = cross_entropy_rows(h @ w.t(), targets[start:end], scale, vocab, ignore_index,
+                                         need_gh or need_gw)
+            part = rows.sum()
+        else:
+            valid = valid_all[start:end]
+            row_scale = (valid.to(acc_dtype) * scale).unsqueeze(1)
+            part, g = chunk_fn(h, w, targets[start:end], valid, row_scale, vocab, need_gh or need_gw)
         total = total + part
         if need_gh:
             grad_h[start:end] = g @ w
