@@ -36,8 +36,12 @@ class TrainStep:
 
     def autocast(self):
         if self.device.type == "cuda":
-            # Autocast's cast cache would keep tensors across a graph capture's boundary.
-            return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not self.plan.cuda_graph)
+            # Autocast's cast cache off in every step, graphed or not. A captured step must not keep casts across
+            # the capture's boundary; and with the cache, a weight used several times (the recursions' shared
+            # layers) sums its uses' gradients in bf16 before the cast back, without it in fp32, so eager steps'
+            # gradients differed from graphed ones (HYDRA debug model, CPU bf16 autocast: up to 0.17% per tensor;
+            # benchmarks/BENCHMARKS.md, forty-eighth session).
+            return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
         return contextlib.nullcontext()
 
     def micro(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
