@@ -18,7 +18,7 @@ _CATEGORIES = (
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("sort/top-k", ("sort", "topk", "radix", "bitonic")),
     ("gather/scatter", ("gather", "scatter", "index")),
-    ("reduction", ("reduce", "red_", "per_fused_")),  # triton_per_* / triton_red_*: fused reductions
+    ("reduction", ("reduce", "red_", "per_fused_", "_ce_rows")),  # triton_per_* / triton_red_*: fused reductions; the loss kernel
     ("fused pointwise", ("poi_", "triton_")),
     ("copy/fill", ("copy", "memcpy", "memset", "fill", "cat")),
     ("convolution", ("conv",)),
