@@ -18,7 +18,8 @@ _CATEGORIES = (
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("sort/top-k", ("sort", "topk", "radix", "bitonic")),
     ("gather/scatter", ("gather", "scatter", "index")),
-    ("reduction", ("reduce", "red_", "per_fused_", "_ce_rows")),  # triton_per_* / triton_red_*: fused reductions; the loss kernel
+    # triton_per_* / triton_red_*: fused reductions; _ce_rows: the loss kernel (kernels/cross_entropy_rows.py)
+    ("reduction", ("reduce", "red_", "per_fused_", "_ce_rows")),
     ("fused pointwise", ("poi_", "triton_")),
     ("copy/fill", ("copy", "memcpy", "memset", "fill", "cat")),
     ("convolution", ("conv",)),
