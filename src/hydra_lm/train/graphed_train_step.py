@@ -13,17 +13,19 @@ class GraphedTrainStep:
     """The trainer's step as CUDA graphs. ``micro(batch)`` copies one micro-batch into fixed device
     buffers and replays forward + backward, which accumulate into the gradients in place (so it can
     run ``grad_accum`` times per step); ``update()`` replays clipping, the optimizer step and the
-    in-place zeroing of the gradients when ``graph_update`` (a capturable optimizer), else runs them
-    eagerly on the gradients the graph wrote. ``micro_fn(**buffers)`` and ``update_fn()`` are the eager
-    functions; each graph is captured after ``warmup`` eager calls (see ``GraphedStep``).
+    in-place zeroing of the gradients (none with ``write_grads``) when ``graph_update`` (a capturable
+    optimizer), else runs them eagerly on the gradients the graph wrote. ``micro_fn(**buffers)`` and
+    ``update_fn()`` are the eager functions; each graph is captured after ``warmup`` eager calls (see
+    ``GraphedStep``).
 
     ``write_grads`` (the parameters; for a step of one micro-batch): their gradients are set to None
     before the forward + backward is captured, so the captured backward writes each gradient where a
     graph kernel put it instead of adding it to a zeroed ``.grad`` (one fp32 add per parameter and
     step, 5% of a batch-64 step of the 100M model with MoD only; a shared weight's later uses still
     add). The ``.grad`` tensors then live in the graph's memory and every replay rewrites them; the
-    update, which reads them, is captured after the forward + backward. With several micro-batches
-    per step the gradients must accumulate: leave it None."""
+    update, which reads them, is captured after the forward + backward and leaves them; ``reset()``
+    clears them, so the eager warm-up steps before the next capture start from none. With several
+    micro-batches per step the gradients must accumulate: leave it None."""
 
     def __init__(self, micro_fn: Callable[..., Any], update_fn: Callable[[], Any], device: torch.device,
                  warmup: int = 2, graph_update: bool = True, write_grads: list[torch.Tensor] | None = None):
@@ -34,8 +36,8 @@ class GraphedTrainStep:
             for p in write_grads:
                 p.grad = None
 
-        self._micro = GraphedStep(lambda: micro_fn(**self._buffers), warmup,
-                                  before_capture=clear_grads if write_grads else None)
+        self._clear_grads = clear_grads if write_grads else None
+        self._micro = GraphedStep(lambda: micro_fn(**self._buffers), warmup, before_capture=self._clear_grads)
         self._update = GraphedStep(update_fn, warmup) if graph_update else update_fn
 
     @property
@@ -43,6 +45,8 @@ class GraphedTrainStep:
         return self._micro.captured and getattr(self._update, "captured", True)
 
     def reset(self) -> None:
+        if self._clear_grads is not None:
+            self._clear_grads()
         self._micro.reset()
         if isinstance(self._update, GraphedStep):
             self._update.reset()

@@ -28,11 +28,13 @@ class TrainStep:
         self.grad_accum, self.grad_clip = grad_accum, grad_clip
         self.moe_load: torch.Tensor | None = None  # the last micro-batch's per-expert token shares (MoE models)
         self.graphs: GraphedTrainStep | None = None
+        # With one micro-batch a step the captured backward writes the gradients (GraphedTrainStep's write_grads).
+        self.grads_rewritten = plan.cuda_graph and grad_accum == 1
         if plan.cuda_graph:
             if plan.update_graphed:
                 make_capturable(optimizer, device)
-            self.graphs = GraphedTrainStep(self.micro_step, self.update_step, device, graph_warmup,
-                                           plan.update_graphed, write_grads=self.params if grad_accum == 1 else None)
+            self.graphs = GraphedTrainStep(self.micro_step, self.update_step, device, graph_warmup, plan.update_graphed,
+                                           write_grads=self.params if self.grads_rewritten else None)
 
     def autocast(self):
         if self.device.type == "cuda":
@@ -92,6 +94,14 @@ class TrainStep:
         else:  # still measured for the log; clipping by inf would turn an overflowed norm into NaN grads
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         self.optimizer.step()
-        # A captured backward accumulates into gradients that exist: zero them in place instead.
-        self.optimizer.zero_grad(set_to_none=self.graphs is None)
+        # A captured backward accumulates into gradients that exist: zero them in place instead. A captured update
+        # whose backward rewrites them leaves them (zeroing them took 0.1 ms of a 28-ms step of the 100M preset on
+        # an H200; benchmarks/BENCHMARKS.md, forty-eighth session); whoever turns the graphs off clears them.
+        if not (self.grads_rewritten and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            self.optimizer.zero_grad(set_to_none=self.graphs is None)
         return grad_norm
+
+    def drop_graphs(self) -> None:
+        """Run eagerly from now on. The gradients a graphed update left are cleared: eager steps add into them."""
+        self.graphs = None
+        self.optimizer.zero_grad(set_to_none=True)

@@ -141,8 +141,7 @@ class Trainer:
                 graphs.reset()
                 step.graphs = graphs
 
-            switches.append(Switch("CUDA graphs (--cuda_graph)", "cuda_graph", lambda: setattr(step, "graphs", None),
-                                   graphs_on))
+            switches.append(Switch("CUDA graphs (--cuda_graph)", "cuda_graph", step.drop_graphs, graphs_on))
         if step.step_model is not self.wrapped:
             compiled = step.step_model
             switches.append(Switch("torch.compile (--compile)", "compile",
