@@ -22,6 +22,7 @@ import torch.nn.functional as F
 IMPLS = ("auto", "liger", "chunked", "naive")
 REDUCTIONS = ("mean", "sum")
 LIGER_INSTALLED = importlib.util.find_spec("liger_kernel") is not None
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,8 +69,8 @@ _VOCAB_ALIGN = 64
 
 def _rows_kernel_applies(hidden: torch.Tensor, acc_dtype: torch.dtype) -> bool:
     """Whether each chunk's loss and logit gradient run the Triton kernel (kernels/cross_entropy_rows.py, on CUDA;
-    it computes in fp32) instead of ``_chunk_loss_and_grad``."""
-    return hidden.is_cuda and acc_dtype == torch.float32
+    it computes in fp32; Triton installed) instead of ``_chunk_loss_and_grad``."""
+    return hidden.is_cuda and acc_dtype == torch.float32 and TRITON_AVAILABLE
 
 
 def _chunk_loss_and_grad(h, w, t, valid, row_scale, vocab: int, need_grad: bool):
