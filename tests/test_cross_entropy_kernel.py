@@ -64,3 +64,14 @@ def test_the_chunked_loss_through_the_kernel_matches_the_reference(reduction, mo
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     for a, b in zip(got_grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_target_outside_the_vocabulary_makes_its_row_nan_and_reads_nothing_out_of_bounds():
+    from hydra_lm.kernels import cross_entropy_rows as kernel
+
+    logits, targets = _case(torch.float32, n=6, vocab=70, padded=80)
+    targets[:] = torch.tensor([3, 70, -100, 5000, -7, 4])  # 70 is a padding column, 5000 past the row's end
+    loss, grad = kernel.cross_entropy_rows(logits, targets, torch.tensor(1.0, device=DEVICE), 70, -100, True)
+    bad = torch.tensor([False, True, False, True, True, False], device=DEVICE)
+    assert loss[bad].isnan().all() and loss[~bad].isfinite().all() and loss[2] == 0
+    assert grad.isfinite().all() and not grad[:, 70:].any()

@@ -37,9 +37,12 @@ def _ce_rows_kernel(logits_ptr, grad_ptr, targets_ptr, scale_ptr, loss_ptr, stri
     lse = m + tl.log(s)
     t = tl.load(targets_ptr + row)
     valid = t != ignore_index
-    safe_t = tl.where(valid, t, 0)
+    # A target outside the vocabulary reads nothing out of bounds and makes its row's loss NaN, which the trainer's
+    # anomaly check reports (PyTorch's ops would stop the device on an assert).
+    in_range = (t >= 0) & (t < vocab)
+    safe_t = tl.where(valid & in_range, t, 0)
     picked = tl.load(base + safe_t).to(tl.float32)
-    tl.store(loss_ptr + row, tl.where(valid, lse - picked, 0.0))
+    tl.store(loss_ptr + row, tl.where(valid, tl.where(in_range, lse - picked, float("nan")), 0.0))
     if WRITE_GRAD:
         scale = tl.where(valid, tl.load(scale_ptr).to(tl.float32), 0.0)
         out = grad_ptr + row * padded  # the gradient is a fresh contiguous [n, padded]
@@ -56,8 +59,9 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, scale: torch
                        ignore_index: int, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits`` [n, P] (P >= ``vocab``; columns from ``vocab`` on are padding and ignored), ``targets`` [n] with
     ``ignore_index`` for rows that count nothing, ``scale`` a 0-dim tensor: (loss per row in fp32, 0 on ignored
-    rows; with ``need_grad`` the gradient ``(softmax - onehot) * scale`` of the summed loss w.r.t. the logits in
-    their dtype, 0 on ignored rows and padding columns, else an empty tensor)."""
+    rows, NaN where a target lies outside [0, vocab); with ``need_grad`` the gradient ``(softmax - onehot) * scale``
+    of the summed loss w.r.t. the logits in their dtype, 0 on ignored rows and padding columns, else an empty
+    tensor)."""
     if logits.stride(1) != 1:
         raise ValueError("cross_entropy_rows: the logits' columns must be contiguous")
     n, padded = logits.shape
