@@ -139,7 +139,8 @@ def compile_units(model, **kwargs):
       block graphs again): ``block.run_unit`` (recursion embedding, the layer stack, the gated residual
       update) with dynamic token counts, and the routers' selections (``routing.routed_selection``),
       with the gathers and scatters between them eager;
-    - the fused chunked loss's per-chunk work (``ce_impl`` other than "naive"), and MoE blocks.
+    - the fused chunked loss's per-chunk work (``ce_impl`` other than "naive") where its Triton kernel does not
+      run (off CUDA; kernels/cross_entropy_rows.py), and MoE blocks.
 
     Options default to ``fullgraph=True`` (and ``dynamic=True`` for the units). Pair it with a whole-step
     CUDA graph (``hydra_lm.model.cuda_graphs.GraphedStep``) so the eager kernels cost no launch time.
