@@ -130,8 +130,10 @@ def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction, 
     else:
         scale = torch.ones((), dtype=acc_dtype, device=hidden.device)
     kernel = _rows_kernel_applies(hidden, acc_dtype)
+    if kernel:
+        from ..kernels.cross_entropy_rows import cross_entropy_rows  # imports Triton: only where the kernel runs
     chunk_fn = _chunk_loss_and_grad
-    if compile_chunks is not None and not torch.compiler.is_compiling():
+    if not kernel and compile_chunks is not None and not torch.compiler.is_compiling():
         chunk_fn = _compiled_chunk_fn(compile_chunks.get("backend", "inductor"), compile_chunks.get("mode"))
     total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
     grad_h = torch.empty_like(hidden) if need_gh else None
@@ -149,8 +151,6 @@ def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction, 
         end = min(start + chunk_size, n)
         h = hidden[start:end].to(mm_dtype)
         if kernel:
-            from ..kernels.cross_entropy_rows import cross_entropy_rows
-
             rows, g = cross_entropy_rows(h @ w.t(), targets[start:end], scale, vocab, ignore_index,
                                          need_gh or need_gw)
             part = rows.sum()
