@@ -21,7 +21,9 @@ The whole model compiled with its layers as nested compile regions and inductor'
 against the blocks' 1.15x, a 125-183 s cold first step against 109-115 s, and wrong outputs on the CPU
 with torch 2.13 in some layouts (benchmarks/BENCHMARKS.md, thirty-third and thirty-fourth sessions). Inside the
 block graphs, the deep units (at most 16 entries a row) padded to one shape and shared as one nested compile region
-trained 5.5% slower on an H200 and compiled no faster (forty-seventh session, branch ``shared-small-unit``).
+trained 5.5% slower on an H200 and compiled no faster (forty-seventh session, branch ``shared-small-unit``). Blocks
+cut into depth spans so that the two layouts' common chain of depths compiles once (five unit instances instead of
+eight) took the cold first step from 74 to 64 s but trained 3.6% slower (fiftieth session, branch ``depth-spans``).
 """
 
 from __future__ import annotations
