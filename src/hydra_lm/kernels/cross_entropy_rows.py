@@ -37,16 +37,16 @@ def _ce_rows_kernel(logits_ptr, grad_ptr, targets_ptr, scale_ptr, loss_ptr, stri
     lse = m + tl.log(s)
     t = tl.load(targets_ptr + row)
     valid = t != ignore_index
-    # A target outside the vocabulary reads nothing out of bounds and makes its row's loss NaN, which the trainer's
-    # anomaly check reports (PyTorch's ops would stop the device on an assert).
+    # A target outside the vocabulary reads nothing out of bounds, makes its row's loss NaN, which the trainer's
+    # anomaly check reports (PyTorch's ops would stop the device on an assert), and gives its row no gradient.
     in_range = (t >= 0) & (t < vocab)
     safe_t = tl.where(valid & in_range, t, 0)
     picked = tl.load(base + safe_t).to(tl.float32)
     tl.store(loss_ptr + row, tl.where(valid, tl.where(in_range, lse - picked, float("nan")), 0.0))
     if WRITE_GRAD:
-        scale = tl.where(valid, tl.load(scale_ptr).to(tl.float32), 0.0)
+        scale = tl.where(valid & in_range, tl.load(scale_ptr).to(tl.float32), 0.0)
         out = grad_ptr + row * padded  # the gradient is a fresh contiguous [n, padded]
-        # Pass 2: d loss / d logits; 0 on the padding columns and on ignored rows.
+        # Pass 2: d loss / d logits; 0 on the padding columns and on ignored or out-of-vocabulary rows.
         for start in range(0, padded, BLOCK):
             c = start + cols
             x = tl.load(base + c, mask=c < vocab, other=float("-inf")).to(tl.float32)
@@ -60,8 +60,8 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, scale: torch
     """``logits`` [n, P] (P >= ``vocab``; columns from ``vocab`` on are padding and ignored), ``targets`` [n] with
     ``ignore_index`` for rows that count nothing, ``scale`` a 0-dim tensor: (loss per row in fp32, 0 on ignored
     rows, NaN where a target lies outside [0, vocab); with ``need_grad`` the gradient ``(softmax - onehot) * scale``
-    of the summed loss w.r.t. the logits in their dtype, 0 on ignored rows and padding columns, else an empty
-    tensor)."""
+    of the summed loss w.r.t. the logits in their dtype, 0 on ignored and out-of-vocabulary rows and on padding
+    columns, else an empty tensor)."""
     if logits.stride(1) != 1:
         raise ValueError("cross_entropy_rows: the logits' columns must be contiguous")
     n, padded = logits.shape
