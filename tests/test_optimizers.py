@@ -215,3 +215,28 @@ def test_muon_step_is_torch_muon_and_takes_a_tensor_learning_rate():
         assert torch.allclose(a, b, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="2-D"):
         Muon([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+
+
+@pytest.mark.parametrize("clip", [0.05, 1e6])
+def test_clipping_inside_the_fused_update_gives_clip_grad_norm_s_step(clip):
+    """With torch's fused AdamW the step's clipping factor rides on the update (``grad_scale``): the same
+    parameters, stored gradients and norm as ``clip_grad_norm_`` followed by the update, clipping or not."""
+    from hydra_lm.train.compile_policy import SpeedPlan
+    from hydra_lm.train.step import TrainStep
+
+    plan = SpeedPlan(None, "default", False, "naive", 4096)
+    results = []
+    for fused in (True, False):
+        model = tiny_model().double()
+        for i, p in enumerate(model.parameters()):
+            p.grad = torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(i))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        step = TrainStep(model, model, optimizer, torch.device("cpu"), plan, grad_clip=clip)
+        assert step.clip_in_update == fused
+        norm = step.update()
+        results.append((norm, [p.detach().clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)  # the fused update's scale is fp32
+    assert not TrainStep(model, model, torch.optim.AdamW(model.parameters(), fused=True), torch.device("cpu"), plan,
+                         grad_clip=0.0).clip_in_update
