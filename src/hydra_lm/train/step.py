@@ -92,8 +92,9 @@ class TrainStep:
         """Clip (or only measure) the gradient norm, step the optimizer, clear the gradients."""
         if self.clip_in_update:
             # clip_grad_norm_'s factor, applied by the fused update as it reads each gradient (it divides by
-            # grad_scale and stores the result): no pass over the gradients of its own (0.23 ms of a 27.5-ms
-            # step of the 100M preset on an H200; benchmarks/BENCHMARKS.md, fifty-first session).
+            # grad_scale and stores the result): no pass over the gradients of its own, which took 0.23 ms of a
+            # 27.5-ms step of the 100M preset on an H200 (+0.3% tokens/s; benchmarks/BENCHMARKS.md, fifty-first
+            # session).
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
             factor = torch.clamp(self.grad_clip / (grad_norm + 1e-6), max=1.0)
             self.optimizer.grad_scale = (1.0 / factor).float()  # the kernel reads an fp32 scale
