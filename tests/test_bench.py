@@ -204,6 +204,22 @@ def test_kernel_summary_per_step_category_and_top():
     assert "gemm" in format_profile("hydra", {"trace": None, **summary})
 
 
+def test_device_idle_time_counts_the_gaps_between_kernels_and_those_after_memsets():
+    from hydra_lm.diagnostics.step_profile import device_idle, format_profile, summarize_kernels
+
+    # (start us, end us, name) over 2 steps: a 4-ms gap after a memset, a 1-ms gap after a kernel, an event on a
+    # second stream inside another (no gap), unsorted as a profiler may list them
+    events = [(20e3, 30e3, "nvjet_gemm"), (0.0, 10e3, "triton_poi_fused_add_0"), (10e3, 11e3, "Memset (Device)"),
+              (15e3, 19e3, "triton_red_fused_sum_1"), (21e3, 25e3, "triton_poi_fused_mul_2"),
+              (30e3, 31e3, "Memset (Device)")]
+    idle = device_idle(events, steps=2)
+    assert idle == {"idle_ms_per_step": pytest.approx(2.5), "idle_after_memsets_ms_per_step": pytest.approx(2.0),
+                    "memsets_per_step": 1.0}
+    summary = summarize_kernels([(name, stop - start) for start, stop, name in events], steps=2)
+    assert "idle between kernels 2.50 ms/step, 2.00 ms of it after the 1 memsets a step" in \
+        format_profile("hydra", {"trace": None, **summary, **idle})
+
+
 def test_every_kernel_goes_to_a_table_small_enough_to_bring_back(tmp_path):
     import csv
 

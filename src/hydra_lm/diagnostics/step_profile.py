@@ -57,11 +57,30 @@ def profile_steps(step: Callable[[], None], steps: int, device: torch.device, ou
         return {"trace": trace, "device_ms_per_step": None, "categories_ms": {}, "top_kernels": []}
     # Device-side events only (the kernels themselves; not the ranges user annotations such as
     # the optimizer's step draw on the GPU timeline), so nothing counts twice.
-    kernels = [(e.name, e.device_time_total) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
+    kernels = [(e.name, e.device_time_total) for e in events]
     if out_dir:
         write_kernel_table(os.path.join(out_dir, f"kernels_{tag}.csv"), summarize_kernels(kernels, steps, None))
-    return {"trace": trace, **summarize_kernels(kernels, steps, top)}
+    idle = device_idle([(e.time_range.start, e.time_range.end, e.name) for e in events], steps)
+    return {"trace": trace, **summarize_kernels(kernels, steps, top), **idle}
+
+
+def device_idle(intervals: list[tuple[float, float, str]], steps: int) -> dict[str, float]:
+    """(start us, end us, name) of the device's kernels, copies and memsets over ``steps`` steps -> ms a step the
+    device ran none of them between the first start and the last end, and the part of it that directly follows
+    a memset (in a captured graph a kernel after a memset node starts microseconds late: the step's libraries,
+    cub's sorts, cuDNN's attention and cuBLAS, set a few bytes before many of their kernels)."""
+    idle = after_memsets = 0.0
+    end, last, memsets = None, "", 0
+    for start, stop, name in sorted(intervals):
+        memsets += name.startswith("Memset")
+        if end is not None and start > end:
+            idle += start - end
+            after_memsets += (start - end) if last.startswith("Memset") else 0.0
+        if end is None or stop >= end:  # overlapping events (several streams) leave no gap
+            end, last = stop, name
+    return {"idle_ms_per_step": idle / 1e3 / steps, "idle_after_memsets_ms_per_step": after_memsets / 1e3 / steps,
+            "memsets_per_step": memsets / steps}
 
 
 def write_kernel_table(path: str, summary: dict[str, Any]) -> None:
@@ -102,6 +121,10 @@ def format_profile(arch: str, profile: dict[str, Any]) -> str:
     lines = [f"{arch}: kernel time {total:.1f} ms/step over {profile['kernels_per_step']:.0f} kernels/step"
              f" (trace: {profile['trace']})"]
     lines += [f"  {cat:<16}{ms:8.2f} ms {ms / total:6.1%}" for cat, ms in profile["categories_ms"].items()]
+    if profile.get("idle_ms_per_step") is not None:
+        lines.append(f"  idle between kernels {profile['idle_ms_per_step']:.2f} ms/step, "
+                     f"{profile['idle_after_memsets_ms_per_step']:.2f} ms of it after the "
+                     f"{profile['memsets_per_step']:.0f} memsets a step")
     lines.append("  top kernels:")
     lines += [f"  {k['ms']:8.2f} ms x{k['calls']:<6.0f} {k['category']:<16}{k['name'][:90]}"
               for k in profile["top_kernels"]]
