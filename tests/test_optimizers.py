@@ -238,5 +238,9 @@ def test_clipping_inside_the_fused_update_gives_clip_grad_norm_s_step(clip):
     torch.testing.assert_close(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)  # the fused update's scale is fp32
-    assert not TrainStep(model, model, torch.optim.AdamW(model.parameters(), fused=True), torch.device("cpu"), plan,
-                         grad_clip=0.0).clip_in_update
+    # an optimizer handed on to a step that does not clip in its update keeps no factor from the last one
+    reused = torch.optim.AdamW(model.parameters(), fused=True)
+    TrainStep(model, model, reused, torch.device("cpu"), plan, grad_clip=clip).update()
+    assert reused.grad_scale is not None
+    assert not TrainStep(model, model, reused, torch.device("cpu"), plan, grad_clip=0.0).clip_in_update
+    assert reused.grad_scale is None

@@ -27,6 +27,8 @@ class TrainStep:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grad_accum, self.grad_clip = grad_accum, grad_clip
         self.clip_in_update = grad_clip > 0 and _unscales_in_update(optimizer, self.params)
+        if not self.clip_in_update and getattr(optimizer, "grad_scale", None) is not None:
+            optimizer.grad_scale = None  # a factor left by an earlier step's clipping would scale every update
         self.moe_load: torch.Tensor | None = None  # the last micro-batch's per-expert token shares (MoE models)
         self.graphs: GraphedTrainStep | None = None
         # With one micro-batch a step the captured backward writes the gradients (GraphedTrainStep's write_grads).
