@@ -220,7 +220,7 @@ def test_muon_step_is_torch_muon_and_takes_a_tensor_learning_rate():
 @pytest.mark.parametrize("clip", [0.05, 1e6])
 def test_clipping_inside_the_fused_update_gives_clip_grad_norm_s_step(clip):
     """With torch's fused AdamW the step's clipping factor rides on the update (``grad_scale``): the same
-    parameters, stored gradients and norm as ``clip_grad_norm_`` followed by the update, clipping or not."""
+    parameters and norm as ``clip_grad_norm_`` followed by the unfused update, clipping or not."""
     from hydra_lm.train.compile_policy import SpeedPlan
     from hydra_lm.train.step import TrainStep
 

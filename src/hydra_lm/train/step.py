@@ -92,18 +92,17 @@ class TrainStep:
 
     def update_step(self) -> torch.Tensor:
         """Clip (or only measure) the gradient norm, step the optimizer, clear the gradients."""
+        if self.grad_clip > 0 and not self.clip_in_update:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        else:  # without clipping still measured for the log (clipping by inf would turn an overflow into NaN grads)
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         if self.clip_in_update:
             # clip_grad_norm_'s factor, applied by the fused update as it reads each gradient (it divides by
             # grad_scale and stores the result): no pass over the gradients of its own, which took 0.23 ms of a
             # 27.5-ms step of the 100M preset on an H200 (+0.3% tokens/s; benchmarks/BENCHMARKS.md, fifty-first
             # session).
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
             factor = torch.clamp(self.grad_clip / (grad_norm + 1e-6), max=1.0)
             self.optimizer.grad_scale = (1.0 / factor).float()  # the kernel reads an fp32 scale
-        elif self.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-        else:  # still measured for the log; clipping by inf would turn an overflowed norm into NaN grads
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         self.optimizer.step()
         # A captured backward accumulates into gradients that exist: zero them in place instead. A captured update
         # whose backward rewrites them leaves them (zeroing them took 0.1 ms of a 28-ms step of the 100M preset on
