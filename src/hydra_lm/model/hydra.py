@@ -28,6 +28,7 @@ from .layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, init_weig
 from .moe import MoEFeedForward, grouped_mm_dtype
 from .routing import ROUTING_MODES, depth_fractions
 from .sampling import sample_next
+from .tied_lookup import HeadGradientSlot, kernel_applies, tied_lookup
 
 
 def moe_positions(n_blocks: int, n_moe: int) -> list[int]:
@@ -76,6 +77,8 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         self._init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        # Tied: the fused loss's backward leaves the head gradient here for the lookup's to add into (tied_lookup).
+        self._head_grad = HeadGradientSlot() if cfg.tie_embeddings else None
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -154,13 +157,16 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         # A tensor of its own, not a view: routed units pass gathered positions (not views) to the
         # same compiled unit, and a view would make its guards differ (compile_policy.compile_units).
         pos = torch.arange(t, device=input_ids.device).repeat(b, 1)
-        x = self.embed(input_ids)
+        fused_tied = (self._head_grad is not None and targets is not None and self.ce_impl != "naive"
+                      and torch.is_grad_enabled() and kernel_applies(self.embed.weight))
+        slot = self._head_grad if fused_tied else None
+        x = tied_lookup(input_ids, self.embed.weight, slot)
         # Here, not inside a compiled unit: a bad backend's error is then ours, not Dynamo's, and the
         # row's mask is built once for every unit that sees the whole row.
         doc = None if doc_ids is None else documents_for(doc_ids, self.config.doc_mask_backend,
                                                            self.config.head_dim, x.dtype)
         x, out = self._trunk(x, pos, self.routing_mode(routing), None, doc)
-        ce, logits = self._head(x, targets)
+        ce, logits = self._head(x, targets, slot)
         if logits is not None:
             out["logits"] = logits
         if targets is not None:
@@ -168,13 +174,15 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             out["loss"] = self.total_loss(ce, out)
         return out
 
-    def _head(self, x: torch.Tensor, targets: torch.Tensor | None):
-        """Final norm, LM head and (with targets) the cross-entropy: (ce or None, logits or None)."""
+    def _head(self, x: torch.Tensor, targets: torch.Tensor | None, head_grad: HeadGradientSlot | None = None):
+        """Final norm, LM head and (with targets) the cross-entropy: (ce or None, logits or None). ``head_grad``:
+        where the fused loss's backward leaves the head's gradient (``tied_lookup``)."""
         h = self.norm(x)
         if targets is not None and self.ce_impl != "naive":
             # Fused head + loss: the [B, T, V] logits are never materialised.
             return linear_cross_entropy(h, self.lm_head.weight, targets, ignore_index=-100, impl=self.ce_impl,
-                                        chunk_size=self.ce_chunk_size, compile_chunks=self.ce_compile), None
+                                        chunk_size=self.ce_chunk_size, compile_chunks=self.ce_compile,
+                                        grad_sink=head_grad), None
         logits = self.lm_head(h)
         if targets is None:
             return None, logits

@@ -179,10 +179,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     there and backward only scales it: no logits are kept or recomputed between the two."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, reduction, need_gh, need_gw, compile_chunks):
+    def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, reduction, need_gh, need_gw, compile_chunks,
+                grad_sink):
         loss, grad_h, grad_w = _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction,
                                              need_gh, need_gw, compile_chunks)
-        ctx.need_gh, ctx.need_gw = need_gh, need_gw
+        ctx.need_gh, ctx.need_gw, ctx.grad_sink = need_gh, need_gw, grad_sink
         ctx.save_for_backward(*[g for g in (grad_h, grad_w) if g is not None])
         return loss
 
@@ -191,7 +192,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         saved = iter(ctx.saved_tensors)
         grad_h = next(saved) * grad_loss if ctx.need_gh else None
         grad_w = next(saved) * grad_loss if ctx.need_gw else None
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        if grad_w is not None and ctx.grad_sink is not None:
+            ctx.grad_sink.put(grad_w)  # the tied lookup's backward adds its rows into it (model/tied_lookup.py)
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
 def _check(hidden, weight, targets, chunk_size, reduction):
@@ -208,12 +211,14 @@ def _check(hidden, weight, targets, chunk_size, reduction):
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                  ignore_index: int = -100, chunk_size: int = 4096,
-                                 reduction: str = "mean", compile_chunks: dict | None = None) -> torch.Tensor:
+                                 reduction: str = "mean", compile_chunks: dict | None = None,
+                                 grad_sink=None) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` (hidden [..., E], weight [V, E], targets [...]) over
     the targets that are not ``ignore_index``; at most ``chunk_size`` rows of logits exist at once.
     ``mean`` over zero valid targets is 0 (``F.cross_entropy`` gives NaN). ``compile_chunks``
     ({"backend", "mode"}): each chunk's work as one compiled graph, for callers that do not compile
-    the loss themselves."""
+    the loss themselves. ``grad_sink`` (a ``tied_lookup.HeadGradientSlot``): the backward also puts the weight's
+    gradient there, the tensor it returns."""
     _check(hidden, weight, targets, chunk_size, reduction)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1)
@@ -223,7 +228,7 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, tar
         return _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction, False, False,
                              compile_chunks)[0]
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, ignore_index, chunk_size, reduction,
-                                            need_gh, need_gw, compile_chunks)
+                                            need_gh, need_gw, compile_chunks, grad_sink)
 
 
 def naive_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -242,17 +247,18 @@ def naive_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          ignore_index: int = -100, impl: str = "auto", chunk_size: int = 4096,
-                         reduction: str = "mean", compile_chunks: dict | None = None) -> torch.Tensor:
+                         reduction: str = "mean", compile_chunks: dict | None = None,
+                         grad_sink=None) -> torch.Tensor:
     """Cross-entropy of the LM head ``hidden @ weight.T`` against ``targets`` through the
     implementation ``impl`` picks (see the module docstring). ``auto``: Liger on CUDA when it is
-    installed and enabled, outside ``torch.compile``; otherwise ``chunked`` (``compile_chunks``: see
-    ``chunked_linear_cross_entropy``)."""
+    installed and enabled, outside ``torch.compile``; otherwise ``chunked`` (``compile_chunks``, ``grad_sink``: see
+    ``chunked_linear_cross_entropy``; the other paths leave ``grad_sink`` empty)."""
     chosen = resolve_impl(impl, hidden.device)
     if chosen == "naive":
         return naive_linear_cross_entropy(hidden, weight, targets, ignore_index, reduction)
     if chosen == "chunked":
         return chunked_linear_cross_entropy(hidden, weight, targets, ignore_index, chunk_size, reduction,
-                                            compile_chunks)
+                                            compile_chunks, grad_sink)
     _check(hidden, weight, targets, chunk_size, reduction)
     flat_h = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     return _liger_loss(ignore_index, reduction)(weight, flat_h, targets.reshape(-1).contiguous())
