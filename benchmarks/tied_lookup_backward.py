@@ -99,7 +99,7 @@ if __name__ == "__main__":
     VOCAB = args.vocab
     torch.manual_seed(0)
     device = torch.device("cuda")
-    print(f"{'ids':<10}{'way':<15}{'us':>9}{'max err':>11}{'same bits':>11}  graph")
+    print(f"{'ids':<14}{'way':<15}{'us':>9}{'max err':>11}{'same bits':>11}  graph")
     for kind in ("uniform", "zipf", "one_id_10pct"):
         ids = token_ids(kind, args.rows, args.vocab, device)
         rows = torch.randn(args.rows, args.width, device=device)
@@ -110,5 +110,5 @@ if __name__ == "__main__":
             us = microseconds(fn, fresh(), ids, rows)
             a, b = fn(fresh(), ids, rows), fn(fresh(), ids, rows)
             err = (a.double() - exact).abs().max().item()
-            print(f"{kind:<10}{name:<15}{us:>9.1f}{err:>11.2e}{str(torch.equal(a, b)):>11}  "
+            print(f"{kind:<14}{name:<15}{us:>9.1f}{err:>11.2e}{str(torch.equal(a, b)):>11}  "
                   f"{graph_holds(fn, fresh(), ids, rows)}  (most frequent id: {torch.bincount(ids).max().item()} rows)")
