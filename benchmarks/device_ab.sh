@@ -6,7 +6,8 @@
 # H100 a tree's two rounds agreed within 0.1%, benchmarks/BENCHMARKS.md, twenty-seventh session).
 #   bash benchmarks/device_ab.sh OTHER_TREE ROUNDS [bench flags...]
 # Writes each run's log and JSON to $OUT (when set, else ./ab_runs) and prints a table last (with
-# `--inference`, each run's decode tokens/s per batch too).
+# `--inference`, each run's decode tokens/s per batch too). AB_SHARED_CACHE=1: both trees share one inductor
+# cache, so only the first run compiles cold (where the change leaves the compiled graphs alone: a shorter call).
 set -uo pipefail
 other=$(cd "${1:?usage: device_ab.sh OTHER_TREE ROUNDS [bench flags...]}" && pwd)
 rounds=${2:?ROUNDS}
@@ -18,7 +19,8 @@ caches=$(mktemp -d)
 for round in $(seq "$rounds"); do
   for side in A B; do
     tree=$here; [ "$side" = B ] && tree=$other
-    (cd "$tree" && TORCHINDUCTOR_CACHE_DIR=$caches/$side PYTHONPATH="$tree/src${PYTHONPATH:+:$PYTHONPATH}" \
+    cache=$caches/$side; [ "${AB_SHARED_CACHE:-0}" = 1 ] && cache=$caches/shared
+    (cd "$tree" && TORCHINDUCTOR_CACHE_DIR=$cache PYTHONPATH="$tree/src${PYTHONPATH:+:$PYTHONPATH}" \
       python -m hydra_lm bench "$@" --json "$out/ab_${side}_$round.json" > "$out/ab_${side}_$round.log" 2>&1) \
       || echo "$side round $round failed: $out/ab_${side}_$round.log"
   done
