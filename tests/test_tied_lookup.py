@@ -43,7 +43,7 @@ def test_sorted_rows_add_rejects_mismatched_shapes():
         sorted_index_add_(torch.zeros(4, 3), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4))
 
 
-def _tied_grads(monkeypatch, kernel: bool, ce_impl: str = "chunked", micro_batches: int = 1):
+def _tied_grads(monkeypatch, kernel: bool, ce_impl: str = "chunked", micro_batches: int = 1, together: bool = False):
     from hydra_lm.kernels import sorted_index_add
     from hydra_lm.model import hydra
 
@@ -54,20 +54,27 @@ def _tied_grads(monkeypatch, kernel: bool, ce_impl: str = "chunked", micro_batch
     model = tiny_model(seed=3).to(DEVICE)
     model.ce_impl = ce_impl
     g = torch.Generator().manual_seed(1)
+    total = 0.0
     for _ in range(micro_batches):
         ids = torch.randint(0, model.config.vocab_size, (3, 40), generator=g)
         ids[:, ::3] = 5  # a frequent token
         out = model(ids.to(DEVICE), targets=torch.roll(ids, -1, 1).to(DEVICE))
-        (out["loss"] * 0.5).backward()  # an upstream factor the head's gradient carries
-    assert model._head_grad.take() is None  # handed over, not kept
+        if together:  # forwards first, one backward through all of them: each lookup adds into its own loss's
+            total = total + out["loss"]
+        else:
+            (out["loss"] * 0.5).backward()  # an upstream factor the head's gradient carries
+    if together:
+        total.backward()
     assert len(calls) == (micro_batches if kernel and ce_impl != "naive" else 0)
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2], ids=["one_backward", "accumulated"])
-def test_a_tied_model_gets_autograds_gradients_with_the_lookup_added_into_the_head(monkeypatch, micro_batches):
-    got = _tied_grads(monkeypatch, kernel=True, micro_batches=micro_batches)
-    expected = _tied_grads(monkeypatch, kernel=False, micro_batches=micro_batches)
+@pytest.mark.parametrize("micro_batches,together", [(1, False), (2, False), (2, True)],
+                         ids=["one_backward", "accumulated", "two_forwards_one_backward"])
+def test_a_tied_model_gets_autograds_gradients_with_the_lookup_added_into_the_head(monkeypatch, micro_batches,
+                                                                                    together):
+    got = _tied_grads(monkeypatch, kernel=True, micro_batches=micro_batches, together=together)
+    expected = _tied_grads(monkeypatch, kernel=False, micro_batches=micro_batches, together=together)
     assert got.keys() == expected.keys() and "embed.weight" in got
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -89,18 +96,27 @@ def test_without_a_head_gradient_the_lookup_backward_is_the_embeddings(monkeypat
     assert all(torch.equal(naive[name], reference[name]) for name in reference)
 
 
-def test_the_head_gradient_the_loss_returns_is_the_one_it_hands_over():
+def test_the_loss_hands_its_head_gradient_to_the_lookup_which_returns_it():
     from hydra_lm.model.loss import chunked_linear_cross_entropy
-    from hydra_lm.model.tied_lookup import HeadGradientSlot
+    from hydra_lm.model.tied_lookup import HeadGradientSlot, tied_lookup
 
     weight = torch.randn(13, 8, device=DEVICE, requires_grad=True)
     hidden = torch.randn(5, 8, device=DEVICE)
     targets = torch.randint(0, 13, (5,), device=DEVICE)
     slot = HeadGradientSlot()
-    seen = []
-    weight.register_hook(lambda grad: seen.append(grad))
     chunked_linear_cross_entropy(hidden, weight, targets, chunk_size=2, grad_sink=slot).backward()
     handed = slot.take()
-    assert handed is not None and handed is seen[0]
+    assert weight.grad is None  # left for the lookup to return
     expected = torch.autograd.grad(F.cross_entropy(hidden @ weight.t(), targets), weight)[0]
     torch.testing.assert_close(handed, expected)
+    # The lookup returns that very tensor, and autograd makes it the gradient without a copy (no other reference
+    # to it left, as in the model).
+    ids = torch.tensor([[2, 2, 7]], device=DEVICE)
+    memory = handed.data_ptr()
+    slot.put(handed)
+    del handed
+    (tied_lookup(ids, weight, slot) * 1.5).sum().backward()
+    assert weight.grad.data_ptr() == memory
+    expected[2] += 3.0
+    expected[7] += 1.5
+    torch.testing.assert_close(weight.grad, expected)

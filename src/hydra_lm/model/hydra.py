@@ -77,8 +77,6 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         self._init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        # Tied: the fused loss's backward leaves the head gradient here for the lookup's to add into (tied_lookup).
-        self._head_grad = HeadGradientSlot() if cfg.tie_embeddings else None
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -157,9 +155,11 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         # A tensor of its own, not a view: routed units pass gathered positions (not views) to the
         # same compiled unit, and a view would make its guards differ (compile_policy.compile_units).
         pos = torch.arange(t, device=input_ids.device).repeat(b, 1)
-        fused_tied = (self._head_grad is not None and targets is not None and self.ce_impl != "naive"
+        # Tied weights and the fused loss: its backward leaves the head's gradient in a slot of this forward's own
+        # for the lookup's backward to add into (tied_lookup).
+        fused_tied = (self.config.tie_embeddings and targets is not None and self.ce_impl != "naive"
                       and torch.is_grad_enabled() and kernel_applies(self.embed.weight))
-        slot = self._head_grad if fused_tied else None
+        slot = HeadGradientSlot() if fused_tied else None
         x = tied_lookup(input_ids, self.embed.weight, slot)
         # Here, not inside a compiled unit: a bad backend's error is then ours, not Dynamo's, and the
         # row's mask is built once for every unit that sees the whole row.

@@ -193,7 +193,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h = next(saved) * grad_loss if ctx.need_gh else None
         grad_w = next(saved) * grad_loss if ctx.need_gw else None
         if grad_w is not None and ctx.grad_sink is not None:
-            ctx.grad_sink.put(grad_w)  # the tied lookup's backward adds its rows into it (model/tied_lookup.py)
+            # The tied lookup's backward adds its rows into it and returns it as the weight's gradient
+            # (model/tied_lookup.py).
+            ctx.grad_sink.put(grad_w)
+            grad_w = None
         return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
@@ -217,8 +220,8 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, tar
     the targets that are not ``ignore_index``; at most ``chunk_size`` rows of logits exist at once.
     ``mean`` over zero valid targets is 0 (``F.cross_entropy`` gives NaN). ``compile_chunks``
     ({"backend", "mode"}): each chunk's work as one compiled graph, for callers that do not compile
-    the loss themselves. ``grad_sink`` (a ``tied_lookup.HeadGradientSlot``): the backward also puts the weight's
-    gradient there, the tensor it returns."""
+    the loss themselves. ``grad_sink`` (a ``tied_lookup.HeadGradientSlot``): the backward puts the weight's gradient
+    there instead of returning it, for the tied lookup's backward to complete and return."""
     _check(hidden, weight, targets, chunk_size, reduction)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1)

@@ -4,11 +4,13 @@ With tied weights autograd sums two [V, E] gradients for the one matrix: the hea
 lookup's, which ``nn.Embedding`` writes as a dense [V, E] tensor, zero but for the rows of the batch's tokens. At
 vocabulary 50,257 and width 768 building that tensor and adding it took about 0.46 ms of a 27.5-ms step of the 100M
 preset on an H200. Here the fused loss leaves its head gradient in a ``HeadGradientSlot`` (its backward runs first:
-the loss is the last op of the forward) and the lookup's backward adds each token's row into it
-(``kernels/sorted_index_add.py``: deterministic, so a resumed run repeats the uninterrupted one bit for bit), then
-gives autograd no gradient of its own; autograd accumulates the head's tensor, now holding both, into ``.grad``
-after both backwards have run. Without a head gradient in the slot (another loss path, no targets) the lookup's
-backward is ``nn.Embedding``'s.
+the loss is the last op of the forward) instead of returning it, and the lookup's backward adds each token's row
+into it (``kernels/sorted_index_add.py``: deterministic, so a resumed run repeats the uninterrupted one bit for bit)
+and returns it as the weight's one gradient from that forward. Autograd takes it as ``.grad`` without a copy, or
+sums it with other forwards' as usual. The lookup returns what the loss handed over rather than the loss returning a
+tensor the lookup later changes: autograd may already have summed that tensor into another forward's gradient by
+then (tested: two forwards, one backward). A slot serves one forward. Without a head gradient in it (another loss
+path) the lookup's backward is ``nn.Embedding``'s.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ class HeadGradientSlot:
         self._grad = grad
 
     def take(self) -> torch.Tensor | None:
-        # Handed over, not kept: a second reference would stop autograd from taking the tensor as ``.grad``
-        # without a copy.
+        # Handed over, not kept: a second reference would stop autograd from taking the tensor as ``.grad`` without a
+        # copy.
         grad, self._grad = self._grad, None
         return grad
 
@@ -62,13 +64,12 @@ class _TiedLookup(torch.autograd.Function):
             return None, torch.ops.aten.embedding_dense_backward(rows, flat_ids, ctx.num_weights, -1, False), None
         from ..kernels.sorted_index_add import sorted_index_add_  # imports Triton: only where the kernel runs
 
-        sorted_index_add_(head, flat_ids, rows.contiguous())
-        return None, None, None
+        return None, sorted_index_add_(head, flat_ids, rows.contiguous()), None
 
 
 def tied_lookup(ids: torch.Tensor, weight: torch.Tensor, slot: HeadGradientSlot | None) -> torch.Tensor:
-    """``F.embedding(ids, weight)``; with ``slot``, its backward adds into the head gradient the slot holds then."""
+    """``F.embedding(ids, weight)``; with ``slot`` (one per forward, shared with that forward's loss), its backward
+    adds into the head gradient the slot holds then."""
     if slot is None:
         return F.embedding(ids, weight)
-    slot.take()  # left by a backward that never reached a lookup: not this forward's
     return _TiedLookup.apply(ids, weight, slot)
