@@ -61,15 +61,16 @@ def _boundary_kernel(x_ptr, out_ptr, n, m, BLOCK: tl.constexpr):
     tl.store(out_ptr, 0.5 * (lower + upper))
 
 
-def selected_boundary(r: torch.Tensor, k: int) -> torch.Tensor:
-    """``topk_boundary(r, k)`` by selection: the midpoint of the pooled (B x k)-th and (B x k + 1)-th highest logits."""
+def selected_boundary(r: torch.Tensor, k: int, block: int = 4096, warps: int = 8) -> torch.Tensor:
+    """``topk_boundary(r, k)`` by selection: the midpoint of the pooled (B x k)-th and (B x k + 1)-th highest logits.
+    ``block``: logits the program holds per step of a pass (a pass over more loops)."""
     flat = r.reshape(-1).float().contiguous()
     n_sel = r.shape[0] * k
     if n_sel >= flat.shape[0]:
         return flat.amin() - 1.0
     out = torch.empty((), dtype=torch.float32, device=r.device)
     # Descending ranks n_sel - 1 and n_sel are ascending ranks n - n_sel and n - n_sel - 1.
-    _boundary_kernel[(1,)](flat, out, flat.shape[0], flat.shape[0] - n_sel, BLOCK=1024 if flat.is_cuda else 256)
+    _boundary_kernel[(1,)](flat, out, flat.shape[0], flat.shape[0] - n_sel, BLOCK=block, num_warps=warps)
     return out.to(r.dtype)
 
 
@@ -82,8 +83,10 @@ def check(device: torch.device) -> None:
             if spread == 0.0:
                 r = torch.zeros(shape, dtype=dtype, device=device)
                 r.view(-1)[::3] = -0.0
-            want, got = topk_boundary(r, k), selected_boundary(r, k)
-            assert torch.equal(want, got), (shape, k, dtype, want, got)
+            want = topk_boundary(r, k)
+            for block in (64, 1024):  # several steps a pass, and one
+                got = selected_boundary(r, k, block=block)
+                assert torch.equal(want, got), (shape, k, dtype, block, want, got)
     print("selection == sort on", device)
 
 
@@ -114,9 +117,12 @@ if __name__ == "__main__":
     check(device)
     if args.check_only or device.type == "cpu":
         raise SystemExit(0)
-    print(f"{'logits':<14}{'k':>6}{'sort us':>10}{'select us':>11}  (replayed in a CUDA graph)")
+    settings = [(1024, 4), (4096, 8), (16384, 16)]
+    print(f"{'logits':<14}{'k':>6}{'sort us':>10}" + "".join(f"{f'select {b}/{w}w':>18}" for b, w in settings)
+          + "  (us a call replayed in a CUDA graph; select: logits a step / warps)")
     for rows, n, k in [(16, 1024, 128), (16, 128, 16), (16, 16, 2), (64, 1024, 128), (16, 4096, 512)]:
         r = torch.randn(rows, n, device=device)
-        sort_us = microseconds(lambda: topk_boundary(r, k))  # noqa: B023 (timed before the loop moves on)
-        select_us = microseconds(lambda: selected_boundary(r, k))  # noqa: B023
-        print(f"{f'{rows} x {n}':<14}{k:>6}{sort_us:>10.1f}{select_us:>11.1f}")
+        times = [microseconds(lambda: topk_boundary(r, k))]  # noqa: B023 (timed before the loop moves on)
+        times += [microseconds(lambda: selected_boundary(r, k, b, w)) for b, w in settings]  # noqa: B023
+        print(f"{f'{rows} x {n}':<14}{k:>6}" + "".join(f"{t:>10.1f}" if i == 0 else f"{t:>18.1f}"
+                                                     for i, t in enumerate(times)))
