@@ -103,11 +103,17 @@ def test_the_loss_hands_its_head_gradient_to_the_lookup_which_returns_it():
     weight = torch.randn(13, 8, device=DEVICE, requires_grad=True)
     hidden = torch.randn(5, 8, device=DEVICE)
     targets = torch.randint(0, 13, (5,), device=DEVICE)
+    expected = torch.autograd.grad(F.cross_entropy(hidden @ weight.t(), targets), weight)[0]
+    # Hidden states that need no gradient: no backward would reach a lookup, so the loss keeps its gradient.
     slot = HeadGradientSlot()
+    chunked_linear_cross_entropy(hidden, weight, targets, chunk_size=2, grad_sink=slot).backward()
+    assert slot.take() is None
+    torch.testing.assert_close(weight.grad, expected)
+    weight.grad = None
+    hidden.requires_grad_()
     chunked_linear_cross_entropy(hidden, weight, targets, chunk_size=2, grad_sink=slot).backward()
     handed = slot.take()
     assert weight.grad is None  # left for the lookup to return
-    expected = torch.autograd.grad(F.cross_entropy(hidden @ weight.t(), targets), weight)[0]
     torch.testing.assert_close(handed, expected)
     # The lookup returns that very tensor, and autograd makes it the gradient without a copy (no other reference
     # to it left, as in the model).

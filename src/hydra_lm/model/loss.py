@@ -192,9 +192,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         saved = iter(ctx.saved_tensors)
         grad_h = next(saved) * grad_loss if ctx.need_gh else None
         grad_w = next(saved) * grad_loss if ctx.need_gw else None
-        if grad_w is not None and ctx.grad_sink is not None:
+        if grad_w is not None and ctx.grad_sink is not None and ctx.need_gh:
             # The tied lookup's backward adds its rows into it and returns it as the weight's gradient
-            # (model/tied_lookup.py).
+            # (model/tied_lookup.py). Only where the hidden states need a gradient: else no backward reaches the lookup.
             ctx.grad_sink.put(grad_w)
             grad_w = None
         return grad_h, grad_w, None, None, None, None, None, None, None, None
