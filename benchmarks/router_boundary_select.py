@@ -9,6 +9,11 @@ key to the wanted rank), then one more pass finds the next lower logit. Not in t
 script checks it against the sort (on a CPU under TRITON_INTERPRET=1 too) and times both on a GPU:
 
     python benchmarks/router_boundary_select.py [--check-only]
+
+and, with ``--bench``, runs ``hydra-lm bench`` in this process with ``routing.topk_boundary`` replaced by the
+selection (a ``torch.library.triton_op``, so the compiled block graphs call the kernel):
+
+    python benchmarks/router_boundary_select.py --bench -- --seq_len 1024 --warmup 2 --model_size 100M --arch hydra
 """
 
 import argparse
@@ -74,6 +79,23 @@ def selected_boundary(r: torch.Tensor, k: int, block: int = 4096, warps: int = 8
     return out.to(r.dtype)
 
 
+@torch.library.triton_op("hydra_bench::pooled_boundary", mutates_args=())
+def pooled_boundary(flat: torch.Tensor, m: int) -> torch.Tensor:
+    """The selection as an op that torch.compile traces into its graphs (ascending ranks m - 1 and m of ``flat``)."""
+    out = torch.empty((), dtype=torch.float32, device=flat.device)
+    torch.library.wrap_triton(_boundary_kernel)[(1,)](flat, out, flat.shape[0], m, BLOCK=4096, num_warps=8)
+    return out
+
+
+def topk_boundary_by_selection(r: torch.Tensor, k: int) -> torch.Tensor:
+    """A drop-in for ``routing.topk_boundary``."""
+    flat = r.reshape(-1).float().contiguous()
+    n_sel = r.shape[0] * k
+    if n_sel >= flat.shape[0]:
+        return flat.amin() - 1.0
+    return pooled_boundary(flat, flat.shape[0] - n_sel).to(r.dtype)
+
+
 def check(device: torch.device) -> None:
     g = torch.Generator().manual_seed(0)
     cases = [((4, 64), 8, 1.0), ((3, 50), 49, 1.0), ((2, 300), 1, 1.0), ((5, 40), 7, 0.0)]
@@ -87,6 +109,7 @@ def check(device: torch.device) -> None:
             for block in (64, 1024):  # several steps a pass, and one
                 got = selected_boundary(r, k, block=block)
                 assert torch.equal(want, got), (shape, k, dtype, block, want, got)
+            assert torch.equal(want, topk_boundary_by_selection(r, k))
     print("selection == sort on", device)
 
 
@@ -110,11 +133,18 @@ def microseconds(fn, reps=200) -> float:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check-only", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--bench", action="store_true", help="run hydra-lm bench with the arguments after --")
+    args, bench_args = parser.parse_known_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("no GPU: run with TRITON_INTERPRET=1 (the check only)")
     check(device)
+    if args.bench:
+        from hydra_lm.cli import main
+        from hydra_lm.model import routing
+
+        routing.topk_boundary = topk_boundary_by_selection
+        raise SystemExit(main(["bench", *[a for a in bench_args if a != "--"]]))
     if args.check_only or device.type == "cpu":
         raise SystemExit(0)
     settings = [(1024, 4), (4096, 8), (16384, 16)]
