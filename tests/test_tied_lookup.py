@@ -36,6 +36,21 @@ def test_sorted_rows_add_like_index_add_and_repeat_their_bits(rows, width, kinds
     assert torch.equal(first[untouched], out[untouched])
 
 
+def test_sorted_rows_add_into_bf16_sums_in_fp32_and_rounds_once():
+    # What FSDP2's bf16 parameters would hand it: bf16 rows added into a bf16 gradient, within one bf16 step of the
+    # exact sum (one rounding; the interpreter's conversion may truncate).
+    from hydra_lm.kernels.sorted_index_add import sorted_index_add_
+
+    g = torch.Generator().manual_seed(0)
+    index = torch.randint(0, 6, (70,), generator=g).to(DEVICE)
+    src = torch.randn(70, 24, generator=g).bfloat16().to(DEVICE)
+    out = torch.randn(8, 24, generator=g).bfloat16().to(DEVICE)
+    exact = out.double().index_add_(0, index, src.double())
+    got = sorted_index_add_(out.clone(), index, src)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), exact, rtol=2**-7, atol=1e-6)
+
+
 def test_sorted_rows_add_rejects_mismatched_shapes():
     from hydra_lm.kernels.sorted_index_add import sorted_index_add_
 
