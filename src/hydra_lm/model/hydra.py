@@ -160,7 +160,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         fused_tied = (self.config.tie_embeddings and targets is not None and self.ce_impl != "naive"
                       and torch.is_grad_enabled() and kernel_applies(self.embed.weight))
         slot = HeadGradientSlot() if fused_tied else None
-        x = tied_lookup(input_ids, self.embed.weight, slot)
+        x = self.embed(input_ids) if slot is None else tied_lookup(input_ids, self.embed.weight, slot)
         # Here, not inside a compiled unit: a bad backend's error is then ours, not Dynamo's, and the
         # row's mask is built once for every unit that sees the whole row.
         doc = None if doc_ids is None else documents_for(doc_ids, self.config.doc_mask_backend,

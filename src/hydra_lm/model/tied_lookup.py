@@ -16,12 +16,10 @@ path) the lookup's backward is ``nn.Embedding``'s. The kernel's part takes about
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 
-TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+from .loss import TRITON_AVAILABLE
 
 
 class HeadGradientSlot:
@@ -68,9 +66,7 @@ class _TiedLookup(torch.autograd.Function):
         return None, sorted_index_add_(head, flat_ids, rows.contiguous()), None
 
 
-def tied_lookup(ids: torch.Tensor, weight: torch.Tensor, slot: HeadGradientSlot | None) -> torch.Tensor:
-    """``F.embedding(ids, weight)``; with ``slot`` (one per forward, shared with that forward's loss), its backward
-    adds into the head gradient the slot holds then."""
-    if slot is None:
-        return F.embedding(ids, weight)
+def tied_lookup(ids: torch.Tensor, weight: torch.Tensor, slot: HeadGradientSlot) -> torch.Tensor:
+    """``F.embedding(ids, weight)`` whose backward adds into the head gradient that ``slot`` (one per forward, shared
+    with that forward's loss) holds then."""
     return _TiedLookup.apply(ids, weight, slot)
