@@ -5,8 +5,10 @@ logits around the cut by radix select, against today's full sort of the pooled l
 pooled logits is cub's radix sort: six kernels and their memsets per router, 0.32 ms a step for the eight largest
 routers of the 100M preset on an H200 (benchmarks/BENCHMARKS.md, fifty-second session). Selecting needs less: one
 program keeps a 256-bin histogram of one byte of the logits' order-preserving keys per pass (four passes narrow the
-key to the wanted rank), then one more pass finds the next lower logit. Not in the model until it wins there; this
-script checks it against the sort (on a CPU under TRITON_INTERPRET=1 too) and times both on a GPU:
+key to the wanted rank), then one more pass finds the next lower logit. Measured on an H200 (benchmarks/BENCHMARKS.md,
+fifty-third session): faster than the sort alone up to the preset's 16,384 logits, but the same tokens/s end to end
+(0.9995x), so not adopted. This script checks it against the sort (on a CPU under TRITON_INTERPRET=1 too) and times
+both on a GPU:
 
     python benchmarks/router_boundary_select.py [--check-only]
 
