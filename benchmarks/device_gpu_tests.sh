@@ -4,6 +4,8 @@
 # one device call for a single GPU.
 #   bash benchmarks/device_gpu_tests.sh [N_GPUS] [extra pytest args]
 # GPU_IDS="2 3" picks the GPUs (then N_GPUS is their count), leaving the others to other jobs.
+# PART=i/n runs only the i-th of n shares of the tests (every n-th from the i-th, i from 1): on one GPU the whole
+# set takes over 20 minutes (fifty-third session), so PART=1/3, 2/3, 3/3 in three device calls run it all.
 # Logs to $OUT/gpu_tests_gG.log (when set, else ./gpu_test_logs); prints each GPU's summary line last.
 set -uo pipefail
 n=${1:-$(nvidia-smi -L | wc -l)}
@@ -16,6 +18,15 @@ mkdir -p "$out"
 cd "$here"
 export PYTHONPATH="$here/src${PYTHONPATH:+:$PYTHONPATH}"
 python -m pytest -q -p no:cacheprovider --collect-only -m gpu tests/ 2>/dev/null | grep "::" > "$out/gpu_test_ids.txt"
+if [ -n "${PART:-}" ]; then
+  part=${PART%/*} parts=${PART#*/}
+  if ! [[ "$part" =~ ^[0-9]+$ && "$parts" =~ ^[0-9]+$ ]] || [ "$part" -lt 1 ] || [ "$part" -gt "$parts" ]; then
+    echo "PART=$PART: give i/n with 1 <= i <= n, e.g. PART=2/3" >&2
+    exit 2
+  fi
+  awk -v i="$part" -v n="$parts" '(NR - 1) % n == i - 1' "$out/gpu_test_ids.txt" > "$out/gpu_test_ids.part"
+  mv "$out/gpu_test_ids.part" "$out/gpu_test_ids.txt"
+fi
 echo "$(wc -l < "$out/gpu_test_ids.txt") GPU tests over GPUs ${gpus[*]}"
 for i in $(seq 0 $((n - 1))); do
   g=${gpus[$i]}
