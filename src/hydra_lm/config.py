@@ -197,7 +197,8 @@ class HydraConfig:
         # The original implementation's scaling, floored at its 100M value: below it (fewer effective layers,
         # a narrower model) the router learned its top-k too loosely for the causal rule. At 100M with 1 and
         # 2 recursions and MoD on every block, 0.01 instead of 0.0025 / 0.005 took the causal/top-k gap from
-        # +0.040 / +0.010 to -0.006 / -0.001 (benchmarks/BENCHMARKS.md, twentieth session).
+        # +0.040 / +0.010 to -0.006 / -0.001 (benchmarks/BENCHMARKS.md, twentieth session). Ten times the floor
+        # raised the 100M causal loss by 0.009-0.090 (fifty-fifth session), so the floor stays where it is.
         return max(0.01, 0.01 * (self.effective_layers / 32) * math.sqrt(self.dim / 768))
 
     def to_dict(self) -> dict[str, Any]:
