@@ -1,7 +1,9 @@
 """The trainer on a GPU (`python -m pytest -q -m gpu`; skipped elsewhere): by default it
 compiles the routed units, replays the whole step as CUDA graphs and fuses the loss, and gives the
 eager trainer's numbers; `--cuda_graph` alone does too, across grad accumulation, clipping,
-evaluation, a curriculum switch (re-capture) and an exact resume."""
+evaluation, a curriculum switch (re-capture) and a resume that continues the uninterrupted run's losses (to
+a relative 1e-5: some of cuBLAS's and inductor's kernels are not bitwise deterministic; the CPU tests require
+equality)."""
 
 import pytest
 import torch
@@ -78,7 +80,7 @@ def test_flex_document_masks_in_the_default_fast_path_give_the_dense_masks_numbe
     close(losses(tmp_path / "flex"), losses(tmp_path / "sdpa"), rel=1e-2)
 
 
-def test_cuda_graph_trainer_matches_the_eager_trainer_and_resumes_exactly(tiny_data, tmp_path):
+def test_cuda_graph_trainer_matches_the_eager_trainer_and_resumes(tiny_data, tmp_path):
     assert train(tiny_data, tmp_path / "eager", *EAGER) == 0
     assert train(tiny_data, tmp_path / "graph", "--no-compile", "--cuda_graph") == 0
     close(losses(tmp_path / "graph"), losses(tmp_path / "eager"), rel=1e-3)
@@ -111,7 +113,7 @@ def test_cuda_graph_with_compilation_matches_the_same_compilation(tiny_data, tmp
 
 def test_muon_replays_the_whole_step_as_cuda_graphs(tiny_data, tmp_path):
     """Muon (train/muon.py) and the AdamW beside it step inside the update graph, with the scheduled LR
-    read from a device tensor: the eager trainer's losses, and an exact resume."""
+    read from a device tensor: the eager trainer's losses, and a resume to 1e-5."""
     graphs_match_eager_and_resume(tiny_data, tmp_path, ["--no-compile", "--optimizer", "muon"],
                                   "whole-step CUDA graphs")
 
@@ -121,8 +123,8 @@ def test_a_step_of_one_micro_batch_replays_a_backward_that_writes_the_gradients(
     """With one micro-batch per step the gradients are None when the forward + backward is captured,
     so each replay writes them (shared weights' later uses add): the eager trainer's losses and
     gradient norms through a re-capture (the MoR switch), with the update captured (AdamW, Muon) or
-    eager beside an eager Hessian pass that accumulates into the zeroed gradients (Sophia-G), and an
-    exact resume."""
+    eager beside an eager Hessian pass that accumulates into the zeroed gradients (Sophia-G), and a
+    resume to 1e-5."""
     graphs_match_eager_and_resume(tiny_data, tmp_path, ["--no-compile", "--optimizer", optimizer, "--grad_accum", "1"])
 
 
@@ -130,7 +132,7 @@ def test_a_step_of_one_micro_batch_replays_a_backward_that_writes_the_gradients(
 def test_an_optimizer_that_cannot_be_captured_steps_eagerly_between_graph_replays(tiny_data, tmp_path, optimizer):
     """By default on CUDA the forward + backward replays as a CUDA graph whatever the optimizer; one
     that cannot be captured steps eagerly on the gradients the graph wrote: the eager trainer's losses
-    and gradient norms, and an exact resume."""
+    and gradient norms, and a resume to 1e-5."""
     graphs_match_eager_and_resume(tiny_data, tmp_path, ["--no-compile", "--optimizer", optimizer],
                                   "CUDA graphs of forward + backward (the optimizer steps eagerly)")
 

@@ -165,8 +165,14 @@ def test_autocast_bf16_keeps_fp32_loss_and_input_grad_dtypes(hidden_dtype):
     assert got[0].dtype == torch.float32
     assert got[1].dtype == hidden_dtype and got[2].dtype == torch.float32
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)  # both: bf16 logits, fp32 softmax
-    for g, r in zip(got, exact):
-        torch.testing.assert_close(g.double(), r, rtol=3e-2, atol=3e-2)
+
+    def relative_error(a, b):  # over the whole tensor: bf16 rounding moves single entries by more
+        return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
+
+    # Gradients as the plain loss gives them under the same autocast, and close to the float64 truth (bf16
+    # rounding leaves about 0.3%; a wrong scale, e.g. dividing by every token instead of the valid ones, 34%).
+    assert all(relative_error(g, w) < 1e-2 for g, w in zip(got[1:], want[1:]))
+    assert all(relative_error(g, r) < 1e-2 for g, r in zip(got, exact))
 
 
 class _LargestTensor(TorchDispatchMode):

@@ -58,10 +58,21 @@ def test_setup_step_is_the_trainers_step():
 
 
 def test_gradient_accumulation_takes_a_list_of_micro_batches():
+    """Two micro-batches a step: the trainer's accumulated step, losses and weights alike."""
     with pytest.warns(UserWarning):
-        setup = hydra_lm.create_optimized_training_setup(tiny_model(), grad_accum=2)
-    out = setup.step(_batches(2))
-    assert torch.isfinite(out["loss"]) and out["grad_norm"] > 0
+        setup = hydra_lm.create_optimized_training_setup(tiny_model(), lr=1e-3, grad_accum=2)
+    model, cfg, cpu = tiny_model(), TrainConfig(lr=1e-3, grad_clip=1.0, grad_accum=2), torch.device("cpu")
+    plan = resolve_speed_options(cfg, cpu, distributed=False)
+    step = TrainStep(model, apply_speed_plan(model, model, plan), build_optimizer(model, cfg, cpu), cpu, plan, 2, 1.0)
+    model.train()
+    batches = _batches(4)
+    for pair in (batches[:2], batches[2:]):
+        got = setup.step(pair)
+        want = sum(step.micro(b)[0] for b in pair) / 2  # the mean over the micro-batches
+        step.update()
+        assert float(got["loss"]) == float(want[0])
+    for a, b in zip(setup.model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_optimize_for_gpu_on_cpu_is_eager_for_any_module():

@@ -148,7 +148,6 @@ def test_per_optimizer_learning_rate_defaults():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--optimizer", "lion", "--cuda_graph"], "--cuda_graph needs a CUDA device"),
     (["--optimizer", "lion", "--adamw_lr", "1e-3"], "--adamw_lr sets the AdamW part of --optimizer muon"),
 ])
 def test_unsupported_combinations_are_one_line_errors(tiny_data, tmp_path, capsys, flags, message):

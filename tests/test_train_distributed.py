@@ -183,15 +183,3 @@ def test_ctrl_c_under_torchrun_saves_one_sharded_checkpoint(tiny_data, tmp_path)
     assert len(saved) == 1
     ckpt = verify(saved[0])
     assert ckpt.layout == "dcp" and ckpt.step == train_losses(run)[-1][0] >= 3
-
-
-def test_cuda_graphs_are_refused_under_torchrun():
-    from hydra_lm.train.compile_policy import resolve_speed_options
-    from hydra_lm.train.options import TrainConfig
-
-    cfg, cuda = TrainConfig(cuda_graph=True), torch.device("cuda")
-    with pytest.raises(ValueError, match="one process only"):
-        resolve_speed_options(cfg, cuda, distributed=True)
-    assert resolve_speed_options(cfg, cuda, distributed=False).compile is not None  # one process: allowed
-    # By default torchrun compiles the whole model (the routed units are for one process).
-    assert resolve_speed_options(TrainConfig(), cuda, distributed=True).compile == "model"

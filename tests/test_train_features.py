@@ -21,24 +21,32 @@ def train(data, run, *extra):
 @pytest.mark.parametrize("extra", [["--adafactor"], ["--gradient_checkpointing"], ["--checkpoint_every", "2"],
                                    ["--arch", "dense"], ["--schedule", "cosine", "--grad_clip", "0"]],
                          ids=["adafactor", "grad_ckpt", "ckpt_every_2", "dense", "cosine_noclip"])
-def test_feature_runs_and_learns(tiny_data, tmp_path, extra):
+def test_feature_runs_and_is_recorded(tiny_data, tmp_path, extra):
     assert train(tiny_data, tmp_path / "run", *extra) == 0
     losses = [r["loss"] for r in records(tmp_path / "run", "train")]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
-    if "--arch" in extra:
-        assert saved["model"]["arch"] == "dense"
-    if "--adafactor" in extra:
-        assert saved["train"]["optimizer"] == "adafactor"
+    expected = {"--adafactor": ("train", "optimizer", "adafactor"),
+                "--gradient_checkpointing": ("train", "gradient_checkpointing", True),
+                "--checkpoint_every": ("train", "checkpoint_every", 2), "--arch": ("model", "arch", "dense"),
+                "--schedule": ("train", "schedule", "cosine")}[extra[0]]
+    assert saved[expected[0]][expected[1]] == expected[2]
+    if "--grad_clip" in extra:
+        assert saved["train"]["grad_clip"] == 0
 
 
 def test_gradient_checkpointing_and_chunked_ce_do_not_change_the_numbers(tiny_data, tmp_path):
-    assert train(tiny_data, tmp_path / "a") == 0
-    assert train(tiny_data, tmp_path / "b", "--gradient_checkpointing") == 0
-    assert train(tiny_data, tmp_path / "c", "--chunked_ce", "--chunked_ce_size", "100") == 0
+    evals = ["--eval_every", "3", "--eval_batches", "2"]  # causal evaluation reads the calibrated thresholds
+    assert train(tiny_data, tmp_path / "a", *evals) == 0
+    assert train(tiny_data, tmp_path / "b", "--gradient_checkpointing", *evals) == 0
+    assert train(tiny_data, tmp_path / "c", "--chunked_ce", "--chunked_ce_size", "100", *evals) == 0
     a = [r["loss"] for r in records(tmp_path / "a", "train")]
+    a_eval = [(r["val_loss_causal"], r["val_loss_topk"]) for r in records(tmp_path / "a", "eval")]
+    assert len(a_eval) == 1
     for other in ("b", "c"):
         assert a == pytest.approx([r["loss"] for r in records(tmp_path / other, "train")], rel=1e-5)
+        other_eval = [(r["val_loss_causal"], r["val_loss_topk"]) for r in records(tmp_path / other, "eval")]
+        assert other_eval[0] == pytest.approx(a_eval[0], rel=1e-5)
 
 
 @pytest.mark.slow
