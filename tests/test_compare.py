@@ -420,6 +420,12 @@ def test_custom_variant_compares_optimizers_at_one_batch_with_their_own_learning
     assert all(r.model_cfg == plan.runs[0].model_cfg for r in plan.runs)  # one model, four trainings
     with pytest.raises(ValueError, match="optimizer settings"):
         parse_custom_variant("bad:optimiser=lion")
+    # Trainer settings are checked as their flags are: one line naming the value and what it must be.
+    for spec, message in (("bad:optimizer=adamm", "optimizer='adamm' must be one of"),
+                          ("bad:lr=abc", "lr='abc' must be of type float"),
+                          ("bad:fp8_format=e9", "fp8_format='e9' must be one of")):
+        with pytest.raises(ValueError, match=f"--variant bad: {message}"):
+            parse_custom_variant(spec)
     # Precision is a trainer setting too: the model stays the same, the run converts its matmuls.
     fp8 = parse_custom_variant("fp8:experimental_fp8=true,fp8_format=e5m2")
     assert fp8.train == {"experimental_fp8": True, "fp8_format": "e5m2"} and fp8.overrides == {}

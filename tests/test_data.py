@@ -68,7 +68,7 @@ def test_tokenizer_round_trip(tmp_path, monkeypatch):
     assert tok.eos_id not in tok.encode("a <|endoftext|> b"), "text must not forge a document boundary"
     again = load_tokenizer(tok.save(tmp_path))
     assert again.encode(samples[1]) == tok.encode(samples[1]) and again.eos_id == tok.eos_id
-    assert tok.encode_batch(samples) == [tok.encode(s) for s in samples]
+    assert [a.tolist() for a in tok.encode_arrays(samples)] == [tok.encode(s) for s in samples]
     snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
     tok.save(snapshot)
@@ -358,6 +358,11 @@ def test_loader_errors(tmp_path, text_data):
     (broken / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="vocab_size"):
         PackedLoader(broken, "train", batch_size=1, seq_len=8)
+    for damaged in ({"eos_id": None}, {"splits": []}):  # valid JSON of the wrong shape
+        (broken / "meta.json").write_text(json.dumps({**meta, **damaged}))
+        key = next(iter(damaged))
+        with pytest.raises(ValueError, match=f"lacks a valid '{key}'.*prepare it again"):
+            PackedLoader(broken, "train", batch_size=1, seq_len=8)
     other = PackedLoader(text_data[0], "train", batch_size=1, seq_len=8)
     with pytest.raises(ValueError, match="seq_len"):
         other.load_state_dict({**other.state_dict(), "seq_len": 9})

@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import hydra_lm
 from hydra_lm.model.block import TransformerLayer
@@ -54,6 +55,13 @@ def test_document_masked_forward_is_causal(variant):
 
 def test_topk_routing_is_not_causal_which_is_why_eval_defaults_to_causal():
     model = tiny_model().double().eval()
+    ids = _ids()
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % TINY["vocab_size"]
+    # A row's top-k depends on its later tokens: the last token changes which earlier ones run a unit.
+    base, out = (model(x, routing="topk")["logits"][:, :-1] for x in (ids, changed))
+    assert not torch.allclose(out, base, rtol=0, atol=1e-10)
+    torch.testing.assert_close(model(changed)["logits"][:, :-1], model(ids)["logits"][:, :-1], rtol=0, atol=1e-10)
     assert model.routing_mode() == "causal"
     model.eval_routing = "topk"
     assert model.routing_mode() == "topk"
@@ -321,8 +329,17 @@ def test_forward_names_token_ids_the_embedding_cannot_look_up():
     for ids in (torch.tensor([[0, TINY["vocab_size"]]]), torch.tensor([[3, -1]])):
         with pytest.raises(ValueError, match=r"token ids must lie in \[0, "):
             model(ids)
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, "):
+            model.forward_cached(ids, 0, model.init_cache(1, 16))
     with pytest.raises(ValueError, match="integer tensor, got torch.float32"):
         model(torch.zeros(1, 4))
+    for ids in (torch.arange(8), torch.zeros(1, 2, 3, dtype=torch.long), torch.zeros(0, 4, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"input_ids must be \[batch, length\] with both > 0"):
+            model(ids)
+    with pytest.raises(ValueError, match="doc_ids must have input_ids' shape"):
+        model(torch.zeros(2, 4, dtype=torch.long), doc_ids=torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_new_tokens=2.5 must be an integer >= 0"):
+        model.generate(torch.zeros(1, 4, dtype=torch.long), 2.5)
 
 
 def test_generate_stops_at_eos():
@@ -534,17 +551,30 @@ def test_forward_outputs_and_seed_constructor():
     for key in ("aux_loss", "ponder_loss"):
         assert out[key].dim() == 0
     assert out["routing_stats"].shape == (len(model.router_names()), 3)
+    cfg = model.config  # the seed's argument names land on the fields they stand for
+    assert (cfg.n_blocks, cfg.recursions, cfg.mod_capacity, cfg.compression_factor) == (2, 2, 0.75, 4)
+    assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (2, 1, 8)
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
+def test_gradient_checkpointing_gives_the_same_gradients_and_calibrates_the_thresholds_once(monkeypatch):
+    import hydra_lm.model.hydra as hydra_module
+
+    calls = []
+    monkeypatch.setattr(hydra_module, "checkpoint", lambda *a, **kw: calls.append(1) or checkpoint(*a, **kw))
     ids = _ids()
-    grads = []
+    grads, buffers = [], []
     for ckpt in (False, True):
         model = tiny_model().double().train()
         model.gradient_checkpointing = ckpt
-        model(ids, targets=torch.roll(ids, -1, 1))["loss"].backward()
+        for _ in range(2):  # the second step's thresholds start from the first's
+            model(ids, targets=torch.roll(ids, -1, 1))["loss"].backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        # Backward recomputes each block's forward: its routers must not fold the batch's boundary in twice.
+        buffers.append(dict(model.named_buffers()))
+    assert calls, "the blocks were not checkpointed"
     torch.testing.assert_close(grads[0], grads[1])
+    assert any("threshold" in name for name in buffers[0])
+    torch.testing.assert_close(buffers[0], buffers[1], rtol=0, atol=0)
 
 
 def test_inactive_token_choice_router_keeps_one_stats_row_per_router_name():

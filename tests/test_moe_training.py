@@ -10,21 +10,24 @@ import hydra_lm
 from hydra_lm.cli import main
 from hydra_lm.config import HydraConfig
 from hydra_lm.train.moe_training import MOE_ROUTER, expert_load_record, hold_routers
-from hydra_lm.train.optim import build_optimizer, set_lr
+from hydra_lm.train.optim import build_optimizer, make_capturable, set_lr
 from hydra_lm.train.options import TrainConfig
 from support import TINY_RUN, records
 
 MOE = ["--moe", "--moe_num_experts", "4", "--moe_top_k", "2", "--moe_num_layers", "1"]
 
 
-def test_groups_scale_lr_and_decay_per_part_and_the_router_can_be_held():
+def _moe_groups(**scales):
     model = hydra_lm.create_model("debug", vocab_size=97, dim=64, n_heads=2, n_kv_heads=1, mlp_hidden=96, moe=True)
-    cfg = TrainConfig(lr=1e-3, weight_decay=0.1, moe_router_lr_scale=0.5, moe_expert_lr_scale=2.0,
-                      moe_expert_wd_scale=0.0)
-    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    opt = build_optimizer(model, TrainConfig(lr=1e-3, weight_decay=0.1, **scales), torch.device("cpu"))
     group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
     moe = next(iter(model.moe_blocks.values()))
-    router, expert = group_of[id(moe.router.weight)], group_of[id(moe.w_gate_up)]
+    main_group = group_of[id(model.blocks[0].layers[0].mlp_norm.weight)]
+    return opt, group_of[id(moe.router.weight)], group_of[id(moe.w_gate_up)], main_group
+
+
+def test_groups_scale_lr_and_decay_per_part_and_the_router_can_be_held():
+    opt, router, expert, _ = _moe_groups(moe_router_lr_scale=0.5, moe_expert_lr_scale=2.0, moe_expert_wd_scale=0.0)
     assert router[MOE_ROUTER] and router["lr_ratio"] == 0.5 and router["weight_decay"] == 0.1
     assert expert["lr_ratio"] == 2.0 and expert["weight_decay"] == 0.0 and not expert.get(MOE_ROUTER)
     set_lr(opt, 1e-3)
@@ -32,6 +35,18 @@ def test_groups_scale_lr_and_decay_per_part_and_the_router_can_be_held():
     assert router["lr"] == 0.0 and expert["lr"] == 2e-3
     set_lr(opt, 1e-3)
     assert router["lr"] == 5e-4
+
+
+def test_holding_the_routers_of_a_graph_captured_optimizer_leaves_the_other_groups_learning():
+    # Captured updates read each group's LR from a device tensor shared by the groups of one LR ratio; the
+    # routers' default ratio is everyone's, so a shared tensor zeroed for them would freeze the whole model.
+    opt, router, expert, main_group = _moe_groups()
+    make_capturable(opt, torch.device("cpu"))
+    assert router["lr_ratio"] == expert["lr_ratio"] == main_group["lr_ratio"] == 1.0
+    set_lr(opt, 1e-3)
+    hold_routers(opt)
+    assert router["lr"].item() == 0.0
+    assert expert["lr"].item() == main_group["lr"].item() == pytest.approx(1e-3)
 
 
 def test_starving_experts_are_reported():

@@ -44,15 +44,15 @@ def trainer_step_in_progress(monkeypatch) -> list[int]:
     return current
 
 
-def spike_logged_losses(monkeypatch, steps: set[int]) -> list[tuple[int, str]]:
+def spike_logged_losses(monkeypatch, steps: set[int], path=lambda model: model.ce_impl) -> list[tuple[int, str]]:
     """The logged loss of the given 0-based steps is x1000 (the update itself is normal); returns the
-    (1-based step, loss path) of every micro-step run."""
+    (1-based step, ``path(model)``: by default the loss path) of every micro-step run."""
     original, seen, pending = TrainStep.micro_step, [], set(steps)
     current = trainer_step_in_progress(monkeypatch)
 
     def micro_step(self, *args, **kwargs):
         step = current[0]
-        seen.append((step + 1, self.model.ce_impl))
+        seen.append((step + 1, path(self.model)))
         parts, stats = original(self, *args, **kwargs)
         if step in pending:
             pending.discard(step)
@@ -242,6 +242,20 @@ def test_bad_device_and_info_seq_len_are_one_line(tiny_data, tmp_path, capsys):
     assert "--seq_len 0" in one_line_error(capsys, "info")
 
 
+def test_bad_eval_sizes_and_betas_are_one_line(tiny_data, finished_run, tmp_path, capsys):
+    for flags, message in ((["--batch_size", "0"], "--batch_size 0 must be >= 1"),
+                           (["--eval_batches", "-1"], "--eval_batches -1 must be >= 0 (0: the whole split)"),
+                           (["--seq_len", "100000"], "--seq_len 100000 exceeds the model's max_seq_len=")):
+        assert main(["eval", "--run", str(finished_run), "--device", "cpu", *flags]) == 2
+        assert message in one_line_error(capsys, "eval")
+    assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "run"), *TINY_RUN, "--beta1",
+                 "1.5"]) == 2
+    assert "beta1=1.5 must lie in [0, 1)" in one_line_error(capsys, "train")
+    assert main(["quickstart", "--out", str(tmp_path / "qs"), "--max_new_tokens", "-1"]) == 2
+    assert "--max_new_tokens -1 must be >= 0" in one_line_error(capsys, "quickstart")
+    assert not (tmp_path / "qs").exists()  # refused before preparing data or training
+
+
 def test_generate_on_a_nan_model_is_one_line(finished_run, tmp_path, capsys):
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -297,6 +311,24 @@ def test_repeated_loss_spikes_switch_the_chunked_loss_off_and_back_on(tiny_data,
     assert seen[:7] == [(s, "auto") for s in range(1, 8)]
     assert seen[7:13] == [(s, "naive") for s in range(7, 13)]
     assert seen[13:] == [(s, "auto") for s in range(13, 17)]
+
+
+def test_repeated_loss_spikes_switch_the_compiled_blocks_off_and_back_on(tiny_data, tmp_path, monkeypatch):
+    # One process compiles the blocks in place (no compiled wrapper to drop): the switch must still reach them.
+    compile_fn = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn=None, mode=None, options=None, **kw:
+                        compile_fn(fn, backend="eager", **kw))  # Dynamo without code generation: fast on CPU
+    torch._dynamo.reset()
+    run = tmp_path / "run"
+    seen = spike_logged_losses(monkeypatch, {4, 5, 6},
+                               path=lambda model: "compiled" if model.blocks[1].compiled_block else "eager")
+    assert train(tiny_data, run, "--max_steps", "16", "--log_every", "1", "--compile",
+                 "--experimental_safety_window", "6", "--experimental_throughput_drop_threshold", "0.01") == 0
+    switches = [(r["step"], r["action"], r["optimization"]) for r in records(run, "safety")]
+    assert switches == [(7, "off", "torch.compile (--compile)"), (12, "on", "torch.compile (--compile)")]
+    assert seen[:7] == [(s, "compiled") for s in range(1, 8)]
+    assert seen[7:13] == [(s, "eager") for s in range(7, 13)]
+    assert seen[13:] == [(s, "compiled") for s in range(13, 17)]
 
 
 def test_a_switched_off_optimization_stays_off_across_a_resume_until_it_graduates(tiny_data, tmp_path, monkeypatch):

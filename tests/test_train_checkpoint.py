@@ -56,7 +56,26 @@ def test_resaving_the_same_step_replaces_it_cleanly(tmp_path):
     verify(m.list()[0][1])
 
 
-@pytest.mark.parametrize("damage", ["truncate_model", "flip_trainer", "drop_state", "garble_state"])
+def test_a_crash_in_the_middle_of_a_resave_loses_no_checkpoint(tmp_path):
+    # Saving a step again swaps the old directory aside, then moves the new one in: a crash between the two
+    # renames leaves the complete checkpoint only under its set-aside name, which the next start puts back.
+    m = CheckpointManager(tmp_path / "ck", "debug", keep=1)
+    path = save(m, tiny(), 5)
+    aside = path.with_name(f".old-{path.name}-4242")
+    path.rename(aside)
+    (tmp_path / "ck" / ".tmp-hydra_debug_step5-4242").mkdir()  # the new copy, half written
+    assert m.list() == [(5, aside)] and verify(aside).step == 5  # seen (a resume is decided on it), and usable
+    m.cleanup_temp()
+    assert [s for s, _ in m.list()] == [5] and verify(path).step == 5
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["hydra_debug_step5", "latest"]
+    # Crashed after the swap instead: the set-aside copy is only a leftover.
+    path.with_name(f".old-{path.name}-4243").mkdir()
+    m.cleanup_temp()
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["hydra_debug_step5", "latest"]
+
+
+@pytest.mark.parametrize("damage", ["truncate_model", "flip_trainer", "drop_state", "garble_state",
+                                    "retype_state"])
 def test_damage_is_detected_naming_the_file_and_resume_falls_back(tmp_path, damage):
     warnings = []
     m = CheckpointManager(tmp_path / "ck", "debug", keep=5, warn=warnings.append)
@@ -74,6 +93,11 @@ def test_damage_is_detected_naming_the_file_and_resume_falls_back(tmp_path, dama
     elif damage == "drop_state":
         f = bad / "state.json"
         f.unlink()
+    elif damage == "retype_state":  # valid JSON of the wrong shape
+        f = bad / "state.json"
+        state = json.loads(f.read_text())
+        state["files"]["model.safetensors"] = {"size": 1}
+        f.write_text(json.dumps(state))
     else:
         f = bad / "state.json"
         f.write_text(f.read_text()[:40])

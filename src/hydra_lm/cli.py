@@ -189,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--variant", dest="custom_variants", action="append", default=None,
                          metavar="NAME:field=value,...", help="a custom variant: HydraConfig fields on top of the "
                          "preset, the routing curriculum's settings (mod_enable_pct, mor_enable_pct, ...) and the "
-                         "optimizer's (optimizer, lr, min_lr, adamw_lr, weight_decay), budget_scale (its share of "
+                         "optimizer's (optimizer, lr, min_lr, adamw_lr, weight_decay), the precision's "
+                         "(experimental_fp8, fp8_format, fp8_recipe, fp8_min_tokens), budget_scale (its share of "
                          "--budget, e.g. 0.7); repeatable; arch=dense allowed")
     compare.add_argument("--evals", type=int, default=8, help="evaluations spread evenly over the budget")
     compare.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",

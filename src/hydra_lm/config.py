@@ -153,8 +153,9 @@ class HydraConfig:
         if not (0.0 < self.mor_capacity <= 1.0):
             bad("mor_capacity", "must lie in (0, 1]: it is the fraction of a depth's tokens that recurse once "
                                 "more (mor_capacity_schedule='geometric')")
-        if not (0.0 < self.mor_gate_scale):
-            bad("mor_gate_scale", "must be > 0")
+        for name in ("mor_gate_scale", "rope_theta", "norm_eps", "init_std"):
+            if not (0.0 < getattr(self, name) < math.inf):
+                bad(name, "must be a finite number > 0")
         if self.sharing == "middle_cycle" and self.n_blocks < 3:
             bad("n_blocks", "middle_cycle sharing needs n_blocks >= 3 (first and last layers are unshared)")
         if self.moe_top_k > self.moe_num_experts:
@@ -164,8 +165,8 @@ class HydraConfig:
                                   "model's blocks; lower moe_num_layers or add blocks")
         for name in ("mod_aux_weight", "mor_aux_weight", "moe_aux_weight", "moe_router_jitter"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                bad(name, "must be >= 0")
+            if value is not None and not (0 <= value < math.inf):
+                bad(name, "must be a finite number >= 0")
 
     # ------------------------------------------------------------------ derived values
     def n_units_between_moe(self) -> int:

@@ -40,6 +40,8 @@ def quickstart(out: str | Path = "hydra-quickstart", max_steps: int | None = Non
                overrides: dict[str, Any] | None = None) -> int:
     from .data import prepare_data
 
+    if max_new_tokens < 0:  # before minutes of training, not after
+        raise ValueError(f"--max_new_tokens {max_new_tokens} must be >= 0")
     start = time.perf_counter()
     out = Path(out).expanduser()
     data_dir = prepare_data(None, out / "data")

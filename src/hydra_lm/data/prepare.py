@@ -25,7 +25,7 @@ from .shards import (
 from .sources import DEFAULT_CORPUS_BYTES, Corpus, resolve_inputs
 from .tokenizer import TIKTOKEN_FILE, TOKENIZER_FILE, HydraTokenizer, check_vocab_size, load_tokenizer
 
-# Enough text per encode_batch call to keep the Rust thread pool busy, little enough to bound memory.
+# Enough text per encode_arrays call to keep the Rust thread pool busy, little enough to bound memory.
 _BATCH_DOCS, _BATCH_CHARS = 512, 16 << 20
 # BPE merges stop improving long before a large corpus is exhausted; training on a bounded sample
 # keeps tokenizer training time and memory flat however big the corpus is.

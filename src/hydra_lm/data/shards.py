@@ -88,6 +88,11 @@ def read_meta(data_dir: str | Path) -> dict:
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{meta_file} has format version {meta.get('format_version')!r}, this hydra-lm reads "
                          f"version {FORMAT_VERSION}: prepare the data again")
+    for key, kind in (("vocab_size", int), ("eos_id", int), ("dtype", str), ("splits", dict),
+                      ("token_counts", dict)):
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            raise ValueError(f"{meta_file} lacks a valid {key!r} (a {kind.__name__}): delete {data_dir} and prepare "
+                             "it again")
     return meta
 
 

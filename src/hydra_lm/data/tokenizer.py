@@ -24,7 +24,7 @@ TIKTOKEN_FILE = "tokenizer_tiktoken.json"
 _EOS_NAMES = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 _BOS_NAMES = (BOS, "<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
 _PAD_NAMES = (PAD, "<pad>", "[PAD]", "<|padding|>")
-# Long texts are encoded in pieces cut at line ends: encode_batch parallelises across pieces and
+# Long texts are encoded in pieces cut at line ends: encode_arrays parallelises across pieces and
 # a piece bounds the memory of one Encoding; only the token boundary at each cut can differ.
 _PIECE_CHARS = 1 << 20
 
@@ -122,9 +122,6 @@ class HydraTokenizer:
         if self.kind == "tiktoken":
             return self.backend.encode_ordinary(text)
         return self.backend.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [a.tolist() for a in self.encode_arrays(texts)]
 
     def encode_arrays(self, texts: list[str], dtype=np.int64) -> list[np.ndarray]:
         """Encode many texts at once (in parallel in the Rust backend) into numpy arrays."""

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -31,6 +32,7 @@ from ..model.doc_attention import resolve_doc_mask_backend
 from ..model.decode_session import DecodeSession
 from ..model.decode_step import decode_compiles
 from .step_profile import format_profile, profile_steps
+from ..train.checkpoint import write_text_atomic
 from ..train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
 from ..train.optim import build_optimizer, check_optimizer_device
 from ..train.options import TrainConfig
@@ -352,5 +354,5 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def write_json(report: dict[str, Any], path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+    # Rewritten after every row: atomically, so a run killed mid-write keeps the rows it had finished.
+    write_text_atomic(Path(path), json.dumps(report, indent=1))

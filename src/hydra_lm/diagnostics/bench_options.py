@@ -46,7 +46,7 @@ class BenchConfig:
     decode_batches: str = opt("1,8,32,128", "--inference: decode batch sizes, comma-separated", type=str)
     decode_compile: bool | None = opt(None, "--inference: torch.compile the decode step's routed units (one graph "
                                              "shared by all) before its CUDA graph is captured, and the prefill's "
-                                             "blocks (default: on CUDA, as generate; "
+                                             "blocks (default: on CUDA, as HydraModel.generate; "
                                              "--no-decode_compile: eager kernels)", type=bool)
     decode_device_decisions: bool | None = opt(None, "--inference: take the decode step's routing decisions on the "
                                                      "device as CUDA graph IF nodes (default: where cuda-bindings "

@@ -7,9 +7,12 @@ timed is profiled, so the breakdown explains the timed number without a second c
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from ..train.checkpoint import write_text_atomic
 
 # (category, name fragments) in priority order: the first category with a matching fragment wins.
 _CATEGORIES = (
@@ -85,12 +88,14 @@ def device_idle(intervals: list[tuple[float, float, str]], steps: int) -> dict[s
 
 def write_kernel_table(path: str, summary: dict[str, Any]) -> None:
     import csv
+    import io
 
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(["ms_per_step", "launches_per_step", "category", "kernel"])
-        for k in summary["top_kernels"]:
-            writer.writerow([f"{k['ms']:.6f}", f"{k['calls']:g}", k["category"], k["name"]])
+    table = io.StringIO(newline="")
+    writer = csv.writer(table)
+    writer.writerow(["ms_per_step", "launches_per_step", "category", "kernel"])
+    for k in summary["top_kernels"]:
+        writer.writerow([f"{k['ms']:.6f}", f"{k['calls']:g}", k["category"], k["name"]])
+    write_text_atomic(Path(path), table.getvalue())
 
 
 def summarize_kernels(kernels: list[tuple[str, float]], steps: int, top: int | None = 15) -> dict[str, Any]:

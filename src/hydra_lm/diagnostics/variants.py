@@ -18,6 +18,7 @@ import torch
 from ..config import HydraConfig, check_keys
 from ..model.accounting import executed_flops_per_token
 from ..train.flags import parse_value
+from ..train.options import normalize
 
 BUILTIN_VARIANTS = {
     "hydra": "the preset as is: CCGQA attention with MoD and MoR routing",
@@ -91,6 +92,7 @@ def parse_custom_variant(spec: str) -> Variant:
                          f"{', '.join(CURRICULUM_FIELDS)}, the optimizer settings {', '.join(OPTIMIZER_FIELDS)}, "
                          f"or the precision settings {', '.join(PRECISION_FIELDS)})"
                          ) from None
+    train = normalize(train, f"--variant {name}")  # the trainer's types and choices, as for its flags
     described = {**overrides, **train, **({BUDGET_SCALE: scale} if scale != 1.0 else {})}
     return Variant(name, overrides, "custom: " + ", ".join(f"{k}={v}" for k, v in described.items()), train,
                    budget_scale=float(scale))

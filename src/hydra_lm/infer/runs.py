@@ -108,6 +108,10 @@ def eval_run(run_dir: str | Path, checkpoint: str | Path | None = None, data: st
              batch_size: int | None = None, seq_len: int | None = None, max_batches: int = 0,
              device: str = "auto") -> dict[str, Any]:
     """Validation loss/perplexity of a checkpoint, causal and top-k routing."""
+    for name, value, least in (("--batch_size", batch_size, 1), ("--seq_len", seq_len, 1),
+                               ("--eval_batches", max_batches, 0)):
+        if value is not None and value < least:
+            raise ValueError(f"{name} {value} must be >= {least}" + (" (0: the whole split)" if least == 0 else ""))
     run = load_run(run_dir, checkpoint, device)
     train_cfg = run.config.get("train", {})
     data_dir = data or run.config.get("data", {}).get("path") or train_cfg.get("data")
@@ -117,6 +121,9 @@ def eval_run(run_dir: str | Path, checkpoint: str | Path | None = None, data: st
     if info.vocab_size > run.model.config.vocab_size:
         raise ValueError(f"data vocab {info.vocab_size} exceeds the model's {run.model.config.vocab_size}: "
                          f"{data_dir} was not prepared with this run's tokenizer")
+    limit = run.model.config.max_seq_len
+    if seq_len is not None and seq_len > limit:
+        raise ValueError(f"--seq_len {seq_len} exceeds the model's max_seq_len={limit}: pass --seq_len <= {limit}")
     bs = batch_size or train_cfg.get("batch_size") or 8
     sl = seq_len or train_cfg.get("seq_len") or 256
     t0 = time.perf_counter()

@@ -11,6 +11,8 @@ Routing modes (see ``routing.py``):
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,6 +50,28 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, sync: bool = False) -> N
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{lo}, {hi}]")
+
+
+def _recompute_keeps_buffers(block: nn.Module) -> dict:
+    """``checkpoint`` options under which backward's recomputation of ``block`` leaves its buffers as the
+    forward left them: its routers fold each training batch's top-k boundary into their thresholds in
+    place, and a second fold would shorten the running mean's memory (decay squared per step). Traced by
+    Dynamo (the whole model compiled), the recomputation replays no buffer update, and a custom
+    ``context_fn`` is not traceable there, so none is given."""
+    if torch.compiler.is_compiling():
+        return {}
+
+    @contextlib.contextmanager
+    def kept():
+        saved = [(b, b.clone()) for b in block.buffers()]
+        try:
+            yield
+        finally:  # the recomputation may end early, by an exception, once it has what backward needs
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
+
+    return {"context_fn": lambda: (contextlib.nullcontext(), kept())}
 
 
 class HydraModel(nn.Module, GradientCheckpointMixin):
@@ -147,6 +171,10 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         with ``targets``: ``ce_loss`` and ``loss`` (CE plus the weighted router losses); when
         ``model.ce_impl`` is not "naive" the loss is fused with the head and ``logits`` is omitted.
         ``doc_ids`` [B, T] (documents packed in a row): nothing crosses a document boundary."""
+        if input_ids.dim() != 2 or 0 in input_ids.shape:
+            raise ValueError(f"input_ids must be [batch, length] with both > 0, got shape {list(input_ids.shape)}")
+        if doc_ids is not None and doc_ids.shape != input_ids.shape:
+            raise ValueError(f"doc_ids must have input_ids' shape {list(input_ids.shape)}, got {list(doc_ids.shape)}")
         b, t = input_ids.shape
         if t > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.config.max_seq_len}; "
@@ -200,7 +228,8 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             block_caches = None if caches is None else caches[i]
             if self.gradient_checkpointing and self.training and caches is None and i % self.checkpoint_every == 0:
                 # Recompute each block in backward instead of storing its activations.
-                x, losses, block_stats = checkpoint(block, x, pos, self.rope, mode, None, doc, use_reentrant=False)
+                x, losses, block_stats = checkpoint(block, x, pos, self.rope, mode, None, doc, use_reentrant=False,
+                                                    **_recompute_keeps_buffers(block))
             else:
                 x, losses, block_stats = block(x, pos, self.rope, mode, block_caches, doc, prefill, valid)
             mod += losses["mod"]
@@ -248,6 +277,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         padding (a prompt padded to a length that a compiled or captured prefill has seen): padded entries are
         computed but leave the caches as if they were not there, and the logits are each row's last valid
         entry's."""
+        check_token_ids(input_ids, self.config.vocab_size)
         b, s = input_ids.shape
         length = caches[0][0][0].k.shape[2]
         first, last = (start, start) if isinstance(start, int) else (int(start.min()), int(start.max()))  # a read-back
@@ -298,8 +328,8 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         """
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [batch, length>0], got shape {tuple(input_ids.shape)}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
         check_token_ids(input_ids, self.config.vocab_size, sync=True)
         b, t = input_ids.shape
         total = t + max_new_tokens

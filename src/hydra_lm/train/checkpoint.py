@@ -154,7 +154,9 @@ def verify(path: Path) -> Checkpoint:
         files = state["files"]
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"checkpoint file {state_path} is corrupt: {err}") from None
-    if not isinstance(files, dict) or any(".." in Path(n).parts or Path(n).is_absolute() for n in files):
+    if not isinstance(files, dict) or any(".." in Path(n).parts or Path(n).is_absolute() for n in files) or \
+            not all(isinstance(i, dict) and isinstance(i.get("bytes"), int) and isinstance(i.get("sha256"), str)
+                    for i in files.values()):
         raise CheckpointError(f"checkpoint file {state_path} is corrupt: its file list is malformed")
     # Only listed (hashed) files are ever read: a file slipped in later is refused, not loaded.
     unlisted = sorted(p.relative_to(path).as_posix() for p in path.rglob("*")
@@ -193,6 +195,15 @@ def _exported(path: Path) -> Checkpoint:
         raise CheckpointError(f"exported model {path} cannot be read: {err}") from None
 
 
+def _set_aside(path: Path) -> str | None:
+    """The checkpoint name of ``path`` if it is a complete checkpoint that ``commit``'s swap of a step saved again
+    set aside (``.old-NAME-PID``) and a crash kept from coming back (no ``NAME`` beside it), else None."""
+    if not path.name.startswith(".old-"):
+        return None
+    name = path.name[len(".old-"):].rsplit("-", 1)[0]
+    return name if _NAME.match(name) and not (path.parent / name).exists() else None
+
+
 class CheckpointManager:
     def __init__(self, directory: str | Path, model_size: str, keep: int = 3,
                  warn: Callable[[str], None] | None = None):
@@ -205,12 +216,13 @@ class CheckpointManager:
         return f"hydra_{self.model_size}_step{step}"
 
     def list(self) -> list[tuple[int, Path]]:
-        """Complete-looking checkpoints, oldest first."""
+        """Complete-looking checkpoints, oldest first (one that a crash left set aside, ``_set_aside``, under the
+        set-aside name that ``cleanup_temp`` undoes)."""
         if not self.dir.is_dir():
             return []
         found = []
         for p in self.dir.iterdir():
-            m = _NAME.match(p.name)
+            m = _NAME.match(_set_aside(p) or p.name)
             if m and p.is_dir():
                 found.append((int(m["step"]), p))
         return sorted(found)
@@ -297,10 +309,18 @@ class CheckpointManager:
         return sorted(p for p in self.dir.glob("hydra_*.corrupt") if p.is_dir())
 
     def cleanup_temp(self) -> None:
-        """Remove half-written checkpoints left by a crash (never complete ones)."""
-        if self.dir.is_dir():
-            for p in self.dir.glob(".tmp-hydra_*"):
-                shutil.rmtree(p, ignore_errors=True)
+        """Remove half-written checkpoints left by a crash (never complete ones), and put back a complete one
+        that a crash left set aside in the middle of ``commit``'s swap of a step saved again."""
+        if not self.dir.is_dir():
+            return
+        for p in self.dir.glob(".tmp-hydra_*"):
+            shutil.rmtree(p, ignore_errors=True)
+        for old in self.dir.glob(".old-hydra_*"):
+            name = _set_aside(old)
+            if name is not None:
+                os.replace(old, self.dir / name)
+            else:  # the swap finished; only its removal was cut short
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def resolve_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None,

@@ -29,7 +29,7 @@ eight) took the cold first step from 74 to 64 s but trained 3.6% slower (fiftiet
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -176,3 +176,29 @@ def compile_units(model, **kwargs):
         moe.compile(**kwargs)
     model.ce_compile = {"backend": kwargs.get("backend", "inductor"), "mode": kwargs.get("mode")}
     return model
+
+
+def units_compile_switch(model) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(turn_off, turn_on) for what ``compile_units`` set on ``model``, for the trainer's anomaly monitor
+    (``safe_optimizations``): off, every block, unit, selection, MoE block and loss chunk runs eagerly; on,
+    the compiled ones come back with the graphs they already hold."""
+    blocks = [(b, b.compiled_unit, b.compiled_select, b.compiled_block) for b in model.blocks]
+    # nn.Module.compile keeps its compiled call here; clearing it is how a module runs eagerly again.
+    moes = [(m, m._compiled_call_impl) for m in model.moe_blocks.values()]
+    ce_compile = model.ce_compile
+
+    def turn_off() -> None:
+        for block, *_ in blocks:
+            block.compiled_unit = block.compiled_select = block.compiled_block = None
+        for moe, _ in moes:
+            moe._compiled_call_impl = None
+        model.ce_compile = None
+
+    def turn_on() -> None:
+        for block, unit, select, compiled_block in blocks:
+            block.compiled_unit, block.compiled_select, block.compiled_block = unit, select, compiled_block
+        for moe, call in moes:
+            moe._compiled_call_impl = call
+        model.ce_compile = ce_compile
+
+    return turn_off, turn_on

@@ -131,14 +131,16 @@ def _adam8bit(groups: list[dict], cfg: TrainConfig, device: torch.device) -> tor
 def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Prepare a capturable optimizer (``compile_policy.CAPTURABLE_OPTIMIZERS``) for replay in a CUDA graph: a
     float learning rate would be baked into the captured kernels, so it moves into a device tensor (one per
-    LR ratio) that ``set_lr`` refills; step counters move to the device. Done after construction and any
-    restore, so checkpoints stay portable."""
+    LR ratio, and the MoE routers' apart, so that ``moe_training.hold_routers`` zeroes theirs alone) that
+    ``set_lr`` refills; step counters move to the device. Done after construction and any restore, so
+    checkpoints stay portable."""
     base = float(optimizer.param_groups[0]["lr"]) / optimizer.param_groups[0].get("lr_ratio", 1.0)
-    lrs: dict[float, torch.Tensor] = {}
+    lrs: dict[tuple[float, bool], torch.Tensor] = {}
     for group in optimizer.param_groups:
         ratio = group.get("lr_ratio", 1.0)
         group["capturable"] = True
-        group["lr"] = lrs.setdefault(ratio, torch.tensor(base * ratio, device=device))
+        key = (ratio, bool(group.get(MOE_ROUTER)))
+        group["lr"] = lrs.setdefault(key, torch.tensor(base * ratio, device=device))
     for state in optimizer.state.values():
         if "step" in state:
             state["step"] = state["step"].to(device, torch.float32)

@@ -378,6 +378,8 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("lr", "min_lr", "weight_decay", "grad_clip", "beta1", "beta2", "rollback_lr_factor"):
         need(math.isfinite(getattr(cfg, name)), f"{name}={getattr(cfg, name)} must be a finite number")
     need(cfg.lr > 0, f"lr={cfg.lr} must be > 0")
+    for name in ("beta1", "beta2"):
+        need(0 <= getattr(cfg, name) < 1, f"{name}={getattr(cfg, name)} must lie in [0, 1)")
     need(cfg.time_budget_s is None or cfg.time_budget_s > 0, f"time_budget_s={cfg.time_budget_s} must be > 0")
     need(0 <= cfg.min_lr <= cfg.lr, f"min_lr={cfg.min_lr} must lie in [0, lr={cfg.lr}]")
     need(cfg.max_rollbacks >= 0, f"max_rollbacks={cfg.max_rollbacks} must be >= 0")

@@ -217,7 +217,7 @@ class PretestHook:
 
     def before_training(self) -> dict[str, Any] | None:
         t = self.t
-        keys = [s.key for s in t.safe_opts.switches if s.on and s.key in PRETESTED]
+        keys = [s.key for s in t.safe_opts.switches if s.on and s.pretested and s.key in PRETESTED]
         if not keys:
             return None
         if t.cfg.experimental_skip_pretest:

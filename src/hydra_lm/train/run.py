@@ -153,7 +153,8 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
         if cfg.resume and not has_ckpt:
             log.warning(f"--resume: {run_dir} has no checkpoint yet; starting a new run")
 
-        if cli.get("data") is not None and cli.get("dataset") is not None:
+        given = {k for layer in (file_values, cli) for k, v in layer.items() if v is not None}
+        if {"data", "dataset"} <= given:  # on the command line, in --config, or one in each
             raise ValueError("--data and --dataset both name the training data: keep one")
         if cfg.data is None and cfg.dataset is not None:
             cfg = cfg.replace(data=str(dataset_dir(cfg.dataset)))
@@ -267,8 +268,10 @@ def write_run_files(s: RunSetup, argv: list[str]) -> None:
     write_text_atomic(s.run_dir / CONFIG_TOML, to_toml({**s.cfg.to_dict(), "model": s.model_cfg.to_dict()}))
     for name in ("tokenizer.json", "tokenizer_tiktoken.json"):
         src = s.data.path / name
-        if src.is_file() and not (s.run_dir / name).is_file():
-            shutil.copyfile(src, s.run_dir / name)
+        if src.is_file() and not (s.run_dir / name).is_file():  # copied whole or not at all
+            tmp = s.run_dir / f".{name}.tmp-{os.getpid()}"
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, s.run_dir / name)
     v = record["versions"]
     s.log.info(f"hydra-lm {v['hydra_lm']} (git {record['git']}) | torch {v['torch']} | python {v['python']} | "
                f"{s.device}" + (f" ({v['gpu']})" if "gpu" in v else ""))

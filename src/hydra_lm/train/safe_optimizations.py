@@ -35,6 +35,7 @@ class Switch:
     on: bool = True
     off_since: int = -1
     failed_pretest: bool = False  # off until the next start, which tests it again
+    pretested: bool = True  # whether a start pretests it (pretest.PRETESTED names the flags that can be)
 
 
 class AnomalyMonitor:

@@ -18,7 +18,7 @@ import torch
 from ..model.factory import create_model
 
 from .batch_filter import BatchFilter
-from .compile_policy import apply_speed_plan, enable_tf32, resolve_speed_options
+from .compile_policy import apply_speed_plan, enable_tf32, resolve_speed_options, units_compile_switch
 from .clock import TrainClock, due_after_step
 from .curriculum import Curriculum, CurriculumPlan
 from .data_io import ValSet, train_loader
@@ -142,11 +142,15 @@ class Trainer:
                 step.graphs = graphs
 
             switches.append(Switch("CUDA graphs (--cuda_graph)", "cuda_graph", step.drop_graphs, graphs_on))
-        if step.step_model is not self.wrapped:
+        if step.step_model is not self.wrapped:  # the whole model compiled (under torchrun)
             compiled = step.step_model
             switches.append(Switch("torch.compile (--compile)", "compile",
                                    lambda: setattr(step, "step_model", self.wrapped),
                                    lambda: setattr(step, "step_model", compiled)))
+        elif self.plan.compile == "units":  # compiled in place (one process)
+            # Not pretested: the pretest would compile a copy of the blocks, doubling the cold start.
+            switches.append(Switch("torch.compile (--compile)", "compile", *units_compile_switch(self.model),
+                                   pretested=False))
         if self.plan.ce_impl != "naive":
             impl = self.model.ce_impl
             switches.append(Switch("the fused chunked loss (--chunked_ce)", "chunked_ce",
