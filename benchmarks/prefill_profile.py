@@ -1,15 +1,11 @@
 """Where generate's prefill goes (CUDA): wall time against GPU kernel time, kernels, aten calls and
 host syncs per call, for HYDRA and the dense baseline at two prompt shapes.
 
-    python benchmarks/prefill_profile.py [--model_size 100M --vocab_size 50257] [--conv_impl taps conv1d]
-        [--units eager compiled]
+    python benchmarks/prefill_profile.py [--model_size 100M --vocab_size 50257] [--units eager compiled]
 
 ``--units``: the prefill eager, or compiled as ``generate`` runs it when it compiles its step
 (``forward_cached(compiled=True)``: one graph with dynamic shapes per block layout; the first call compiles,
 and its time is printed as "first call").
-
-``--conv_impl``: time HYDRA's prefill with each CCGQA conv form in turn (``HydraModel.set_conv_impl``); cuDNN's
-``conv1d`` is fewer torch calls than the taps (11.5% fewer for the whole 100M prefill, counted on the CPU).
 """
 
 from __future__ import annotations
@@ -27,22 +23,17 @@ def main() -> None:
     p.add_argument("--model_size", default="100M")
     p.add_argument("--vocab_size", type=int, default=50257)
     p.add_argument("--table", action="store_true", help="print HYDRA's host-time table at 8 x 1024")
-    p.add_argument("--conv_impl", nargs="+", default=["taps"], choices=["taps", "conv1d"],
-                   help="HYDRA's CCGQA conv forms to time, one after the other")
     p.add_argument("--units", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"],
                    help="the prefill eager or compiled (forward_cached's compiled), each timed in turn")
     args = p.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    runs = [(arch, conv, units) for units in args.units
-            for arch, conv in [*(("hydra", c) for c in args.conv_impl), ("dense", None)]]
-    for arch, conv, units in runs:
+    runs = [(arch, units) for units in args.units for arch in ("hydra", "dense")]
+    for arch, units in runs:
         torch.manual_seed(0)
         model = hydra_lm.create_model(args.model_size, vocab_size=args.vocab_size, max_seq_len=1024, arch=arch)
         model = model.to(dev).eval()
-        if conv is not None:
-            model.set_conv_impl(conv)
-        arch = f"{arch}{f' ({conv})' if conv else ''}, {units}"
+        arch = f"{arch}, {units}"
         for b, t in ((1, 128), (8, 1024)):
             ids = torch.randint(0, args.vocab_size, (b, t), device=dev)
 
@@ -76,7 +67,7 @@ def main() -> None:
                   f"{sum(e.self_device_time_total for e in cuda) / 1e3:.1f} ms over {sum(e.count for e in cuda)} "
                   f"kernels, {sum(e.count for e in ev if e.key.startswith('aten::'))} aten calls, {syncs} "
                   "sync/memcpy calls", flush=True)
-            if args.table and conv is not None and b == 8:
+            if args.table and arch.startswith("hydra") and b == 8:
                 print(ev.table(sort_by="self_cpu_time_total", row_limit=15))
 
 

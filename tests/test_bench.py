@@ -49,13 +49,13 @@ def test_bench_document_masking_reports_the_mask_path_and_kernels(tmp_path, caps
     out = tmp_path / "bench.json"
     code = hydra_lm.cli.main(["bench", "--model_size", "debug", "--arch", "hydra", "--vocab_size", "512",
                               "--batch_size", "2", "--seq_len", "64", "--steps", "1", "--warmup", "0", "--no-compile",
-                              "--conv_impl", "conv1d", "--device", "cpu", "--json", str(out),
+                              "--device", "cpu", "--json", str(out),
                               "--model.doc_mask_backend", "sdpa"])
     assert code == 0
     report = json.loads(out.read_text())
     row = report["rows"][0]
     # document masking on by default: the trainer's default path
-    assert report["document_masking"] and report["conv_impl"] == "conv1d" and report["compile"] is None
+    assert report["document_masking"] and report["compile"] is None
     assert (report["doc_mask_backend"], report["attention_backend"]) == ("sdpa", "auto")  # model config fields
     assert row["doc_mask_path"] == "dense-mask"  # CPU: the dense SDPA mask
     assert row["attention_kernels"] and all(k in ("math", "flash/cpu") for k in row["attention_kernels"])

@@ -37,8 +37,6 @@ def test_taps_equal_conv1d_from_zeros_and_from_a_history(ks, kc):
     history = torch.randn(2, attn.conv_pad, qk.shape[-1], dtype=torch.float64)
     torch.testing.assert_close(attn.causal_convs(qk, history), _reference(attn, torch.cat((history, qk), 1)),
                                rtol=0, atol=1e-12)
-    attn.conv_impl = "conv1d"
-    torch.testing.assert_close(attn.causal_convs(qk), ref, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("ks,kc", [(3, 2), (4, 3)])
@@ -65,13 +63,3 @@ def test_parameter_names_and_shapes_are_unchanged():
     assert conv["blocks.0.layers.0.attn.conv_ch.weight"] == (24, 8, 2)
     assert {k.rsplit(".", 2)[-2] + "." + k.rsplit(".", 1)[-1] for k in conv} == {
         "conv_seq.weight", "conv_seq.bias", "conv_ch.weight", "conv_ch.bias"}
-
-
-def test_model_conv_switch_gives_the_same_logits():
-    model = tiny_model().double().eval()
-    ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(0))
-    taps = model(ids)["logits"]
-    model.set_conv_impl("conv1d")
-    torch.testing.assert_close(model(ids)["logits"], taps, rtol=0, atol=1e-12)
-    with pytest.raises(ValueError, match="taps"):
-        model.set_conv_impl("cudnn")

@@ -281,7 +281,7 @@ def run_bench(cfg: BenchConfig, on_row: Callable[[dict[str, Any]], None] | None 
         "batch": cfg.batch_size, "seq_len": cfg.seq_len, "optimizer": cfg.optimizer, "compile": plan.compile,
         "compile_mode": plan.compile_mode if plan.compile else None, "cuda_graph": plan.cuda_graph,
         "document_masking": cfg.document_masking, "ce_impl": plan.ce_impl, "chunked_ce_size": plan.ce_chunk_size,
-        "sdpa_kernel": cfg.sdpa_kernel, "conv_impl": cfg.conv_impl, "model_overrides": dict(cfg.model),
+        "sdpa_kernel": cfg.sdpa_kernel, "model_overrides": dict(cfg.model),
         "speed": plan.describe(), "rows": [],
     }
     max_len = max(cfg.seq_len, 2 * cfg.new_tokens if cfg.inference else 0, 64)
@@ -289,7 +289,6 @@ def run_bench(cfg: BenchConfig, on_row: Callable[[dict[str, Any]], None] | None 
         torch.manual_seed(0)
         model = create_model(cfg.model_size, **{"arch": arch, "vocab_size": cfg.vocab_size, "max_seq_len": max_len,
                                                 **cfg.model})
-        model.set_conv_impl(cfg.conv_impl)
         row: dict[str, Any] = {"arch": arch, "params_m": model.num_parameters() / 1e6}
         row.update(bench_training(model, cfg, plan, dev))
         row["ce_impl"] = model.ce_impl
@@ -319,8 +318,7 @@ def format_report(report: dict[str, Any]) -> str:
               f"attention {r0['attention_backend']} (SDPA kernel: {r0['sdpa_kernel']})",
               f"batch {r0['batch']} x {r0['seq_len']}", f"optimizer {r0.get('optimizer', 'adamw')}",
               ", ".join(r0["speed"]),
-              f"document masking {'on' if r0['document_masking'] else 'off'} (backend {r0['doc_mask_backend']})",
-              f"convs {r0['conv_impl']}"]
+              f"document masking {'on' if r0['document_masking'] else 'off'} (backend {r0['doc_mask_backend']})"]
     if r0.get("model_overrides"):
         header.append("overrides " + ",".join(f"{k}={v}" for k, v in r0["model_overrides"].items()))
     lines = [" | ".join(header),

@@ -39,8 +39,6 @@ class BenchConfig:
     document_masking: bool = opt(True, "pass doc_ids as the trainer does by default (documents of geometric "
                                        "length, mean 400 tokens; --no-document_masking: plain causal kernels)",
                                  type=bool)
-    conv_impl: str = opt("taps", "CCGQA convs as fused shifted taps, or F.conv1d (cuDNN) for comparison", type=str,
-                         choices=("taps", "conv1d"))
     inference: bool = opt(False, "also time prefill and steady-state decoding", type=bool)
     new_tokens: int = opt(128, "--inference: prompt length and decode steps timed, per batch size", type=int)
     decode_batches: str = opt("1,8,32,128", "--inference: decode batch sizes, comma-separated", type=str)

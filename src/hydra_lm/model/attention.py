@@ -158,7 +158,6 @@ class CCGQAttention(nn.Module):
         self.conv_seq = nn.Conv1d(channels, channels, conv_seq_kernel, groups=channels)
         self.conv_ch = nn.Conv1d(channels, channels, conv_ch_kernel, groups=n_heads + n_kv_heads)
         self.conv_pad = (conv_seq_kernel - 1) + (conv_ch_kernel - 1)
-        self.conv_impl = "taps"  # or "conv1d": see causal_convs
         self.temperature = nn.Parameter(torch.zeros(n_kv_heads))
         self.out = nn.Linear(self.q_dim, dim, bias=False)
 
@@ -239,15 +238,12 @@ class CCGQAttention(nn.Module):
         another document (or before the row) reads what a fresh sequence reads there, zero input
         for the first conv and the first conv's output on zeros (its bias) for the second.
 
-        Written as sums of shifted taps times weights (``conv_impl="taps"``) so that torch.compile
-        fuses them with their neighbours; ``conv_impl="conv1d"`` calls F.conv1d (cuDNN on CUDA)
-        for the unmasked case, kept to measure against.
+        Written as sums of shifted taps times weights so that torch.compile fuses them with their
+        neighbours (F.conv1d, through cuDNN, measured no faster: benchmarks/BENCHMARKS.md).
         """
         b, n, c = qk.shape
         ks, kc, p = self.conv_seq.kernel_size[0], self.conv_ch.kernel_size[0], self.conv_pad
         xp = F.pad(qk, (0, 0, p, 0)) if history is None else torch.cat((history, qk), dim=1)
-        if doc is None and self.conv_impl == "conv1d":
-            return self.conv_ch(self.conv_seq(xp.transpose(1, 2))).transpose(1, 2)
         # Document of each padded position (-1 before the row); a tap is kept iff it reads from
         # the document of the position it computes.
         docp = None if doc is None else F.pad(doc, (p, 0), value=-1)

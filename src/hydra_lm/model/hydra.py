@@ -375,16 +375,6 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         """Free what ``generate`` keeps between calls (``decode_session``: caches, CUDA graphs and their memory)."""
         self._decode_sessions.clear()
 
-    # ------------------------------------------------------------------ kernels
-    def set_conv_impl(self, impl: str) -> None:
-        """CCGQA convolutions as fused shifted taps (``"taps"``, default) or ``"conv1d"`` (cuDNN on
-        CUDA; document-masked rows always use taps). Same function, kept for measurement."""
-        if impl not in ("taps", "conv1d"):
-            raise ValueError(f"conv_impl={impl!r}: choose 'taps' or 'conv1d'")
-        for module in self.modules():
-            if isinstance(module, CCGQAttention):
-                module.conv_impl = impl
-
     # ------------------------------------------------------------------ utilities
     def num_parameters(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
