@@ -25,9 +25,12 @@ def test_outliers_are_masked_and_counted_and_leave_the_statistics_alone():
     assert [early.keep(torch.tensor(v)).item() for v in (3.0, 30.0)] == [1.0, 1.0]  # no bar before the warm-up
 
     p = torch.nn.Parameter(torch.ones(3))
-    p.grad = torch.full((3,), 2.0)
+    p.grad = torch.tensor([2.0, float("inf"), float("nan")])  # a non-finite batch's gradients
     f.mask([p], torch.tensor(0.0))
     assert torch.equal(p.grad, torch.zeros(3))
+    p.grad = torch.full((3,), 2.0)
+    f.mask([p], torch.tensor(1.0))
+    assert torch.equal(p.grad, torch.full((3,), 2.0))
     restored = BatchFilter(k=3.0, device=torch.device("cpu"))
     restored.load_state_dict(f.state_dict())
     assert restored.state_dict() == f.state_dict()
@@ -35,8 +38,9 @@ def test_outliers_are_masked_and_counted_and_leave_the_statistics_alone():
 
 @pytest.mark.slow
 def test_filtered_run_logs_skips_and_resumes_exactly(tiny_data, tmp_path, monkeypatch):
-    # The losses the filter sees at 0-based steps 3 and 6 are x10: one outlier before the step-5 checkpoint,
-    # one after it, so the resumed run must carry the filter's statistics and count over.
+    # The loss the filter sees at 0-based step 3 is x10, at step 6 NaN: one outlier before the step-5 checkpoint,
+    # one after it, so the resumed run must carry the filter's statistics and count over. The skipped NaN batch
+    # changed nothing, so it is no divergence either.
     step_of, micro = [0], TrainStep.micro_step
     train_step = Trainer._train_step
     monkeypatch.setattr(Trainer, "_train_step", lambda self, window: step_of.__setitem__(0, self.step) or
@@ -44,7 +48,7 @@ def test_filtered_run_logs_skips_and_resumes_exactly(tiny_data, tmp_path, monkey
 
     def outlier_micro_step(self, *args, **kwargs):
         parts, stats = micro(self, *args, **kwargs)
-        return (parts * 10 if step_of[0] in (3, 6) else parts), stats
+        return {3: parts * 10, 6: parts * float("nan")}.get(step_of[0], parts), stats
 
     monkeypatch.setattr(TrainStep, "micro_step", outlier_micro_step)
     common = ["--data", str(tiny_data), *TINY_RUN, "--log_every", "1", "--no-eval_at_start", "--eval_every", "0",
@@ -53,7 +57,10 @@ def test_filtered_run_logs_skips_and_resumes_exactly(tiny_data, tmp_path, monkey
     assert main(["train", "--out", str(tmp_path / "straight"), *common]) == 0
     assert main(["train", "--out", str(tmp_path / "pieces"), *common, "--stop_at_step", "5"]) == 0
     assert main(["train", "--out", str(tmp_path / "pieces")]) == 0
-    assert train_losses(tmp_path / "pieces") == train_losses(tmp_path / "straight")
+    assert records(tmp_path / "straight", "divergence") == []
+    straight = train_losses(tmp_path / "straight")
+    assert straight[6][1] is None  # the NaN loss, logged as null
+    assert train_losses(tmp_path / "pieces") == straight
     skipped = [r["skipped_batches"] for r in records(tmp_path / "straight", "train")]
     assert skipped == [0, 0, 0, 1, 1, 1, 2, 2]  # a running count: the two outliers alone
     assert skipped == [r["skipped_batches"] for r in records(tmp_path / "pieces", "train")]

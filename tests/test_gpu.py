@@ -414,3 +414,13 @@ def test_bench_defaults_run_the_fast_path(tmp_path):
         rates = [row[f"decode_tokens_per_s_batch{b}"] for b in (1, 8, 32, 128)]
         # a steady decode step of this model takes well over 10 microseconds: no division by ~0
         assert all(0 < r < b / 1e-5 for r, b in zip(rates, (1, 8, 32, 128))), rates
+
+
+def test_the_peak_flops_probe_leaves_the_random_streams_alone():
+    """The trainer measures the MFU denominator after a resume restored the RNGs: draws must go on as uninterrupted."""
+    from hydra_lm.train.metrics import measure_peak_flops
+
+    device = torch.device("cuda")
+    before = torch.cuda.get_rng_state(device)
+    assert measure_peak_flops(device) > 0
+    assert torch.equal(torch.cuda.get_rng_state(device), before)

@@ -196,3 +196,24 @@ def test_a_run_left_to_the_size_table_trains_in_the_micro_batch_that_fits_the_gp
     assert (saved["batch_size"], saved["grad_accum"]) == (128, 1)
     assert "micro-batch fitted to the GPU: 128 x 32 x accumulation 1 (the 100M table's 32 x 4" in \
         (run / "train.log").read_text()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_rollback_under_whole_step_graphs_recaptures_and_trains_on(tiny_data, tmp_path, monkeypatch, optimizer):
+    """A divergence rolls back into the live optimizer: its captured update must still read device-tensor LRs
+    (a checkpoint holds portable floats), so the recapture after the rollback succeeds and training goes on."""
+    from hydra_lm.train.divergence import FiniteFlag
+
+    run, read, failed = tmp_path / "run", FiniteFlag.read, []
+
+    def read_once_unhealthy(self):  # the first health check after the step-3 checkpoint reports a non-finite loss
+        if not failed and (run / "checkpoints" / "hydra_debug_step3").is_dir():
+            failed.append(1)
+            return False
+        return read(self)
+
+    monkeypatch.setattr(FiniteFlag, "read", read_once_unhealthy)
+    assert train(tiny_data, run, "--no-compile", "--optimizer", optimizer, "--max_steps", "14") == 0
+    assert [r["action"] for r in records(run, "divergence")] == ["rollback"]
+    steps = [r["step"] for r in records(run, "train")]
+    assert steps[-1] == 14 and "captured as CUDA graphs" in (run / "train.log").read_text()

@@ -73,6 +73,17 @@ def test_moe_run_freezes_routers_during_warm_up_and_logs_expert_load(tiny_data, 
     assert not torch.equal(trained["moe_blocks.0.w_gate_up"], initial["moe_blocks.0.w_gate_up"])
 
 
+def test_a_resumed_run_continues_the_expert_load_window(tiny_data, tmp_path):
+    common = ["--data", str(tiny_data), *TINY_RUN, *MOE, "--max_steps", "4", "--log_every", "4", "--save_every", "2",
+              "--no-eval_at_start", "--eval_every", "0"]
+    assert main(["train", "--out", str(tmp_path / "straight"), *common]) == 0
+    assert main(["train", "--out", str(tmp_path / "pieces"), *common, "--stop_at_step", "2"]) == 0
+    assert main(["train", "--out", str(tmp_path / "pieces")]) == 0
+    straight, pieces = (next(r for r in records(tmp_path / run, "train") if r["step"] == 4)
+                        for run in ("straight", "pieces"))
+    assert pieces["loss"] == straight["loss"] and pieces["moe_expert_load"] == straight["moe_expert_load"]
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--arch", "dense", "--moe"], "--moe: MoE layers belong to the hydra architecture"),
     (["--arch", "dense", "--moe_router_lr_scale", "0.5"], "--moe_router_lr_scale: MoE layers belong"),

@@ -120,6 +120,16 @@ def test_persistent_divergence_stops_naming_a_good_checkpoint_and_keeps_it(tiny_
     assert f"last good checkpoint is {good} (step 3)" in err and "--lr 0.000125" in err
 
 
+def test_repeated_divergences_add_up_to_switching_an_optimization_off(tiny_data, tmp_path, monkeypatch):
+    # Each rollback forgets the anomalies after the checkpoint it returns to, but not the divergence behind it.
+    run = tmp_path / "run"
+    poison_gradients(monkeypatch, lambda step: step >= 5)
+    assert train(tiny_data, run, "--chunked_ce", "--max_rollbacks", "3") == 1
+    assert [r["action"] for r in records(run, "divergence")] == ["rollback"] * 3 + ["stop"]
+    assert [(r["step"], r["action"], r["optimization"]) for r in records(run, "safety")] == [
+        (3, "off", "the fused chunked loss (--chunked_ce)")]
+
+
 @pytest.mark.parametrize("value", ["inf", "nan", "-1"])
 def test_non_finite_or_negative_lr_is_refused(tiny_data, tmp_path, capsys, value):
     assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "run"), *TINY_RUN, "--lr", value]) == 2

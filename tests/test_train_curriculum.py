@@ -92,5 +92,8 @@ def test_a_run_records_the_switches_at_the_planned_steps(tiny_data, tmp_path):
 def test_mod_off_mor_off_keep_routing_off(tiny_data, tmp_path):
     run = tmp_path / "run"
     assert main(["train", "--data", str(tiny_data), "--out", str(run), "--max_steps", "4", "--log_every", "1",
-                 "--eval_every", "0", "--no-eval_at_start", "--mod_off", "--mor_off", *TINY_RUN]) == 0
+                 "--eval_every", "0", "--eval_batches", "1", "--mod_off", "--mor_off", *TINY_RUN]) == 0
     assert not any(r["mod_active"] or r["mor_active"] for r in records(run, "train"))
+    # The evaluation before the first step runs the model the first step trains: every token through every unit.
+    start = records(run, "eval")[0]
+    assert start["step"] == 0 and start["val_exec_frac_causal"] == start["val_exec_frac_topk"] == 1.0

@@ -134,3 +134,9 @@ def test_graph_capturable_optimizer_keeps_checkpoints_portable():
     fresh.load_state_dict(saved)
     fresh.step()  # a plain (non-capturable) run steps with the loaded state
     assert fresh.param_groups[0]["lr"] == 0.25
+    # A rollback reloads the portable state into the live, captured optimizer: the graphs read the same LR
+    # tensor afterwards, the groups stay capturable and the step counters stay device tensors.
+    optim.load_keeping_lr(opt, lambda: opt.load_state_dict(saved), torch.device("cpu"))
+    group = opt.param_groups[0]
+    assert group["lr"] is lr and group["capturable"] and group["lr_ratio"] == 1.0
+    assert all(st["step"].dtype == torch.float32 for st in opt.state.values())

@@ -37,9 +37,11 @@ class BatchFilter:
         return keep
 
     def mask(self, params: list[torch.Tensor], keep: torch.Tensor) -> None:
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, keep)
+        # A fill, not a multiply by ``keep``: a non-finite batch's NaN and inf gradients times 0 stay NaN.
+        skip = keep == 0
+        for p in params:
+            if p.grad is not None:
+                p.grad.masked_fill_(skip, 0.0)
 
     def state_dict(self) -> dict:
         return {name: float(getattr(self, name)) for name in ("mean", "var", "seen", "skipped")}

@@ -26,6 +26,9 @@ class LogWindow:
         if saved is not None:  # a resumed run continues the interrupted window
             self.sums = torch.tensor(saved["sums"], device=device)
             self.steps = int(saved["steps"])
+            if saved.get("moe_load") is not None:
+                self.moe_load = torch.tensor(saved["moe_load"], device=device)
+                self.moe_steps = int(saved["moe_steps"])
 
     def add(self, parts: torch.Tensor, grad_norm: torch.Tensor, stats: torch.Tensor, lr: float) -> None:
         self.sums += torch.cat([parts, grad_norm.detach().float().reshape(1)])
@@ -49,7 +52,8 @@ class LogWindow:
         """What a checkpoint keeps of the window (None: nothing to continue)."""
         if self.steps == 0:
             return None
-        return {"sums": self.sums.tolist(), "steps": self.steps}
+        moe = {} if self.moe_load is None else {"moe_load": self.moe_load.tolist(), "moe_steps": self.moe_steps}
+        return {"sums": self.sums.tolist(), "steps": self.steps, **moe}
 
     def record(self, step: int, tokens_per_step: int, run: dict[str, Any], router_names: list[str],
                moe_names: list[str]) -> tuple[dict[str, Any], dict[str, str]]:

@@ -89,8 +89,11 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16
     if device.type != "cuda":
         return None
     n = 8192
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    # Off the run's random streams: a resumed run measures after restoring them, and draws (MoE router jitter,
+    # dropout-like noise) must continue as in the uninterrupted run.
+    with torch.random.fork_rng(devices=[device]):
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
     torch.cuda.synchronize(device)

@@ -141,9 +141,28 @@ def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> N
         group["capturable"] = True
         key = (ratio, bool(group.get(MOE_ROUTER)))
         group["lr"] = lrs.setdefault(key, torch.tensor(base * ratio, device=device))
+    steps_to_device(optimizer, device)
+
+
+def steps_to_device(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """A capturable optimizer's step counters live on the device (a host counter would be baked into the graph)."""
     for state in optimizer.state.values():
         if "step" in state:
             state["step"] = state["step"].to(device, torch.float32)
+
+
+def load_keeping_lr(optimizer: torch.optim.Optimizer, load: Callable[[], None], device: torch.device) -> None:
+    """Run ``load`` (a state-dict load into ``optimizer``) keeping this run's LR ratios and LR holders: a device
+    tensor that captured updates read (``make_capturable``; a checkpoint holds portable floats) or torchao's. A
+    rollback reloads into a live, graph-captured optimizer; the first restore into a fresh one."""
+    held = [(g["lr"], g.get("lr_ratio", 1.0), g.get("capturable", False)) for g in optimizer.param_groups]
+    load()
+    for group, (lr, ratio, capturable) in zip(optimizer.param_groups, held):
+        group["lr"], group["lr_ratio"] = lr, ratio
+        if capturable:
+            group["capturable"] = True
+    if any(capturable for *_, capturable in held):
+        steps_to_device(optimizer, device)
 
 
 def portable_optimizer_state(state: dict) -> dict:

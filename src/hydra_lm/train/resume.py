@@ -8,7 +8,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from .checkpoint import DISK_FULL, CheckpointError, capture_rng, disk_full_error, restore_rng, verify
 from .distributed import broadcast_object, gather_objects
-from .optim import portable_optimizer_state
+from .optim import load_keeping_lr, portable_optimizer_state
 from .sharded_checkpoint import RANK_FILE, load_dcp, load_optimizer, load_single_into_sharded
 
 
@@ -34,6 +34,7 @@ def save_checkpoint(t, reason: str = "") -> bool:
         "swa": t.swa.state_dict() if t.swa is not None else None,
         "rng": rng_json,
         "log_window": t.window.state() if t.window is not None else None,
+        "starving_experts": sorted(t.starving),  # warned about once per run, resumed or not
         "train_config": t.cfg.to_dict(),
         "model_config": t.s.model_cfg.to_dict(),
         "data": t.s.data.to_dict(),
@@ -65,17 +66,22 @@ def restore(t, ckpt) -> None:
     """Load checkpoint ``ckpt`` into trainer ``t``: model, optimizer, loop state, data position, RNGs."""
     # On the CPU: RNG states must stay there; the optimizer moves its state to the parameters' device.
     same_world = ckpt.world_size == t.dist.world_size
-    try:
+    tensors: dict = {}
+
+    def load() -> None:
         if ckpt.layout == "dcp":
             load_dcp(ckpt, t.model, t.optimizer, distributed=t.dist.enabled)
-            tensors = ckpt.load_trainer("cpu", RANK_FILE.format(t.dist.rank)) if same_world else {}
+            tensors.update(ckpt.load_trainer("cpu", RANK_FILE.format(t.dist.rank)) if same_world else {})
         else:
-            tensors = ckpt.load_trainer(map_location="cpu")
+            tensors.update(ckpt.load_trainer(map_location="cpu"))
             if t.dist.enabled and t.dist.parallel == "fsdp":
                 load_single_into_sharded(ckpt, t.model, t.optimizer, tensors)
             else:
                 ckpt.load_model(t.model)
                 load_optimizer(t.model, t.optimizer, tensors["optimizer"])
+
+    try:
+        load_keeping_lr(t.optimizer, load, t.device)
     except (ValueError, KeyError, RuntimeError) as err:
         raise ValueError(f"checkpoint {ckpt.path}: its model or optimizer state does not fit this run "
                          f"({t.cfg.optimizer}): {err}") from None
@@ -96,6 +102,7 @@ def restore(t, ckpt) -> None:
         t.replace_loader(t.seq_schedule.stage_of_length(st["loader"]["seq_len"]))
     t.loader.load_state_dict(st["loader"])
     t.saved_window = st.get("log_window")
+    t.starving = set(st.get("starving_experts", ()))
     if same_world:
         restore_rng(st["rng"], {k: v for k, v in tensors.items() if k in ("torch", "cuda")})
     else:
@@ -167,8 +174,9 @@ def handle_divergence(t) -> bool:
                       f"was saved. The last good checkpoint is {good.path} (step {good.step}): resume from it "
                       f"with a lower learning rate: hydra-lm train --out {t.s.run_dir} --lr {lower:.3g}")
         return False
-    t.safe_opts.note_divergence(t.step)
+    diverged_at = t.step
     roll_back_to(t, good)
+    t.safe_opts.note_divergence(diverged_at, good.step)
     t.rollback.record_rollback()
     t.metrics.write({**record, "action": "rollback", "to_step": good.step, "checkpoint": str(good.path),
                      "lr_scale": t.rollback.lr_scale})

@@ -96,11 +96,13 @@ class SafeOptimizations:
         self._graduate(step)
         return self._switch_off_if_needed(step)
 
-    def note_divergence(self, step: int) -> Switch | None:
-        """A non-finite loss or gradient seen by the divergence guard counts as an anomaly too."""
-        self.monitor.record(step)
+    def note_divergence(self, step: int, rolled_back_to: int) -> Switch | None:
+        """A non-finite loss or gradient seen by the divergence guard at ``step`` counts as an anomaly too. Called
+        after the rollback to ``rolled_back_to`` (which forgets the anomalies after it), it is counted there, so
+        that repeated divergences add up."""
+        self.monitor.record(rolled_back_to)
         self.record({"kind": "anomaly", "step": step, "anomaly": "non-finite loss or gradients"})
-        return self._switch_off_if_needed(step)
+        return self._switch_off_if_needed(rolled_back_to)
 
     def restarted_at(self, step: int) -> None:
         """The trainer went back to ``step`` (a rollback): clean stretches count from there."""

@@ -82,11 +82,7 @@ class Trainer:
         self.saved_window: dict | None = None  # a resumed checkpoint's log window, continued by the first
         self.window: LogWindow | None = None
         if setup.resume_from is not None:
-            # Keep this run's LR ratios and LR holders (torchao keeps the LR in a tensor) over the saved ones.
-            lrs = [(g["lr"], g["lr_ratio"]) for g in self.optimizer.param_groups]
             restore(self, setup.resume_from)
-            for group, (lr, ratio) in zip(self.optimizer.param_groups, lrs):
-                group["lr"], group["lr_ratio"] = lr, ratio
         # After any restore: a captured step needs a capturable optimizer (learning rate on the device).
         self.train_step = TrainStep(self.model, apply_speed_plan(self.model, self.wrapped, self.plan), self.optimizer,
                                     self.device, self.plan, cfg.grad_accum, cfg.grad_clip, cfg.cuda_graphs_warmup)
@@ -113,7 +109,7 @@ class Trainer:
                              "would disagree on the schedule); under torchrun use --max_steps")
         check_optimizer_features(cfg, self.dist)
         check_moe_options(cfg, self.s.model_cfg.arch, self.s.model_cfg.moe)
-        self._starving: set[str] = set()
+        self.starving: set[str] = set()
         if cfg.experimental_fa3:
             self.log.info(enable_fa3(self.device))
         if cfg.experimental_fp8:
@@ -249,6 +245,8 @@ class Trainer:
             return 0
         PretestHook(self).before_training()
         if self.step == 0 and cfg.eval_at_start:
+            # The curriculum's routing at step 0 (e.g. --mod_off: every block dense), as the first step will train.
+            self.curriculum.apply(self.clock.position(self.step), self.model)
             self._eval()
         self.window = self.new_window()
         stopping = False
@@ -355,6 +353,7 @@ class Trainer:
                 micro_parts, micro_stats = self.train_step.micro(inputs)
             parts += micro_parts
             stats = micro_stats.clone()  # CUDA graphs reuse output memory
+        keep = None
         if self.batch_filter is not None:  # every rank decides on the same (global mean) loss
             keep = self.batch_filter.keep(mean_across_ranks(parts[0] / cfg.grad_accum, self.dist))
             self.batch_filter.mask(self.params, keep)
@@ -375,7 +374,8 @@ class Trainer:
         if self.dist.enabled:  # one small all-reduce: every rank logs and decides on the global mean
             flat = mean_across_ranks(torch.cat([parts, stats.flatten()]), self.dist)
             parts, stats = flat[:5], flat[5:].reshape(stats.shape)
-        self.finite.fold(parts[0], grad_norm)
+        # A batch the filter skipped (a non-finite loss among them) changed nothing: not a divergence.
+        self.finite.fold(parts[0] if keep is None else torch.where(keep > 0, parts[0], 0.0), grad_norm)
         self.curriculum.observe(parts[1])
         window.add(parts, grad_norm, stats, lr)
         self.step += 1
@@ -393,8 +393,8 @@ class Trainer:
         record, warnings = window.record(self.step, self.tokens_per_step, run, self.model.router_names(),
                                          [f"after_block{i}" for i in self.model.moe_blocks])
         for expert, warning in warnings.items():
-            if expert not in self._starving:  # once per expert and run
-                self._starving.add(expert)
+            if expert not in self.starving:  # once per expert and run
+                self.starving.add(expert)
                 self.log.warning(f"step {self.step}: {warning}")
         loss, gnorm, tps = record["loss"], record["grad_norm"], record["tokens_per_s"]
         if self.batch_filter is not None:
