@@ -10,7 +10,7 @@ PACKAGE = Path(hydra_lm.__file__).parent
 # What each low-level package may import from hydra_lm besides itself.
 ALLOWED = {
     "hydra_lm.kernels": (),
-    "hydra_lm.model": ("hydra_lm.config", "hydra_lm.version", "hydra_lm.kernels.ccgqa_decode",
+    "hydra_lm.model": ("hydra_lm.config", "hydra_lm.version", "hydra_lm.kernels", "hydra_lm.kernels.ccgqa_decode",
                        "hydra_lm.kernels.route_decode", "hydra_lm.kernels.cross_entropy_rows",
                        "hydra_lm.kernels.sorted_index_add"),
     "hydra_lm.data": ("hydra_lm.version",),

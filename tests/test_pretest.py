@@ -116,6 +116,14 @@ def test_a_resume_with_a_changed_flag_pretests_again(tiny_data, tmp_path):
     assert all(e["results"][0]["passed"] for e in history)
 
 
+def test_a_checkpoint_pretests_what_its_run_turned_on_including_the_automatic_defaults():
+    from hydra_lm.train.pretest import pretested_on
+
+    automatic = {"compile": None, "chunked_ce": None}  # how a default run saves them
+    assert pretested_on(automatic, "cuda") == ["compile", "chunked_ce"] and pretested_on(automatic, "cpu") == []
+    assert pretested_on({"compile": False, "chunked_ce": True}, "cuda") == ["chunked_ce"]
+
+
 def test_the_trigger_names_what_changed_since_the_checkpoint():
     from hydra_lm.train.pretest import trigger_of
 

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from .config import ARCHS
 from .train.options import OPTIMIZERS
 
 
@@ -140,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="parameters, FLOPs, cache size and head layout of a preset")
     info.add_argument("--model_size", default="100M", help="preset name (debug, 50M, 100M, ...)")
-    info.add_argument("--arch", default="hydra", choices=["hydra", "dense"])
+    info.add_argument("--arch", default="hydra", choices=list(ARCHS))
     info.add_argument("--seq_len", type=int, default=1024, help="sequence length for the FLOP count")
     info.add_argument("--vocab_size", type=int, default=None, help="override the preset's vocabulary size")
     info.add_argument("--memory", action="store_true", help="also estimate peak training memory for "

@@ -12,7 +12,6 @@ every entry, ``pos`` [B, N]. Two ways to run:
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -21,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ATTENTION_BACKENDS, DECODE_KERNELS
+from ..kernels import TRITON_AVAILABLE
 from .attention_backend import flexible_attention
 from .doc_attention import Documents, doc_causal_attention
 from .layers import RotaryEmbedding, apply_rotary
 
-TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
 def decode_kernels_run(setting: str, device: torch.device) -> bool:

@@ -19,10 +19,11 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from ..kernels import TRITON_AVAILABLE
+
 IMPLS = ("auto", "liger", "chunked", "naive")
 REDUCTIONS = ("mean", "sum")
 LIGER_INSTALLED = importlib.util.find_spec("liger_kernel") is not None
-TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .loss import TRITON_AVAILABLE
+from ..kernels import TRITON_AVAILABLE
 
 
 class HeadGradientSlot:

@@ -41,7 +41,7 @@ def add_field_arguments(parser: argparse.ArgumentParser, fields: dict[str, Any])
         meta = f.metadata
         if name == "model":
             continue
-        flags = meta.get("flags") or (f"--{name}",)
+        flags = (f"--{name}",)
         if meta["type"] is bool:
             parser.add_argument(*flags, dest=name, default=None, action=argparse.BooleanOptionalAction,
                                 help=meta["help"])
@@ -112,8 +112,6 @@ def cli_values(args: argparse.Namespace, model_overrides: dict[str, Any]) -> dic
     for name in MODEL_ALIASES:
         if getattr(args, f"model_alias_{name}", None) is not None:
             values[name] = getattr(args, f"model_alias_{name}")
-    if getattr(args, "alias_8bit_adam", None) and getattr(args, "alias_adafactor", None):
-        raise ValueError("--8bit_adam and --adafactor are mutually exclusive")
     if model_overrides:
         values["model"] = dict(model_overrides)
     return normalize(values, "the command line")

@@ -14,13 +14,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import ARCHS
 from .fp8 import FP8_FORMATS, FP8_RECIPES, check_fp8_setting
 from .seq_len_schedule import SeqLenSchedule
 
 MODES = ("testing", "production")
 SCHEDULES = ("cosine", "wsd")
 OPTIMIZERS = ("adamw", "adam8bit", "adafactor", "lion", "clion", "muon", "sophia")
-ARCHS = ("hydra", "dense")
 # Modes whose CUDA graphs inductor captures itself ("reduce-overhead", "max-autotune") cannot nest inside the
 # whole-step graphs, and their one use, the layer regions, was removed (REMOVED_KEYS).
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
@@ -30,9 +30,8 @@ CE_IMPLS = ("auto", "chunked", "liger")
 SHORT_RUN_STEPS = 1000
 
 
-def opt(default: Any, help: str, *, type: Any = None, choices: tuple | None = None,
-        flags: tuple[str, ...] | None = None) -> Any:
-    return field(default=default, metadata=dict(help=help, type=type, choices=choices, flags=flags))
+def opt(default: Any, help: str, *, type: Any = None, choices: tuple | None = None) -> Any:
+    return field(default=default, metadata=dict(help=help, type=type, choices=choices))
 
 
 @dataclass

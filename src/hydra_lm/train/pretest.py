@@ -180,6 +180,12 @@ def compare(key: str, model: torch.nn.Module, batch, autocast, device_type: str,
             "plain_loss": want_loss, "loss_diff": loss_diff, "grad_diff": grad_diff, "speed_ratio": 1 / slowdown}
 
 
+def pretested_on(train_config: dict[str, Any], device_type: str) -> list[str]:
+    """The PRETESTED optimizations a run's saved config turns on, on ``device_type``: asked for, or left
+    automatic (None), which compile_policy turns on on CUDA and off elsewhere."""
+    return [k for k in PRETESTED if train_config.get(k) or (train_config.get(k) is None and device_type == "cuda")]
+
+
 def optimization_flags(train_config: dict[str, Any]) -> dict[str, Any]:
     # None: the speed policy decides by device (see compile_policy).
     flags = {k: train_config.get(k) for k in (*PRETESTED, "compile_mode", "cuda_graph")}
@@ -260,7 +266,7 @@ def run_pretests_for_checkpoint(path: str | Path, size: str | None = None, devic
     model.to(dev).train()
     if train_config.get("chunked_ce"):
         model.ce_impl, model.ce_chunk_size = "auto", train_config.get("chunked_ce_size", 4096)
-    keys = [k for k in PRETESTED if train_config.get(k)]
+    keys = pretested_on(train_config, dev.type)
     size = size or saved_size
     trigger = trigger_of(train_config, size, state)
     batch = pretest_batch(model_cfg.vocab_size, train_config["batch_size"], train_config["seq_len"], dev,
