@@ -112,3 +112,41 @@ def test_causal_routing_and_one_row_batches_are_the_rows_own():
 def test_an_unknown_topk_over_is_refused():
     with pytest.raises(ValueError, match="topk_over"):
         tiny_model(topk_over="rows")
+
+
+def _router_of_logits(logits, threshold, causal_choice=True):
+    """A router whose logits are ``logits`` [B, N] (its input's one feature) and whose threshold is ``threshold``."""
+    router = ExpertChoiceRouter(dim=1, depth=0, over_batch=True, causal_choice=causal_choice).eval()
+    with torch.no_grad():
+        router.proj.weight.fill_(1.0)
+        router.proj.bias.zero_()
+    router.threshold_sum.fill_(threshold)
+    router.threshold_weight.fill_(1.0)
+    return router, logits[..., None]
+
+
+def test_the_causal_choice_is_the_rules_admissions_held_to_the_budget():
+    """``topk_over="causal"``: the batch's rows * k entries with the causal rule's admissions first. Row 0's logits
+    fall along it, all above the threshold: its rank stops the rule after its first few. Row 1's rise, lower than
+    row 0's but above the threshold: each is its row's highest so far, so the rule admits all of them. The choice keeps
+    row 0's admitted few and trims row 1's lowest to the budget, where the batch's top-k would take row 0's highest
+    only; with the threshold over every logit the rule admits nothing and the budget is the batch's top-k."""
+    n, k = 512, 64
+    logits = torch.stack((torch.linspace(5.0, 1.0, n), torch.linspace(0.1, 0.9, n)))
+    router, x = _router_of_logits(logits, 0.0)
+    admitted = routing.rank_admits(logits, None, k / n, router.threshold())
+    first = int(admitted[0].sum())
+    assert 0 < first < 2 * k and bool(admitted[0, :first].all()) and bool(admitted[1].all())
+    sel = router.select(x, None, k, "topk", n)
+    chosen = torch.zeros(2 * n, dtype=torch.bool)
+    chosen[sel.order[0]] = True
+    chosen = chosen.view(2, n)
+    assert sel.order.shape == (1, 2 * k)
+    assert bool(chosen[0, :first].all()) and not bool(chosen[0, first:].any())
+    assert bool(chosen[1, n - (2 * k - first):].all()) and int(chosen[1].sum()) == 2 * k - first
+    batch, _ = _router_of_logits(logits, 0.0, causal_choice=False)
+    assert int(batch.select(x, None, k, "topk", n).order.max()) < n  # the batch's top-k: row 0 only
+
+    above_all, x = _router_of_logits(logits, 9.0)
+    assert not bool(routing.rank_admits(logits, None, k / n, above_all.threshold()).any())
+    torch.testing.assert_close(above_all.select(x, None, k, "topk", n).order, batch.select(x, None, k, "topk", n).order)

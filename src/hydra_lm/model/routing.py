@@ -136,11 +136,14 @@ class ExpertChoiceRouter(Router):
     # 1024); taken of the gathered entries, their gradient joins the gather's own (issue 14).
     gates_entries = True
 
-    def __init__(self, dim: int, depth: int, gate_scale: float = 1.0, over_batch: bool = False):
+    def __init__(self, dim: int, depth: int, gate_scale: float = 1.0, over_batch: bool = False,
+                 causal_choice: bool = False):
         super().__init__()
+        self.causal_choice = causal_choice
         self.depths = (depth,)
         # Top-k of the batch's logits (HydraConfig.topk_over "batch"): the selection's order then indexes the
         # batch's rows laid end to end ([1, rows * k]), and the block runs the units on them as one row.
+        # ``causal_choice`` ("causal"): that top-k ranks the causal rule's admissions first.
         self.over_batch = over_batch
         self.kind = "mod" if depth == 0 else "mor"
         # A tensor, not a Python float: a compiled selection would guard on the float's value and compile
@@ -236,12 +239,16 @@ class ExpertChoiceRouter(Router):
             return Selection(None, weight, None, r.new_zeros(()), torch.stack((frac, weight.mean(), frac.new_ones(()))))
         if mode == "topk":
             r_fixed = r.detach()
+            key = r_fixed
+            if self.causal_choice:  # the rule's admissions above every other logit, in their own order
+                admits = rank_admits(r_fixed, None, k / x.shape[1], self.threshold(), doc)
+                key = torch.where(admits, r_fixed + (r_fixed.amax() - r_fixed.amin() + 1), r_fixed)
             # Over the batch: the rows laid end to end as one, so the order is [1, rows * k] into them.
-            ranked = r_fixed.reshape(1, -1) if self.over_batch else r_fixed
+            ranked = key.reshape(1, -1) if self.over_batch else key
             top = torch.topk(ranked, k * r.shape[0] // ranked.shape[0], dim=1, sorted=False).indices
             order = torch.sort(top, dim=1).values
             chosen = torch.zeros_like(ranked).scatter_(1, order, 1.0).view_as(r_fixed)
-            mean_gate = self.gate(ranked.gather(1, order)).mean()
+            mean_gate = self.gate(r_fixed.reshape(ranked.shape).gather(1, order)).mean()
             if self.training:  # the threshold's update gives the boundary too
                 boundary, threshold = self.calibrate(r_fixed, k)
             else:
@@ -466,6 +473,7 @@ def build_routers(cfg: HydraConfig, dim: int, fractions: list[float]) -> tuple[n
     for j, frac in enumerate(fractions):
         if frac < (1.0 if j == 0 else fractions[j - 1]) - 1e-9 and (j == 0 or not token_choice):
             routers[str(j)] = ExpertChoiceRouter(dim, j, 1.0 if j == 0 else cfg.mor_gate_scale,
-                                                 over_batch=cfg.topk_over == "batch")
+                                                 over_batch=cfg.topk_over in ("batch", "causal"),
+                                                 causal_choice=cfg.topk_over == "causal")
     depth_router = TokenChoiceRouter(dim, len(fractions)) if token_choice and len(fractions) > 1 else None
     return routers, depth_router
