@@ -136,8 +136,11 @@ def test_compiled_prefill_writes_the_eager_prefills_decode_state_and_logits(fres
 
 # Compiled (aot_eager on a CPU) traces the same code as eager, so one routing layout is compiled (each ~35 s here).
 @pytest.mark.parametrize("overrides,compiled", [({}, False), ({}, True), (dict(mor_routing="token"), False),
-                                                (dict(moe=True, moe_num_layers=2), False)],
-                         ids=["hydra-eager", "hydra-compiled", "token_choice-eager", "moe-eager"])
+                                                (dict(moe=True, moe_num_layers=2), False),
+                                                (dict(static_routing_mode=True), False),
+                                                (dict(static_routing_mode=True, mor_routing="token"), False)],
+                         ids=["hydra-eager", "hydra-compiled", "token_choice-eager", "moe-eager", "static-eager",
+                              "static_token_choice-eager"])
 def test_a_padded_prompt_prefills_as_the_prompt_alone(fresh_dynamo, overrides, compiled):
     """A prompt padded to a longer length with its tokens marked ``valid`` (what a prefill of one graph per bucket
     of lengths would run) takes the routing decisions of the prompt alone, leaves its decode state and gives its

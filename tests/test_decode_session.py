@@ -92,6 +92,16 @@ def test_a_session_built_from_other_weights_is_never_reused(change):
     assert _sessions(model) == [new]
 
 
+def test_calls_inside_and_outside_inference_mode_keep_separate_sessions():
+    """Caches built under ``torch.inference_mode()`` are inference tensors, which a later call outside it could not
+    zero in place: each mode decodes with sessions of its own, and both give the same tokens."""
+    model = _model()
+    with torch.inference_mode():
+        inside = model.generate(_prompt(2, 5, 0), max_new_tokens=3)
+    outside = model.generate(_prompt(2, 5, 0), max_new_tokens=3)
+    assert torch.equal(inside, outside) and len(model._decode_sessions) == 2
+
+
 def test_sessions_are_bounded_released_and_never_copied(monkeypatch):
     """At most SESSIONS_KEPT sessions, the least recently used dropped first; release_decode_state frees them; a
     deep copy of the model carries none (it decodes with its own); an error inside a call drops its session."""

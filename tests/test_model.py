@@ -322,6 +322,22 @@ def test_generate_restores_training_mode_and_checks_inputs():
         model.generate(_ids(1, 100), 50)
     with pytest.raises(ValueError, match="cuda_graph=True needs the model and the prompt on a CUDA device"):
         model.generate(_ids(1, 5), 2, cuda_graph=True)
+    # Sampling arguments are checked before the prefill, also when no token is to be sampled.
+    for kwargs, message in ((dict(temperature=float("nan")), "temperature=nan must be a finite number"),
+                            (dict(temperature=-1.0), "temperature=-1.0 must be"), (dict(top_k=2.5), "top_k=2.5"),
+                            (dict(top_k=True), "top_k=True"), (dict(top_p=5), "top_p=5 must lie in"),
+                            (dict(eos_token_id=TINY["vocab_size"]), "eos_token_id=")):
+        for n in (0, 2):
+            with pytest.raises(ValueError, match=message):
+                model.generate(_ids(1, 5), n, **kwargs)
+
+
+def test_a_tiny_temperature_samples_the_argmax():
+    from hydra_lm.model.sampling import sample_next
+
+    logits = torch.tensor([[0.5, 3.0, -1.0], [2.0, -4.0, 1.9]])
+    for temperature in (1e-40, 1e-30):  # logits / temperature would overflow float32 to inf, and softmax to NaN
+        assert sample_next(logits, temperature).tolist() == [1, 0]
 
 
 def test_forward_names_token_ids_the_embedding_cannot_look_up():
@@ -331,8 +347,11 @@ def test_forward_names_token_ids_the_embedding_cannot_look_up():
             model(ids)
         with pytest.raises(ValueError, match=r"token ids must lie in \[0, "):
             model.forward_cached(ids, 0, model.init_cache(1, 16))
-    with pytest.raises(ValueError, match="integer tensor, got torch.float32"):
-        model(torch.zeros(1, 4))
+    for dtype in (torch.float32, torch.uint8):
+        with pytest.raises(ValueError, match=f"integer tensor \\(int64 or int32\\), got {dtype}"):
+            model(torch.zeros(1, 4, dtype=dtype))
+    with pytest.raises(ValueError, match="batch>0, length>0"):
+        model.generate(torch.zeros(0, 4, dtype=torch.long), 2)
     for ids in (torch.arange(8), torch.zeros(1, 2, 3, dtype=torch.long), torch.zeros(0, 4, dtype=torch.long)):
         with pytest.raises(ValueError, match=r"input_ids must be \[batch, length\] with both > 0"):
             model(ids)

@@ -48,7 +48,8 @@ def cache_tensors(caches: list) -> list[torch.Tensor]:
 def fingerprint(model) -> tuple:
     """What a session's step and graphs were built from: every parameter's and buffer's storage and version
     (an optimizer step, ``load_state_dict`` or ``.to()`` changes one), the blocks' routing curriculum and the
-    config."""
+    config. A write through ``.data`` changes neither storage nor version: after one, call
+    ``HydraModel.release_decode_state()`` (the step's cast weight copies would otherwise be stale)."""
     tensors = tuple((t.data_ptr(), t._version) for t in itertools.chain(model.parameters(), model.buffers()))
     curriculum = tuple((b.mod_active, b.mor_active, b.mor_ramp) for b in model.blocks)
     return tensors, curriculum, repr(model.config)
@@ -153,8 +154,9 @@ class DecodeSessions(OrderedDict):
     def get_or_build(self, model, batch: int, length: int, device: torch.device, graphed: bool,
                      compiled: bool) -> DecodeSession:
         enabled = torch.is_autocast_enabled(device.type)
+        # Inference mode too: caches made under it are inference tensors, which a call outside it cannot zero.
         key = (batch, length, str(device), graphed, compiled, enabled, torch.get_autocast_dtype(device.type)
-               if enabled else None)
+               if enabled else None, torch.is_inference_mode_enabled())
         session = self.pop(key, None)
         if session is not None and session.fingerprint != fingerprint(model):
             session = None  # built from other weights: its cast copies and graphs are stale

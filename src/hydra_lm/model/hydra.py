@@ -29,7 +29,7 @@ from .loss import linear_cross_entropy
 from .layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
 from .moe import MoEFeedForward, grouped_mm_dtype
 from .routing import ROUTING_MODES, depth_fractions
-from .sampling import sample_next
+from .sampling import check_sampling, sample_next
 from .tied_lookup import HeadGradientSlot, kernel_applies, tied_lookup
 
 
@@ -43,8 +43,8 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, sync: bool = False) -> N
     check is free: on the CPU, or with ``sync`` (generate reads the prompt once). A training step on CUDA
     skips it: its value check would be a host sync inside a captured step (the data loader checks its
     tokens instead, ``data.loader``)."""
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise ValueError(f"token ids must be an integer tensor, got {ids.dtype}")
+    if ids.dtype not in (torch.int64, torch.int32):  # what the embedding's lookup takes
+        raise ValueError(f"token ids must be an integer tensor (int64 or int32), got {ids.dtype}")
     # Fake tensors (memory estimates trace the model without data) have no values to read.
     if (ids.device.type == "cpu" or sync) and ids.numel() and not torch.compiler.is_compiling() and not is_fake(ids):
         lo, hi = int(ids.min()), int(ids.max())
@@ -326,10 +326,13 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         bucket are kept for the next call of the same (batch, cache length, settings) while the weights stay as
         they were (``decode_session``); ``release_decode_state()`` frees them.
         """
-        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be [batch, length>0], got shape {tuple(input_ids.shape)}")
+        if input_ids.dim() != 2 or 0 in input_ids.shape:
+            raise ValueError(f"input_ids must be [batch>0, length>0], got shape {tuple(input_ids.shape)}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+        check_sampling(temperature, top_k, top_p)  # before the prefill, and with no token to sample too
+        if eos_token_id is not None and not 0 <= eos_token_id < self.config.vocab_size:
+            raise ValueError(f"eos_token_id={eos_token_id} must lie in [0, {self.config.vocab_size})")
         check_token_ids(input_ids, self.config.vocab_size, sync=True)
         b, t = input_ids.shape
         total = t + max_new_tokens

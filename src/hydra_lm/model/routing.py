@@ -236,7 +236,8 @@ class ExpertChoiceRouter(Router):
         if mode == "static":
             weight = self.gate(r)
             frac = torch.ones((), device=x.device) if valid is None else valid.float().sum(1).mean() / row_len
-            return Selection(None, weight, None, r.new_zeros(()), torch.stack((frac, weight.mean(), frac.new_ones(()))))
+            # ``valid`` kept: a padded prompt's padding must not advance the units' caches (decode_session)
+            return Selection(None, weight, valid, r.new_zeros(()), torch.stack((frac, weight.mean(), frac.new_ones(()))))
         if mode == "topk":
             r_fixed = r.detach()
             key = r_fixed

@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """A ValueError naming the first sampling argument ``sample_next`` cannot use."""
+    if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 = greedy)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k={top_k!r} must be an integer >= 1")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p={top_p!r} must lie in (0, 1]")
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                 top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """Pick one token per row of ``logits`` [B, V]; ``temperature=0`` means argmax."""
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k={top_k} must be >= 1")
-    if top_p is not None and not (0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p={top_p} must lie in (0, 1]")
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    # Relative to each row's highest logit: a tiny temperature then drives the others to -inf, not the top to inf.
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
