@@ -237,7 +237,8 @@ class ExpertChoiceRouter(Router):
             weight = self.gate(r)
             frac = torch.ones((), device=x.device) if valid is None else valid.float().sum(1).mean() / row_len
             # ``valid`` kept: a padded prompt's padding must not advance the units' caches (decode_session)
-            return Selection(None, weight, valid, r.new_zeros(()), torch.stack((frac, weight.mean(), frac.new_ones(()))))
+            stats = torch.stack((frac, weight.mean(), frac.new_ones(())))
+            return Selection(None, weight, valid, r.new_zeros(()), stats)
         if mode == "topk":
             r_fixed = r.detach()
             key = r_fixed
