@@ -266,6 +266,23 @@ def test_bad_eval_sizes_and_betas_are_one_line(tiny_data, finished_run, tmp_path
     assert not (tmp_path / "qs").exists()  # refused before preparing data or training
 
 
+def test_malformed_run_metadata_is_one_line_for_eval(finished_run, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(finished_run, run)
+    (run / "config.json").write_text("[1, 2]")
+    assert main(["eval", "--run", str(run), "--device", "cpu", "--eval_batches", "1"]) == 2
+    assert "config.json is corrupt: not a JSON object" in one_line_error(capsys, "eval")
+    (run / "config.json").unlink()  # the checkpoints' own configs then stand in
+    for ckpt in checkpoints(run):
+        state = json.loads((ckpt / "state.json").read_text())
+        state["curriculum"] = {"mor_ramp": 1.0}
+        (ckpt / "state.json").write_text(json.dumps(state))
+    assert main(["eval", "--run", str(run), "--device", "cpu", "--eval_batches", "1"]) == 2
+    assert "records a malformed curriculum" in one_line_error(capsys, "eval")
+
+
 def test_generate_on_a_nan_model_is_one_line(finished_run, tmp_path, capsys):
     from safetensors import safe_open
     from safetensors.torch import save_file

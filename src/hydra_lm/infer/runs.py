@@ -42,6 +42,8 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
             config = json.loads(config_path.read_text(encoding="utf-8"))
         except ValueError as err:
             raise ValueError(f"{config_path} is corrupt: {err}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_path} is corrupt: not a JSON object")
     else:  # a checkpoint copied out of its run carries its own config
         config = {"train": ckpt.state.get("train_config", {}), "model": ckpt.state.get("model_config"),
                   "data": ckpt.state.get("data", {})}
@@ -49,7 +51,10 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
     if not model_values:
         raise ValueError(f"checkpoint {ckpt.path} holds no model config")
     dev = pick_device(device)
-    model = create_model(HydraConfig.from_saved(model_values))
+    try:
+        model = create_model(HydraConfig.from_saved(model_values))
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"checkpoint {ckpt.path} records an unusable model config: {err}") from None
     if ckpt.layout == "dcp":
         load_dcp(ckpt, model)
     else:
@@ -61,6 +66,8 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
     model.to(dev).eval()
     curriculum = ckpt.state.get("curriculum")
     if curriculum is not None:  # evaluate the network as it was training at that step
+        if not (isinstance(curriculum, dict) and {"mod_active", "mor_active"} <= set(curriculum)):
+            raise ValueError(f"checkpoint {ckpt.path} records a malformed curriculum: pick another with --checkpoint")
         model.set_curriculum(mod_active=curriculum["mod_active"], mor_active=curriculum["mor_active"],
                             mor_ramp=curriculum.get("mor_ramp", 1.0))
     return LoadedRun(run_dir, model, ckpt, config, dev)
