@@ -57,8 +57,9 @@ def test_causal_eval_with_document_masks_compiles_fullgraph():
 
 # The tiny model's first block runs the whole row at depth 0, the others are MoD-routed there: two block
 # layouts, so two block graphs for training, whatever the batch; evaluation compiles the unit instead. With
-# top-k over the batch the chosen entries are rows x k whatever the rows' counts: static shapes too.
-@pytest.mark.parametrize("topk_over", ["row", "batch"])
+# top-k over the batch the chosen entries are rows x k whatever the rows' counts: static shapes too, also when
+# the causal rule's admissions come first ("causal").
+@pytest.mark.parametrize("topk_over", ["row", "batch", "causal"])
 @pytest.mark.slow
 def test_compiled_training_reuses_one_graph_per_block_layout_and_keeps_the_state_dict(topk_over):
     torch._dynamo.reset()
