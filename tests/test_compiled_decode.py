@@ -68,7 +68,7 @@ def test_compiled_decode_step_gives_the_eager_steps_greedy_tokens(fresh_dynamo, 
     assert torch.equal(compiled, eager) and torch.equal(longer[:, :27], eager)
     units = TINY["n_blocks"] * TINY["recursions"]
     # The steps after the first token run compiled units, except the units that no row's token enters:
-    # skipped (test_model.py). Static routing runs every unit.
+    # skipped (test_model_decode.py). Static routing runs every unit.
     if overrides.get("static_routing_mode"):
         assert len(calls) == units * (19 + 24)
     else:

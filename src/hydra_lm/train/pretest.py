@@ -29,6 +29,7 @@ import torch
 from ..model.factory import create_model
 from ..config import HydraConfig, preset_config
 from .checkpoint import verify, write_text_atomic
+from .compile_policy import units_compile_switch
 
 PRETEST_DIR = "pretest_logs"
 HISTORY_FILE = "pretest_history.json"
@@ -132,11 +133,9 @@ def compare(key: str, model: torch.nn.Module, batch, autocast, device_type: str,
             ce_impl: str = "auto") -> dict[str, Any]:
     """Pretest one optimization (``key``: a TrainConfig flag in PRETESTED) against the plain path."""
     work = copy.deepcopy(model)  # both sides share its weights: the run's model and buffers stay untouched
-    for module in work.modules():
-        if getattr(module, "compiled_unit", None) is not None:
-            # Eager units in the copy: the run's compiled unit, called with the copy's modules, would fail
-            # its guards and compile again (half a minute on a GPU, and towards Dynamo's recompile limit).
-            module.compiled_unit = module.compiled_select = module.compiled_block = None
+    # An eager copy: the run's compiled blocks and units, called with the copy's modules, would fail their guards
+    # and compile again (half a minute on a GPU, and towards Dynamo's recompile limit).
+    units_compile_switch(work)[0]()
     want = _Path(work, work, "naive")
     if key == "chunked_ce":
         got = _Path(work, work, ce_impl)

@@ -1,0 +1,303 @@
+"""Decoding of the model: incremental decode == full forward, the decode step's unit skipping and read-backs,
+autocast, generate and sampling, and the checks of their inputs."""
+
+import random
+
+import pytest
+import torch
+
+from hydra_lm.model.decode_step import DecodeStep
+
+from support import TINY, tiny_model
+
+
+def _ids(b=2, t=40, seed=1, vocab=TINY["vocab_size"]):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (b, t), generator=g)
+
+
+def test_incremental_decode_matches_full_forward(variant):
+    name, overrides = variant
+    model = tiny_model(**overrides).double().eval()
+    ids = _ids(3, 30)
+    full = model(ids)["logits"]
+    caches = model.init_cache(3, 30)
+    prefill = 12
+    logits = model.forward_cached(ids[:, :prefill], 0, caches)
+    torch.testing.assert_close(logits, full[:, prefill - 1], rtol=0, atol=1e-9)
+    for t in range(prefill, 30):
+        logits = model.forward_cached(ids[:, t:t + 1], t, caches)
+        torch.testing.assert_close(logits, full[:, t], rtol=0, atol=1e-9)
+
+
+def test_incremental_decode_matches_full_forward_where_deep_routers_rank(monkeypatch):
+    """Rows long enough that every depth's router has more earlier candidates than the rank rule's
+    pseudo-candidates (fewer of them than the default here, to keep the rows short), so ranks decide at
+    every depth, from the decode cache's history."""
+    from hydra_lm.model import routing
+
+    monkeypatch.setattr(routing, "RANK_PRIOR", 16.0)
+    model = tiny_model(mod_capacity=0.75, mor_capacity=0.75).double().eval()
+    ids = _ids(2, 90)
+    full = model(ids)
+    assert float(full["routing_stats"][:, 0].min()) * 90 > routing.RANK_PRIOR
+    caches = model.init_cache(2, 90)
+    logits = model.forward_cached(ids[:, :50], 0, caches)
+    torch.testing.assert_close(logits, full["logits"][:, 49], rtol=0, atol=1e-9)
+    for t in range(50, 90):
+        logits = model.forward_cached(ids[:, t:t + 1], t, caches)
+        torch.testing.assert_close(logits, full["logits"][:, t], rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"mor_routing": "token"}, {"mod_every": 2, "mod_capacity": 0.25},
+                                       {"moe": True, "moe_num_layers": 1}, {"static_routing_mode": True}],
+                         ids=["expert_choice", "token_choice", "mod_every_2", "moe", "static"])
+def test_decode_step_skips_the_units_no_token_enters(overrides):
+    """The one-token step (``DecodeStep``) runs only the routed units that some row's token enters (a
+    forward of the same token runs them all, masked); skipping changes nothing else: the same logits
+    to the bit, step after step, and the same cache contents wherever a slot holds a unit's token."""
+    model = tiny_model(**overrides).double().eval()
+    calls = []
+    for block in model.blocks:
+        block.layers[0].register_forward_hook(lambda *_: calls.append(1))
+    ids = _ids(1, 40)
+    runs = {}
+    for stepper in ("forward", "step"):
+        caches = model.init_cache(1, 40)
+        model.forward_cached(ids[:, :5], 0, caches)
+        step = DecodeStep(model, caches, 1, ids.device, graphed=False, compiled=False)
+        calls.clear()
+        logits = [(model.forward_cached(ids[:, t:t + 1], t, caches) if stepper == "forward"
+                   else step(ids[:, t:t + 1], t)).clone() for t in range(5, 40)]
+        runs[stepper] = (logits, caches, len(calls), step.unit_calls)
+    units = sum(block.recursions for block in model.blocks)
+    assert runs["forward"][2] == units * 35
+    assert runs["step"][2] == runs["step"][3]  # the step counts what it runs
+    if overrides.get("static_routing_mode"):  # every unit, weighted by its gate
+        assert runs["step"][2] == units * 35
+    else:
+        assert 35 <= runs["step"][2] < units * 35 * 0.6  # 22-49% of them run here
+    for got, want in zip(runs["step"][0], runs["forward"][0]):
+        assert torch.equal(got, want)
+    for skipped, full in zip(sum(sum(runs["step"][1], []), []), sum(sum(runs["forward"][1], []), [])):
+        valid = full.slot_valid
+        assert torch.equal(skipped.slot_valid, valid)
+        assert torch.equal(skipped.k * valid[:, None, :, None], full.k * valid[:, None, :, None])
+        assert torch.equal(skipped.conv, full.conv) and torch.equal(skipped.shift, full.shift)
+        if full.route is not None:  # the router's decode state: the same candidates, logits where one
+            candidate = full.route[:, 1:] > 0
+            assert torch.equal(skipped.route[:, 1:], full.route[:, 1:])
+            assert torch.equal(skipped.route * candidate, full.route * candidate)
+
+
+@pytest.mark.parametrize("min_skip", [0.0, 1e9, None], ids=["read_every_decision", "read_none", "default"])
+def test_decode_step_reads_back_only_decisions_that_skip_often_and_stays_exact(monkeypatch, min_skip):
+    """A decision that is not read back runs its units masked: the logits stay the forward's to the bit.
+    By default only decisions whose skips save enough units are read: at batch 4 the tiny model's first
+    depth (no row enters it with probability 0.5^4, saving 3 units then) runs without a read-back, its
+    deeper ones read."""
+    from hydra_lm.model import decode_step
+
+    if min_skip is not None:
+        monkeypatch.setattr(decode_step, "MIN_UNITS_SAVED", min_skip)
+    model = tiny_model().double().eval()
+    ids = _ids(4, 30, seed=5)
+    full = model(ids)["logits"]
+    caches = model.init_cache(4, 30)
+    model.forward_cached(ids[:, :5], 0, caches)
+    step = DecodeStep(model, caches, 4, ids.device, graphed=False, compiled=False)
+    for t in range(5, 30):
+        torch.testing.assert_close(step(ids[:, t:t + 1], t), full[:, t], rtol=0, atol=1e-9)
+    steps, blocks = 25, len(model.blocks)
+    if min_skip == 1e9:  # nothing read back: every unit runs, masked
+        assert step.readbacks == 0 and step.unit_calls == blocks * model.config.recursions * steps
+    elif min_skip == 0.0:  # every decision reached is read: each block's first and most of the later ones
+        assert step.readbacks > 2 * blocks * steps
+    else:  # the first depth's decision never, the second's always (it is always reached)
+        assert blocks * steps <= step.readbacks <= 2 * blocks * steps
+        assert step.unit_calls >= blocks * steps
+
+
+@pytest.mark.parametrize("batch,reads", [(1, 2), (4, 2), (8, 0), (32, 0)])
+def test_a_mod_decision_that_skips_one_unit_is_read_back_only_where_it_saves_half_a_unit(batch, reads):
+    """MoD only (one recursion): a skip saves one unit, so a router of capacity 0.125 is read back while
+    no row enters it at least half the time (0.875^B >= 0.5: batch <= 5), not at batch 8 or 32."""
+    model = tiny_model(n_blocks=4, recursions=1, mod_every=2, mod_capacity=0.125).eval()
+    step = DecodeStep(model, model.init_cache(batch, 16), batch, "cpu", graphed=False, compiled=False)
+    assert sum(op.decides for op in step._ops) == reads
+
+
+def test_decisions_on_the_device_need_a_graphed_cuda_step_and_say_why_not():
+    """Decisions as CUDA graph IF nodes (graph_conditionals) are built only for a graphed CUDA step; asked
+    for elsewhere, the step refuses with the reason, and by default it reads decisions back."""
+    from hydra_lm.model import graph_conditionals
+
+    assert "not a CUDA device" in graph_conditionals.unavailable_reason(torch.device("cpu"))
+    model = tiny_model().eval()
+    step = DecodeStep(model, model.init_cache(2, 16), 2, "cpu", graphed=False, compiled=False)
+    assert not step.device_decisions
+    with pytest.raises(ValueError, match="IF nodes, unavailable here: the step is not graphed"):
+        DecodeStep(model, model.init_cache(2, 16), 2, "cpu", graphed=False, compiled=False, device_decisions=True)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"mor_routing": "token"}, {"n_blocks": 4, "recursions": 1, "mod_every": 1},
+                                       {"moe": True, "moe_num_layers": 1}])
+def test_the_composed_step_runs_the_ops_the_read_back_loop_runs(overrides):
+    """The IF-node layout (DecodeStep.composition), walked with any decisions' outcomes, runs exactly the
+    ops, in the order, that the read-back loop runs with those outcomes; every op sits in one segment."""
+    model = tiny_model(**overrides).eval()
+    step = DecodeStep(model, model.init_cache(1, 16), 1, "cpu", graphed=False, compiled=False)
+    ops, layout = step._ops, step.composition()
+    decisions = [i for i, op in enumerate(ops) if op.decides]
+    assert decisions
+
+    def walk(plan, entered, out):
+        for start, end, guarded in plan:
+            out += range(start, end + 1)
+            if guarded is not None and entered[end]:
+                walk(guarded, entered, out)
+        return out
+
+    every = walk(layout, dict.fromkeys(decisions, True), [])
+    assert every == list(range(len(ops)))  # all entered: each op once, in order
+    rng = random.Random(0)
+    for _ in range(50):
+        entered = {i: rng.random() < 0.5 for i in decisions}
+        loop, i = [], 0
+        while i < len(ops):  # DecodeStep.__call__'s read-back control flow
+            end = step._ends[i]
+            loop += range(i, end + 1)
+            i = end + 1 if not ops[end].decides or entered[end] else ops[end].skip_to
+        assert walk(layout, entered, []) == loop
+
+
+@pytest.mark.parametrize("overrides", [{}, {"arch": "dense", "n_layers": 2}, {"tie_embeddings": False}])
+def test_under_autocast_the_decode_step_casts_linear_weights_once_and_gives_the_same_logits(monkeypatch, overrides):
+    """Under bf16 autocast DecodeStep runs its units and head on copies whose Linear weights are bf16 once
+    (decode_step.decode_weights), sharing every other parameter: the logits are, to the bit, those of the step
+    that lets autocast cast the fp32 weights at every call; the model itself is untouched. Where the CCGQA decode
+    kernel runs, the copies also hold each grouped conv's weight laid out by tap."""
+    from hydra_lm.model import decode_step
+
+    model = tiny_model(**overrides).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    layers = model.blocks[0].layers
+    cast = decode_step.decode_weights(layers, torch.bfloat16, conv_taps=False)
+    linear = [m for m in cast.modules() if isinstance(m, torch.nn.Linear)]
+    assert linear and all(m.weight.dtype == torch.bfloat16 and not m.weight.requires_grad for m in linear)
+    assert cast[0].attn_norm.weight is layers[0].attn_norm.weight  # shared, not copied
+    assert decode_step.decode_weights(cast, torch.bfloat16, conv_taps=False) is cast  # nothing left to cast
+    assert decode_step.decode_weights(layers, None, conv_taps=False) is layers
+    if overrides.get("arch") != "dense":
+        taps = decode_step.decode_weights(layers, None, conv_taps=True)
+        conv = layers[0].attn.conv_ch.weight  # [C, D, KC]
+        assert taps[0].attn.qkv.weight is layers[0].attn.qkv.weight
+        laid_out = taps[0].attn.conv_ch_taps
+        assert torch.equal(laid_out, conv.permute(2, 0, 1)) and laid_out.is_contiguous()
+        assert "conv_ch_taps" not in taps.state_dict() and not hasattr(layers[0].attn, "conv_ch_taps")
+    ids = _ids(2, 16, seed=4)
+    runs = []
+    for precast in (True, False):
+        if not precast:
+            monkeypatch.setattr(decode_step, "decode_weights", lambda m, dtype, conv_taps: m)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            caches = model.init_cache(2, 16)
+            model.forward_cached(ids[:, :4], 0, caches)
+            step = DecodeStep(model, caches, 2, "cpu", graphed=False, compiled=False)
+            runs.append(torch.stack([step(ids[:, t:t + 1], t).clone() for t in range(4, 16)]))
+    assert torch.equal(runs[0], runs[1])
+    assert all(torch.equal(v, before[k]) and v.dtype == before[k].dtype for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("arch", ["hydra", "dense"])
+def test_under_autocast_the_cache_is_stored_in_its_dtype_and_decoding_loses_nothing(arch):
+    """init_cache under bf16 autocast: every cached value in bf16 (half an fp32 cache), and the prefill and
+    one-token steps give, to the bit, the logits of an fp32 cache (and the full forward's within bf16
+    rounding: its attention runs over other shapes)."""
+    overrides = {"arch": "dense", "n_layers": 2} if arch == "dense" else {}
+    model = tiny_model(**overrides).eval()
+    ids = _ids(2, 20, seed=3)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        full = model(ids)["logits"]
+        runs = []
+        for dtype in (None, torch.float32):
+            caches = model.init_cache(2, 32, dtype=dtype)
+            kv = [t for block in caches for depth in block for cache in depth
+                  for t in (cache.k, cache.v, cache.conv, cache.shift) if t is not None]
+            assert {t.dtype for t in kv} == {torch.bfloat16 if dtype is None else torch.float32}
+            logits = [model.forward_cached(ids[:, :5], 0, caches)]
+            logits += [model.forward_cached(ids[:, t:t + 1], t, caches) for t in range(5, 20)]
+            runs.append(torch.stack(logits, 1))
+    assert torch.equal(runs[0], runs[1])
+    torch.testing.assert_close(runs[0], full[:, 4:], rtol=0.02, atol=0.02)
+    assert model.init_cache(1, 8)[0][0][0].k.dtype == torch.float32  # outside autocast: the weights' dtype
+
+
+def test_greedy_generate_equals_repeated_full_forwards(variant):
+    name, overrides = variant
+    model = tiny_model(**overrides).double().eval()
+    prompt = _ids(2, 9, seed=5)
+    generated = model.generate(prompt, max_new_tokens=14)
+    tokens = prompt
+    for _ in range(14):
+        nxt = model(tokens)["logits"][:, -1].argmax(-1)
+        tokens = torch.cat((tokens, nxt[:, None]), dim=1)
+    assert torch.equal(generated, tokens)
+
+
+def test_generate_restores_training_mode_and_checks_inputs():
+    model = tiny_model().train()
+    out = model.generate(_ids(1, 5), max_new_tokens=3, temperature=0.8, top_k=5, top_p=0.9,
+                         generator=torch.Generator().manual_seed(0))
+    assert out.shape == (1, 8) and model.training
+    with pytest.raises(ValueError, match="token ids"):
+        model.generate(torch.tensor([[0, TINY["vocab_size"]]]), 2)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model.generate(_ids(1, 100), 50)
+    with pytest.raises(ValueError, match="cuda_graph=True needs the model and the prompt on a CUDA device"):
+        model.generate(_ids(1, 5), 2, cuda_graph=True)
+    # Sampling arguments are checked before the prefill, also when no token is to be sampled.
+    for kwargs, message in ((dict(temperature=float("nan")), "temperature=nan must be a finite number"),
+                            (dict(temperature=-1.0), "temperature=-1.0 must be"), (dict(top_k=2.5), "top_k=2.5"),
+                            (dict(top_k=True), "top_k=True"), (dict(top_p=5), "top_p=5 must lie in"),
+                            (dict(eos_token_id=TINY["vocab_size"]), "eos_token_id=")):
+        for n in (0, 2):
+            with pytest.raises(ValueError, match=message):
+                model.generate(_ids(1, 5), n, **kwargs)
+
+
+def test_a_tiny_temperature_samples_the_argmax():
+    from hydra_lm.model.sampling import sample_next
+
+    logits = torch.tensor([[0.5, 3.0, -1.0], [2.0, -4.0, 1.9]])
+    for temperature in (1e-40, 1e-30):  # logits / temperature would overflow float32 to inf, and softmax to NaN
+        assert sample_next(logits, temperature).tolist() == [1, 0]
+
+
+def test_forward_names_token_ids_the_embedding_cannot_look_up():
+    model = tiny_model()
+    for ids in (torch.tensor([[0, TINY["vocab_size"]]]), torch.tensor([[3, -1]])):
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, "):
+            model(ids)
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, "):
+            model.forward_cached(ids, 0, model.init_cache(1, 16))
+    for dtype in (torch.float32, torch.uint8):
+        with pytest.raises(ValueError, match=f"integer tensor \\(int64 or int32\\), got {dtype}"):
+            model(torch.zeros(1, 4, dtype=dtype))
+    with pytest.raises(ValueError, match="batch>0, length>0"):
+        model.generate(torch.zeros(0, 4, dtype=torch.long), 2)
+    for ids in (torch.arange(8), torch.zeros(1, 2, 3, dtype=torch.long), torch.zeros(0, 4, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"input_ids must be \[batch, length\] with both > 0"):
+            model(ids)
+    with pytest.raises(ValueError, match="doc_ids must have input_ids' shape"):
+        model(torch.zeros(2, 4, dtype=torch.long), doc_ids=torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_new_tokens=2.5 must be an integer >= 0"):
+        model.generate(torch.zeros(1, 4, dtype=torch.long), 2.5)
+
+
+def test_generate_stops_at_eos():
+    model = tiny_model().double().eval()
+    prompt = _ids(1, 6)
+    first = model.generate(prompt, 1)[0, -1].item()
+    out = model.generate(prompt, 10, eos_token_id=first)
+    assert out.shape[1] == 7 and out[0, -1].item() == first
