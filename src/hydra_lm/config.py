@@ -70,9 +70,9 @@ class HydraConfig:
     # by 0.5-1.9 points (to 95.0-96.7%) with the causal loss lower or higher by setting, at 0.97x the tokens/s
     # with doc_mask_backend "flex" and 0.69x with the dense mask: opt-in (docs/routing.md, "Top-k over the batch").
     # "causal": the batch's rows * k entries with the causal rule's admissions first (filled with the highest other
-    # logits or trimmed to the budget), so training runs what decoding will; laid out as "batch" is. At 100M (one
-    # seed, two settings) it agreed on 97.4-97.9% of decisions with the causal loss 0.006-0.064 lower, at 0.90x the
-    # training tokens/s: opt-in until it wins per GPU-second over seeds (docs/routing.md).
+    # logits or trimmed to the budget), so training runs what decoding will; laid out as "batch" is. At 100M it agreed
+    # on 97.4-98.0% of decisions (three seeds of the preset) with the causal loss tied at equal tokens, but at 0.92x
+    # the training tokens/s it lost at equal time: opt-in (docs/routing.md).
     topk_over: str = "row"
     # "geometric" (default; best val loss per GPU-second measured at 100M): each depth keeps mor_capacity
     # of the previous depth's tokens; "paper": (R-j+1)/R of the row; "layer_aware": deeper late blocks
