@@ -9,7 +9,7 @@
 #   CUDA_VISIBLE_DEVICES=2,3 bash benchmarks/device_compare.sh start ...  # the same, in the lane of GPUs 2-3
 #   bash benchmarks/device_compare.sh poll OUT [SECONDS]                  # progress; packs OUT into $OUT
 #
-# start: returns at once. The study waits for every study started before it in its lane (a ticket per
+# start: returns at once, with a snapshot of src (OUT.src) that the study imports. The study waits for every study started before it in its lane (a ticket per
 #   start, taken in order under the lane's lock, so a lane's studies never share its GPUs and run in the
 #   order they were started), then, when DATA holds no prepared corpus, builds one from the machine's
 #   source code (python_source_corpus.sh DATA 900 code: ~218M tokens on the device image, 2 minutes; one
@@ -52,11 +52,15 @@ case "$cmd" in
     mkdir -p "$(dirname "$out")" "$tickets"
     # A waiting flock is not first come, first served: the tickets keep the order of the starts.
     ticket=$(date +%s%N); touch "$tickets/$ticket"
+    # The study imports hydra_lm from a snapshot of src: the next device call re-sends the working tree, and a
+    # study importing from it meanwhile once failed with a module missing (fifty-eighth session).
+    rm -rf "$out.src"; cp -r "$here/../src" "$out.src"
     setsid nohup bash "$here/device_compare.sh" run "$ticket" "$@" >"$out.log" 2>&1 < /dev/null &
     echo "study queued in lane $lane (pid $!): log $out.log; poll with: bash $0 poll $out SECONDS"
     ;;
   run)  # what start runs: waits for its turn in the lane, then holds the lane's lock while it runs
     ticket=$1; data=$2; out=$3; shift 3
+    export PYTHONPATH="$out.src${PYTHONPATH:+:$PYTHONPATH}"
     exec 9>"$lock"
     while flock 9 && [ "$(ls "$tickets" | sort -n | head -1)" != "$ticket" ]; do flock -u 9; sleep 2; done
     trap 'rm -f "$tickets/$ticket"' EXIT
