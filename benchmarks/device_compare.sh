@@ -12,8 +12,9 @@
 # start: returns at once, with a snapshot of src (OUT.src) that the study imports. The study waits for
 #   every study started before it in its lane (a ticket per start, taken in order under the lane's lock,
 #   so a lane's studies never share its GPUs and run in the order they were started), then, when DATA
-#   holds no prepared corpus, builds one from the machine's source code (python_source_corpus.sh DATA 900 code: ~218M tokens on the device image, 2 minutes; one
-#   lane builds it, the others wait for it), then runs the compare. A lane is the CUDA_VISIBLE_DEVICES the
+#   holds no prepared corpus, builds one from the machine's source code (python_source_corpus.sh DATA 900
+#   code: ~218M tokens on the device image, 2 minutes; one lane builds it, the others wait for it), then
+#   runs the compare. A lane is the CUDA_VISIBLE_DEVICES the
 #   study is started with (unset: one lane, every GPU): lanes on disjoint GPUs run at once, so a study can
 #   be queued on two GPUs while another runs on the other two, without stopping anything. A lane's study
 #   is pinned to its share of the host's cores (cores x its GPUs / all GPUs, `taskset`), which compare
