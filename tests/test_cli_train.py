@@ -50,6 +50,14 @@ def test_prepare_train_eval_generate(tiny_data, tmp_path, capsys):
     assert main(["generate", "--run", str(run), "--prompt", "the quick", "--max_new_tokens", "12", "--seed", "3",
                  "--compile_step"]) == 0
     assert capsys.readouterr().out == text  # seeded sampling is reproducible, also with the compiled step
+    # Several prompts sample as one batch; greedy, each gets what it gets alone.
+    greedy = ["generate", "--run", str(run), "--max_new_tokens", "12", "--temperature", "0"]
+    alone = []
+    for prompt in ("the quick", "a"):
+        assert main([*greedy, "--prompt", prompt]) == 0
+        alone.append(capsys.readouterr().out)
+    assert main([*greedy, "--prompt", "the quick", "--prompt", "a"]) == 0
+    assert capsys.readouterr().out == f"----- sample 1 of 2 -----\n{alone[0]}----- sample 2 of 2 -----\n{alone[1]}"
 
 
 @pytest.mark.parametrize("split_at", [5])

@@ -140,6 +140,26 @@ def test_decode_step_with_the_kernels_in_every_routing_configuration(variant):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"position {6 + t}")
 
 
+def test_prompts_of_several_lengths_decode_through_the_kernels_as_alone():
+    """Each row's own position reaches both kernels (the attention's cache slots, the route kernel's state): a batch
+    of prompts of different lengths decodes with them as each prompt does alone, and as the PyTorch path does."""
+    from test_causal_routing import _calibrate, _drift
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=g).to(DEVICE) for n in (9, 3, 6)]
+    outs = []
+    for kernel in ("triton", "torch"):
+        model = tiny_model(decode_kernel=kernel)
+        _drift(model)
+        _calibrate(model, batches=3)
+        model = model.double().to(DEVICE).eval()
+        outs.append(model.generate(prompts, 6))
+        if kernel == "triton":
+            alone = [model.generate(p[None], 6)[0] for p in prompts]
+    for fused, reference, single in zip(*outs, alone):
+        assert torch.equal(fused, reference) and torch.equal(fused, single)
+
+
 def test_decode_step_with_the_kernels_tensor_core_path_follows_the_reference():
     """Heads 16 wide in float32: the kernel's tl.dot path through a model's decode step, teacher-forced."""
     overrides = dict(dim=128, n_heads=2, n_kv_heads=1)  # head_dim 128 / 4 / 2 = 16

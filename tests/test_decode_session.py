@@ -161,3 +161,28 @@ def test_a_buckets_first_prompt_is_launched_padded_and_prefills_as_the_prompt_al
             token = want.argmax(-1)[:, None]
             got, want = session.step(token, position), model.forward_cached(token, position, caches)
             torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("bucketed", [False, True], ids=["launched", "bucketed"])
+def test_prompts_of_several_lengths_prefill_and_step_each_as_alone(bucketed):
+    """A session's prefill with each row's prompt length (the rest of the row padding), then steps at each row's own
+    position: every row's logits are those of its prompt decoded alone, launched as it is or padded to a bucket (as a
+    graphed session pads it)."""
+    model = _model()
+    lengths = torch.tensor([11, 4])
+    ids = _prompt(2, 11, 0)
+    session = decode_session.DecodeSession(model, 2, 32, torch.device("cpu"), graphed=False, compiled=False)
+    session._graph_prefill = bucketed
+    with torch.no_grad():
+        logits = [session.prefill(ids, lengths).clone()]
+        tokens = []
+        for i in range(4):
+            tokens.append(logits[-1].argmax(-1)[:, None])
+            logits.append(session.step(tokens[-1], lengths + i).clone())
+        for r, n in enumerate(lengths.tolist()):
+            caches = model.init_cache(1, 32)
+            want = [model.forward_cached(ids[r:r + 1, :n], 0, caches)]
+            want += [model.forward_cached(tokens[i][r:r + 1], n + i, caches) for i in range(4)]
+            for got, expected in zip(logits, want):
+                torch.testing.assert_close(got[r:r + 1], expected)
+    assert session._seen == ({16} if bucketed else set())

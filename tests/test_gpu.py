@@ -235,6 +235,20 @@ def test_generate_replays_a_prefill_graph_per_bucket_and_reuses_its_session():
         assert sorted(session._graphs) == [64]
 
 
+def test_prompts_of_several_lengths_generate_on_gpu_as_each_alone():
+    """Prompts of different lengths as one batch on CUDA (graphed and compiled: the prefill bucket's graph holding
+    each row's prompt length, the step's graphs each row's position): in float64 each row gets the tokens its prompt
+    alone gets, at the first call (launched) and the second and third (the bucket's graph captured, then replayed)."""
+    torch._dynamo.reset()
+    model = tiny_model().double().cuda().eval()
+    prompts = [_ids(1, t, TINY["vocab_size"], seed=t)[0] for t in (13, 5, 9)]
+    alone = [model.generate(p[None], max_new_tokens=12, cuda_graph=False, compile_step=False)[0] for p in prompts]
+    for _ in range(3):
+        got = model.generate(prompts, max_new_tokens=12)
+        assert all(torch.equal(a, b) for a, b in zip(got, alone))
+    assert any(s._graphs for s in model._decode_sessions.values() if s.compiled)
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_decode_step_deciding_on_the_device_matches_the_read_backs(batch):
     """CUDA graph IF nodes (graph_conditionals): the composed step reads nothing back, runs the same units

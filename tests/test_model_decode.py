@@ -245,6 +245,72 @@ def test_greedy_generate_equals_repeated_full_forwards(variant):
     assert torch.equal(generated, tokens)
 
 
+def _greedy_alone(model, prompt: torch.Tensor, n: int) -> torch.Tensor:
+    tokens = prompt[None]
+    with torch.no_grad():
+        for _ in range(n):
+            tokens = torch.cat((tokens, model(tokens)["logits"][:, -1].argmax(-1)[:, None]), dim=1)
+    return tokens[0]
+
+
+def test_prompts_of_several_lengths_decode_each_as_it_would_alone(variant):
+    """A list of prompts of different lengths decodes as one batch, each row from the end of its own prompt: each
+    result is its prompt and the tokens repeated full forwards of that prompt alone pick. The padding after a shorter
+    prompt must reach no cache: no K/V slot, no conv or value-shift state, no router's earlier candidates (the
+    routers' logits drifted and calibrated, so causal routing ranks and thresholds decide as after training)."""
+    from test_causal_routing import _calibrate, _drift
+
+    name, overrides = variant
+    model = tiny_model(**overrides)
+    _drift(model)
+    _calibrate(model, batches=3)
+    model = model.double().eval()
+    prompts = [_ids(1, n, seed=n)[0] for n in (13, 3, 8)]
+    out = model.generate(prompts, max_new_tokens=9)
+    assert isinstance(out, list) and len(out) == 3
+    for prompt, got in zip(prompts, out):
+        assert torch.equal(got, _greedy_alone(model, prompt, 9))
+    # Token id lists decode alike; prompts of one length take the tensor path's positions.
+    assert all(torch.equal(a, b) for a, b in zip(model.generate([p.tolist() for p in prompts], 9), out))
+    same = model.generate([prompts[0][:5], prompts[2][:5]], 4)
+    assert torch.equal(torch.stack(same), model.generate(torch.stack([prompts[0][:5], prompts[2][:5]]), 4))
+
+
+def test_each_prompt_of_a_batch_stops_after_its_own_eos():
+    model = tiny_model().double().eval()
+    prompts = [_ids(1, 7, seed=2)[0], _ids(1, 4, seed=3)[0]]
+    free = model.generate(prompts, 6)
+    eos = int(free[1][4 + 2])  # the shorter prompt's third new token
+    out = model.generate(prompts, 6, eos_token_id=eos)
+    for prompt, row, got in zip(prompts, free, out):
+        first = (row[len(prompt):] == eos).nonzero()
+        stop = len(prompt) + (int(first[0]) + 1 if len(first) else 6)
+        assert torch.equal(got, row[:stop])
+    assert out[1][-1] == eos and len(out[1]) <= 4 + 3
+
+
+def test_prompts_of_several_lengths_are_checked():
+    model = tiny_model().eval()
+    for prompts, message in (([], "non-empty list"), ("abc", "non-empty list"),
+                             ([[1, 2], []], r"prompt 1 has shape \(0,\)"),
+                             ([[1, 2], [[3]]], r"prompt 1 has shape \(1, 1\)"),
+                             ([[1, 2], [0.5]], "prompt 1 holds torch.float32 values"),
+                             ([[1, 2], [TINY["vocab_size"]]], r"token ids must lie in \[0, "),
+                             ([[1] * 120, [2]], "max_seq_len")):
+        with pytest.raises(ValueError, match=message):
+            model.generate(prompts, 20)
+
+
+def test_the_decode_step_checks_each_rows_position():
+    model = tiny_model().eval()
+    caches = model.init_cache(2, 16)
+    step = DecodeStep(model, caches, 2, torch.device("cpu"), graphed=False, compiled=False)
+    ids = torch.zeros(2, 1, dtype=torch.long)
+    for position in (torch.tensor([3, 16]), torch.tensor([-1, 2]), 16):
+        with pytest.raises(ValueError, match="outside the caches' 16 positions"):
+            step(ids, position)
+
+
 def test_generate_restores_training_mode_and_checks_inputs():
     model = tiny_model().train()
     out = model.generate(_ids(1, 5), max_new_tokens=3, temperature=0.8, top_k=5, top_p=0.9,

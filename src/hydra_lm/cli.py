@@ -116,8 +116,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .infer import generate_text
 
-    print(generate_text(args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                        args.seed, args.checkpoint, args.device, args.compile_step))
+    texts = generate_text(args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                          args.seed, args.checkpoint, args.device, args.compile_step)
+    if len(texts) == 1:
+        print(texts[0])
+    else:
+        for i, text in enumerate(texts):
+            print(f"----- sample {i + 1} of {len(texts)} -----\n{text}")
     return 0
 
 
@@ -248,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="sample text from a run's checkpoint (causal routing, cached decoding)")
     gen.add_argument("--run", required=True, help="run directory")
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, action="append",
+                     help="the text to continue; give it several times to sample several prompts as one batch")
     gen.add_argument("--max_new_tokens", type=int, default=100)
     gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     gen.add_argument("--top_k", type=int, default=50)
@@ -256,12 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--checkpoint", default=None)
     gen.add_argument("--device", default="auto")
-    # One prompt a process, at most max_seq_len tokens: the compiles (about 20 s for the 100M preset's decode step
-    # and about 50 s for its prefill on an H200) cannot pay for themselves here, where the compiled step saves well
-    # under a millisecond a token and the compiled prefill about 100 ms a prompt.
+    # A few prompts a process, at most max_seq_len tokens each: the compiles (about 20 s for the 100M preset's decode
+    # step and about 50 s for its prefill on an H200) cannot pay for themselves here, where the compiled step saves
+    # well under a millisecond a token and the compiled prefill about 100 ms a prompt.
     gen.add_argument("--compile_step", default=False, action=argparse.BooleanOptionalAction,
                      help="torch.compile the decode step's routed units, and the prompt's prefill (faster per token "
-                          "after about a minute of compiling at 100M; default off: one prompt cannot repay it)")
+                          "after about a minute of compiling at 100M; default off: a few prompts cannot repay it)")
     gen.set_defaults(func=_cmd_generate)
 
     quick = sub.add_parser("quickstart", help="prepare the default corpus, train the debug preset for a few "

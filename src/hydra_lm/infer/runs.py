@@ -142,31 +142,40 @@ def eval_run(run_dir: str | Path, checkpoint: str | Path | None = None, data: st
             "eval_s": round(time.perf_counter() - t0, 2)}
 
 
-def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,
+def generate_text(run_dir: str | Path, prompt: str | list[str], max_new_tokens: int = 100, temperature: float = 0.8,
                   top_k: int | None = 50, top_p: float | None = None, seed: int = 0,
-                  checkpoint: str | Path | None = None, device: str = "auto", compile_step: bool | None = None) -> str:
+                  checkpoint: str | Path | None = None, device: str = "auto",
+                  compile_step: bool | None = None) -> str | list[str]:
     """Prompt in, prompt + continuation out, decoded with the run's tokenizer (causal routing), in bf16 autocast
-    on CUDA as evaluation runs; ``compile_step`` as ``HydraModel.generate`` (default: compiled units on CUDA)."""
+    on CUDA as evaluation runs; ``compile_step`` as ``HydraModel.generate`` (default: compiled units on CUDA).
+    A list of prompts (any lengths) is sampled as one batch and gives a list of texts."""
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not prompts:
+        raise ValueError("no prompt given")
     run = load_run(run_dir, checkpoint, device)
     tok = run_tokenizer(run)
-    # Prepared documents start with the separator, so the prompt is framed as the start of one.
-    ids = [tok.eos_id] + tok.encode(prompt)
-    vocab = run.model.config.vocab_size
-    if max(ids) >= vocab:
-        raise ValueError(f"the tokenizer produced id {max(ids)} outside the model's vocabulary ({vocab})")
-    room = run.model.config.max_seq_len - len(ids)
+    # Prepared documents start with the separator, so each prompt is framed as the start of one.
+    ids = [[tok.eos_id] + tok.encode(text) for text in prompts]
+    vocab, context = run.model.config.vocab_size, run.model.config.max_seq_len
+    top = max(max(row) for row in ids)
+    if top >= vocab:
+        raise ValueError(f"the tokenizer produced id {top} outside the model's vocabulary ({vocab})")
+    longest = max(len(row) for row in ids)
+    room = context - longest
     if room <= 0:
-        raise ValueError(f"the prompt ({len(ids)} tokens) fills the model's context ({run.model.config.max_seq_len})")
+        raise ValueError(f"the prompt ({longest} tokens) fills the model's context ({context})")
     if max_new_tokens > room:
-        print(f"note: max_new_tokens {max_new_tokens} -> {room}: the model's context is "
-              f"{run.model.config.max_seq_len} tokens", file=sys.stderr)
+        print(f"note: max_new_tokens {max_new_tokens} -> {room}: the model's context is {context} tokens"
+              + (" and the longest prompt takes the rest" if len(ids) > 1 else ""), file=sys.stderr)
         max_new_tokens = room
     gen = torch.Generator(device=run.device).manual_seed(seed)
-    x = torch.tensor([ids], dtype=torch.long, device=run.device)
     with _autocast(run.device):  # the precision its validation losses were measured in
-        out = run.model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        out = run.model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  eos_token_id=tok.eos_id, generator=gen, compile_step=compile_step)
-    new = out[0, len(ids):].tolist()
-    if tok.eos_id in new:
-        new = new[:new.index(tok.eos_id)]
-    return prompt + tok.decode(new)
+    texts = []
+    for text, row, full in zip(prompts, ids, out):
+        new = full[len(row):].tolist()
+        if tok.eos_id in new:
+            new = new[:new.index(tok.eos_id)]
+        texts.append(text + tok.decode(new))
+    return texts[0] if isinstance(prompt, str) else texts

@@ -55,13 +55,18 @@ def fingerprint(model) -> tuple:
     return tensors, curriculum, repr(model.config)
 
 
-def _pad(ids: torch.Tensor, padded: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ids`` [B, T] written into ``padded`` [B, bucket] (the rest zero), ``valid`` marking its first T entries."""
+def _pad(ids: torch.Tensor, padded: torch.Tensor, valid: torch.Tensor,
+         lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids`` [B, T] written into ``padded`` [B, bucket] (the rest zero), ``valid`` marking each row's prompt: its
+    first ``lengths`` [B] entries (default: all T)."""
     t = ids.shape[1]
     padded[:, :t].copy_(ids)
     padded[:, t:].zero_()
-    valid[:, :t].fill_(True)
-    valid[:, t:].fill_(False)
+    if lengths is None:
+        valid[:, :t].fill_(True)
+        valid[:, t:].fill_(False)
+    else:
+        torch.lt(torch.arange(valid.shape[1], device=valid.device), lengths.to(valid.device)[:, None], out=valid)
     return padded, valid
 
 
@@ -91,21 +96,25 @@ class DecodeSession:
         bucket = min(self.length, max(MIN_PREFILL_BUCKET, 1 << (t - 1).bit_length()))
         return bucket if self.batch * bucket <= GRAPHED_PREFILL_TOKENS else None
 
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids`` [batch, T] from position 0 -> the last position's logits [batch, V] (a graph's output buffer,
-        overwritten by the next prefill of this session)."""
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """``ids`` [batch, T] from position 0 -> each row's last prompt position's logits [batch, V] (a graph's
+        output buffer, overwritten by the next prefill of this session). ``lengths`` [batch] (prompts of several
+        lengths, each row's first ``lengths[i]`` entries, the rest padding): every row prefills as its prompt alone
+        would."""
         bucket = self.bucket(ids.shape[1])
         if bucket is None:
-            return self._run(ids)
+            valid = None if lengths is None else \
+                torch.arange(ids.shape[1], device=ids.device) < lengths.to(ids.device)[:, None]
+            return self._run(ids, valid)
         if bucket not in self._graphs:
             if bucket not in self._seen:  # a bucket's first prompt is launched: a one-off call pays no capture
                 self._seen.add(bucket)
                 padded, valid = _pad(ids, ids.new_empty(self.batch, bucket),
-                                     torch.empty(self.batch, bucket, dtype=torch.bool, device=ids.device))
+                                     torch.empty(self.batch, bucket, dtype=torch.bool, device=ids.device), lengths)
                 return self._run(padded, valid)
             self._graphs[bucket] = self._capture(bucket)
         graph, padded, valid = self._graphs[bucket]
-        _pad(ids, padded, valid)
+        _pad(ids, padded, valid, lengths)
         graph.replay()
         return self._logits
 

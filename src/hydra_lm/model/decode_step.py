@@ -306,12 +306,18 @@ class DecodeStep:
         self.logits.copy_(logits)
 
     # ------------------------------------------------------------------ running
-    def __call__(self, ids: torch.Tensor, position: int) -> torch.Tensor:
-        if not 0 <= position < self.length:
-            raise ValueError(f"decode step: position {position} is outside the caches' {self.length} positions; "
-                             "allocate longer caches (HydraModel.init_cache)")
+    def __call__(self, ids: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
+        """``ids`` [B, 1] at ``position``: one for every row, or a CPU tensor [B] of each row's (prompts of
+        several lengths), checked on the host before the device's kernels write the caches there."""
+        first, last = (position, position) if isinstance(position, int) else (int(position.min()), int(position.max()))
+        if not 0 <= first <= last < self.length:
+            raise ValueError(f"decode step: position {last if first >= 0 else first} is outside the caches' "
+                             f"{self.length} positions; allocate longer caches (HydraModel.init_cache)")
         self.ids.copy_(ids)
-        self.pos.fill_(position)
+        if isinstance(position, int):
+            self.pos.fill_(position)
+        else:
+            self.pos.copy_(position.view(-1, 1))
         if self.graphed and self._graphs is None and self._composed is None and self.logits is not None:
             self._capture_step()
         if self.logits is None:  # the first call: every op, in order (compiles what every segment runs)

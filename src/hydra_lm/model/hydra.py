@@ -12,6 +12,7 @@ Routing modes (see ``routing.py``):
 from __future__ import annotations
 
 import contextlib
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ from .loss import linear_cross_entropy
 from .layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
 from .moe import MoEFeedForward, grouped_mm_dtype
 from .routing import ROUTING_MODES, depth_fractions
-from .sampling import check_sampling, sample_next
+from .sampling import batch_prompts, check_sampling, sample_next
 from .tied_lookup import HeadGradientSlot, kernel_applies, tied_lookup
 
 
@@ -50,6 +51,14 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, sync: bool = False) -> N
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{lo}, {hi}]")
+
+
+def _through_eos(tokens: torch.Tensor, eos_token_id: int | None) -> torch.Tensor:
+    """A row's new tokens up to and including its first ``eos_token_id`` (all of them without one)."""
+    if eos_token_id is None:
+        return tokens
+    hits = (tokens == eos_token_id).nonzero()
+    return tokens[:int(hits[0]) + 1] if len(hits) else tokens
 
 
 def _recompute_keeps_buffers(block: nn.Module) -> dict:
@@ -302,11 +311,14 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         return self.embed.weight.is_cuda and (not self.moe_blocks or grouped_mm_dtype(self.embed.weight) is not None)
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+    def generate(self, input_ids: torch.Tensor | Sequence, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
                  generator: torch.Generator | None = None, cuda_graph: bool | None = None,
-                 compile_step: bool | None = None) -> torch.Tensor:
+                 compile_step: bool | None = None) -> torch.Tensor | list[torch.Tensor]:
         """Prompt [B, T] -> [B, T + max_new_tokens] (stops early once every row emitted ``eos_token_id``).
+        Prompts of several lengths, a list of 1-D tensors or of token id lists, decode as one batch, each row from
+        the end of its own prompt: the result is a list of 1-D tensors, each its prompt and its new tokens (up to
+        and including its first ``eos_token_id``), the tokens each prompt would get on its own.
 
         ``temperature=0`` is greedy decoding; it yields exactly the tokens that repeated full
         forwards in eval (causal routing) mode would pick. The one-token steps after the prompt
@@ -326,6 +338,10 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         bucket are kept for the next call of the same (batch, cache length, settings) while the weights stay as
         they were (``decode_session``); ``release_decode_state()`` frees them.
         """
+        ragged = not isinstance(input_ids, torch.Tensor)
+        lengths = None
+        if ragged:  # padded after each prompt; the prefill leaves the padding out of every cache
+            input_ids, lengths = batch_prompts(input_ids, self.embed.weight.device)
         if input_ids.dim() != 2 or 0 in input_ids.shape:
             raise ValueError(f"input_ids must be [batch>0, length>0], got shape {tuple(input_ids.shape)}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -339,6 +355,8 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         if total > self.config.max_seq_len:
             raise ValueError(f"prompt ({t}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len="
                              f"{self.config.max_seq_len}")
+        if lengths is not None and bool((lengths == t).all()):
+            lengths = None  # one length: the steps' positions as for a tensor prompt
         capturable = input_ids.is_cuda and self.decode_capturable()
         graphed = capturable if cuda_graph is None else cuda_graph
         if graphed and not capturable:
@@ -353,20 +371,24 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         session = None
         try:
             session = self._decode_sessions.get_or_build(self, b, length, input_ids.device, graphed, compiled)
-            tokens = input_ids
-            logits = session.prefill(input_ids)
+            logits = session.prefill(input_ids, lengths)
             step = session.step
+            new = []
             done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
             for i in range(max_new_tokens):
                 nxt = sample_next(logits, temperature, top_k, top_p, generator)
                 if eos_token_id is not None:
                     nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
                     done = done | (nxt == eos_token_id)
-                tokens = torch.cat((tokens, nxt[:, None]), dim=1)
+                new.append(nxt)
                 if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
                     break
-                logits = step(nxt[:, None], t + i)
-            return tokens
+                logits = step(nxt[:, None], t + i if lengths is None else lengths + i)
+            new = torch.stack(new, dim=1) if new else input_ids.new_zeros(b, 0)
+            if not ragged:
+                return torch.cat((input_ids, new), dim=1)
+            counts = [t] * b if lengths is None else lengths.tolist()
+            return [torch.cat((input_ids[r, :n], _through_eos(new[r], eos_token_id))) for r, n in enumerate(counts)]
         except BaseException:
             if session is not None:  # interrupted mid-step or mid-capture: not to be reused
                 self._decode_sessions.drop(session)

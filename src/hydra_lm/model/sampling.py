@@ -1,10 +1,33 @@
-"""Next-token sampling: greedy, temperature, top-k and nucleus (top-p)."""
+"""What ``generate`` takes and picks: prompts of several lengths as one padded batch, and next-token sampling
+(greedy, temperature, top-k and nucleus, top-p)."""
 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
+
+
+def batch_prompts(prompts: Sequence, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of several lengths (each a 1-D tensor or a sequence of ints) -> (ids [B, longest] with each row's
+    prompt first and zeros after it, on ``device``; the lengths [B] on the CPU, where the decode step checks its
+    positions without a device sync)."""
+    if isinstance(prompts, (str, bytes)) or not len(prompts):
+        raise ValueError("prompts must be a [batch, length] tensor or a non-empty list of token id lists")
+    rows = []
+    for i, prompt in enumerate(prompts):
+        row = torch.as_tensor(prompt)
+        if row.dim() != 1 or not row.numel():
+            raise ValueError(f"prompt {i} has shape {tuple(row.shape)}: each prompt must hold one or more token ids")
+        if row.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"prompt {i} holds {row.dtype} values: token ids must be integers")
+        rows.append(row)
+    lengths = torch.tensor([len(r) for r in rows])
+    ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long, device=device)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = row.to(device)
+    return ids, lengths
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
