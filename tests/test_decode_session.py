@@ -175,10 +175,11 @@ def test_prompts_of_several_lengths_prefill_and_step_each_as_alone(bucketed):
     session._graph_prefill = bucketed
     with torch.no_grad():
         logits = [session.prefill(ids, lengths).clone()]
+        session.step.set_prompt_lengths(lengths)
         tokens = []
         for i in range(4):
             tokens.append(logits[-1].argmax(-1)[:, None])
-            logits.append(session.step(tokens[-1], lengths + i).clone())
+            logits.append(session.step(tokens[-1], 11 + i).clone())  # the longest prompt's position
         for r, n in enumerate(lengths.tolist()):
             caches = model.init_cache(1, 32)
             want = [model.forward_cached(ids[r:r + 1, :n], 0, caches)]

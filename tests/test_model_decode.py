@@ -287,28 +287,49 @@ def test_each_prompt_of_a_batch_stops_after_its_own_eos():
         stop = len(prompt) + (int(first[0]) + 1 if len(first) else 6)
         assert torch.equal(got, row[:stop])
     assert out[1][-1] == eos and len(out[1]) <= 4 + 3
+    # The shorter prompt, eos included, is what it gets alone.
+    alone = model.generate([prompts[1]], 6, eos_token_id=eos)[0]
+    assert torch.equal(alone, out[1])
 
 
 def test_prompts_of_several_lengths_are_checked():
     model = tiny_model().eval()
-    for prompts, message in (([], "non-empty list"), ("abc", "non-empty list"),
+    for prompts, message in (([], "non-empty list"), ("abc", "not text"),
                              ([[1, 2], []], r"prompt 1 has shape \(0,\)"),
                              ([[1, 2], [[3]]], r"prompt 1 has shape \(1, 1\)"),
+                             ([5, 17, 3], r"prompt 0 has shape \(\).*pass \[\[ids...\]\]"),
                              ([[1, 2], [0.5]], "prompt 1 holds torch.float32 values"),
+                             ([[1, 2], [True]], "prompt 1 holds torch.bool values"),
                              ([[1, 2], [TINY["vocab_size"]]], r"token ids must lie in \[0, "),
-                             ([[1] * 120, [2]], "max_seq_len")):
+                             ([[1] * 120, [2]], r"the longest prompt \(120\) \+ max_new_tokens \(20\) exceeds")):
         with pytest.raises(ValueError, match=message):
             model.generate(prompts, 20)
+    # Any integer dtype and any iterable of prompts.
+    prompts = [torch.tensor([3, 1, 4], dtype=torch.uint8), torch.tensor([1, 5], dtype=torch.int16)]
+    out = model.generate(iter(prompts), 2)
+    assert [o[:len(p)].tolist() for o, p in zip(out, prompts)] == [[3, 1, 4], [1, 5]]
+    assert [len(o) for o in out] == [5, 4]
 
 
 def test_the_decode_step_checks_each_rows_position():
+    """Rows behind the longest prompt's (``set_prompt_lengths``) must not step before position 0; every position
+    must fit the caches; the lengths must be one per row."""
     model = tiny_model().eval()
     caches = model.init_cache(2, 16)
     step = DecodeStep(model, caches, 2, torch.device("cpu"), graphed=False, compiled=False)
     ids = torch.zeros(2, 1, dtype=torch.long)
-    for position in (torch.tensor([3, 16]), torch.tensor([-1, 2]), 16):
-        with pytest.raises(ValueError, match="outside the caches' 16 positions"):
-            step(ids, position)
+    with pytest.raises(ValueError, match="outside the caches' 16 positions; allocate"):
+        step(ids, 16)
+    step.set_prompt_lengths(torch.tensor([9, 3]))
+    with pytest.raises(ValueError, match=r"position 5 is outside the caches' 16 positions \(or a row 6 behind it\)"):
+        step(ids, 5)
+    step(ids, 6)
+    assert step.pos[:, 0].tolist() == [6, 0]
+    step.set_prompt_lengths(None)
+    step(ids, 6)
+    assert step.pos[:, 0].tolist() == [6, 6]
+    with pytest.raises(ValueError, match="one per row"):
+        step.set_prompt_lengths(torch.tensor([9, 3, 4]))
 
 
 def test_generate_restores_training_mode_and_checks_inputs():

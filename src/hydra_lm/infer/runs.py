@@ -148,7 +148,8 @@ def generate_text(run_dir: str | Path, prompt: str | list[str], max_new_tokens: 
                   compile_step: bool | None = None) -> str | list[str]:
     """Prompt in, prompt + continuation out, decoded with the run's tokenizer (causal routing), in bf16 autocast
     on CUDA as evaluation runs; ``compile_step`` as ``HydraModel.generate`` (default: compiled units on CUDA).
-    A list of prompts (any lengths) is sampled as one batch and gives a list of texts."""
+    A list of prompts (any lengths) is sampled as one batch and gives a list of texts; each continues for at most
+    ``max_new_tokens`` and at most what the model's context leaves after the longest prompt."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not prompts:
         raise ValueError("no prompt given")
@@ -163,7 +164,8 @@ def generate_text(run_dir: str | Path, prompt: str | list[str], max_new_tokens: 
     longest = max(len(row) for row in ids)
     room = context - longest
     if room <= 0:
-        raise ValueError(f"the prompt ({longest} tokens) fills the model's context ({context})")
+        which = f"prompt {max(range(len(ids)), key=lambda i: len(ids[i])) + 1}" if len(ids) > 1 else "the prompt"
+        raise ValueError(f"{which} ({longest} tokens) fills the model's context ({context}): shorten it")
     if max_new_tokens > room:
         print(f"note: max_new_tokens {max_new_tokens} -> {room}: the model's context is {context} tokens"
               + (" and the longest prompt takes the rest" if len(ids) > 1 else ""), file=sys.stderr)

@@ -194,6 +194,7 @@ class DecodeStep:
         self.length = caches[0][0][0].k.shape[2]  # positions the caches hold
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self._behind, self._behind_most = None, 0  # rows behind the longest prompt's (set_prompt_lengths)
         self._autocast_state = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
         weight = model.embed.weight
         self.x = torch.zeros(batch, 1, weight.shape[1], dtype=weight.dtype, device=device)  # the residual stream
@@ -306,18 +307,30 @@ class DecodeStep:
         self.logits.copy_(logits)
 
     # ------------------------------------------------------------------ running
-    def __call__(self, ids: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
-        """``ids`` [B, 1] at ``position``: one for every row, or a CPU tensor [B] of each row's (prompts of
-        several lengths), checked on the host before the device's kernels write the caches there."""
-        first, last = (position, position) if isinstance(position, int) else (int(position.min()), int(position.max()))
-        if not 0 <= first <= last < self.length:
-            raise ValueError(f"decode step: position {last if first >= 0 else first} is outside the caches' "
-                             f"{self.length} positions; allocate longer caches (HydraModel.init_cache)")
+    def set_prompt_lengths(self, lengths: torch.Tensor | None) -> None:
+        """Prompts of several lengths (``lengths`` [B] on the CPU; None: one length): from now on a call's
+        ``position`` is the longest prompt's row's, and each other row runs as many positions behind it as its prompt
+        is shorter. Kept on the device, so a step's positions cost no host-to-device copy (from pageable memory
+        that copy would wait for the previous step)."""
+        if lengths is None:
+            self._behind, self._behind_most = None, 0
+            return
+        if lengths.shape != (self.pos.shape[0],) or lengths.device.type != "cpu":
+            raise ValueError(f"prompt lengths must be a CPU tensor of {self.pos.shape[0]} values, one per row; got "
+                             f"{tuple(lengths.shape)} on {lengths.device}")
+        behind = lengths.max() - lengths
+        self._behind, self._behind_most = behind.view(-1, 1).to(self.pos.device), int(behind.max())
+
+    def __call__(self, ids: torch.Tensor, position: int) -> torch.Tensor:
+        """``ids`` [B, 1] at ``position`` (with ``set_prompt_lengths``, the longest prompt's row's position)."""
+        if not 0 <= position - self._behind_most <= position < self.length:
+            raise ValueError(f"decode step: position {position} is outside the caches' {self.length} positions"
+                             + (f" (or a row {self._behind_most} behind it)" if self._behind_most else "")
+                             + "; allocate longer caches (HydraModel.init_cache)")
         self.ids.copy_(ids)
-        if isinstance(position, int):
-            self.pos.fill_(position)
-        else:
-            self.pos.copy_(position.view(-1, 1))
+        self.pos.fill_(position)
+        if self._behind is not None:
+            self.pos.sub_(self._behind)
         if self.graphed and self._graphs is None and self._composed is None and self.logits is not None:
             self._capture_step()
         if self.logits is None:  # the first call: every op, in order (compiles what every segment runs)

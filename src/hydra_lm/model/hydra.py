@@ -353,8 +353,8 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         b, t = input_ids.shape
         total = t + max_new_tokens
         if total > self.config.max_seq_len:
-            raise ValueError(f"prompt ({t}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len="
-                             f"{self.config.max_seq_len}")
+            raise ValueError(f"{'the longest ' if ragged else ''}prompt ({t}) + max_new_tokens ({max_new_tokens}) "
+                             f"exceeds max_seq_len={self.config.max_seq_len}")
         if lengths is not None and bool((lengths == t).all()):
             lengths = None  # one length: the steps' positions as for a tensor prompt
         capturable = input_ids.is_cuda and self.decode_capturable()
@@ -373,6 +373,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             session = self._decode_sessions.get_or_build(self, b, length, input_ids.device, graphed, compiled)
             logits = session.prefill(input_ids, lengths)
             step = session.step
+            step.set_prompt_lengths(lengths)
             new = []
             done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
             for i in range(max_new_tokens):
@@ -383,7 +384,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
                 new.append(nxt)
                 if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
                     break
-                logits = step(nxt[:, None], t + i if lengths is None else lengths + i)
+                logits = step(nxt[:, None], t + i)  # the longest prompt's row's position
             new = torch.stack(new, dim=1) if new else input_ids.new_zeros(b, 0)
             if not ragged:
                 return torch.cat((input_ids, new), dim=1)

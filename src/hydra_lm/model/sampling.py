@@ -4,23 +4,25 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
-
 import torch
 
 
-def batch_prompts(prompts: Sequence, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts of several lengths (each a 1-D tensor or a sequence of ints) -> (ids [B, longest] with each row's
-    prompt first and zeros after it, on ``device``; the lengths [B] on the CPU, where the decode step checks its
-    positions without a device sync)."""
-    if isinstance(prompts, (str, bytes)) or not len(prompts):
+def batch_prompts(prompts, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of several lengths (an iterable of 1-D integer tensors or of sequences of ints) -> (ids [B, longest]
+    with each row's prompt first and zeros after it, on ``device``; the lengths [B] on the CPU)."""
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError("prompts must be a [batch, length] tensor of token ids or a list of token id lists, not text")
+    prompts = list(prompts)
+    if not prompts:
         raise ValueError("prompts must be a [batch, length] tensor or a non-empty list of token id lists")
     rows = []
     for i, prompt in enumerate(prompts):
         row = torch.as_tensor(prompt)
         if row.dim() != 1 or not row.numel():
-            raise ValueError(f"prompt {i} has shape {tuple(row.shape)}: each prompt must hold one or more token ids")
-        if row.dtype not in (torch.int64, torch.int32):
+            hint = " (one prompt as a list: pass [[ids...]] or a [1, length] tensor)" if row.dim() == 0 else ""
+            raise ValueError(f"prompt {i} has shape {tuple(row.shape)}: each prompt must hold one or more token "
+                             f"ids{hint}")
+        if row.is_floating_point() or row.is_complex() or row.dtype == torch.bool:
             raise ValueError(f"prompt {i} holds {row.dtype} values: token ids must be integers")
         rows.append(row)
     lengths = torch.tensor([len(r) for r in rows])
