@@ -70,7 +70,7 @@ def unit_step(model: HydraModel, batch: int, n: int, device: torch.device, docum
         # autograd.grad, not backward: a leaf's gradient accumulation would tie the capture to the
         # default stream (the capture fails); the step's gradients are all computed, only not stored.
         with autocast:
-            out = block.compiled_unit(block.layers, xc, rec, pos, model.rope, None, None, doc, weight, False)
+            out = block.compiled_unit(block.layers, xc, rec, pos, model.rope, None, None, doc, weight)
         return torch.autograd.grad(out, wrt, grad)
     return step
 

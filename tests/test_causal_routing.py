@@ -372,6 +372,12 @@ def test_a_model_saved_when_every_block_was_routed_loads_as_it_was_built(tmp_pat
     del values["mod_first_block"]  # configs saved before the field existed
     assert HydraConfig.from_saved(values).mod_first_block
     assert not HydraConfig.from_saved({**values, "mod_every": 2}).mod_first_block
+    # middle_cycle with mod_every > 1 (refused since) routed no block by MoD: it loads so.
+    middle = HydraConfig.from_saved({**values, "sharing": "middle_cycle", "n_blocks": 4, "mod_every": 2})
+    assert not middle.mod_enabled
+    from hydra_lm import create_model
+
+    assert create_model(middle).blocks[1].depth_fractions[0] == 1.0
     path = tmp_path / "old.safetensors"
     save_model(saved, str(path), metadata={"format": EXPORT_FORMAT, "step": "0", "model_config": json.dumps(values)})
     loaded = load_run(tmp_path, path, "cpu").model.eval()

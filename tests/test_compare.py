@@ -126,6 +126,7 @@ def test_compare_refuses_bad_requests_with_one_line(tiny_data, tmp_path, capsys)
         (["--budget", "tokens=1k", "--lrs", "1e-3", "--lr_extend", "-1"], "rounds >= 0"),
         (["--budget", "tokens=1k", "--gpus", "0"], "at least 1"),
         (["--budget", "tokens=1k", "--gpus", "2"], "this machine has 0 CUDA GPU(s)"),
+        (["--budget", "tokens=1k", "--dataset", str(tiny_data)], "--data and --dataset both name the training data"),
     ]
     for extra, message in cases:
         assert compare(tiny_data, tmp_path / "x", *extra) == 2, extra
@@ -344,6 +345,14 @@ def test_flops_budget_and_dense_depths_match_what_they_promise(tiny_data, tmp_pa
         assert dense.arch == "dense"
         off = lambda n, measure=measure, dense=dense: abs(measure(dense.replace(n_layers=n)) - measure(hydra))  # noqa: E731
         assert off(dense.n_layers) <= min(off(n) for n in (dense.n_layers - 1, dense.n_layers + 1) if n >= 1)
+
+
+def test_dataset_names_the_data_as_in_train(tiny_data, tmp_path):
+    """``--dataset DIR`` (or 'default') instead of ``--data``, as ``hydra-lm train`` takes it; no run gets both."""
+    shared = {"model_size": "debug", "device": "cpu", "batch_size": 4, "seq_len": 32, "dataset": str(tiny_data),
+              "model": {"dim": 64, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden": 128}}
+    plan = plan_compare(None, str(tmp_path / "cmp"), parse_budget("tokens=1k"), ["hydra"], [], 1, shared)
+    assert plan.runs[0].values["data"] == str(tiny_data) and "dataset" not in plan.runs[0].values
 
 
 @pytest.mark.parametrize("budget", ["tokens=1280", "flops=2e10", "seconds=60"])

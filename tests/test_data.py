@@ -390,3 +390,13 @@ def test_a_partial_evaluation_samples_the_whole_validation_split(tmp_path):
     # Still one whole pass: every token once, and the same pass again on the next iteration.
     assert sum(int((b["targets"] != -100).sum()) for b in batches) == n - 1
     assert all(_same(x, y) for x, y in zip(batches, list(val)))
+
+
+def test_every_input_flag_adds_to_one_list():
+    """``--input`` and ``--inputs`` spell one option: repeated, each adds its paths (a later one used to replace
+    the earlier ones, silently preparing part of the corpus)."""
+    from hydra_lm.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["prepare", "--inputs", "a", "--input", "b", "c", "--out", "o"]).inputs == ["a", "b", "c"]
+    assert parse(["prepare", "--out", "o"]).inputs is None

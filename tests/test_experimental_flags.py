@@ -12,7 +12,8 @@ from support import TINY_RUN
 
 @pytest.mark.parametrize("extra, message", [
     (["--dataset", "default"], "--data and --dataset both name the training data"),
-    (["--cuda_graphs_warmup", "3"], "--cuda_graphs_warmup sets the eager steps before a --cuda_graph capture"),
+    (["--cuda_graphs_warmup", "3"], "--cuda_graphs_warmup sets the eager steps before a CUDA graph capture, and "
+                                    "this run captures none"),
     (["--experimental_cuda_graphs"], "--cuda_graph needs a CUDA device"),
     (["--experimental_fp8"], "--experimental_fp8 needs a CUDA GPU of compute capability 9.0+ (Hopper); this run is "
                              "on cpu"),

@@ -309,3 +309,18 @@ def test_gpu_chunked_empty_batch_gives_zero_head_gradient():
     hidden = torch.empty(0, 64, device="cuda", requires_grad=True)
     loss, gh, gw = _run("chunked", hidden, weight, torch.empty(0, dtype=torch.long, device="cuda"), autocast=True)
     assert loss.item() == 0.0 and gh.shape == (0, 64) and gw.shape == weight.shape and not gw.any()
+
+
+def test_the_models_loss_paths_agree_on_a_batch_with_no_valid_target():
+    """Every target ignored (e.g. a row of padding): the model's unfused and fused losses are both 0 with zero
+    gradients, not NaN on one path and 0 on the other."""
+    from support import tiny_model
+
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    for impl in ("naive", "chunked"):
+        model = tiny_model()
+        model.ce_impl = impl
+        out = model(ids, targets=torch.full_like(ids, -100))
+        out["ce_loss"].backward()
+        assert out["ce_loss"].item() == 0.0, impl
+        assert not model.lm_head.weight.grad.any(), impl

@@ -173,7 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = sub.add_parser("prepare", help="corpus -> tokenizer + token shards (no input: the embedded default "
                                              "corpus, the Python standard library source)")
     add_prepare_arguments(prepare)
-    prepare.add_argument("--input", dest="inputs", nargs="*", help="same as --inputs")
     prepare.set_defaults(func=_cmd_prepare)
 
     train = sub.add_parser("train", help="train a model (resumes automatically when RUN_DIR has checkpoints)")

@@ -162,6 +162,9 @@ class HydraConfig:
                 bad(name, "must be a finite number > 0")
         if self.sharing == "middle_cycle" and self.n_blocks < 3:
             bad("n_blocks", "middle_cycle sharing needs n_blocks >= 3 (first and last layers are unshared)")
+        if self.arch == "hydra" and self.sharing == "middle_cycle" and self.mod_enabled and self.mod_every != 1:
+            bad("mod_every", "middle_cycle sharing has one block MoD can route (the shared middle), so every "
+                             "mod_every-th block routes none unless mod_every=1: set mod_every=1, or mod_enabled=False")
         if self.moe_top_k > self.moe_num_experts:
             bad("moe_top_k", f"cannot exceed moe_num_experts={self.moe_num_experts}")
         if self.moe and self.moe_num_layers > self.n_units_between_moe():
@@ -217,10 +220,13 @@ class HydraConfig:
     @classmethod
     def from_saved(cls, values: dict[str, Any]) -> "HydraConfig":
         """The config a checkpoint or run directory saved: fields added since default to what the
-        model was built with then (MoD on every block routed the first block as well)."""
+        model was built with then (MoD on every block routed the first block as well; middle_cycle sharing with
+        mod_every > 1, refused since, built no MoD router)."""
         values = dict(values)
         if values.get("mod_every") == 1:
             values.setdefault("mod_first_block", True)
+        if values.get("sharing") == "middle_cycle" and values.get("mod_every", 2) != 1:
+            values["mod_enabled"] = False  # what it built: the shared middle block was not MoD-routed
         return cls.from_dict(values)
 
     def replace(self, **overrides: Any) -> "HydraConfig":

@@ -6,7 +6,8 @@ import argparse
 
 
 def add_prepare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--inputs", nargs="*", default=None,
+    # --input and --inputs are one list: every occurrence adds to it.
+    parser.add_argument("--input", "--inputs", dest="inputs", nargs="*", action="extend", default=None,
                         help="files, directories, globs, hf:NAME[:CONFIG][:SPLIT], small_chat, nemotron; "
                              "none: the Python standard library source")
     parser.add_argument("--out", required=True, help="output directory")

@@ -33,7 +33,7 @@ from ..train.checkpoint import write_text_atomic
 from ..train.compile_policy import resolve_speed_options
 from ..train.fp8 import check_fp8_device
 from ..train.optim import check_optimizer_device
-from ..train.data_io import open_data
+from ..train.data_io import dataset_dir, open_data
 from ..train.options import TrainConfig, resolve
 from ..train.run import build_model_config, pick_device
 from .compare_results import collect_results, lr_extensions
@@ -232,8 +232,12 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
             raise ValueError("--seed and --seeds: give one of them (--seeds trains every variant once per seed)")
         if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
             raise ValueError(f"--seeds {' '.join(map(str, seeds))}: give distinct seeds >= 0 (e.g. --seeds 0 1 2)")
+    if shared.get("dataset") is not None:  # as train takes it: 'default' or a prepared directory
+        if data:
+            raise ValueError("--data and --dataset both name the training data: keep one")
+        data = str(dataset_dir(shared["dataset"]))
     if not data:
-        raise ValueError("--data DATA_DIR is required (a directory from `hydra-lm prepare`)")
+        raise ValueError("--data DATA_DIR is required (a directory from `hydra-lm prepare`; or --dataset default)")
     if not out:
         raise ValueError("--out DIR is required: the variants' runs, results.json, report.md and plots go there")
     if evals < 1:
@@ -242,7 +246,7 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
     if not info.token_counts.get("val"):
         raise ValueError(f"data directory {info.path} has no validation split, and compare evaluates every variant "
                          "on it: prepare the data again with --val_fraction above 0")
-    shared = {k: v for k, v in shared.items() if k not in ("data", "out")}
+    shared = {k: v for k, v in shared.items() if k not in ("data", "dataset", "out")}
     for key, why in OWNED.items():
         if shared.get(key) is not None:
             raise ValueError(f"--{key} cannot be given to compare: {why}")

@@ -148,9 +148,9 @@ def _admitted_prefix(sel: Selection) -> Selection:
 
 
 def _eval_mask(xc: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor | None:
-    """What a compiled unit or causal selection takes as ``valid`` without gradients (evaluation): every
-    entry marked when none is masked, the same result as None, so that whole rows and masked causal entries
-    share one graph (None and a tensor are two). Training keeps None: no mask to apply."""
+    """What a compiled unit takes as ``valid`` without gradients (evaluation): every entry marked when none is
+    masked, the same result as None, so that whole rows and masked causal entries share one graph (None and a
+    tensor are two). Training keeps None: no mask to apply."""
     if valid is not None or torch.is_grad_enabled():
         return valid
     return torch.ones(xc.shape[:2], dtype=torch.bool, device=xc.device)

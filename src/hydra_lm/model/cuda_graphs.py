@@ -1,10 +1,11 @@
 """A step of work (the trainer's forward + backward, its update) captured as one CUDA graph. (The
 decode step captures its segments itself, ``decode_step.DecodeStep``: it needs several graphs per step.)
 
-``torch.compile(mode="reduce-overhead")`` graphs only what inductor compiled: with routing left
-eager (``train.compile_policy.compile_units``) or not compiled at all, a HYDRA step is bound by the host
-issuing thousands of small kernels. Capturing at the PyTorch level instead graphs everything the
-step launches (eager routing, compiled layers, loss, optimizer) and replays it with one launch.
+``torch.compile(mode="reduce-overhead")`` graphs only what inductor compiled, one compiled region at a time: a
+HYDRA step (each block compiled with its routing, ``train.compile_policy.compile_units``, and the eager ops
+between the blocks, or nothing compiled at all) would still be bound by the host issuing its many small kernels.
+Capturing at the PyTorch level instead graphs everything the step launches (compiled blocks, eager ops, loss,
+optimizer) and replays it with one launch.
 PyTorch's ``make_graphed_callables`` graphs modules, not an optimizer step or a decode loop's
 cache updates, so this small wrapper does the documented whole-network capture.
 

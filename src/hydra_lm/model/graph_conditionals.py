@@ -7,9 +7,9 @@ kernel reads the decision (a bool tensor: set if any element is) and sets the no
 runs its body graph only when it is set. An IF node costs about 6 us on an H200 whatever it decides, and its
 body's first node about 4 us more (benchmarks/if_node_cost.py; BENCHMARKS.md, fortieth session).
 
-PyTorch exposes IF nodes from 2.13 on (``CUDAGraph.begin_capture_to_if_node``); the 2.11 this project measures
-on has no binding, so this module builds them with NVIDIA's own Python bindings (``cuda-bindings``, the
-``cuda.bindings.driver`` and ``cuda.bindings.nvrtc`` modules), which work with either version: every segment
+PyTorch's ``CUDAGraph`` has no public binding for IF nodes in the versions this project runs (2.11 on the device,
+2.13 in CI), so this module builds them with NVIDIA's own Python bindings (``cuda-bindings``, the
+``cuda.bindings.driver`` and ``cuda.bindings.nvrtc`` modules): every segment
 between decisions is captured by ``torch.cuda.graph`` as before (PyTorch's allocator and memory pool
 included), kept as a ``cudaGraph_t`` (``keep_graph=True``), and added to one outer graph as a child graph
 node, nested in IF nodes where a decision guards it. One launch then runs the whole step.

@@ -15,7 +15,6 @@ import contextlib
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
@@ -26,7 +25,7 @@ from .decode_session import DecodeSessions
 from .decode_step import compiled_prefill, decode_compiles
 from .doc_attention import documents_for
 from .block import RecursiveBlock, TransformerLayer
-from .loss import linear_cross_entropy
+from .loss import linear_cross_entropy, logits_cross_entropy
 from .layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
 from .moe import MoEFeedForward, grouped_mm_dtype
 from .routing import ROUTING_MODES, depth_fractions
@@ -223,8 +222,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         logits = self.lm_head(h)
         if targets is None:
             return None, logits
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                               ignore_index=-100), logits
+        return logits_cross_entropy(logits, targets, ignore_index=-100), logits
 
     def total_loss(self, ce: torch.Tensor, out: dict[str, torch.Tensor]) -> torch.Tensor:
         cfg = self.config

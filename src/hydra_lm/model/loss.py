@@ -235,18 +235,25 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, tar
                                             need_gh, need_gw, compile_chunks, grad_sink)
 
 
-def naive_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                               ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
-    """Reference: full [N, V] logits and ``F.cross_entropy``, with the chunked path's 0 for a batch
-    that has no valid target."""
-    _check(hidden, weight, targets, 1, reduction)
-    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight)
+def logits_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                         reduction: str = "mean") -> torch.Tensor:
+    """``F.cross_entropy`` of logits [..., V] in at least fp32, with the chunked path's 0 (not NaN) for a batch
+    that has no valid target: the loss of the model's unfused path (``HydraModel`` with ``ce_impl="naive"``)."""
+    logits = logits.reshape(-1, logits.shape[-1])
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     flat = targets.reshape(-1)
     total = F.cross_entropy(logits, flat, ignore_index=ignore_index, reduction="sum")
     if reduction == "sum":
         return total
     return total / (flat != ignore_index).sum().clamp(min=1).to(total.dtype)
+
+
+def naive_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                               ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """Reference: full [N, V] logits and ``logits_cross_entropy``."""
+    _check(hidden, weight, targets, 1, reduction)
+    return logits_cross_entropy(F.linear(hidden.reshape(-1, hidden.shape[-1]), weight), targets, ignore_index,
+                                reduction)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -66,7 +66,7 @@ class Selection:
     weight: torch.Tensor | None  # None: weight 1, or (top-k, Router.gates_entries) the block's entry_gate
     valid: torch.Tensor | None  # None: all entries are real tokens of the unit
     aux_loss: torch.Tensor | None  # router loss (BCE for expert-choice); None: adds no loss term
-    stats: torch.Tensor  # [3]: fraction of the row executed, mean gate, top-k/threshold agreement
+    stats: torch.Tensor  # [3]: fraction of the row executed, mean gate, the causal rule's agreement with top-k
 
 
 class Router(nn.Module):

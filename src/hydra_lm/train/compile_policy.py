@@ -90,6 +90,10 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
         graphs = cuda and not distributed and not checkpointing
     else:
         graphs = False
+    # Checked here, where the automatic setting is known: on CUDA graphs are on without --cuda_graph.
+    refuse(graphs or getattr(cfg, "cuda_graphs_warmup", 2) == 2, "--cuda_graphs_warmup sets the eager steps before "
+           "a CUDA graph capture, and this run captures none (graphs need one CUDA process without gradient "
+           "checkpointing, and not --no-cuda_graph): drop --cuda_graphs_warmup")
     chunked = cuda if cfg.chunked_ce is None else cfg.chunked_ce
     if not compile_on:
         scope = None
@@ -139,7 +143,8 @@ def compile_units(model, **kwargs):
       Eager routing between compiled units cost the 100M preset 13% of its step on an H100;
     - evaluation and a MoR ramp in progress (each of its levels would compile the
       block graphs again): ``block.run_unit`` (recursion embedding, the layer stack, the gated residual
-      update) with dynamic token counts, and the routers' selections (``routing.routed_selection``),
+      update) with dynamic token counts, and, with gradients on (the ramp), the routers' selections
+      (``routing.routed_selection``; evaluation runs them eagerly: each routing mode would be a graph of its own),
       with the gathers and scatters between them eager;
     - the fused chunked loss's per-chunk work (``ce_impl`` other than "naive") where its Triton kernel does not
       run (off CUDA; kernels/cross_entropy_rows.py), and MoE blocks.

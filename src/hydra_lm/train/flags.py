@@ -21,7 +21,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                                                        "flags; a [model] table overrides model config fields")
     add_field_arguments(parser, FIELDS)
     parser.add_argument("--8bit_adam", dest="alias_8bit_adam", action="store_true", default=None,
-                        help="same as --optimizer adam8bit (needs bitsandbytes and CUDA)")
+                        help="same as --optimizer adam8bit (needs CUDA and torchao or bitsandbytes)")
     parser.add_argument("--adafactor", dest="alias_adafactor", action="store_true", default=None,
                         help="same as --optimizer adafactor")
     parser.add_argument("--experimental_cuda_graphs", dest="alias_experimental_cuda_graphs", action="store_true",

@@ -409,8 +409,6 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("moe_expert_lr_scale", "moe_router_lr_scale", "moe_expert_wd_scale"):
         need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)} must be >= 0")
     need(cfg.cuda_graphs_warmup >= 1, f"cuda_graphs_warmup={cfg.cuda_graphs_warmup} must be >= 1")
-    need(cfg.cuda_graph or cfg.cuda_graphs_warmup == 2, "--cuda_graphs_warmup sets the eager steps before a "
-         "--cuda_graph capture: add --cuda_graph (or --experimental_cuda_graphs)")
     need(0 <= cfg.swa_start_pct < 1, f"swa_start_pct={cfg.swa_start_pct} must lie in [0, 1)")
     need(cfg.batch_filter_k > 0, f"batch_filter_k={cfg.batch_filter_k} must be > 0")
     need(cfg.adaptive_lr_spike > 1, f"adaptive_lr_spike={cfg.adaptive_lr_spike} must be > 1")

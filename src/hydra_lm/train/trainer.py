@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..model.factory import create_model
+from ..model.accounting import executed_flops_per_token
 
 from .batch_filter import BatchFilter
 from .compile_policy import apply_speed_plan, enable_tf32, resolve_speed_options, units_compile_switch
@@ -192,19 +193,14 @@ class Trainer:
         self.loader.load_state_dict(carry_over(old, rows * self.dist.world_size, length))
         if self.train_step.graphs is not None:  # new shapes: capture again
             self.train_step.graphs.reset()
-        recompile = " (a compiled model recompiles once for it)" if self.cfg.compile else ""
+        recompile = " (a compiled model recompiles once for it)" if self.plan.compile else ""
         self.log.info(f"step {self.step}: sequence length {old['seq_len']} -> {length}, {rows} rows per "
                       f"micro-batch{recompile}")
 
     def _next_batch(self) -> dict[str, torch.Tensor]:
         if self.batches is None:
             self.batches = iter(self.loader)
-        try:
-            batch = next(self.batches)
-        except StopIteration:  # a finite loader: start its next epoch
-            self.batches = iter(self.loader)
-            batch = next(self.batches)
-        return batch
+        return next(self.batches)  # the training loader loops over epochs itself
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -413,10 +409,6 @@ class Trainer:
         return self.safe_opts.observe(self.step, loss, gnorm, tps) is not None
 
     def _flops_per_token(self) -> float:
-        try:
-            from ..model.accounting import executed_flops_per_token
-        except ImportError:
-            return 0.0
         mc = self.s.model_cfg
         live = mc.replace(mod_enabled=mc.mod_enabled and self.curriculum.mod_active,
                           mor_enabled=mc.mor_enabled and self.curriculum.mor_active)
