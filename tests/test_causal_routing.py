@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hydra_lm.diagnostics.routing_health import STARVATION_TOLERANCE, health_warnings, routing_shares
+from hydra_lm.diagnostics.routing_health import STARVATION_TOLERANCE, depth_profile, health_warnings
 from hydra_lm.model.routing import ExpertChoiceRouter
 from hydra_lm.train.evaluate import evaluate, routing_warnings
 
@@ -313,18 +313,26 @@ def test_causal_forward_drops_what_follows_each_units_last_admitted_entry_withou
 
 def test_routing_health_holds_a_token_choice_depth_to_what_top_k_ran():
     # A token-choice depth runs as many tokens as choose it: its configured count is only an upper bound.
-    # Health (compare's report and warnings) measures each router against the share top-k ran, so token
-    # choice, which decides per token and is causal as trained, is never flagged.
+    # Health (the evaluation, compare's report and warnings) measures each router against the share top-k ran, so
+    # token choice, which decides per token and is causal as trained, is never flagged.
     model = tiny_model(mor_routing="token", mod_enabled=False).eval()
-    batches = [{**_batch(i), "doc_ids": torch.zeros(TOKENS["b"], TOKENS["t"], dtype=torch.long)} for i in range(2)]
-    health = routing_shares(model, batches, torch.device("cpu"))
-    routers = health["routers"]
+    result = evaluate(model, [_batch(i) for i in range(2)], torch.device("cpu"))
+    routers = result["routing"]
     assert routers and all(r["target"] == r["exec_topk"] == pytest.approx(r["exec_causal"]) for r in routers.values())
     bounds = {name: block.tokens_per_depth(TOKENS["t"])[j] / TOKENS["t"]
               for block in model.blocks for name, j in block.router_depths()}
     assert max(bounds[n] - r["exec_topk"] for n, r in routers.items()) > STARVATION_TOLERANCE  # the old target
-    assert health_warnings("tc", routers, gap=0.0) == []
-    assert health["depths"]["target"] == pytest.approx(health["depths"]["causal"])
+    assert health_warnings("tc", result) == []
+    depths = depth_profile(model.config, routers)
+    assert depths["target"] == pytest.approx(depths["causal"]) and len(depths["target"]) == model.config.recursions
+
+
+def test_compares_health_warnings_are_the_evaluations_with_the_variant_named():
+    record = {"val_loss_causal": 3.2, "val_loss_topk": 3.1, "routing_calibrated": True,
+              "routing": {"block1.mod0": {"target": 0.125, "exec_causal": 0.4, "exec_topk": 0.125, "agreement": 0.8}}}
+    lines = health_warnings("v", record)
+    assert len(lines) == 2 and all(line.startswith("v: ") for line in lines)
+    assert "0.100 nats worse than top-k" in lines[0] and "router block1.mod0 executes 0.400" in lines[1]
 
 
 def _first_router_logits(model, ids: torch.Tensor) -> torch.Tensor:

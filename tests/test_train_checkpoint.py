@@ -115,9 +115,9 @@ def test_every_checkpoint_broken_is_an_error_not_a_fresh_start(tmp_path):
     path = save(m, tiny(), 1)
     (path / "model.safetensors").write_bytes(b"")
     with pytest.raises(CheckpointError, match="no readable checkpoint"):
-        m.latest_good(quarantine=False)
+        resolve_checkpoint(tmp_path)  # reads only: the broken checkpoint stays where it is
     with pytest.raises(CheckpointError, match="no readable checkpoint"):
-        resolve_checkpoint(tmp_path)
+        m.latest_good()  # sets it aside as *.corrupt
 
 
 def test_resolve_checkpoint_accepts_a_directory_or_file(tmp_path):

@@ -15,7 +15,7 @@ from ..model.accounting import executed_flops_per_token
 from ..train.metrics import METRICS_FILE
 from ..train.run import CONFIG_JSON
 from .compare_runs import ComparePlan, VariantRun, executed_flops_at, finished_marker
-from .routing_health import health_warnings
+from .routing_health import depth_profile, health_warnings
 from .variants import parameter_count
 
 
@@ -176,8 +176,7 @@ def variant_results(run: VariantRun, seq_len: int, tokens_per_step: int, out_dir
     final_step = last_train.get("step", 0)
     train_s = last_train.get("train_s")
     final = evals[-1] if evals else None
-    health = marker.get("routing_health") or {"routers": {}, "depths": None}
-    gap = final["gap"] if final else None
+    routers = eval_rs[-1].get("routing", {}) if eval_rs else {}
     entry = {
         "variant": run.variant.name, "seed": run.values.get("seed"), "swept_from": run.variant.swept_from,
         "budget_scale": run.variant.budget_scale,
@@ -198,11 +197,11 @@ def variant_results(run: VariantRun, seq_len: int, tokens_per_step: int, out_dir
                                                                        "gap", "val_agreement",
                                                                        "val_agreement_decisions")},
         "evals": evals,
-        "routing": health["routers"],
-        "depths": health["depths"],
+        "routing": routers,
+        "depths": depth_profile(run.model_cfg, routers) if routers else None,
     }
     entry["throughput_steadiness"] = throughput_steadiness(train_rs)
-    entry["warnings"] = health_warnings(run.variant.name, entry["routing"], gap)
+    entry["warnings"] = health_warnings(run.variant.name, eval_rs[-1] if eval_rs else None)
     entry["warnings"] += unsteady_warning(run.name, entry["throughput_steadiness"])
     return entry
 

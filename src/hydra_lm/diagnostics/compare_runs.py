@@ -18,8 +18,6 @@ from ..train.checkpoint import write_text_atomic
 from ..train.curriculum import CurriculumPlan
 from ..train.data_io import DataInfo
 from ..train.options import TrainConfig
-from ..train.run import CONFIG_JSON
-from .routing_health import measure_routing
 from .variants import Variant
 
 BUDGET_KINDS = ("tokens", "flops", "seconds")
@@ -162,15 +160,6 @@ def finished_marker(run: VariantRun) -> dict[str, Any] | None:
 
 
 def write_marker(run: VariantRun, status: str) -> None:
-    """Record a finished variant, with the routing health of its final checkpoint (measured once)."""
-    health = None
-    if (run.run_dir / "checkpoints").is_dir() and any((run.run_dir / "checkpoints").iterdir()):
-        health = measure_routing(run.run_dir, run.values.get("eval_batches") or _resolved(run)["eval_batches"],
-                                 run.values.get("device", "auto"))
-    marker = {"status": status, "variant": run.variant.overrides, "settings": _fingerprint(run.values),
-              "routing_health": health}
+    """Record a finished variant (its routing health is its last evaluation's, in its metrics)."""
+    marker = {"status": status, "variant": run.variant.overrides, "settings": _fingerprint(run.values)}
     write_text_atomic(run.run_dir / MARKER, json.dumps(marker, indent=1))
-
-
-def _resolved(run: VariantRun) -> dict[str, Any]:
-    return json.loads((run.run_dir / CONFIG_JSON).read_text(encoding="utf-8"))["train"]

@@ -281,7 +281,7 @@ class CheckpointManager:
         for p in ckpts[:max(0, excess)]:
             shutil.rmtree(p, ignore_errors=True)
 
-    def latest_good(self, quarantine: bool = True) -> Checkpoint | None:
+    def latest_good(self) -> Checkpoint | None:
         """Newest checkpoint that verifies; broken newer ones are reported (and renamed *.corrupt)."""
         errors = []
         for _, path in reversed(self.list()):
@@ -290,10 +290,9 @@ class CheckpointManager:
             except CheckpointError as err:
                 errors.append(str(err))
                 self.warn(f"{err}; falling back to the previous checkpoint")
-                if quarantine:
-                    bad = path.with_name(f"{path.name}.corrupt")
-                    if not bad.exists():
-                        os.replace(path, bad)
+                bad = path.with_name(f"{path.name}.corrupt")
+                if not bad.exists():
+                    os.replace(path, bad)
                 continue
             if errors:
                 write_text_atomic(self.dir / LATEST, path.name + "\n")
