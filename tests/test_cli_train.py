@@ -238,13 +238,14 @@ def test_corrupt_checkpoint_errors_for_eval_and_resume_falls_back(tiny_data, tmp
 @pytest.mark.slow
 def test_quickstart_runs_end_to_end_on_a_stand_in_corpus(tiny_data, tmp_path, monkeypatch, capsys):
     import hydra_lm.data
-    from hydra_lm.quickstart import quickstart
+    from hydra_lm import quickstart as module
 
     prepared = []
     monkeypatch.setattr(hydra_lm.data, "prepare_data", lambda inputs, out: prepared.append(inputs) or tiny_data)
-    model = {"dim": 64, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden": 128}
-    code = quickstart(tmp_path / "qs", max_steps=8, prompt="the", max_new_tokens=8, device="cpu",
-                      overrides={"batch_size": 4, "seq_len": 32, "eval_batches": 2, "model": model})
+    model = {"dim": 64, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden": 128}  # the quickstart's run, shrunk
+    monkeypatch.setattr(module, "QUICKSTART", {**module.QUICKSTART, "batch_size": 4, "seq_len": 32,
+                                               "eval_batches": 2, "model": model})
+    code = module.quickstart(tmp_path / "qs", max_steps=8, prompt="the", max_new_tokens=8, device="cpu")
     out = capsys.readouterr().out
     assert code == 0 and prepared == [None]  # None: the embedded default corpus
     assert "validation loss (causal routing):" in out and "at step 0 ->" in out and "at step 8" in out

@@ -9,6 +9,7 @@ import os
 import sys
 
 from .config import ARCHS
+from .train.distributed import launched_world_size
 from .train.options import OPTIMIZERS
 
 
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as err:  # bad user input: one clear line, no traceback
-        rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        rank = f"[rank {os.environ['RANK']}] " if launched_world_size() > 1 else ""
         print(f"hydra-lm {args.command}: {rank}error: {err}", file=sys.stderr)
         return 2
     except OSError as err:

@@ -36,8 +36,7 @@ def _eval_records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def quickstart(out: str | Path = "hydra-quickstart", max_steps: int | None = None, seed: int = 0,
-               prompt: str = "def ", max_new_tokens: int = 80, device: str = "auto",
-               overrides: dict[str, Any] | None = None) -> int:
+               prompt: str = "def ", max_new_tokens: int = 80, device: str = "auto") -> int:
     from .data import prepare_data
 
     if max_new_tokens < 0:  # before minutes of training, not after
@@ -46,8 +45,7 @@ def quickstart(out: str | Path = "hydra-quickstart", max_steps: int | None = Non
     out = Path(out).expanduser()
     data_dir = prepare_data(None, out / "data")
     t_data = time.perf_counter() - start
-    cli = {**QUICKSTART, "data": str(data_dir), "out": str(out / "run"), "seed": seed, "device": device,
-           **(overrides or {})}
+    cli = {**QUICKSTART, "data": str(data_dir), "out": str(out / "run"), "seed": seed, "device": device}
     if max_steps is not None:
         cli["max_steps"] = max_steps
         cli["eval_every"] = max(1, max_steps // 4)

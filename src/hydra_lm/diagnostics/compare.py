@@ -34,6 +34,7 @@ from ..train.compile_policy import resolve_speed_options
 from ..train.fp8 import check_fp8_device
 from ..train.optim import check_optimizer_device
 from ..train.data_io import dataset_dir, open_data
+from ..train.distributed import launched_world_size
 from ..train.options import TrainConfig, resolve
 from ..train.run import build_model_config, pick_device
 from .compare_results import collect_results, lr_extensions
@@ -62,7 +63,7 @@ def run_compare(data: str | None, out: str | None, budget: str, variant_names: l
     from .plots import write_compare_plots
     from .report import format_lr_table, format_seed_table, format_table, write_report
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if launched_world_size() > 1:
         raise ValueError("compare trains its variants one after another in one process: launch it without torchrun; "
                          "--gpus N trains N of them at a time, one per GPU")
     if gpus < 1:
