@@ -57,10 +57,6 @@ class AttentionCache:
     # the expert-choice router gating this unit (routing.ExpertChoiceRouter.decode_admits); first layer only.
     route: torch.Tensor | None = None
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.slot_valid, self.conv, self.shift,
-                                                          self.route) if t is not None)
-
 
 def empty_kv_cache(batch: int, kv_heads: int, length: int, head_dim: int, device, dtype) -> AttentionCache:
     return AttentionCache(

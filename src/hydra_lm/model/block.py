@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import HydraConfig
 from .attention import AttentionCache
-from .doc_attention import Documents, documents, documents_for
+from .doc_attention import Documents, documents, documents_end_to_end, documents_for
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from .routing import Router, Selection, build_routers, pass_through
 
@@ -122,10 +122,9 @@ class _PutRows(torch.autograd.Function):
 def _rows_apart(ids: torch.Tensor | None, rows: int, n: int, device) -> torch.Tensor:
     """The document ids of ``rows`` rows of ``n`` entries laid end to end ([1, rows * n]; ``ids`` [rows, n],
     None: one document per row), each row's moved past the previous row's so that no two rows share one."""
-    row = torch.arange(rows, device=device)[:, None]
     if ids is None:
-        return row.expand(rows, n).reshape(1, -1)
-    return ((ids - ids.amin()) + row * (ids.amax() - ids.amin() + 1)).reshape(1, -1)
+        return torch.arange(rows, device=device)[:, None].expand(rows, n).reshape(1, -1)
+    return documents_end_to_end(ids)
 
 
 def _admitted_prefix(sel: Selection) -> Selection:

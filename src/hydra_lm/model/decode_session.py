@@ -66,8 +66,13 @@ def _pad(ids: torch.Tensor, padded: torch.Tensor, valid: torch.Tensor,
         valid[:, :t].fill_(True)
         valid[:, t:].fill_(False)
     else:
-        torch.lt(torch.arange(valid.shape[1], device=valid.device), lengths.to(valid.device)[:, None], out=valid)
+        valid.copy_(_prompt_mask(lengths, valid.shape[1], valid.device))
     return padded, valid
+
+
+def _prompt_mask(lengths: torch.Tensor, width: int, device: torch.device) -> torch.Tensor:
+    """[B, width] bool: each row's first ``lengths[i]`` entries, its prompt."""
+    return torch.arange(width, device=device) < lengths.to(device)[:, None]
 
 
 class DecodeSession:
@@ -103,9 +108,7 @@ class DecodeSession:
         would."""
         bucket = self.bucket(ids.shape[1])
         if bucket is None:
-            valid = None if lengths is None else \
-                torch.arange(ids.shape[1], device=ids.device) < lengths.to(ids.device)[:, None]
-            return self._run(ids, valid)
+            return self._run(ids, None if lengths is None else _prompt_mask(lengths, ids.shape[1], ids.device))
         if bucket not in self._graphs:
             if bucket not in self._seen:  # a bucket's first prompt is launched: a one-off call pays no capture
                 self._seen.add(bucket)

@@ -142,15 +142,20 @@ def _end_to_end(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1).reshape(1, h, b * n, d)
 
 
+def documents_end_to_end(ids: torch.Tensor) -> torch.Tensor:
+    """Document ids [B, N] -> [1, B * N]: the rows laid end to end, each row's ids moved past the previous row's so
+    that no two rows share a document (non-decreasing where each row's are)."""
+    row = torch.arange(ids.shape[0], device=ids.device, dtype=ids.dtype)[:, None]
+    return ((ids - ids.amin()) + row * (ids.amax() - ids.amin() + 1)).reshape(1, -1)
+
+
 def _flex_doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
     """Flex over the batch's rows laid end to end as one sequence, with each row's document ids moved past
     the previous row's, so "causal and the same document" also keeps rows apart. The mask then reads a
     one-dimensional tensor: with the [B, N] ids indexed by the batch, the compiled CUDA kernel gave wrong
     results on torch 2.11 (module docstring). Tiles across rows fall in no document and are skipped."""
     b, h, n, _ = q.shape
-    row = torch.arange(b, device=doc.device, dtype=doc.dtype)[:, None]
-    ids = (doc - doc.amin()) + row * (doc.amax() - doc.amin() + 1)  # non-decreasing when each row's are
-    out = _flex(q)(_end_to_end(q), _end_to_end(k), _end_to_end(v), block_mask=doc_block_mask(ids.reshape(1, -1)),
+    out = _flex(q)(_end_to_end(q), _end_to_end(k), _end_to_end(v), block_mask=doc_block_mask(documents_end_to_end(doc)),
                    enable_gqa=h != k.shape[1])
     return out[0].reshape(h, b, n, v.shape[-1]).transpose(0, 1)
 

@@ -400,10 +400,6 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         self._decode_sessions.clear()
 
     # ------------------------------------------------------------------ utilities
-    def num_parameters(self, exclude_embedding: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        if exclude_embedding:
-            n -= self.embed.weight.numel()
-            if not self.config.tie_embeddings:
-                n -= self.lm_head.weight.numel()
-        return n
+    def num_parameters(self) -> int:
+        """Every parameter once (shared layers once; ``accounting.count_parameters`` splits them up)."""
+        return sum(p.numel() for p in self.parameters())
