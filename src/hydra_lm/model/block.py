@@ -308,10 +308,8 @@ class RecursiveBlock(nn.Module):
                 if select is None:
                     sel = router.select(xc, vc, k, mode, row_len, depth=j, decision=decision, state=state,
                                         capacity=capacity, doc=ids, pos=pc)
-                else:
-                    valid = _eval_mask(xc, vc) if mode == "causal" else vc
-                    sel = Selection(*select(router, xc, valid, k, mode, row_len, j, decision, state,
-                                            capacity, ids, pc))
+                else:  # compiled: with gradients only (a MoR ramp in training), so never an evaluation's mask
+                    sel = Selection(*select(router, xc, vc, k, mode, row_len, j, decision, state, capacity, ids, pc))
                 if sel.aux_loss is not None:
                     losses[router.kind].append(sel.aux_loss)
             if sel is not None:

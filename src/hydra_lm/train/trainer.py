@@ -125,7 +125,7 @@ class Trainer:
             raise ValueError("--swa works in one process only (the average is an unsharded copy of the model); "
                              "drop --swa under torchrun")
         if cfg.gradient_checkpointing:
-            self.model.gradient_checkpointing = True
+            self.model.enable_gradient_checkpointing()
             self.model.checkpoint_every = cfg.checkpoint_every or 1
 
     def _optimization_switches(self) -> list[Switch]:
