@@ -15,8 +15,8 @@ import time
 import numpy as np
 import torch
 
-from ..model.factory import create_model
 from ..model.accounting import executed_flops_per_token
+from ..model.factory import create_model
 
 from .batch_filter import BatchFilter
 from .compile_policy import apply_speed_plan, enable_tf32, resolve_speed_options, units_compile_switch
