@@ -133,6 +133,35 @@ def test_a_step_that_fails_after_a_stop_signal_stops_the_run_as_interrupted(tiny
     assert [r["step"] for r in records(run, "train")][-2:] == [4, 8]  # logged every 4 steps
 
 
+@pytest.mark.parametrize("during", ["last_step", "final_eval"])
+def test_a_stop_signal_at_the_end_of_the_run_keeps_its_final_evaluation(tiny_data, tmp_path, monkeypatch, during):
+    """The run has nothing left to do but its final checkpoint and evaluation: a first signal must not lose the
+    evaluation (a resume would find the run finished and never evaluate it)."""
+    from hydra_lm.train import trainer
+    from hydra_lm.train.step import TrainStep
+
+    micro, evaluate, calls = TrainStep.micro, trainer.evaluate, []
+
+    def last_step_signalled(self, inputs):
+        calls.append(1)
+        if len(calls) == 4:
+            signal.raise_signal(signal.SIGTERM)
+        return micro(self, inputs)
+
+    def eval_signalled(*args):
+        signal.raise_signal(signal.SIGTERM)
+        return evaluate(*args)
+    if during == "last_step":
+        monkeypatch.setattr(TrainStep, "micro", last_step_signalled)
+    else:
+        monkeypatch.setattr(trainer, "evaluate", eval_signalled)
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "4", "--save_every", "2", "--eval_every", "0",
+                 "--no-eval_at_start") == 0
+    assert [r["step"] for r in records(run, "eval")] == [4]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if "step" in p.name)[-1].endswith("step4")
+
+
 def test_a_step_that_never_finishes_after_a_stop_signal_exits_the_process(monkeypatch):
     from hydra_lm.train import stop_signal
 
@@ -164,6 +193,57 @@ def test_missing_and_empty_data_dirs(tmp_path, capsys):
     assert "no prepared data" in err_of(capsys)
     assert main(["train", "--out", str(tmp_path / "r3")]) == 2
     assert "no data" in err_of(capsys)
+
+
+def test_a_resume_steps_with_the_weight_decay_and_betas_it_is_given(tiny_data, tmp_path):
+    """The checkpoint's optimizer groups carry the first run's settings; the resumed run's own must win."""
+    from hydra_lm.train.checkpoint import verify
+
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "4", "--stop_at_step", "2", "--weight_decay", "0.1",
+                 "--beta2", "0.95") == 0
+    assert train(tiny_data, run, "--max_steps", "4", "--weight_decay", "0.05", "--beta2", "0.99") == 0
+    groups = verify(run / "checkpoints" / "hydra_debug_step4").load_trainer()["optimizer"]["param_groups"]
+    assert sorted({g["weight_decay"] for g in groups}) == [0.0, 0.05]
+    assert {tuple(g["betas"]) for g in groups} == {(0.9, 0.99)}
+
+
+def test_a_resume_with_a_new_lr_or_length_rederives_what_followed_them_and_keeps_what_the_user_set(tiny_data,
+                                                                                                    tmp_path):
+    run, kept = tmp_path / "run", tmp_path / "kept"
+    assert train(tiny_data, run, "--max_steps", "10", "--stop_at_step", "1", "--lr", "1e-3") == 0
+    assert train(tiny_data, run, "--max_steps", "40", "--stop_at_step", "2", "--lr", "5e-5") == 0  # min_lr 1e-4 > lr
+    saved = json.loads((run / "config.json").read_text())["train"]
+    assert (saved["min_lr"], saved["eval_every"], saved["save_every"]) == (5e-6, 4, 10)
+    assert saved["warmup_steps"] == 1  # the schedule's warm-up already ran
+    assert train(tiny_data, kept, "--max_steps", "10", "--stop_at_step", "1", "--min_lr", "0", "--eval_every", "3") == 0
+    assert train(tiny_data, kept, "--max_steps", "40", "--stop_at_step", "2", "--lr", "5e-4") == 0
+    saved = json.loads((kept / "config.json").read_text())["train"]
+    assert (saved["min_lr"], saved["eval_every"]) == (0.0, 3)
+
+
+def test_a_resume_given_dataset_trains_on_it_or_says_why_not(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "4", "--stop_at_step", "2") == 0
+    other = prepare(write_corpus(tmp_path / "other_corpus", seed=1), tmp_path / "other", vocab_size=260)
+    assert main(["train", "--out", str(run), "--dataset", str(other)]) == 2
+    assert "tokenizer mismatch" in err_of(capsys)
+    assert main(["train", "--out", str(run), "--dataset", str(tiny_data)]) == 0
+
+
+@pytest.mark.parametrize("command", ["train", "compare", "bench"])
+def test_every_command_runs_with_the_trainers_cuda_allocator_and_a_users_setting_wins(tmp_path, monkeypatch,
+                                                                                      command, capsys):
+    """`bench` and `compare` time the allocator `train` runs with; PYTORCH_CUDA_ALLOC_CONF set by the user stays."""
+    data = ["--data", str(tmp_path / "nope"), "--out", str(tmp_path / "r")]
+    refused = {"train": ["train", *data], "compare": ["compare", "--budget", "tokens=1", *data],
+               "bench": ["bench", "--steps", "0"]}[command]  # each refused before any work
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert main(refused) == 2
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert main(refused) == 2
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
 
 
 def test_unwritable_run_dir(tiny_data, tmp_path, capsys):

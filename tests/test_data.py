@@ -130,6 +130,23 @@ def test_val_split_is_by_file_and_stable(tmp_path):
     assert [k for k in keys if in_val(k, 1, 0.3)] != expected, "the seed salts the hold-out"
 
 
+@pytest.mark.parametrize("hashed_into", ["train", "val"])
+def test_a_corpus_of_one_document_is_cut_for_its_validation_split(tmp_path, hashed_into):
+    """One text file is one document, so the hash split leaves one split empty: its tail becomes the validation
+    split (and a file whose name hashes into validation still trains)."""
+    name = next(f"corpus{i}.txt" for i in range(1000) if in_val(f"corpus{i}.txt", 0, 0.05) == (hashed_into == "val"))
+    text = " ".join(_texts(40))
+    (tmp_path / name).write_text(text, encoding="utf-8")
+    out = prepare_data([str(tmp_path / name)], tmp_path / "out", vocab_size=300, val_fraction=0.05, progress=False)
+    meta = read_meta(out)
+    train, val = (meta["splits"][s] for s in ("train", "val"))
+    assert train["documents"] == val["documents"] == 1
+    assert 0.03 < (val["tokens"] - 2) / (train["tokens"] + val["tokens"] - 4) < 0.07  # each split: eos + doc + eos
+    ids = [np.fromfile(out / f"{s}.bin", dtype=np.uint16)[1:-1].tolist() for s in ("train", "val")]
+    assert load_tokenizer(out).decode(ids[0] + ids[1]) == text  # the document's head, then its tail
+    assert "last" in meta["val_holdout"]
+
+
 def test_jsonl_input_and_text_field(tmp_path):
     rows = [{"text": t, "id": i} for i, t in enumerate(_texts(30))]
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n", encoding="utf-8")

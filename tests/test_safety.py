@@ -120,6 +120,19 @@ def test_persistent_divergence_stops_naming_a_good_checkpoint_and_keeps_it(tiny_
     assert f"last good checkpoint is {good} (step 3)" in err and "--lr 0.000125" in err
 
 
+def test_resuming_with_the_advised_lr_runs_at_that_lr(tiny_data, tmp_path, monkeypatch, capsys):
+    """The advice folds the rollbacks' scaling into its --lr: the resumed run must not scale it again."""
+    run = tmp_path / "run"
+    poison_gradients(monkeypatch, {5, 8})  # a rollback to step 3 (LR x0.5), then a stop after the step-6 save
+    assert train(tiny_data, run, "--max_rollbacks", "1") == 1
+    assert [r["action"] for r in records(run, "divergence")] == ["rollback", "stop"]
+    assert verify(checkpoints(run)[-1]).state["rollback"] == {"rollbacks": 1, "lr_scale": 0.5}
+    assert "--lr 0.00025" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert train(tiny_data, run, "--lr", "0.00025") == 0
+    assert records(run, "train")[-2]["step"] == 10 and records(run, "train")[-2]["lr"] == pytest.approx(2.5e-4)
+
+
 def test_repeated_divergences_add_up_to_switching_an_optimization_off(tiny_data, tmp_path, monkeypatch):
     # Each rollback forgets the anomalies after the checkpoint it returns to, but not the divergence behind it.
     run = tmp_path / "run"
@@ -177,6 +190,24 @@ def test_all_checkpoints_corrupt_needs_restart_to_start_over(tiny_data, tmp_path
     assert "--restart: starting over from step 0" in capsys.readouterr().err
     assert [p.name for p in checkpoints(run)] == ["hydra_debug_step6"]
     assert (run / "checkpoints" / f"{ckpt.name}.corrupt").is_dir()
+
+
+@pytest.mark.parametrize("attempts_before", [0, 1])
+def test_restart_starts_over_with_the_runs_own_config(tiny_data, tmp_path, capsys, attempts_before):
+    """--restart works the first time it is given (before any start has set the checkpoints aside) and later, and
+    the run trains again with its saved settings, not the defaults."""
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "3", "--beta2", "0.97") == 0
+    [ckpt] = checkpoints(run)
+    (ckpt / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes()[:100])
+    for _ in range(attempts_before):
+        assert train(tiny_data, run, "--max_steps", "6") == 2
+    capsys.readouterr()
+    assert train(tiny_data, run, "--max_steps", "6", "--restart") == 0
+    err = capsys.readouterr().err
+    assert "--restart: starting over from step 0" in err and "no usable checkpoint" not in err
+    assert [p.name for p in checkpoints(run)] == ["hydra_debug_step6"]
+    assert json.loads((run / "config.json").read_text())["train"]["beta2"] == 0.97
 
 
 def test_corrupt_config_json_advice_works(tiny_data, tmp_path, capsys):
@@ -338,6 +369,17 @@ def test_repeated_loss_spikes_switch_the_chunked_loss_off_and_back_on(tiny_data,
     assert seen[:7] == [(s, "auto") for s in range(1, 8)]
     assert seen[7:13] == [(s, "naive") for s in range(7, 13)]
     assert seen[13:] == [(s, "auto") for s in range(13, 17)]
+
+
+def test_a_switch_with_no_checkpoint_to_go_back_to_keeps_the_steps_evaluation_and_save(tiny_data, tmp_path,
+                                                                                         monkeypatch):
+    run = tmp_path / "run"
+    spike_logged_losses(monkeypatch, {4, 5, 6})  # switches the fused loss off at step 7, the run's last
+    assert train(tiny_data, run, "--max_steps", "7", "--save_every", "100", "--log_every", "1", "--chunked_ce",
+                 "--experimental_safety_window", "6", "--experimental_throughput_drop_threshold", "0.01") == 0
+    assert [(r["step"], r["action"]) for r in records(run, "safety")] == [(7, "off")]
+    assert [r["step"] for r in records(run, "eval")] == [7]
+    assert [p.name for p in checkpoints(run)] == ["hydra_debug_step7"]
 
 
 def test_repeated_loss_spikes_switch_the_compiled_blocks_off_and_back_on(tiny_data, tmp_path, monkeypatch):

@@ -49,8 +49,6 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    # Fewer out-of-memory failures from fragmentation; must be set before CUDA's allocator starts.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from .train import setup_run, train
@@ -295,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     if model_overrides and args.command not in ("train", "bench", "compare"):
         parser.error(f"--model.* overrides apply to `train`, `bench` and `compare` only, not `{args.command}`")
     args.model_overrides = model_overrides
+    # Fewer out-of-memory failures from fragmentation. Set for every command, so that `bench` and `compare` time
+    # the allocator `train` runs with; read when CUDA's allocator starts, so before any command touches CUDA.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as err:  # bad user input: one clear line, no traceback

@@ -96,20 +96,24 @@ def _up_to_date(out: Path, fingerprint: str) -> bool:
 
 
 def _train_tokenizer(corpus, text_field, max_bytes, seed, val_fraction, vocab_size, sample_bytes, progress):
-    def texts() -> Iterator[str]:
+    def texts(heads: bool) -> Iterator[str]:
         used = 0
         for _, key, payload in _documents(corpus, text_field, max_bytes):
-            if payload.strip() and not in_val(key, seed, val_fraction):
+            if heads:  # the part of each document that stays in training however an empty split is filled
+                payload = payload[:int(len(payload) * (1 - val_fraction))]
+            if payload.strip() and (heads or not in_val(key, seed, val_fraction)):
                 yield payload
                 used += len(payload)
                 if used >= sample_bytes:
                     return
 
-    stream = texts()
+    stream = texts(heads=False)
     first = next(stream, None)
+    if first is None:  # every document hashed into validation (a corpus of one file): `_fill_an_empty_split`
+        stream = texts(heads=True)
+        first = next(stream, None)
     if first is None:
-        raise ValueError(f"no training text in {corpus.description}: the inputs are empty, or every document fell "
-                         f"into the validation split (val_fraction={val_fraction}); add text or lower val_fraction")
+        raise ValueError(f"no training text in {corpus.description}: the inputs are empty; add text")
     _log(progress, f"training a byte-level BPE tokenizer (vocab {vocab_size})")
     return HydraTokenizer.train(_chain(first, stream), vocab_size, progress)
 
@@ -177,10 +181,9 @@ def prepare_data(inputs: Sequence[str | Path] | str | Path | None, out_dir: str 
     dtype = token_dtype(vocab)
     writers = {s: SplitWriter(out, s, dtype, eos_id) for s in SPLITS}
     try:
-        val_moved = _encode_all(corpus, tok, writers, text_field, max_bytes, seed, val_fraction, vocab, progress)
+        filled = _encode_all(corpus, tok, writers, text_field, max_bytes, seed, val_fraction, vocab, progress)
         if writers["train"].documents == 0:
-            raise ValueError(f"no training documents in {corpus.description}: the inputs hold no text, or every "
-                             f"document fell into the validation split; add data or lower val_fraction")
+            raise ValueError(f"no training documents in {corpus.description}: the inputs hold no text; add data")
         # Only now does the old output start to be replaced: drop its meta.json first so that, if
         # this run dies halfway, no stale meta.json vouches for half-replaced shards.
         (out / META_FILE).unlink(missing_ok=True)
@@ -206,8 +209,7 @@ def prepare_data(inputs: Sequence[str | Path] | str | Path | None, out_dir: str 
         "source": {"description": corpus.description, "inputs": corpus.inputs, **corpus.notes},
         "options": options,
         "val_holdout": ("documents whose blake2b hash of (seed, key) falls below val_fraction; key = path relative "
-                        "to its input, path#n for the n-th record" + ("; none did, so the last document was moved"
-                                                                      " to val" if val_moved else "")),
+                        "to its input, path#n for the n-th record" + filled),
         "layout": "each document is [eos] + tokens; the stream ends with one extra eos; idx = document starts",
         "seconds": round(time.perf_counter() - start, 2),
     }
@@ -218,8 +220,8 @@ def prepare_data(inputs: Sequence[str | Path] | str | Path | None, out_dir: str 
     return out
 
 
-def _encode_all(corpus, tok, writers, text_field, max_bytes, seed, val_fraction, vocab, progress) -> bool:
-    """Stream every document into its split's writer; returns whether a document was moved to val."""
+def _encode_all(corpus, tok, writers, text_field, max_bytes, seed, val_fraction, vocab, progress) -> str:
+    """Stream every document into its split's writer; returns what filled an empty split ("" if nothing)."""
     from tqdm.auto import tqdm
 
     bar = tqdm(total=corpus.total_bytes or None, unit="B", unit_scale=True, desc="encode", disable=not progress)
@@ -257,7 +259,25 @@ def _encode_all(corpus, tok, writers, text_field, max_bytes, seed, val_fraction,
     flush()
     bar.update(sum(s.size for s in corpus.sources[done_source:]))
     bar.close()
-    if val_fraction > 0 and writers["val"].documents == 0 and writers["train"].documents >= 2:
-        writers["val"].add(writers["train"].take_pending())
-        return True
-    return False
+    return _fill_an_empty_split(writers, val_fraction)
+
+
+def _fill_an_empty_split(writers, val_fraction: float) -> str:
+    """Where the hash split left a split empty, give it a document: the other split's last one, or, of a corpus of
+    one document (a single text file or token stream), its last ``val_fraction`` for validation. Returns what was
+    done, for meta.json ("" if nothing)."""
+    train, val = writers["train"], writers["val"]
+    if val_fraction <= 0 or (train.documents and val.documents):
+        return ""
+    full, empty = (train, val) if train.documents else (val, train)
+    if full.documents >= 2:
+        empty.add(full.take_pending())
+        return f"; none fell into {empty.split}, so the last document was moved there"
+    ids = full.take_pending()
+    if len(ids) < 2:  # too short to cut
+        full.add(ids)
+        return ""
+    cut = len(ids) - max(1, int(len(ids) * val_fraction))
+    train.add(ids[:cut])
+    val.add(ids[cut:])
+    return f"; the corpus is one document, so its last {len(ids) - cut} tokens are the validation split"

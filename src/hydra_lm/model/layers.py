@@ -40,7 +40,6 @@ class SwiGLUMLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int, activation: str = "silu"):
         super().__init__()
-        self.hidden = hidden
         self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
         self.down = nn.Linear(hidden, dim, bias=False)
         self.act = get_activation(activation)

@@ -22,15 +22,14 @@ import torch.nn.functional as F
 from ..kernels import TRITON_AVAILABLE
 
 IMPLS = ("auto", "liger", "chunked", "naive")
-REDUCTIONS = ("mean", "sum")
 LIGER_INSTALLED = importlib.util.find_spec("liger_kernel") is not None
 
 
 @functools.lru_cache(maxsize=None)
-def _liger_loss(ignore_index: int, reduction: str):
+def _liger_loss(ignore_index: int):
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    return LigerFusedLinearCrossEntropyLoss(ignore_index=ignore_index, reduction=reduction)
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=ignore_index)
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -108,9 +107,9 @@ def _compiled_chunk_fn(backend, mode):
     return torch.compile(_chunk_loss_and_grad, fullgraph=True, dynamic=False, backend=backend, mode=mode)
 
 
-def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction, need_gh, need_gw,
+def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, need_gh, need_gw,
                   compile_chunks=None):
-    """Loss, and when asked the gradients of that loss w.r.t. ``hidden`` and ``weight``, one
+    """Mean loss over the valid targets, and when asked the gradients of that loss w.r.t. ``hidden`` and ``weight``, one
     [chunk, V] block of logits at a time. ``compile_chunks`` ({"backend", "mode"} for
     ``torch.compile``, or None): run each chunk's logits, loss and logit gradient as one compiled
     graph (ignored inside an enclosing ``torch.compile``, which compiles them anyway)."""
@@ -124,12 +123,9 @@ def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction, 
     else:
         w = weight.to(mm_dtype)
     valid_all = targets != ignore_index
-    if reduction == "mean":
-        # Stays a tensor: dividing by a host number would sync the device every step. Clamping makes
-        # a batch with no valid target give loss 0 and zero gradients instead of 0/0.
-        scale = 1.0 / valid_all.sum().clamp(min=1).to(acc_dtype)
-    else:
-        scale = torch.ones((), dtype=acc_dtype, device=hidden.device)
+    # Stays a tensor: dividing by a host number would sync the device every step. Clamping makes
+    # a batch with no valid target give loss 0 and zero gradients instead of 0/0.
+    scale = 1.0 / valid_all.sum().clamp(min=1).to(acc_dtype)
     kernel = _rows_kernel_applies(hidden, acc_dtype)
     if kernel:
         from ..kernels.cross_entropy_rows import cross_entropy_rows  # imports Triton: only where the kernel runs
@@ -180,10 +176,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     there and backward only scales it: no logits are kept or recomputed between the two."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, reduction, need_gh, need_gw, compile_chunks,
-                grad_sink):
-        loss, grad_h, grad_w = _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction,
-                                             need_gh, need_gw, compile_chunks)
+    def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, need_gh, need_gw, compile_chunks, grad_sink):
+        loss, grad_h, grad_w = _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, need_gh, need_gw,
+                                             compile_chunks)
         ctx.need_gh, ctx.need_gw, ctx.grad_sink = need_gh, need_gw, grad_sink
         ctx.save_for_backward(*[g for g in (grad_h, grad_w) if g is not None])
         return loss
@@ -198,10 +193,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             # (model/tied_lookup.py). Only where the hidden states need a gradient: else no backward reaches the lookup.
             ctx.grad_sink.put(grad_w)
             grad_w = None
-        return grad_h, grad_w, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
-def _check(hidden, weight, targets, chunk_size, reduction):
+def _check(hidden, weight, targets, chunk_size):
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)}: "
                          "need hidden [..., E] and weight [V, E]")
@@ -209,67 +204,58 @@ def _check(hidden, weight, targets, chunk_size, reduction):
         raise ValueError(f"targets {tuple(targets.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size}: must be >= 1")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction={reduction!r}: choose one of {list(REDUCTIONS)}")
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                  ignore_index: int = -100, chunk_size: int = 4096,
-                                 reduction: str = "mean", compile_chunks: dict | None = None,
-                                 grad_sink=None) -> torch.Tensor:
-    """Cross-entropy of ``hidden @ weight.T`` (hidden [..., E], weight [V, E], targets [...]) over
+                                 compile_chunks: dict | None = None, grad_sink=None) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` (hidden [..., E], weight [V, E], targets [...]) over
     the targets that are not ``ignore_index``; at most ``chunk_size`` rows of logits exist at once.
-    ``mean`` over zero valid targets is 0 (``F.cross_entropy`` gives NaN). ``compile_chunks``
+    The mean over zero valid targets is 0 (``F.cross_entropy`` gives NaN). ``compile_chunks``
     ({"backend", "mode"}): each chunk's work as one compiled graph, for callers that do not compile
     the loss themselves. ``grad_sink`` (a ``tied_lookup.HeadGradientSlot``): the backward puts the weight's gradient
     there instead of returning it, for the tied lookup's backward to complete and return."""
-    _check(hidden, weight, targets, chunk_size, reduction)
+    _check(hidden, weight, targets, chunk_size)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1)
     need_gh = hidden.requires_grad and torch.is_grad_enabled()
     need_gw = weight.requires_grad and torch.is_grad_enabled()
     if not (need_gh or need_gw):
-        return _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, reduction, False, False,
-                             compile_chunks)[0]
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, ignore_index, chunk_size, reduction,
-                                            need_gh, need_gw, compile_chunks, grad_sink)
+        return _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, False, False, compile_chunks)[0]
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, ignore_index, chunk_size, need_gh, need_gw,
+                                            compile_chunks, grad_sink)
 
 
-def logits_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                         reduction: str = "mean") -> torch.Tensor:
-    """``F.cross_entropy`` of logits [..., V] in at least fp32, with the chunked path's 0 (not NaN) for a batch
+def logits_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """The mean ``F.cross_entropy`` of logits [..., V] in at least fp32, with the chunked path's 0 (not NaN) for a batch
     that has no valid target: the loss of the model's unfused path (``HydraModel`` with ``ce_impl="naive"``)."""
     logits = logits.reshape(-1, logits.shape[-1])
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     flat = targets.reshape(-1)
     total = F.cross_entropy(logits, flat, ignore_index=ignore_index, reduction="sum")
-    if reduction == "sum":
-        return total
     return total / (flat != ignore_index).sum().clamp(min=1).to(total.dtype)
 
 
 def naive_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                               ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+                               ignore_index: int = -100) -> torch.Tensor:
     """Reference: full [N, V] logits and ``logits_cross_entropy``."""
-    _check(hidden, weight, targets, 1, reduction)
-    return logits_cross_entropy(F.linear(hidden.reshape(-1, hidden.shape[-1]), weight), targets, ignore_index,
-                                reduction)
+    _check(hidden, weight, targets, 1)
+    return logits_cross_entropy(F.linear(hidden.reshape(-1, hidden.shape[-1]), weight), targets, ignore_index)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          ignore_index: int = -100, impl: str = "auto", chunk_size: int = 4096,
-                         reduction: str = "mean", compile_chunks: dict | None = None,
-                         grad_sink=None) -> torch.Tensor:
-    """Cross-entropy of the LM head ``hidden @ weight.T`` against ``targets`` through the
+                         compile_chunks: dict | None = None, grad_sink=None) -> torch.Tensor:
+    """Mean cross-entropy of the LM head ``hidden @ weight.T`` against ``targets`` through the
     implementation ``impl`` picks (see the module docstring). ``auto``: Liger on CUDA when it is
     installed and enabled, outside ``torch.compile``; otherwise ``chunked`` (``compile_chunks``, ``grad_sink``: see
     ``chunked_linear_cross_entropy``; the other paths leave ``grad_sink`` empty)."""
     chosen = resolve_impl(impl, hidden.device)
     if chosen == "naive":
-        return naive_linear_cross_entropy(hidden, weight, targets, ignore_index, reduction)
+        return naive_linear_cross_entropy(hidden, weight, targets, ignore_index)
     if chosen == "chunked":
-        return chunked_linear_cross_entropy(hidden, weight, targets, ignore_index, chunk_size, reduction,
-                                            compile_chunks, grad_sink)
-    _check(hidden, weight, targets, chunk_size, reduction)
+        return chunked_linear_cross_entropy(hidden, weight, targets, ignore_index, chunk_size, compile_chunks,
+                                            grad_sink)
+    _check(hidden, weight, targets, chunk_size)
     flat_h = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-    return _liger_loss(ignore_index, reduction)(weight, flat_h, targets.reshape(-1).contiguous())
+    return _liger_loss(ignore_index)(weight, flat_h, targets.reshape(-1).contiguous())

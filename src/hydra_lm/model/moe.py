@@ -44,7 +44,7 @@ class MoEFeedForward(nn.Module):
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int = 1, jitter: float = 0.0,
                  eps: float = 1e-6):
         super().__init__()
-        self.n_experts, self.top_k, self.jitter, self.hidden = n_experts, top_k, jitter, hidden
+        self.n_experts, self.top_k, self.jitter = n_experts, top_k, jitter
         self.norm = RMSNorm(dim, eps)
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden))

@@ -142,7 +142,8 @@ def verify(path: Path) -> Checkpoint:
         path = path.parent
     if path.is_file():
         raise CheckpointError(f"checkpoint {path} is a file that is neither a checkpoint directory's file nor an "
-                              f"exported .safetensors model: pass a checkpoint directory (a run's checkpoints/step_N)")
+                              f"exported .safetensors model: pass a checkpoint directory (a run's "
+                              f"checkpoints/hydra_<size>_step<N>)")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
     state_path = path / STATE_FILE

@@ -151,14 +151,22 @@ def steps_to_device(optimizer: torch.optim.Optimizer, device: torch.device) -> N
             state["step"] = state["step"].to(device, torch.float32)
 
 
+# Group settings a run's config sets (--weight_decay, --beta1/--beta2, --moe_expert_wd_scale): a checkpoint's
+# values must not override a resumed run's.
+CONFIGURED_GROUP_KEYS = ("weight_decay", "betas")
+
+
 def load_keeping_lr(optimizer: torch.optim.Optimizer, load: Callable[[], None], device: torch.device) -> None:
-    """Run ``load`` (a state-dict load into ``optimizer``) keeping this run's LR ratios and LR holders: a device
-    tensor that captured updates read (``make_capturable``; a checkpoint holds portable floats) or torchao's. A
-    rollback reloads into a live, graph-captured optimizer; the first restore into a fresh one."""
-    held = [(g["lr"], g.get("lr_ratio", 1.0), g.get("capturable", False)) for g in optimizer.param_groups]
+    """Run ``load`` (a state-dict load into ``optimizer``) keeping this run's LR ratios and LR holders (a device
+    tensor that captured updates read, ``make_capturable``, where a checkpoint holds portable floats; or torchao's)
+    and its configured weight decay and betas. A rollback reloads into a live, graph-captured optimizer; the first
+    restore into a fresh one."""
+    held = [(g["lr"], g.get("lr_ratio", 1.0), g.get("capturable", False),
+             {k: g[k] for k in CONFIGURED_GROUP_KEYS if k in g}) for g in optimizer.param_groups]
     load()
-    for group, (lr, ratio, capturable) in zip(optimizer.param_groups, held):
+    for group, (lr, ratio, capturable, configured) in zip(optimizer.param_groups, held):
         group["lr"], group["lr_ratio"] = lr, ratio
+        group.update(configured)
         if capturable:
             group["capturable"] = True
     if any(capturable for *_, capturable in held):

@@ -325,6 +325,13 @@ MODE_DEFAULTS = {
 GPU_SEQ_LEN = 1024
 
 
+def derived_defaults(lr: float, max_steps: int, mode: str) -> dict[str, Any]:
+    """The defaults of the settings that follow the learning rate and the run's length."""
+    return {"min_lr": lr / 10, "warmup_steps": min(1000, max(1, max_steps // 10)),
+            "eval_every": max(1, max_steps // 10),
+            "save_every": max(1, max_steps // 4) if mode == "testing" else min(1000, max(1, max_steps // 10))}
+
+
 def resolve(cfg: TrainConfig, preset: str, on_cuda: bool) -> TrainConfig:
     """Fill every automatic (None) field; validate the result."""
     size = SIZE_DEFAULTS.get(preset, SIZE_DEFAULTS["100M"])
@@ -343,16 +350,7 @@ def resolve(cfg: TrainConfig, preset: str, on_cuda: bool) -> TrainConfig:
         auto["seq_len"] = SeqLenSchedule.parse(cfg.seq_len_schedule).longest
     changes = {k: v for k, v in auto.items() if getattr(cfg, k) is None}
     cfg = cfg.replace(**changes)
-    steps = cfg.max_steps
-    later: dict[str, Any] = {}
-    if cfg.min_lr is None:
-        later["min_lr"] = cfg.lr / 10
-    if cfg.warmup_steps is None:
-        later["warmup_steps"] = min(1000, max(1, steps // 10))
-    if cfg.eval_every is None:
-        later["eval_every"] = max(1, steps // 10)
-    if cfg.save_every is None:
-        later["save_every"] = max(1, steps // 4) if cfg.mode == "testing" else min(1000, max(1, steps // 10))
+    later = {k: v for k, v in derived_defaults(cfg.lr, cfg.max_steps, cfg.mode).items() if getattr(cfg, k) is None}
     if cfg.checkpoint_every is not None:
         later["gradient_checkpointing"] = True
     cfg = cfg.replace(**later)

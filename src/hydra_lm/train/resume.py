@@ -94,7 +94,9 @@ def restore(t, ckpt) -> None:
         t.swa.load(ckpt.path, st.get("swa"))
     if t.adaptive is not None and st.get("adaptive_lr"):
         t.adaptive.load_state_dict(st["adaptive_lr"])
-    if st.get("rollback"):
+    # A resume with another --lr (a divergence's advice already folds the rollbacks' scaling into it) starts the
+    # rollback count and scaling afresh; with the run's own LR they carry on.
+    if st.get("rollback") and st.get("train_config", {}).get("lr", t.cfg.lr) == t.cfg.lr:
         t.rollback.load_state_dict(st["rollback"])
     if t.batch_filter is not None and st.get("batch_filter"):
         t.batch_filter.load_state_dict(st["batch_filter"])
@@ -142,13 +144,14 @@ def roll_back_to(t, good) -> None:
     t.safe_opts.restarted_at(t.step)
 
 
-def continue_after_switch(t) -> None:
-    """An optimization was switched off: go on from the last good checkpoint (or from here without one)."""
+def continue_after_switch(t) -> bool:
+    """An optimization was switched off: go on from the last good checkpoint (True), or from here without one."""
     good = last_good_checkpoint(t)
     if good is not None:
         roll_back_to(t, good)
-    else:
-        t.window = t.new_window()
+        return True
+    t.window = t.new_window()
+    return False
 
 
 def handle_divergence(t) -> bool:

@@ -22,7 +22,8 @@ from .distributed import DistInfo, broadcast_object, init_distributed, launched_
 from .flags import to_toml
 from .metrics import RunLog, git_revision, versions
 from .fit_batch import fit_micro_batch
-from .options import COMPILE_MODES, FIELDS, FROZEN_ON_RESUME, TrainConfig, normalize, resolve, validate
+from .options import (COMPILE_MODES, FIELDS, FROZEN_ON_RESUME, TrainConfig, derived_defaults, normalize, resolve,
+                      validate)
 from .run_lock import RunLock
 
 CONFIG_JSON = "config.json"
@@ -95,6 +96,13 @@ def merge_layers(file_values: dict[str, Any], cli: dict[str, Any], saved: dict[s
         base = normalize(kept, "the run's saved config.json")
         # Runs saved before --fp8_recipe existed trained tensorwise (then the only scaling), whatever the default now.
         base.setdefault("fp8_recipe", "tensorwise")
+        # Settings the run left to follow its LR and length follow them when a resume changes those: a new --lr gets
+        # its own floor, a longer run its own evaluation and save cadence. The warm-up has already run.
+        if {"lr", "max_steps", "mode"} <= base.keys():
+            derived = derived_defaults(base["lr"], base["max_steps"], base["mode"])
+            for key in ("min_lr", "eval_every", "save_every"):
+                if key in base and base[key] == derived[key]:
+                    del base[key]
         for key in FROZEN_ON_RESUME:
             for layer, where in ((file_values, "the config file"), (cli, "the command line")):
                 if key in layer and layer[key] != base.get(key):
@@ -146,7 +154,10 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
     if has_ckpt and saved is None:
         saved = _config_from_checkpoints(manager, run_dir)
     resuming = has_ckpt
-    cfg = merge_layers(file_values, cli, saved["train"] if resuming else None)
+    # A run whose checkpoints were all set aside as corrupt is still this run: --restart trains it again from step 0
+    # with its saved config, which the next start then checks as a resume's.
+    same_run = saved is not None and (has_ckpt or bool(manager.quarantined()))
+    cfg = merge_layers(file_values, cli, saved["train"] if same_run else None)
     rank = launched_rank()  # under torchrun only rank 0 writes the log; the others report warnings
     log = RunLog(run_dir / "train.log", echo=echo) if rank == 0 else RunLog(None, echo=False, prefix=f"[rank {rank}] ")
     try:
@@ -156,7 +167,8 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
         given = {k for layer in (file_values, cli) for k, v in layer.items() if v is not None}
         if {"data", "dataset"} <= given:  # on the command line, in --config, or one in each
             raise ValueError("--data and --dataset both name the training data: keep one")
-        if cfg.data is None and cfg.dataset is not None:
+        # --dataset given now names the data, over a resumed run's saved --data (checked against the run below).
+        if cfg.dataset is not None and ("dataset" in given or cfg.data is None):
             cfg = cfg.replace(data=str(dataset_dir(cfg.dataset)))
         if cfg.data is None:
             raise ValueError("no data: pass --data DATA_DIR (from `hydra-lm prepare`) or --dataset default")
@@ -173,7 +185,7 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
             cfg = _fit_batch_to_gpu(cfg, model_cfg, device, log, eval_from_table)
         manager = CheckpointManager(run_dir / "checkpoints", preset, cfg.keep_checkpoints, warn=log.warning)
         resume_from = None
-        if resuming:
+        if same_run:
             check_same_run(saved, data, model_cfg, run_dir)
         if info.is_main:
             manager.cleanup_temp()
@@ -181,7 +193,7 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
         if info.enabled:  # rank 0 alone verifies (and quarantines); every rank resumes from its choice
             chosen = broadcast_object(None if resume_from is None else str(resume_from.path), info)
             resume_from = None if chosen is None else verify(Path(chosen))
-        if resuming and resume_from is None:
+        if resuming and resume_from is None and not cfg.restart:
             raise ValueError(f"{run_dir} has no usable checkpoint")
         return RunSetup(cfg, model_cfg, run_dir, data, device, manager, resume_from, log, info, lock)
     except BaseException:

@@ -263,26 +263,35 @@ class Trainer:
                     continue
                 return 1
             if due.log:
-                if self._log(self.window, due.regular):  # an optimization was switched off
-                    continue_after_switch(self)
+                # An optimization switched off: from the last good checkpoint, or on from here (this step's
+                # evaluation and save still due) without one.
+                if self._log(self.window, due.regular) and continue_after_switch(self):
                     now = self.clock.position(self.step)
                     continue
                 if due.regular:
                     self.window = self.new_window()
+            # A stop asked for by the end of the run's last step: its checkpoint first, then its final evaluation,
+            # which a first signal does not cut short (``_eval_stop``: it is the run's result, and a resume would find
+            # nothing left to do), where a second one still ends the process.
+            ending = stopping and now >= end
+            reason = "stop_at_step" if cfg.stop_at_step and now >= end else ""
+            if ending:
+                self.save(reason)
             if due.eval:
                 self._eval()
                 self._restart_timer()
                 stopping = self._stop_agreed()
-            if stopping:
+            if stopping and now < end:
                 break
-            if due.save:
-                self.save("stop_at_step" if cfg.stop_at_step and now >= end else "")
+            if due.save and not ending:
+                self.save(reason)
                 self._restart_timer()
-        if stopping:
+        interrupted = stopping and now < end
+        if interrupted:
             self.save(f"interrupted by {self.stop_request.reason}")
         if self.saver is not None:
             self.saver.finish()
-        if stopping:
+        if interrupted:
             self.log.info(f"stopped at step {self.step}; resume with: hydra-lm train --out {s.run_dir}")
             return EXIT_INTERRUPTED
         return 0
@@ -426,7 +435,7 @@ class Trainer:
             self._valset = ValSet(self.s.data, self.cfg.batch_size, self.cfg.seq_len, self.dist.rank,
                                   self.dist.world_size)
         result = evaluate(self.model, self._valset, self.device, self.cfg.eval_batches, self.autocast,
-                          self.use_doc_ids, self._stop_agreed, lambda t: sum_across_ranks(t, self.dist))
+                          self.use_doc_ids, self._eval_stop, lambda t: sum_across_ranks(t, self.dist))
         if result is None:
             return None
         record = {"kind": "eval", "step": self.step, **result}
@@ -449,7 +458,13 @@ class Trainer:
             return None
         self.swa.module.set_curriculum(self.curriculum.mod_active, self.curriculum.mor_active, self.curriculum.mor_ramp)
         return evaluate(self.swa.module, self._valset, self.device, self.cfg.eval_batches, self.autocast,
-                        self.use_doc_ids, self._stop_agreed)
+                        self.use_doc_ids, self._eval_stop)
+
+    def _eval_stop(self) -> bool:
+        """Whether an evaluation gives up for a stop signal: any but the final one, which is the run's result (a
+        second signal still ends the process)."""
+        stop = self._stop_agreed()  # asked on every rank alike, and beats the stall watchdog
+        return stop and self.clock.position(self.step) < self.cfg.max_steps
 
 
 def train(setup: RunSetup) -> int:
