@@ -113,6 +113,10 @@ def test_prepare_rerun_is_noop_and_options_rebuild(tmp_path, capsys):
     shutil.copytree(inner, src / "copy_of_prepared")
     assert prepare_data([str(src)], src / "prepared", vocab_size=300, progress=False) == inner
     assert read_meta(inner)["num_documents"] == 12, "prepared outputs inside the inputs are not inputs"
+    globbed = prepare_data([str(src / "*")], tmp_path / "globbed", vocab_size=300, progress=False)
+    assert read_meta(globbed)["num_documents"] == 12, "nor where a pattern reaches them"
+    with pytest.raises(ValueError, match="is prepared data"):
+        prepare_data([str(inner)], tmp_path / "again", vocab_size=300, progress=False)
     assert not list(out.glob(".*tmp*")), "temporary files must be renamed or removed"
 
 
@@ -145,6 +149,25 @@ def test_a_corpus_of_one_document_is_cut_for_its_validation_split(tmp_path, hash
     ids = [np.fromfile(out / f"{s}.bin", dtype=np.uint16)[1:-1].tolist() for s in ("train", "val")]
     assert load_tokenizer(out).decode(ids[0] + ids[1]) == text  # the document's head, then its tail
     assert "last" in meta["val_holdout"]
+
+
+def test_gzipped_token_shards_read_like_plain_ones_and_a_damaged_gzip_is_one_clear_error(tmp_path):
+    import gzip
+
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    plain.mkdir(), packed.mkdir()
+    _token_shard(plain / "a.pt", [7, 9, 4])
+    np.save(plain / "b.npy", np.arange(3, 40))
+    for name in ("a.pt", "b.npy"):
+        (packed / f"{name}.gz").write_bytes(gzip.compress((plain / name).read_bytes()))
+    outs = [prepare_data([str(d)], tmp_path / f"out_{d.name}", val_fraction=0.0, progress=False)
+            for d in (plain, packed)]
+    assert np.array_equal(*(np.fromfile(o / "train.bin", dtype=np.uint16) for o in outs))
+    text = "\n".join(json.dumps({"text": t}) for t in _texts(40)).encode()
+    for name, data in (("cut.jsonl.gz", gzip.compress(text)[:-20]), ("fake.txt.gz", text)):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=f"{name}: corrupt or truncated gzip file"):
+            prepare_data([str(tmp_path / name)], tmp_path / f"out_{name}", vocab_size=300, progress=False)
 
 
 def test_jsonl_input_and_text_field(tmp_path):
@@ -262,6 +285,9 @@ def test_bad_inputs_raise_clear_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf_cache"))
     with pytest.raises(ValueError, match="local cache"):
         load_tokenizer("some-org/not-downloaded-model")
+    (tmp_path / "tokenizer_tiktoken.json").write_text('{"encoding": "gpt2"}')
+    with pytest.raises(ValueError, match="is not a tiktoken record"):
+        load_tokenizer(tmp_path / "tokenizer_tiktoken.json")
     assert not out.exists() or not (out / "meta.json").exists()
 
 

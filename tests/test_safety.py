@@ -254,6 +254,24 @@ def finished_run(tiny_data, tmp_path_factory):
     return run
 
 
+def test_eval_refuses_data_the_run_was_not_trained_on_or_says_how(tmp_path, capsys):
+    """Another tokenizer's data gives losses that mean nothing; the run's own data prepared again (another split)
+    may score documents it trained on: both are refused, the second unless --data names it on purpose."""
+    from support import prepare, write_corpus
+
+    data = prepare(write_corpus(tmp_path / "corpus"), tmp_path / "data")
+    run = tmp_path / "run"
+    assert train(data, run, "--max_steps", "3") == 0
+    other = prepare(write_corpus(tmp_path / "other_corpus", seed=3), tmp_path / "other")
+    assert main(["eval", "--run", str(run), "--data", str(other)]) == 2
+    assert "was not tokenized like the data run" in one_line_error(capsys, "eval")
+    assert main(["prepare", "--inputs", str(tmp_path / "corpus"), "--out", str(data), "--tokenizer",
+                 str(run / "tokenizer.json"), "--val_fraction", "0.3", "--no_progress"]) == 0
+    assert main(["eval", "--run", str(run)]) == 2
+    assert "was prepared again since run" in one_line_error(capsys, "eval")
+    assert main(["eval", "--run", str(run), "--data", str(data)]) == 0
+
+
 def one_line_error(capsys, command: str) -> str:
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"hydra-lm {command}: error: ") and "\n" not in err, err

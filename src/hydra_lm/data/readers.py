@@ -7,11 +7,14 @@ split. ``payload`` is text (``str``) or, for pre-tokenized inputs, a 1-D integer
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import importlib.util
+import io
 import json
 import os
 import socket
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
@@ -41,17 +44,35 @@ def detect_format(path: Path) -> str | None:
     return "text" if suffix in TEXT_SUFFIXES else None
 
 
+def _gzipped(path: Path) -> bool:
+    return path.name.lower().endswith(".gz")
+
+
+@contextlib.contextmanager
+def _gzip_errors(path: Path):
+    """A damaged .gz input is bad input: one line naming the file instead of zlib's traceback."""
+    try:
+        yield
+    except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+        raise ValueError(f"{path}: corrupt or truncated gzip file ({err}); compress or download it again") from None
+
+
 def _read_bytes(path: Path) -> bytes:
-    if path.name.lower().endswith(".gz"):
-        with gzip.open(path, "rb") as f:
+    if _gzipped(path):
+        with _gzip_errors(path), gzip.open(path, "rb") as f:
             return f.read()
     return path.read_bytes()
+
+
+def _binary_source(path: Path) -> Path | io.BytesIO:
+    """What a binary reader (numpy, torch, pyarrow) opens: the file, or a gzipped one's decompressed bytes."""
+    return io.BytesIO(_read_bytes(path)) if _gzipped(path) else path
 
 
 def looks_binary(path: Path) -> bool:
     with open(path, "rb") as f:
         head = f.read(8192)
-    if path.name.lower().endswith(".gz") or head[:2] == b"\x1f\x8b":
+    if _gzipped(path) or head[:2] == b"\x1f\x8b":
         return False
     return b"\0" in head
 
@@ -88,8 +109,8 @@ def _record_text(rec: object, field: str, where: str) -> str:
 
 
 def iter_jsonl(path: Path, key: str, text_field: str) -> Iterator[Doc]:
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+    opener = gzip.open if _gzipped(path) else open
+    with _gzip_errors(path), opener(path, "rt", encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -135,7 +156,7 @@ def iter_parquet(path: Path, key: str, text_field: str) -> Iterator[Doc]:
     except ImportError:
         raise ValueError(f"reading {path} needs the optional package pyarrow: pip install pyarrow (or "
                          f"pip install 'hydra-lm[data]'), or convert the file to JSONL") from None
-    pf = pq.ParquetFile(path)
+    pf = pq.ParquetFile(_binary_source(path))
     names = pf.schema_arrow.names
     if text_field not in names:
         raise ValueError(f"{path}: no column {text_field!r} (columns: {names[:12]}); pass text_field=NAME")
@@ -173,14 +194,15 @@ def load_token_docs(path: Path, fmt: str) -> tuple[list[np.ndarray], int | None]
     """Documents of a pre-tokenized shard, and the vocabulary size it declares (if any)."""
     if fmt == "npy":
         try:
-            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+            source = _binary_source(path)
+            arr = np.load(source, mmap_mode=None if isinstance(source, io.BytesIO) else "r", allow_pickle=False)
         except ValueError as err:
             raise ValueError(f"could not load {path} as a token array ({err})") from None
         return _as_token_docs(np.asarray(arr), str(path)), None
     import torch
 
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(_binary_source(path), map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises several types for foreign or unsafe pickles
         raise ValueError(f"could not load {path} as a token shard ({type(err).__name__}: {err}); .pt inputs must "
                          f"hold a tensor of token ids or a dict with an {' / '.join(TOKEN_KEYS)} entry") from None

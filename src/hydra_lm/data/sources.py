@@ -124,6 +124,9 @@ def _walk(root: Path, skip_test_data: bool = False) -> Iterator[Path]:
 
 
 def _dir_sources(root: Path) -> list[Source]:
+    if _is_prepared(root):
+        raise ValueError(f"{root} is prepared data (a `hydra-lm prepare` output), not a corpus: train on it with "
+                         f"--data {root}, or prepare from the files it was made of")
     if readers.is_saved_dataset(root):
         files = [p for p in root.rglob("*") if p.is_file()]
         stamp = max((p.stat().st_mtime_ns for p in files), default=0)
@@ -190,6 +193,8 @@ def resolve_inputs(inputs: Sequence[str | Path] | str | Path | None, default_cap
                 raise FileNotFoundError(f"input pattern {spec!r} matches no files")
             base = _glob_base(str(path))
             for m in map(Path, matches):
+                if any(_is_prepared(d) for d in (m, *m.parents)):  # an earlier output the pattern reaches
+                    continue
                 if m.is_dir():
                     sources += _dir_sources(m)
                 elif (s := _file_source(m, base, explicit=False)) is not None:

@@ -213,7 +213,12 @@ def load_tokenizer(spec: "str | Path | HydraTokenizer") -> HydraTokenizer:
     path = Path(text).expanduser()
     if path.is_file():
         if path.name == TIKTOKEN_FILE:
-            return HydraTokenizer.from_tiktoken(json.loads(path.read_text())["tiktoken"])
+            try:
+                name = json.loads(path.read_text(encoding="utf-8"))["tiktoken"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"{path} is not a tiktoken record ({type(err).__name__}: {err}); expected "
+                                 '{"tiktoken": "ENCODING"}: prepare the data again') from None
+            return HydraTokenizer.from_tiktoken(name)
         return HydraTokenizer.from_file(path)
     if path.is_dir():
         if (path / TOKENIZER_FILE).is_file():

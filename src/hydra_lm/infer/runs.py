@@ -16,7 +16,7 @@ from safetensors.torch import save_model
 from ..config import HydraConfig
 from ..model.factory import create_model
 from ..train.checkpoint import EXPORT_FORMAT, Checkpoint, resolve_checkpoint
-from ..train.data_io import ValSet, open_data
+from ..train.data_io import ValSet, open_data, tokenized_alike
 from ..train.evaluate import evaluate
 from ..train.run import CONFIG_JSON, pick_device
 from ..train.sharded_checkpoint import load_dcp
@@ -125,9 +125,17 @@ def eval_run(run_dir: str | Path, checkpoint: str | Path | None = None, data: st
     if not data_dir:
         raise ValueError(f"run {run_dir} does not record its data directory: pass --data")
     info = open_data(data_dir)
-    if info.vocab_size > run.model.config.vocab_size:
-        raise ValueError(f"data vocab {info.vocab_size} exceeds the model's {run.model.config.vocab_size}: "
-                         f"{data_dir} was not prepared with this run's tokenizer")
+    if info.vocab_size > run.model.config.vocab_size or not tokenized_alike(run.config.get("data", {}), info):
+        raise ValueError(f"{data_dir} was not tokenized like the data run {run_dir} was trained on, so its losses "
+                         "would mean nothing: evaluate on data prepared with the run's tokenizer "
+                         "(`hydra-lm prepare --tokenizer RUN_DIR/tokenizer.json ...`)")
+    from ..data import read_meta
+
+    trained_on = (run.checkpoint.state.get("loader") or {}).get("data_fingerprint")
+    if data is None and trained_on not in (None, read_meta(info.path).get("fingerprint")):
+        raise ValueError(f"{data_dir} was prepared again since run {run_dir} trained on it (other inputs or options), "
+                         "so its validation split may hold documents the run trained on: pass --data DIR to "
+                         "evaluate on it anyway")
     limit = run.model.config.max_seq_len
     if seq_len is not None and seq_len > limit:
         raise ValueError(f"--seq_len {seq_len} exceeds the model's max_seq_len={limit}: pass --seq_len <= {limit}")

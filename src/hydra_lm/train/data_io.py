@@ -24,9 +24,17 @@ class DataInfo:
                 "tokenizer_fingerprint": self.tokenizer_fingerprint, "token_counts": self.token_counts}
 
 
+def tokenized_alike(recorded: dict[str, Any], info: DataInfo) -> bool:
+    """Whether ``info``'s data was tokenized like the data a run recorded (``DataInfo.to_dict``) was."""
+    was = recorded.get("tokenizer_fingerprint")
+    return recorded.get("vocab_size", info.vocab_size) == info.vocab_size and \
+        (None in (was, info.tokenizer_fingerprint) or was == info.tokenizer_fingerprint)
+
+
 def open_data(path: str | Path) -> DataInfo:
-    """Check that ``path`` is a prepared data directory with training tokens; clear errors otherwise."""
-    path = Path(path).expanduser()
+    """Check that ``path`` is a prepared data directory with training tokens; clear errors otherwise. The path is
+    made absolute: a run records it, and its evaluation may start from another directory."""
+    path = Path(path).expanduser().resolve()
     try:
         meta = data_pkg.read_meta(path)
     except FileNotFoundError as err:

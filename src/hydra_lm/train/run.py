@@ -17,7 +17,7 @@ import torch
 
 from ..config import HydraConfig, preset_config
 from .checkpoint import Checkpoint, CheckpointError, CheckpointManager, verify, write_text_atomic
-from .data_io import DataInfo, dataset_dir, open_data
+from .data_io import DataInfo, dataset_dir, open_data, tokenized_alike
 from .distributed import DistInfo, broadcast_object, init_distributed, launched_rank
 from .flags import to_toml
 from .metrics import RunLog, git_revision, versions
@@ -255,9 +255,7 @@ def _checkpoint_to_resume(manager: CheckpointManager, resuming: bool, restart: b
 def check_same_run(saved: dict[str, Any], data: DataInfo, model_cfg: HydraConfig, run_dir: Path) -> None:
     """A resumed run must see the tokenizer and build the model it was trained with."""
     was = saved.get("data", {})
-    other_tokenizer = None not in (was.get("tokenizer_fingerprint"), data.tokenizer_fingerprint) and \
-        was["tokenizer_fingerprint"] != data.tokenizer_fingerprint
-    if other_tokenizer or was.get("vocab_size", data.vocab_size) != data.vocab_size:
+    if not tokenized_alike(was, data):
         raise ValueError(f"tokenizer mismatch: {data.path} (vocab {data.vocab_size}) was not tokenized like the data "
                          f"run {run_dir} was trained on (vocab {was.get('vocab_size')}); resume with the run's data "
                          f"directory ({was.get('path')})")
