@@ -98,7 +98,7 @@ def merge_layers(file_values: dict[str, Any], cli: dict[str, Any], saved: dict[s
         base.setdefault("fp8_recipe", "tensorwise")
         # Settings the run left to follow its LR and length follow them when a resume changes those: a new --lr gets
         # its own floor, a longer run its own evaluation and save cadence. The warm-up has already run.
-        if {"lr", "max_steps", "mode"} <= base.keys():
+        if None not in (base.get("lr"), base.get("max_steps"), base.get("mode")):
             derived = derived_defaults(base["lr"], base["max_steps"], base["mode"])
             for key in ("min_lr", "eval_every", "save_every"):
                 if key in base and base[key] == derived[key]:
