@@ -138,6 +138,8 @@ def test_bench_without_documents_reports_none_and_refuses_what_cannot_run():
         run_bench(tiny(compile=True, compile_mode="reduce-overhead"))
     with pytest.raises(ValueError, match="--decode_batches"):
         run_bench(tiny(inference=True, decode_batches="1,x"))
+    with pytest.raises(ValueError, match="--model.arch cannot be given to bench"):
+        run_bench(tiny(model={"arch": "dense"}))
 
 
 @pytest.mark.slow

@@ -50,6 +50,12 @@ def test_prepare_train_eval_generate(tiny_data, tmp_path, capsys):
     assert main(["generate", "--run", str(run), "--prompt", "the quick", "--max_new_tokens", "12", "--seed", "3",
                  "--compile_step"]) == 0
     assert capsys.readouterr().out == text  # seeded sampling is reproducible, also with the compiled step
+    unfiltered = []
+    for top_k in ("0", "100000"):  # 0: no top-k filter, as one wider than the vocabulary
+        assert main(["generate", "--run", str(run), "--prompt", "the quick", "--max_new_tokens", "12", "--seed", "3",
+                     "--top_k", top_k]) == 0
+        unfiltered.append(capsys.readouterr().out)
+    assert unfiltered[0] == unfiltered[1]
     # Several prompts sample as one batch; greedy, each gets what it gets alone.
     greedy = ["generate", "--run", str(run), "--max_new_tokens", "12", "--temperature", "0"]
     alone = []
@@ -229,6 +235,29 @@ def test_a_resume_given_dataset_trains_on_it_or_says_why_not(tiny_data, tmp_path
     assert main(["train", "--out", str(run), "--dataset", str(other)]) == 2
     assert "tokenizer mismatch" in err_of(capsys)
     assert main(["train", "--out", str(run), "--dataset", str(tiny_data)]) == 0
+
+
+def test_the_steps_that_compile_after_a_curriculum_switch_count_as_start_up_not_training(tiny_data, tmp_path,
+                                                                                          monkeypatch):
+    """A seconds budget counts training time: a compiled run's steps that trace a new routing layout must not eat it
+    (dense variants never switch, so it would be charged to routed ones only)."""
+    import dataclasses
+
+    from hydra_lm.train.trainer import Trainer
+
+    loop = Trainer._loop
+
+    def as_if_compiled(self):  # the accounting of a compiled run, on eager steps
+        self.plan = dataclasses.replace(self.plan, compile="units")
+        return loop(self)
+    monkeypatch.setattr(Trainer, "_loop", as_if_compiled)
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "8", "--log_every", "1", "--mor_enable_pct", "0.5",
+                 "--no-eval_at_start") == 0
+    rs = records(run, "train")
+    banked = [r["step"] for r, before in zip(rs, [{"startup_s": 0.0}, *rs]) if r["startup_s"] > before["startup_s"]]
+    switch = next(r["step"] for r in rs if r["mor_active"])
+    assert banked == [1, switch] and switch > 1
 
 
 @pytest.mark.parametrize("command", ["train", "compare", "bench"])

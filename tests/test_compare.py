@@ -97,6 +97,40 @@ def test_compare_trains_reports_and_skips_finished_variants(tiny_data, tmp_path,
     assert "other settings (eval_every, max_steps)" in capsys.readouterr().err
 
 
+def test_a_run_cut_short_resumes_only_under_the_settings_it_started_with(tiny_data, tmp_path, monkeypatch, capsys):
+    import signal
+
+    from hydra_lm.train.step import TrainStep
+
+    micro, calls = TrainStep.micro, []
+
+    def stopped_at_step_3(self, inputs):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGTERM)
+        return micro(self, inputs)
+    monkeypatch.setattr(TrainStep, "micro", stopped_at_step_3)
+    out = tmp_path / "cmp"
+    assert compare(tiny_data, out, "--budget", "tokens=1k", "--variants", "hydra") == 130
+    monkeypatch.setattr(TrainStep, "micro", micro)
+    capsys.readouterr()
+    assert compare(tiny_data, out, "--budget", "tokens=1k", "--variants", "hydra", "--lr", "0.01") == 2
+    assert "was trained by an earlier compare with other settings (lr" in capsys.readouterr().err
+    assert compare(tiny_data, out, "--budget", "tokens=1k", "--variants", "hydra") == 0
+    assert json.loads((out / "runs" / "hydra" / "compare.json").read_text())["status"] == "finished"
+
+
+def test_evaluations_every_n_steps_are_reported_as_such_and_not_with_evals(tiny_data, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert compare(tiny_data, out, "--budget", "tokens=1k", "--variants", "hydra", "--eval_every", "3",
+                   "--evals", "2") == 2
+    assert "--evals and --eval_every both set when to evaluate" in capsys.readouterr().err
+    assert compare(tiny_data, out, "--budget", "tokens=1k", "--variants", "hydra", "--eval_every", "3") == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [p["step"] for p in results["variants"]["hydra"]["evals"]] == [0, 3, 6, 8]
+    assert "every 3 steps (--eval_every)" in (out / "report.md").read_text()
+
+
 def test_compare_refuses_bad_requests_with_one_line(tiny_data, tmp_path, capsys):
     no_val = tmp_path / "no_val"
     assert main(["prepare", "--inputs", str(write_corpus(tmp_path / "corpus", n_docs=6, words=50)), "--out",
@@ -209,8 +243,9 @@ def test_lr_sweep_marks_a_best_inside_the_grid_as_settled():
     variants = {r.name: {"status": "finished",
                          "final": {"val_loss_causal": loss[r.values["lr"]] + 0.01 * int(r.name[-1])}} for r in runs}
     variants["hydra.lr0.01.seed1"] = {"status": "diverged", "final": None}  # left out of the mean
+    variants["hydra.lr0.001.seed1"]["rollbacks"] = 1  # finished at a lower LR than its own: left out too
     sweep = lr_sweep(runs, variants)
-    assert sweep["hydra"] == {"lrs": [1e-3, 3e-3, 1e-2], "causal": pytest.approx([3.005, 2.505, 2.8]),
+    assert sweep["hydra"] == {"lrs": [1e-3, 3e-3, 1e-2], "causal": pytest.approx([3.0, 2.505, 2.8]),
                               "best_lr": 3e-3, "best_causal": pytest.approx(2.505), "best_at_edge": None}
     assert sweep["dense"]["best_at_edge"] is None  # one learning rate: nothing to extend
 

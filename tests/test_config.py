@@ -41,10 +41,36 @@ def test_preset_parameter_counts_are_within_25_percent_of_the_advertised_ones(na
     (dict(init_std=-1.0), "init_std"),
     (dict(mor_gate_scale=float("inf")), "mor_gate_scale"),
     (dict(mod_aux_weight=float("nan")), "mod_aux_weight"),
+    (dict(n_blocks=1), "mod_every"),  # MoD every 2nd block of one: no router, though MoD is on
+    (dict(n_blocks=2, mod_every=3), "mod_every"),
+    (dict(mod_first_block=True), "mod_first_block"),  # with mod_every=2 it never routes the first block
+    (dict(head_dim=8.0), "head_dim"),
+    (dict(mod_capacity="0.5"), "mod_capacity"),
 ])
 def test_invalid_values_raise_value_errors_that_name_the_field(overrides, field):
     with pytest.raises(ValueError, match=f"HydraConfig.{field}="):
         preset_config("debug", **overrides)
+
+
+def test_a_copy_with_other_sizes_derives_its_heads_mlp_and_depth_again_unless_they_were_set():
+    small = HydraConfig(vocab_size=128, dim=64, n_heads=2, n_kv_heads=1)
+    fresh = HydraConfig(vocab_size=128, dim=128, n_heads=4, n_kv_heads=1)
+    for copy in (small.replace(dim=128, n_heads=4), hydra_lm.create_model(small, dim=128, n_heads=4).config,
+                 hydra_lm.create_model(small.to_dict(), dim=128, n_heads=4).config):
+        assert (copy.head_dim, copy.mlp_hidden, copy.moe_hidden) == (fresh.head_dim, fresh.mlp_hidden, fresh.moe_hidden)
+    assert small.replace(mlp_hidden=1024).moe_hidden == 1024
+    dense = HydraConfig(arch="dense", vocab_size=128, dim=64, n_heads=2, n_kv_heads=1)
+    assert dense.replace(n_blocks=4).n_layers == 4
+    chosen = HydraConfig(vocab_size=128, dim=64, n_heads=2, n_kv_heads=1, mlp_hidden=100, n_blocks=3)
+    assert chosen.replace(dim=128, n_heads=4).mlp_hidden == 100  # set by the user: kept
+
+
+def test_saved_configs_that_built_no_mod_router_load_as_built():
+    """Refused today, a config whose MoD routed no block was built (and saved) with MoD off in effect."""
+    built = HydraConfig(vocab_size=128, dim=64, n_heads=2, n_kv_heads=1, n_blocks=1, mod_enabled=False).to_dict()
+    assert not HydraConfig.from_saved({**built, "mod_enabled": True}).mod_enabled
+    every_2nd = HydraConfig(vocab_size=128, dim=64, n_heads=2, n_kv_heads=1).to_dict()
+    assert not HydraConfig.from_saved({**every_2nd, "mod_first_block": True}).mod_first_block
 
 
 def test_unknown_keys_and_presets_are_rejected_with_suggestions():

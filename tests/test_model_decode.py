@@ -347,7 +347,8 @@ def test_generate_restores_training_mode_and_checks_inputs():
     for kwargs, message in ((dict(temperature=float("nan")), "temperature=nan must be a finite number"),
                             (dict(temperature=-1.0), "temperature=-1.0 must be"), (dict(top_k=2.5), "top_k=2.5"),
                             (dict(top_k=True), "top_k=True"), (dict(top_p=5), "top_p=5 must lie in"),
-                            (dict(eos_token_id=TINY["vocab_size"]), "eos_token_id=")):
+                            (dict(eos_token_id=TINY["vocab_size"]), "eos_token_id="),
+                            (dict(eos_token_id=2.5), "eos_token_id=2.5 must be an integer")):
         for n in (0, 2):
             with pytest.raises(ValueError, match=message):
                 model.generate(_ids(1, 5), n, **kwargs)

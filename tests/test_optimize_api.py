@@ -75,6 +75,13 @@ def test_gradient_accumulation_takes_a_list_of_micro_batches():
         assert torch.equal(a, b)
 
 
+def test_a_batch_of_the_wrong_shape_is_one_clear_error():
+    with pytest.warns(UserWarning):
+        setup = hydra_lm.create_optimized_training_setup(tiny_model(), lr=1e-3)
+    with pytest.raises(ValueError, match=r"a batch is \[rows, length\]"):
+        setup.step(torch.randint(0, 97, (16,)))
+
+
 def test_optimize_for_gpu_on_cpu_is_eager_for_any_module():
     model = tiny_model()
     with pytest.warns(UserWarning, match="eagerly"):

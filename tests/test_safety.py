@@ -98,10 +98,10 @@ def test_nan_gradient_rolls_back_to_the_last_good_checkpoint_with_a_lower_lr(tin
     [event] = records(run, "divergence")
     assert event["action"] == "rollback" and event["to_step"] == 3 and event["lr_scale"] == 0.5
     train_records = records(run, "train")
-    assert [r["step"] for r in train_records] == [5, 5, 10, 12]  # steps 4-5 again after the rollback
+    # Steps 4-5 ran again after the rollback: the record of the attempt rolled back is gone, the event stays.
+    assert [r["step"] for r in train_records] == [5, 10, 12]
     assert all(math.isfinite(r["loss"]) for r in train_records)
-    assert train_records[0]["lr"] == pytest.approx(1e-3)
-    assert train_records[2]["lr"] == pytest.approx(0.5e-3)  # stable phase of the schedule, halved
+    assert [r["lr"] for r in train_records[:2]] == pytest.approx([0.5e-3, 0.5e-3])  # stable phase, halved
     [last] = checkpoints(run)
     assert last.name.endswith("step12") and weights_finite(last)
     assert verify(last).state["rollback"] == {"rollbacks": 1, "lr_scale": 0.5}

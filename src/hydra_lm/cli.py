@@ -115,7 +115,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .infer import generate_text
 
-    texts = generate_text(args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+    texts = generate_text(args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p,
                           args.seed, args.checkpoint, args.device, args.compile_step)
     if len(texts) == 1:
         print(texts[0])
@@ -196,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "optimizer's (optimizer, lr, min_lr, adamw_lr, weight_decay), the precision's "
                          "(experimental_fp8, fp8_format, fp8_recipe, fp8_min_tokens), budget_scale (its share of "
                          "--budget, e.g. 0.7); repeatable; arch=dense allowed")
-    compare.add_argument("--evals", type=int, default=8, help="evaluations spread evenly over the budget")
+    compare.add_argument("--evals", type=int, default=None,
+                         help="evaluations spread evenly over the budget (default 8; or --eval_every N steps)")
     compare.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
                          help="train every variant once per seed (runs/NAME.seedS; instead of --seed) and report "
                               "each variant's mean and spread over them")
@@ -255,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the text to continue; give it several times to sample several prompts as one batch")
     gen.add_argument("--max_new_tokens", type=int, default=100)
     gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    gen.add_argument("--top_k", type=int, default=50)
+    gen.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens; 0: all of them")
     gen.add_argument("--top_p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--checkpoint", default=None)

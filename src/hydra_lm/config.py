@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import typing
 from dataclasses import dataclass, field
@@ -107,16 +108,10 @@ class HydraConfig:
     preset: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.n_layers is None:
-            self.n_layers = self.n_blocks
-        if self.head_dim is None and self.n_heads > 0:
-            compressed = self.arch == "hydra" and self.compression_factor > 0
-            latent = self.dim // self.compression_factor if compressed else self.dim
-            self.head_dim = latent // self.n_heads
-        if self.mlp_hidden is None:
-            self.mlp_hidden = _round_up(4 * self.dim, 256)
-        if self.moe_hidden is None:
-            self.moe_hidden = self.mlp_hidden
+        _check_types(self.to_dict(), type(self))
+        for name, value in _derived_defaults(self.to_dict()).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -132,7 +127,7 @@ class HydraConfig:
         _choice(self, "attention_backend", ATTENTION_BACKENDS)
         _choice(self, "doc_mask_backend", DOC_MASK_BACKENDS)
         _choice(self, "decode_kernel", DECODE_KERNELS)
-        for name in ("vocab_size", "dim", "n_blocks", "recursions", "n_layers", "n_heads", "n_kv_heads",
+        for name in ("vocab_size", "dim", "n_blocks", "recursions", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                      "compression_factor", "mlp_hidden", "max_seq_len", "conv_seq_kernel", "conv_ch_kernel",
                      "mod_every", "moe_num_experts", "moe_num_layers", "moe_top_k", "moe_hidden"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -165,6 +160,13 @@ class HydraConfig:
         if self.arch == "hydra" and self.sharing == "middle_cycle" and self.mod_enabled and self.mod_every != 1:
             bad("mod_every", "middle_cycle sharing has one block MoD can route (the shared middle), so every "
                              "mod_every-th block routes none unless mod_every=1: set mod_every=1, or mod_enabled=False")
+        if self.arch == "hydra" and self.mod_enabled and self.mod_capacity < 1 and not self.mod_routes_a_block():
+            bad("mod_every", f"routes none of the {self.n_blocks} block(s) (MoD routes every mod_every-th block, the "
+                             "first only with mod_first_block=True and mod_every=1): lower mod_every, add blocks, or "
+                             "set mod_enabled=False")
+        if self.mod_first_block and self.mod_every != 1:
+            bad("mod_first_block", f"routes the first block only with mod_every=1 (mod_every={self.mod_every} "
+                                   "skips it): set mod_every=1 or mod_first_block=False")
         if self.moe_top_k > self.moe_num_experts:
             bad("moe_top_k", f"cannot exceed moe_num_experts={self.moe_num_experts}")
         if self.moe and self.moe_num_layers > self.n_units_between_moe():
@@ -176,6 +178,14 @@ class HydraConfig:
                 bad(name, "must be a finite number >= 0")
 
     # ------------------------------------------------------------------ derived values
+    def mod_routes_a_block(self) -> bool:
+        """Whether some block is MoD-routed (``routing.depth_fractions``' rule; middle_cycle's one routable block is
+        checked on its own)."""
+        if self.sharing == "middle_cycle":
+            return self.mod_every == 1
+        return any(b % self.mod_every == self.mod_every - 1 and (b > 0 or self.mod_first_block)
+                   for b in range(self.n_blocks))
+
     def n_units_between_moe(self) -> int:
         """How many MoE blocks fit strictly between the model's blocks."""
         if self.arch == "dense":
@@ -225,13 +235,46 @@ class HydraConfig:
         values = dict(values)
         if values.get("mod_every") == 1:
             values.setdefault("mod_first_block", True)
+        if values.get("mod_first_block") and values.get("mod_every", 2) != 1:
+            values["mod_first_block"] = False  # what it built: the first block was not MoD-routed
         if values.get("sharing") == "middle_cycle" and values.get("mod_every", 2) != 1:
             values["mod_enabled"] = False  # what it built: the shared middle block was not MoD-routed
+        as_built = cls.from_dict({**values, "mod_enabled": False})
+        if as_built.arch == "hydra" and not as_built.mod_routes_a_block():
+            values["mod_enabled"] = False  # what it built: no block was MoD-routed
         return cls.from_dict(values)
 
     def replace(self, **overrides: Any) -> "HydraConfig":
+        """A copy with ``overrides``. The fields derived from others (``head_dim``, ``mlp_hidden``, ``moe_hidden``,
+        ``n_layers``) follow them where they held their derived value: ``replace(dim=1024)`` resizes the MLP."""
         check_keys(overrides, type(self))
-        return dataclasses.replace(self, **overrides)
+        return type(self)(**rederived(self.to_dict(), overrides))
+
+
+def _derived_defaults(values: dict[str, Any]) -> dict[str, Any]:
+    """What ``__post_init__`` gives the fields left None, from the other fields of ``values``."""
+    get = functools.partial(_field_value, values)
+    compressed = get("arch") == "hydra" and get("compression_factor") > 0
+    latent = get("dim") // get("compression_factor") if compressed else get("dim")
+    mlp_hidden = _round_up(4 * get("dim"), 256)
+    return {"n_layers": get("n_blocks"), "head_dim": latent // get("n_heads") if get("n_heads") > 0 else None,
+            "mlp_hidden": mlp_hidden, "moe_hidden": values.get("mlp_hidden") or mlp_hidden}
+
+
+def _field_value(values: dict[str, Any], name: str) -> Any:
+    if values.get(name) is not None:
+        return values[name]
+    return next(f.default for f in dataclasses.fields(HydraConfig) if f.name == name)
+
+
+def rederived(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (a config's fields) with ``overrides``, its derived fields that held their derived value left to
+    be derived again from the new values (None)."""
+    out = dict(values)
+    for name, default in _derived_defaults(values).items():
+        if name not in overrides and out.get(name) is not None and out[name] == default:
+            out[name] = None
+    return {**out, **overrides}
 
 
 def _round_up(x: int, multiple: int) -> int:

@@ -78,6 +78,8 @@ class BenchConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.warmup < 0:
             raise ValueError(f"warmup={self.warmup} must be >= 0")
+        if "arch" in self.model:  # it would build that model for every row and label one of them wrongly
+            raise ValueError("--model.arch cannot be given to bench: --arch hydra|dense|both picks the rows")
         if self.optimizer == "sophia":
             raise ValueError("--optimizer sophia: bench times the trainer's step without Sophia's Hessian estimates "
                              "(an extra forward + backward every few steps); time it with `hydra-lm train` or "

@@ -12,7 +12,7 @@ rounds, each taking every variant whose best is at an end one grid step beyond i
 variant leaves ``compare.json`` in its run directory, so running the command again skips it; an
 interrupted one resumes from its checkpoints (the trainer does that by itself).
 
-Evaluation points: with a tokens or FLOPs budget, every ``max(1, steps // evals)`` steps plus the
+Evaluation points: with a tokens or FLOPs budget, every ``ceil(steps / evals)`` steps plus the
 start and the last step; with a seconds budget, every ``1/evals`` of the budget's training time
 (the trainer's schedule clock), plus the start and the end.
 """
@@ -46,13 +46,14 @@ RESULTS = "results.json"
 # Schedule resolution of a seconds budget: warm-up, curriculum and evaluations are placed in
 # thousandths of the budget unless --max_steps says otherwise.
 SECONDS_CLOCK_STEPS = 1000
+DEFAULT_EVALS = 8  # --evals
 # Settings compare decides itself; giving them would break the equal-budget comparison.
 OWNED = {"arch": "variants choose the architecture (e.g. --variant deep:arch=dense,n_layers=8)",
          "stop_at_step": "every variant runs to its budget", "time_budget_s": "use --budget seconds=N"}
 
 
 def run_compare(data: str | None, out: str | None, budget: str, variant_names: list[str] | None,
-                custom_specs: list[str] | None, evals: int, shared: dict[str, Any],
+                custom_specs: list[str] | None, evals: int | None, shared: dict[str, Any],
                 seeds: list[int] | None = None, gpus: int = 1, lrs: list[float] | None = None,
                 lr_extend: int = 0) -> int:
     """Train what is missing, then write OUT/results.json, OUT/report.md and the plots.
@@ -124,7 +125,9 @@ def train_runs(plan: ComparePlan, names: list[str]) -> int:
         # Each variant is a new model: the previous ones' compiled graphs only count against Dynamo's
         # recompile limit of the functions every model shares (the routed unit).
         torch._dynamo.reset()
-        code = train(setup_run(run.values))
+        setup = setup_run(run.values)
+        write_marker(run, "started")  # its settings: a later command must not resume it under others
+        code = train(setup)
         gc.collect()  # the finished run's model and CUDA graphs go now, not inside the next run's capture
         if code == 130:
             print(f"compare: interrupted; run the same command again to resume {run.name}", flush=True)
@@ -221,7 +224,7 @@ def _gpu_worker(gpu: int, device: str, threads: int, queue, request: tuple, log:
 
 
 def plan_compare(data: str | None, out: str | None, budget: Budget, variant_names: list[str] | None,
-                 custom_specs: list[str] | None, evals: int, shared: dict[str, Any],
+                 custom_specs: list[str] | None, evals: int | None, shared: dict[str, Any],
                  seeds: list[int] | None = None, lrs: list[float] | None = None,
                  extra_lrs: dict[str, list[float]] | None = None) -> ComparePlan:
     """Check the request and work out every variant's trainer settings (nothing is trained here).
@@ -241,6 +244,9 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
         raise ValueError("--data DATA_DIR is required (a directory from `hydra-lm prepare`; or --dataset default)")
     if not out:
         raise ValueError("--out DIR is required: the variants' runs, results.json, report.md and plots go there")
+    if evals is not None and shared.get("eval_every"):
+        raise ValueError("--evals and --eval_every both set when to evaluate: keep one")
+    evals = DEFAULT_EVALS if evals is None else evals
     if evals < 1:
         raise ValueError(f"--evals {evals}: must be >= 1")
     info = open_data(data)
@@ -309,7 +315,8 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
             run_values = {**values, "out": str(out_dir / "runs" / name), **({} if seed is None else {"seed": seed})}
             runs.append(VariantRun(v, out_dir / "runs" / name, run_values, model_cfg, name, seed))
     out_dir.mkdir(parents=True, exist_ok=True)
-    return ComparePlan(out_dir, budget, runs, info, base, evals, tokens_per_step, seeds)
+    return ComparePlan(out_dir, budget, runs, info, base, None if shared.get("eval_every") else evals,
+                       tokens_per_step, seeds)
 
 
 def check_on_device(name: str, cfg: TrainConfig, device: torch.device) -> None:

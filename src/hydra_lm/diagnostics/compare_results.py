@@ -53,7 +53,8 @@ def collect_results(plan: ComparePlan) -> dict[str, Any]:
                      "seq_len": base.seq_len, "tokens_per_step": tps, "optimizer": base.optimizer, "lr": base.lr,
                      "min_lr": base.min_lr,
                      "schedule": base.schedule, "seed": base.seed if plan.seeds is None else plan.seeds,
-                     "evals": plan.evals, "model_overrides": base.model},
+                     "evals": plan.evals, "eval_every": base.eval_every if plan.evals is None else None,
+                     "model_overrides": base.model},
         "variants": variants,
         "warnings": warnings,
     }
@@ -101,15 +102,15 @@ def mixed_devices_warning(variants: dict[str, Any]) -> list[str]:
 
 
 def lr_sweep(runs: list[VariantRun], variants: dict[str, Any]) -> dict[str, Any]:
-    """Per variant swept over --lrs: its final causal loss at each learning rate (the mean over seeds,
-    finished runs only), the best learning rate and whether it is the grid's smallest or largest."""
+    """Per variant swept over --lrs: its final causal loss at each learning rate (the mean over seeds, runs that
+    finished without a rollback only), the best learning rate and whether it is the grid's smallest or largest."""
     losses: dict[str, dict[float, list[float]]] = {}
     for run in runs:
         if run.variant.swept_from is None:
             continue
         entry = variants[run.name]
         at_lr = losses.setdefault(run.variant.swept_from, {}).setdefault(run.values["lr"], [])
-        if entry["status"] == "finished" and entry["final"] is not None:
+        if entry["status"] == "finished" and entry["final"] is not None and not entry.get("rollbacks"):
             at_lr.append(entry["final"]["val_loss_causal"])
     out = {}
     for family, by_lr in losses.items():
@@ -200,8 +201,15 @@ def variant_results(run: VariantRun, seq_len: int, tokens_per_step: int, out_dir
         "routing": routers,
         "depths": depth_profile(run.model_cfg, routers) if routers else None,
     }
+    rollbacks = [r for r in records if r.get("kind") == "divergence" and r.get("action") == "rollback"]
+    entry["rollbacks"] = len(rollbacks)
     entry["throughput_steadiness"] = throughput_steadiness(train_rs)
     entry["warnings"] = health_warnings(run.variant.name, eval_rs[-1] if eval_rs else None)
+    if rollbacks:
+        entry["warnings"].append(
+            f"{run.name}: diverged and rolled back {len(rollbacks)} time(s), ending at {rollbacks[-1]['lr_scale']:g}x "
+            f"its learning rate {run.values['lr']:g}: its losses are not that learning rate's (a learning-rate sweep "
+            "leaves it out)")
     entry["warnings"] += unsteady_warning(run.name, entry["throughput_steadiness"])
     return entry
 

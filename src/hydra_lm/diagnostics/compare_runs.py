@@ -69,7 +69,7 @@ class ComparePlan:
     runs: list[VariantRun]
     data: DataInfo
     base: TrainConfig  # the settings shared by every variant, resolved
-    evals: int
+    evals: int | None  # None: --eval_every given instead
     tokens_per_step: int
     seeds: list[int] | None = None  # --seeds
 
@@ -144,6 +144,8 @@ def _fingerprint(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def finished_marker(run: VariantRun) -> dict[str, Any] | None:
+    """The marker of a run that finished (or diverged); None for one not trained yet or cut short. A run started
+    or finished under other settings is an error: resumed or reported, it would mix two studies."""
     path = run.run_dir / MARKER
     if not path.is_file():
         return None
@@ -156,10 +158,11 @@ def finished_marker(run: VariantRun) -> dict[str, Any] | None:
         diff = sorted(k for k in {*was, *now} if was.get(k) != now.get(k))
         raise ValueError(f"{run.run_dir} was trained by an earlier compare with other settings ({', '.join(diff)}): "
                          "use a new --out directory, or remove that run directory to train it again")
-    return marker
+    return None if marker.get("status") == "started" else marker
 
 
 def write_marker(run: VariantRun, status: str) -> None:
-    """Record a finished variant (its routing health is its last evaluation's, in its metrics)."""
+    """Record a variant's run as started, finished or diverged with its settings (its routing health is its last
+    evaluation's, in its metrics)."""
     marker = {"status": status, "variant": run.variant.overrides, "settings": _fingerprint(run.values)}
     write_text_atomic(run.run_dir / MARKER, json.dumps(marker, indent=1))

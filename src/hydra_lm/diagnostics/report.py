@@ -200,8 +200,12 @@ def _own_budgets(results: dict[str, Any]) -> str:
 
 def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None:
     s, budget = results["settings"], results["budget"]
-    spacing = (f"every 1/{s['evals']} of the training-time budget" if budget["kind"] == "seconds"
-               else f"every max(1, steps // {s['evals']}) steps")
+    if s["evals"] is None:
+        spacing = f"every {s['eval_every']} steps (--eval_every)"
+    elif budget["kind"] == "seconds":
+        spacing = f"every 1/{s['evals']} of the training-time budget"
+    else:
+        spacing = f"every ceil(steps / {s['evals']}) steps"
     seeds = (f"seeds {', '.join(map(str, s['seed']))} (every variant once per seed)" if isinstance(s["seed"], list)
              else f"seed {s['seed']}")
     lines = [

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import HydraConfig, preset_config
+from ..config import HydraConfig, preset_config, rederived
 from .hydra import HydraModel
 
 
 def create_model(preset_or_config: str | HydraConfig | dict = "debug", **overrides: Any) -> HydraModel:
     """Build a model from a preset name, a ``HydraConfig`` or a dict of config fields.
 
-    ``overrides`` replace config fields; an unknown field raises ``ValueError``.
+    ``overrides`` replace config fields (the derived ones follow, as ``HydraConfig.replace``); an unknown field
+    raises ``ValueError``.
     """
     if isinstance(preset_or_config, HydraConfig):
         cfg = preset_or_config.replace(**overrides) if overrides else preset_or_config
     elif isinstance(preset_or_config, dict):
-        cfg = HydraConfig.from_dict({**preset_or_config, **overrides})
+        cfg = HydraConfig.from_dict(rederived(preset_or_config, overrides))
     else:
         cfg = preset_config(preset_or_config, **overrides)
     return HydraModel(cfg)

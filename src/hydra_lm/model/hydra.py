@@ -342,11 +342,13 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             input_ids, lengths = batch_prompts(input_ids, self.embed.weight.device)
         if input_ids.dim() != 2 or 0 in input_ids.shape:
             raise ValueError(f"input_ids must be [batch>0, length>0], got shape {tuple(input_ids.shape)}")
+        input_ids = input_ids.to(self.embed.weight.device)  # as a list of prompts is: the caches go with the weights
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
         check_sampling(temperature, top_k, top_p)  # before the prefill, and with no token to sample too
-        if eos_token_id is not None and not 0 <= eos_token_id < self.config.vocab_size:
-            raise ValueError(f"eos_token_id={eos_token_id} must lie in [0, {self.config.vocab_size})")
+        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
+                                         or not 0 <= eos_token_id < self.config.vocab_size):
+            raise ValueError(f"eos_token_id={eos_token_id!r} must be an integer in [0, {self.config.vocab_size})")
         check_token_ids(input_ids, self.config.vocab_size, sync=True)
         b, t = input_ids.shape
         total = t + max_new_tokens

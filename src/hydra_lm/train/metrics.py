@@ -128,9 +128,17 @@ class MetricsWriter:
             self._wandb = wandb_mod.init(project=wandb_project, dir=str(run_dir), config=config,
                                          name=run_dir.name, resume="allow")
 
-    def _drop_after(self, step: int) -> None:
-        """A resumed run redoes the steps after its checkpoint; drop their old records so every step
-        appears once. A fresh start (step -1) keeps an earlier attempt's file as metrics.jsonl.old."""
+    def rewind(self, step: int) -> None:
+        """A rollback to the checkpoint of ``step`` redoes the steps after it: drop their measurements (train and
+        eval records), so that every step's appear once, and keep the events that explain the rollback
+        (anomalies, divergences, switches). TensorBoard and W&B keep theirs."""
+        self._file.close()
+        self._drop_after(step, kinds=("train", "eval"))
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def _drop_after(self, step: int, kinds: tuple[str, ...] | None = None) -> None:
+        """A resumed run redoes the steps after its checkpoint; drop their old records (of ``kinds``, None: all)
+        so every step appears once. A fresh start (step -1) keeps an earlier attempt's file as metrics.jsonl.old."""
         if not self.path.is_file():
             return
         if step < 0:
@@ -142,7 +150,7 @@ class MetricsWriter:
                 record = json.loads(line)
             except ValueError:
                 continue  # a line cut short by a crash
-            if record.get("step", 0) <= step:
+            if record.get("step", 0) <= step or (kinds is not None and record.get("kind") not in kinds):
                 kept.append(line)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
@@ -172,6 +180,9 @@ class NullMetrics:
     """The metrics sink of the ranks that do not log (all but rank 0)."""
 
     def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def rewind(self, step: int) -> None:
         pass
 
     def close(self) -> None:

@@ -173,6 +173,9 @@ class TrainingSetup:
 
 def _as_inputs(batch: dict[str, torch.Tensor] | torch.Tensor) -> dict[str, torch.Tensor]:
     if isinstance(batch, torch.Tensor):
+        if batch.dim() != 2:
+            raise ValueError(f"input ids of shape {tuple(batch.shape)}: a batch is [rows, length] (unsqueeze(0) a "
+                             "single row)")
         targets = torch.roll(batch, -1, 1)
         targets[:, -1] = -100  # no next token to predict
         return {"input_ids": batch, "targets": targets}

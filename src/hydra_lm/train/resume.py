@@ -133,6 +133,7 @@ def roll_back_to(t, good) -> None:
     """Continue from checkpoint ``good``, keeping the rollback count and switched-off optimizations."""
     policy = t.rollback.state_dict()
     restore(t, good)
+    t.metrics.rewind(good.step)
     if t.clock.t0 is not None:  # training time restarts from the checkpoint's count
         t.clock.start()
     t.rollback.load_state_dict(policy)  # the checkpoint's own (older) count would allow endless retries

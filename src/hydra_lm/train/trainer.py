@@ -182,11 +182,11 @@ class Trainer:
             self.loader.close()
             self.loader, self.seq_stage, self.batches = self._stage_loader(stage), stage, None
 
-    def _follow_seq_len_schedule(self, clock: int) -> None:
-        """Switch to the row length of the schedule's stage at ``clock``, continuing the epoch."""
+    def _follow_seq_len_schedule(self, clock: int) -> bool:
+        """Switch to the row length of the schedule's stage at ``clock``, continuing the epoch (True)."""
         stage = self.seq_schedule.stage_at(clock, self.cfg.max_steps)
         if stage == self.seq_stage:
-            return
+            return False
         old = self.loader.state_dict()
         self.replace_loader(stage)
         rows, length = self.loader.batch_size, self.loader.seq_len
@@ -196,6 +196,7 @@ class Trainer:
         recompile = " (a compiled model recompiles once for it)" if self.plan.compile else ""
         self.log.info(f"step {self.step}: sequence length {old['seq_len']} -> {length}, {rows} rows per "
                       f"micro-batch{recompile}")
+        return True
 
     def _next_batch(self) -> dict[str, torch.Tensor]:
         if self.batches is None:
@@ -247,11 +248,15 @@ class Trainer:
         self.window = self.new_window()
         stopping = False
         self.clock.start()
-        compiling = self.plan.compile is not None or self.plan.cuda_graph
+        compiled = self.plan.compile is not None or self.plan.cuda_graph
+        compiling = compiled
         while now < end and not stopping:  # `now` is read once per step: every decision below agrees on it
             before = now
-            self._train_step(self.window)
-            if compiling:  # compiling (first step) or capturing CUDA graphs (first steps): not training time
+            switched = self._train_step(self.window)
+            compiling = compiling or (switched and compiled)
+            # Compiling (the first step, and a step after a curriculum or sequence-length switch) or capturing
+            # CUDA graphs (the steps after it): start-up, not training time, which a seconds budget counts.
+            if compiling:
                 self.clock.bank(startup=True)
                 compiling = self.train_step.graphs is not None and not self.train_step.graphs.captured
             now = self.clock.position(self.step)
@@ -329,14 +334,16 @@ class Trainer:
         self.saved_window = None
         return window
 
-    def _train_step(self, window: LogWindow) -> None:
+    def _train_step(self, window: LogWindow) -> bool:
+        """One optimizer step; True when it starts a new shape or routing layout (a compiled step traces it anew,
+        CUDA graphs capture it again)."""
         cfg = self.cfg
         clock = self.clock.position(self.step)
-        if self.seq_schedule is not None:
-            self._follow_seq_len_schedule(clock)
+        changed = self.seq_schedule is not None and self._follow_seq_len_schedule(clock)
         msg = self.curriculum.apply(clock, self.model)
         if msg:
             self.log.info(msg)
+            changed = True
             if self.train_step.graphs is not None:  # the routing's control flow changed: capture it again
                 self.train_step.graphs.reset()
         lr = lr_at(clock, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
@@ -387,6 +394,7 @@ class Trainer:
         self.tokens_seen += self.tokens_per_step
         if self.swa is not None:
             self.swa.update(self.model, self.clock.position(self.step))
+        return changed
 
     def _log(self, window: LogWindow, regular: bool = True) -> bool:
         """Write a metrics record (of a window known to be finite). Only ``regular`` records (every
