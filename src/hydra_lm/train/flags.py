@@ -135,7 +135,10 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         elif suffix == ".json":
             data = json.loads(text)
         else:
-            import tomllib
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10: the same parser as a package (a dependency there)
+                import tomli as tomllib
 
             data = tomllib.loads(text)
     except ValueError as err:
