@@ -34,6 +34,21 @@ def test_outliers_are_masked_and_counted_and_leave_the_statistics_alone():
     restored = BatchFilter(k=3.0, device=torch.device("cpu"))
     restored.load_state_dict(f.state_dict())
     assert restored.state_dict() == f.state_dict()
+    older = BatchFilter(k=3.0, device=torch.device("cpu"))
+    older.load_state_dict({k: v for k, v in f.state_dict().items() if k != "streak"})  # saved before it existed
+    assert older.state_dict() == f.state_dict()
+
+
+def test_no_warm_up_still_needs_two_losses_and_a_lasting_new_level_is_accepted():
+    """Without a variance every loss above the first would be an outlier (none ever accepted); a loss that moves
+    for good (a curriculum switch) would be rejected for the rest of the run."""
+    level = [3.0 + 0.03 * math.sin(i) for i in range(300)]
+    bare = BatchFilter(k=4.0, device=torch.device("cpu"), warmup=0)
+    assert sum(bare.keep(torch.tensor(v)).item() for v in level) > 290  # was 0: every loss above the first skipped
+    f = BatchFilter(k=4.0, device=torch.device("cpu"), warmup=20)
+    assert sum(f.keep(torch.tensor(v)).item() for v in level) == 300
+    shifted = [f.keep(torch.tensor(3.4 + 0.03 * math.sin(i))).item() for i in range(200)]
+    assert shifted[:10] == [0.0] * 10 and sum(shifted) > 180  # was 0: the run stopped learning
 
 
 @pytest.mark.slow

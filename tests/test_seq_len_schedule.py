@@ -16,7 +16,8 @@ def test_stages_keep_tokens_per_step_and_switch_at_their_fractions():
     assert [s.shape(i, 8, 2048) for i in range(3)] == [(32, 512), (16, 1024), (8, 2048)]
     state = {"epoch": 1, "position": 96, "seq_len": 512, "batch_size": 32}
     assert carry_over(state, 16, 1024) == {"epoch": 1, "position": 48, "seq_len": 1024, "batch_size": 16}
-    for bad in ("512:0.1,1024:0.5", "512:0,1024:0", "512", "512:0,1024:1.0", "1:0,2:0.1,4:0.2,8:0.3,16:0.4"):
+    for bad in ("512:0.1,1024:0.5", "512:0,1024:0", "512", "512:0,1024:1.0", "1:0,2:0.1,4:0.2,8:0.3,16:0.4",
+                "512:0,1024:nan"):
         with pytest.raises(ValueError, match="seq_len_schedule"):
             SeqLenSchedule.parse(bad)
     with pytest.raises(ValueError, match="divide"):

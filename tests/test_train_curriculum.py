@@ -61,6 +61,18 @@ def test_loss_gate_opens_early_only_when_the_ema_is_low():
     # The gate is read at log steps only: with log_every 4 it is first seen at step 4.
     sparse, _ = run_plan(Curriculum(plan), 10, losses=lambda s: 2.0, log_every=4)
     assert [s[0] for s in sparse].index(True) == 4
+    # A non-finite loss (a batch the batch filter skipped) leaves the EMA alone instead of shutting the gate for good.
+    skipped, _ = run_plan(Curriculum(plan), 10, losses=lambda s: float("nan") if s in (0, 1) else 2.0)
+    assert [s[0] for s in skipped].index(True) == 3
+
+
+def test_a_curriculum_saved_before_the_ema_weight_restores_its_ema():
+    c = Curriculum(CurriculumPlan(1, 2, 3, 5.0))
+    run_plan(c, 4, losses=lambda s: 1.0 + s / 7)
+    old = {k: v for k, v in c.state_dict().items() if k != "ema_weight"} | {"ema_count": 4}
+    d = Curriculum(c.plan)
+    d.load_state_dict(old)
+    assert abs(d.ema() - c.ema()) < 1e-6
 
 
 def test_state_round_trip_keeps_the_ema_exactly():

@@ -81,7 +81,7 @@ class Curriculum:
         self.mor_active = False
         self.gate_open = False
         self._ema: torch.Tensor | None = None  # biased EMA of the CE loss, on the training device
-        self._ema_count = 0
+        self._ema_weight: torch.Tensor | None = None  # its bias: the EMA of 1 over the same (finite) steps
         self._applied: tuple[bool, bool, float] | None = None
         self.mor_ramp = 1.0
 
@@ -117,17 +117,20 @@ class Curriculum:
         return f"curriculum: step {step}: MoD {on[self.mod_active]}, MoR {on[self.mor_active]}{ramp}"
 
     def observe(self, ce_loss: torch.Tensor) -> None:
-        """Fold one step's CE loss into the EMA without leaving the device."""
+        """Fold one step's CE loss into the EMA without leaving the device. A non-finite loss (a batch the batch
+        filter skipped) leaves it as it was: folded in, it would keep the loss gate shut for the rest of the run."""
         ce = ce_loss.detach().float()
-        b = self.ema_beta
-        self._ema = (1 - b) * ce if self._ema is None else b * self._ema + (1 - b) * ce
-        self._ema_count += 1
+        if self._ema is None:
+            self._ema, self._ema_weight = torch.zeros_like(ce), torch.zeros_like(ce)
+        finite, b = torch.isfinite(ce), self.ema_beta
+        self._ema = torch.where(finite, b * self._ema + (1 - b) * ce, self._ema)
+        self._ema_weight = torch.where(finite, b * self._ema_weight + (1 - b), self._ema_weight)
 
     def ema(self) -> float | None:
-        """The bias-corrected loss EMA (a host sync: call at log steps only)."""
-        if self._ema is None:
+        """The bias-corrected loss EMA (a host sync: call at log steps only); None before a finite loss."""
+        if self._ema is None or float(self._ema_weight) == 0:
             return None
-        return float(self._ema) / (1 - self.ema_beta ** self._ema_count)
+        return float(self._ema) / float(self._ema_weight)
 
     def check_gate(self, next_step: int) -> None:
         p = self.plan
@@ -142,13 +145,16 @@ class Curriculum:
     def state_dict(self) -> dict:
         return {"mod_active": self.mod_active, "mor_active": self.mor_active, "mor_ramp": self.mor_ramp,
                 "gate_open": self.gate_open,
-                "ema_biased": None if self._ema is None else float(self._ema), "ema_count": self._ema_count}
+                "ema_biased": None if self._ema is None else float(self._ema),
+                "ema_weight": None if self._ema is None else float(self._ema_weight)}
 
     def load_state_dict(self, state: dict, device: torch.device | str = "cpu") -> None:
         self.mod_active = bool(state["mod_active"])
         self.mor_active = bool(state["mor_active"])
         self.gate_open = bool(state["gate_open"])
         ema = state["ema_biased"]
+        # Checkpoints before "ema_weight" counted every step: the weight of that many.
+        weight = state.get("ema_weight", 1 - self.ema_beta ** int(state.get("ema_count", 0)))
         self._ema = None if ema is None else torch.tensor(ema, dtype=torch.float32, device=device)
-        self._ema_count = int(state["ema_count"])
+        self._ema_weight = None if ema is None else torch.tensor(weight, dtype=torch.float32, device=device)
         self._applied = None

@@ -147,6 +147,8 @@ def roll_back_to(t, good) -> None:
 
 def continue_after_switch(t) -> bool:
     """An optimization was switched off: go on from the last good checkpoint (True), or from here without one."""
+    if t.saver is not None:
+        t.saver.finish()  # a pending save was checked before it started: the newest good checkpoint
     good = last_good_checkpoint(t)
     if good is not None:
         roll_back_to(t, good)

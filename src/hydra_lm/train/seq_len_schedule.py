@@ -14,6 +14,7 @@ that torch.compile's cache holds every shape.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MAX_STAGES = 4
@@ -34,7 +35,8 @@ class SeqLenSchedule:
                 raise ValueError(f"seq_len_schedule={text!r}: write LENGTH:START_FRACTION pairs separated by commas, "
                                  "e.g. 512:0,1024:0.3,2048:0.7") from None
         starts = [s for _, s in stages]
-        if not stages or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= 1:
+        if not stages or not all(math.isfinite(s) for s in starts) or starts[0] != 0 or \
+                any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= 1:
             raise ValueError(f"seq_len_schedule={text!r}: the first stage must start at 0 and the starts must increase "
                              "and stay below 1")
         if any(length < 1 for length, _ in stages):

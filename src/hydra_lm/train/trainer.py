@@ -266,6 +266,8 @@ class Trainer:
                 if not stopping and handle_divergence(self):
                     now = self.clock.position(self.step)
                     continue
+                if self.saver is not None:
+                    self.saver.finish()  # a pending save was checked before it started: it is good
                 return 1
             if due.log:
                 # An optimization switched off: from the last good checkpoint, or on from here (this step's
