@@ -67,6 +67,11 @@ def prepare(corpus: Path, out: Path, vocab_size: int = 300) -> Path:
     return out
 
 
+def compare(data: Path, out: Path, *extra: str) -> int:
+    """``hydra-lm compare`` of the tiny model on ``data`` into ``out``."""
+    return main(["compare", "--data", str(data), "--out", str(out), *TINY_RUN, "--log_every", "2", *extra])
+
+
 def records(run_dir: Path, kind: str | None = None) -> list[dict]:
     out = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return [r for r in out if kind is None or r.get("kind") == kind]
