@@ -402,3 +402,10 @@ def test_a_stalled_step_leaves_every_threads_stack_in_the_log_and_the_run_goes_o
 def test_a_negative_stall_dump_is_refused(tiny_data, tmp_path, capsys):
     assert train(tiny_data, tmp_path / "run", "--stall_dump_s", "-1") == 2
     assert "stall_dump_s=-1.0 must be >= 0" in capsys.readouterr().err
+
+
+def test_row_groups_that_do_not_divide_the_batch_are_refused(tiny_data, tmp_path, capsys):
+    assert train(tiny_data, tmp_path / "run", "--batch_size", "4", "--model.topk_over", "causal",
+                 "--model.topk_groups", "3") == 2
+    err = capsys.readouterr().err
+    assert "topk_groups=3 pools the batch's rows in equal groups: it must divide batch_size=4" in err

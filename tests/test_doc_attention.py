@@ -115,6 +115,31 @@ def test_model_gives_the_same_loss_and_gradients_with_flex(overrides, flex_backw
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=0, atol=1e-10, msg=name)
 
 
+def test_units_compiled_at_dynamic_token_counts_take_the_dense_mask_with_flex(monkeypatch):
+    """Evaluation's compiled units (dynamic token counts, where torch 2.11 failed to lower flex on CUDA) get the
+    dense mask of their entries' documents from a flex model: the sdpa model's logits, and no flex call."""
+    from hydra_lm.model.block import run_unit
+
+    calls, masks = [], []
+    flex = da._flex_doc_attention
+    monkeypatch.setattr(da, "_flex_doc_attention", lambda q, k, v, doc: calls.append(1) or flex(q, k, v, doc))
+
+    def unit(layers, xc, rec, pos, rope, caches, valid, doc, weight):  # stands in for the compiled run_unit
+        masks.append(doc is not None and doc.mask is not None)
+        return run_unit(layers, xc, rec, pos, rope, caches, valid, doc, weight)
+
+    ids = torch.randint(0, TINY["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(5))
+    doc = torch.tensor([[0] * 13 + [1] * 20 + [2] * 15, [0] * 40 + [1] * 8])
+    models = {b: tiny_model(doc_mask_backend=b).double().eval() for b in ("sdpa", "flex")}
+    for block in models["flex"].blocks:
+        block.compiled_unit = unit
+    with torch.no_grad():
+        for mode in ("causal", "topk"):
+            want = models["sdpa"](ids, doc_ids=doc, routing=mode)["logits"]
+            torch.testing.assert_close(models["flex"](ids, doc_ids=doc, routing=mode)["logits"], want)
+    assert masks and all(masks) and not calls
+
+
 def test_flex_gets_the_autocast_dtype_like_sdpa(monkeypatch):
     seen = []
     flex = da._flex_doc_attention

@@ -1,5 +1,7 @@
 """Behaviour of the model: causality, routing, gradients, sharing, MoE, outputs (decoding: test_model_decode.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -173,6 +175,27 @@ def test_curriculum_switches_routing_off_and_on():
     for h in hooks:
         h.remove()
     assert [n for _, n in sizes] == [40, 20, 10] + [20, 10, 5] * 2 and float(out["aux_loss"]) > 0
+
+
+def test_with_mod_off_each_depth_keeps_its_share_of_the_whole_row_in_training_and_in_causal_routing():
+    """MoD switched off by the curriculum: the row enters the routed blocks whole and each MoR depth keeps
+    mor_capacity of the previous depth's tokens in top-k training, as the causal capacities and the trainer's
+    FLOP count (a config without MoD) have it; with MoR off every depth runs the block's entries."""
+    from hydra_lm.model.accounting import unit_token_counts
+
+    model = tiny_model(mod_capacity=0.5, mor_capacity=0.5).train()
+    model.set_curriculum(mod_active=False)
+    sizes, hooks = _record_unit_sizes(model)
+    model(_ids(2, 40))
+    for h in hooks:
+        h.remove()
+    assert [n for _, n in sizes] == [40, 20, 10] * 3
+    without_mod = [k for _, _, k in unit_token_counts(dataclasses.replace(model.config, mod_enabled=False), 40)]
+    assert without_mod == [40, 20, 10] * 3
+    block = model.blocks[1]
+    assert block.depth_capacities()[1:] == [0.5, 0.5] and block.fractions() == [1.0, 0.5, 0.25]
+    model.set_curriculum(mod_active=True, mor_active=False)
+    assert block.tokens_per_depth(40) == [20, 20, 20]
 
 
 def test_causal_mode_routes_the_first_candidates_of_a_row_by_threshold():

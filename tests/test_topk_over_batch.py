@@ -3,6 +3,7 @@ rows * k highest logits, and the block runs the chosen entries of all rows as on
 as documents. (The compiled block graphs: tests/test_compile.py.)"""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -17,17 +18,17 @@ ROW_SELECT = ExpertChoiceRouter.select
 
 
 def masked_batch_select(self, x, valid, k, mode, row_len, depth=0, decision=None, state=None, capacity=None,
-                        doc=None, pos=None):
-    """The reference: the batch's rows * k highest logits among the valid candidates, every row keeping all of
-    its entries with the unchosen ones masked behind the chosen (as causal evaluation runs its units), so no
-    entry of one row ever meets another row's."""
+                        doc=None, pos=None, groups=1):
+    """The reference: the rows * k highest logits of each of ``groups`` equal groups of the batch's rows among
+    the valid candidates, every row keeping all of its entries with the unchosen ones masked behind the chosen
+    (as causal evaluation runs its units), so no entry of one row ever meets another row's."""
     if mode != "topk":
         return ROW_SELECT(self, x, valid, k, mode, row_len, depth, decision, state, capacity, doc, pos)
     r = self.logits(x.detach())
     v = torch.ones_like(r, dtype=torch.bool) if valid is None else valid
     masked = r.detach().masked_fill(~v, float("-inf"))
-    flat = torch.zeros(masked.numel(), dtype=torch.bool)
-    flat[torch.topk(masked.reshape(-1), k * r.shape[0]).indices] = True
+    flat = torch.zeros(groups, masked.numel() // groups, dtype=torch.bool)
+    flat.scatter_(1, torch.topk(masked.reshape(groups, -1), k * r.shape[0] // groups).indices, True)
     chosen = flat.view_as(masked)
     boundary = self.calibrate(masked, k)[0] if self.training else routing.topk_boundary(masked, k)
     w = v.to(r.dtype)
@@ -46,24 +47,27 @@ def _batch(seed, b=4, t=32):
 LAYOUTS = [{}, {"mod_every": 2, "mod_capacity": 0.25}, {"mor_routing": "token"}, {"recursions": 1}]
 
 
+@pytest.mark.parametrize("groups", [1, 2], ids=["whole_batch", "two_groups"])
 @pytest.mark.parametrize("overrides", LAYOUTS, ids=["every_block", "every_2nd", "token_choice_mor", "mod_only"])
 @pytest.mark.parametrize("with_docs", [False, True], ids=["rows", "documents"])
-def test_batch_topk_trains_like_the_masked_reference(overrides, with_docs):
+def test_batch_topk_trains_like_the_masked_reference(overrides, with_docs, groups):
     """Losses, every gradient and every calibrated threshold equal the masked reference's over two training
-    steps' forwards (float64), with and without documents packed in the rows."""
-    model = tiny_model(topk_over="batch", **overrides).double().train()
+    steps' forwards (float64), with and without documents packed in the rows, the batch's four rows pooled as
+    one group or as two (``topk_groups``)."""
+    model = tiny_model(topk_over="batch", topk_groups=groups, **overrides).double().train()
     reference = tiny_model(topk_over="row", **overrides).double().train()
     doc = torch.tensor([[0] * 20 + [1] * 12, [0] * 32, [0] * 5 + [1] * 27, [0] * 32]) if with_docs else None
     ids, targets = _batch(1)
     with torch.no_grad():  # the batch's choice is not the rows' (else this test would prove nothing)
         rows = tiny_model(topk_over="row", **overrides).double().train()(ids, targets=targets, doc_ids=doc)
-        batch = tiny_model(topk_over="batch", **overrides).double().train()(ids, targets=targets, doc_ids=doc)
+        batch = tiny_model(topk_over="batch", topk_groups=groups, **overrides).double().train()(
+            ids, targets=targets, doc_ids=doc)
     assert abs(float(rows["ce_loss"] - batch["ce_loss"])) > 1e-6
     for seed in (1, 2):
         ids, targets = _batch(seed)
         out = model(ids, targets=targets, doc_ids=doc)
         out["loss"].backward()
-        ExpertChoiceRouter.select = masked_batch_select
+        ExpertChoiceRouter.select = functools.partialmethod(masked_batch_select, groups=groups)
         try:
             ref = reference(ids, targets=targets, doc_ids=doc)
         finally:
@@ -97,6 +101,41 @@ def test_the_batch_choice_lets_rows_counts_vary():
     row = ExpertChoiceRouter(dim=3, depth=0).eval()
     row.load_state_dict(router.state_dict())
     assert row.select(x, None, 2, "topk", 8).order.shape == (3, 2)  # each row's top-k
+
+
+def test_groups_pool_their_own_rows_and_a_batch_they_do_not_divide_is_refused():
+    """``topk_groups``: each group's rows * k highest logits, laid end to end as one row per group; a batch
+    of fewer rows than groups keeps its rows; one the groups do not divide gets an error naming the fix; the
+    rows' own top-k takes no groups."""
+    torch.manual_seed(0)
+    router = ExpertChoiceRouter(dim=3, depth=0, over_batch=True, groups=2).eval()
+    x = torch.randn(4, 8, 3)
+    x[0] += 2.0 * torch.sign(router.proj.weight[0])  # row 0's logits run high: group 0 gives it more than k
+    sel = router.select(x, None, 2, "topk", 8)
+    r = router.logits(x).reshape(2, -1)
+    assert sel.order.shape == (2, 4)
+    for g in range(2):
+        assert set(sel.order[g].tolist()) == set(torch.topk(r[g], 4).indices.tolist())
+    assert int((sel.order[0] < 8).sum()) > 2
+    assert router.select(x[:1], None, 2, "topk", 8).order.shape == (1, 2)
+    with pytest.raises(ValueError, match="topk_groups=2 .* 3 rows"):
+        router.select(x[:3], None, 2, "topk", 8)
+    with pytest.raises(ValueError, match="topk_groups"):
+        tiny_model(topk_groups=2)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_inactive_routers_report_their_share_of_the_rows_after_a_top_k_over_the_batch(groups):
+    """MoR off: its routers pass every entry through, and their executed share is that of the block's entries
+    per row (the MoD capacity), as with each row's top-k, not multiplied by the rows laid end to end."""
+    shares = {}
+    for over in ("row", "batch"):
+        model = tiny_model(topk_over=over, topk_groups=groups if over == "batch" else 1).train()
+        model.set_curriculum(mor_active=False)
+        stats = model(_batch(1)[0])["routing_stats"][:, 0]
+        shares[over] = dict(zip(model.router_names(), stats.tolist()))
+    assert shares["batch"] == pytest.approx(shares["row"])
+    assert any(".mor" in name and share == pytest.approx(0.5) for name, share in shares["batch"].items())
 
 
 def test_causal_routing_and_one_row_batches_are_the_rows_own():

@@ -95,13 +95,9 @@ class _TakeRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows, grad_stream):
+        # Autograd hands zeros for an output that reached no loss (materialize_grads), never None.
         (order,) = ctx.saved_tensors
-        if grad_stream is None:
-            return None, None
-        index = _row_index(order, grad_stream.shape[-1])
-        if grad_rows is None:  # the rows reached no loss: their gradient is zero
-            return grad_stream.scatter(1, index, 0.0), None
-        return grad_stream.scatter(1, index, grad_rows), None
+        return grad_stream.scatter(1, _row_index(order, grad_stream.shape[-1]), grad_rows), None
 
 
 class _PutRows(torch.autograd.Function):
@@ -160,7 +156,11 @@ def _run_compiled_unit(unit, layers, xc, rec, pos, rope, valid, doc, weight):
     schedule, e.g. the 100M preset's 128/16/2/1) would make Dynamo compile the unit again, forward and
     backward, for that size alone (it specialises sizes 0 and 1): a copy of each row's entry follows it
     instead, and only the first entry's result is kept. Causal attention, convs and value shift never let
-    an entry read a later one, so the kept result is the unpadded one and the copy's gradient is zero."""
+    an entry read a later one, so the kept result is the unpadded one and the copy's gradient is zero.
+    Flex's documents (no mask) attend through the dense mask here: torch 2.11 failed to lower flex at these
+    dynamic token counts (doc_attention's module docstring)."""
+    if doc is not None and doc.mask is None:
+        doc = documents_for(doc.ids, "sdpa", 0, xc.dtype)
     if xc.shape[1] != 1:
         return unit(layers, xc, rec, pos, rope, None, valid, doc, weight)
 
@@ -221,11 +221,16 @@ class RecursiveBlock(nn.Module):
 
     # ------------------------------------------------------------------ static bookkeeping
     def fractions(self) -> list[float]:
-        """Fraction of the row each depth runs on now: the configured ones, moved by the MoR ramp."""
+        """Fraction of the row each depth runs on now: the configured ones, moved by the MoR ramp. With MoR off
+        every depth runs the block's entries; with MoD off the row enters whole and each depth keeps its share
+        of the previous depth's tokens, as the causal capacities and the trainer's FLOP count have it."""
         entry = self.depth_fractions[0]
-        if self.mor_ramp == 1.0:
-            return list(self.depth_fractions)
-        return [entry] + [entry + self.mor_ramp * (frac - entry) for frac in self.depth_fractions[1:]]
+        fractions = list(self.depth_fractions)
+        if not self.mor_active:
+            fractions = [entry] * len(fractions)
+        elif self.mor_ramp != 1.0:
+            fractions = [entry] + [entry + self.mor_ramp * (frac - entry) for frac in fractions[1:]]
+        return fractions if self.mod_active else [frac / entry for frac in fractions]
 
     def tokens_per_depth(self, seq_len: int) -> list[int]:
         """Tokens per row that each depth runs on in top-k mode (token-choice depths: an upper bound)."""
@@ -295,12 +300,12 @@ class RecursiveBlock(nn.Module):
         # One view per depth from one op: backward stacks the depths' gradients once, where indexing per
         # depth would write each into a zeroed [R, E] tensor and add the R of them.
         recs = None if self.rec_emb is None else self.rec_emb.unbind(0)
-        rows = 1  # rows laid end to end in each entry row: x.shape[0] after a top-k over the batch
+        rows = 1  # rows laid end to end in each entry row: x.shape[0] // topk_groups after a top-k over the batch
         for j in range(self.recursions):
             router, sel = gates.get(j), None
             ids = None if doc is None else doc.ids
             if router is not None and not self._active(router):
-                sel = pass_through(xc, vc, seq_len)
+                sel = pass_through(xc, vc, seq_len * rows)
             elif router is not None:
                 state = None if caches is None else caches[j][0].route
                 capacity = None if capacities is None else capacities[j]
@@ -318,14 +323,15 @@ class RecursiveBlock(nn.Module):
                     sel = _admitted_prefix(sel)
                 if sel.order is not None:
                     shape = None
-                    if sel.order.shape[0] < xc.shape[0]:  # a top-k over the batch: its rows as one row
-                        shape, rows = xc.shape, xc.shape[0] * rows
-                        ids = _rows_apart(ids, xc.shape[0], xc.shape[1], xc.device).gather(1, sel.order)
+                    if sel.order.shape[0] < xc.shape[0]:  # a top-k over the batch: each group's rows as one row
+                        groups = sel.order.shape[0]
+                        shape, rows = xc.shape, xc.shape[0] // groups * rows
+                        ids = _rows_apart(ids, xc.shape[0], xc.shape[1], xc.device).reshape(groups, -1)
+                        ids = ids.gather(1, sel.order)
                         doc = documents_for(ids, *self.doc_layout, xc.dtype) if doc is None else \
                             documents(ids, None if doc.mask is None else doc.mask.dtype)
-                        xc, pc = xc.reshape(1, -1, xc.shape[-1]), pc.reshape(1, -1)
-                        vc = None if vc is None else vc.reshape(1, -1)
-                        decision = None if decision is None else decision.reshape(1, -1, decision.shape[-1])
+                        xc, pc = xc.reshape(groups, -1, xc.shape[-1]), pc.reshape(groups, -1)
+                        vc = None if vc is None else vc.reshape(groups, -1)
                     elif doc is not None:
                         doc = doc.gather(sel.order)
                     entries, stream = _TakeRows.apply(xc, sel.order)

@@ -15,11 +15,13 @@ Two ways to compute the same function, chosen per model by ``HydraConfig.doc_mas
   crashed ("operation not supported on global/shared address space"), like upstream issues
   pytorch/pytorch#175545 and #172225. Fused when compiled (traced with the model, or compiled on its
   own on CUDA); eager CPU code runs flex unfused, which materialises the scores.
-* ``"auto"`` (default): the dense mask. Flex is exact and 3-6% faster for a whole training step of the
-  100M models on an H100 (benchmarks/BENCHMARKS.md, seventeenth session), but in the trainer's GPU test
-  (a tiny model with heads of 16 dimensions, compiled units, whole-step CUDA graphs) torch 2.11
-  failed to lower it ("convert FlexibleLayout to FixedLayout first"; one head in the eighteenth session,
-  two heads in the nineteenth), so it stays opt-in until that is understood.
+* ``"auto"`` (default): the dense mask. Flex is exact and faster: 3-6% for a whole training step of the
+  100M models on an H100 (benchmarks/BENCHMARKS.md, seventeenth session), 4.2% of the trainer's tokens/s at
+  100M on an H200 (sixty-first). But torch 2.11 failed to lower it inside units compiled with dynamic token
+  counts: in the trainer's GPU test (a tiny model with heads of 16 dimensions; eighteenth and nineteenth
+  sessions) and at the 100M preset's first evaluation (sixty-first). Such units (evaluation's, a MoR ramp's)
+  now take the dense mask (``block.RecursiveBlock.route_and_run``); flex stays opt-in until the trainer's
+  GPU test passes on a device.
 
 A routed unit (MoD/MoR) attends over a compacted subset of the row; its ``doc`` is the documents of
 the entries present, in their order, so "causal" is over the compacted index.

@@ -137,7 +137,7 @@ class ExpertChoiceRouter(Router):
     gates_entries = True
 
     def __init__(self, dim: int, depth: int, gate_scale: float = 1.0, over_batch: bool = False,
-                 causal_choice: bool = False):
+                 causal_choice: bool = False, groups: int = 1):
         super().__init__()
         self.causal_choice = causal_choice
         self.depths = (depth,)
@@ -145,6 +145,8 @@ class ExpertChoiceRouter(Router):
         # batch's rows laid end to end ([1, rows * k]), and the block runs the units on them as one row.
         # ``causal_choice`` ("causal"): that top-k ranks the causal rule's admissions first.
         self.over_batch = over_batch
+        # ... of each of ``groups`` groups of the rows instead (HydraConfig.topk_groups): [groups, rows * k / groups].
+        self.groups = groups
         self.kind = "mod" if depth == 0 else "mor"
         # A tensor, not a Python float: a compiled selection would guard on the float's value and compile
         # the MoD routers (scale 1) and the MoR routers apart. Fixed by the config, so not saved.
@@ -152,6 +154,13 @@ class ExpertChoiceRouter(Router):
         self.proj = nn.Linear(dim, 1)
         self.register_buffer("threshold_sum", torch.zeros((), dtype=torch.float32))
         self.register_buffer("threshold_weight", torch.zeros((), dtype=torch.float32))
+
+    def _groups_of(self, rows: int) -> int:
+        groups = min(self.groups, rows)
+        if rows % groups:
+            raise ValueError(f"topk_groups={self.groups} pools the batch's rows in equal groups: a batch of {rows} "
+                             "rows does not split so; use a batch size that it divides, or another topk_groups")
+        return groups
 
     def threshold(self) -> torch.Tensor:
         w = self.threshold_weight
@@ -245,8 +254,10 @@ class ExpertChoiceRouter(Router):
             if self.causal_choice:  # the rule's admissions above every other logit, in their own order
                 admits = rank_admits(r_fixed, None, k / x.shape[1], self.threshold(), doc)
                 key = torch.where(admits, r_fixed + (r_fixed.amax() - r_fixed.amin() + 1), r_fixed)
-            # Over the batch: the rows laid end to end as one, so the order is [1, rows * k] into them.
-            ranked = key.reshape(1, -1) if self.over_batch else key
+            # Over the batch: each group's rows laid end to end as one, so the order is [groups, rows * k / groups]
+            # into them. A deeper router finds them pooled already ([groups, ...]); a batch of fewer rows than
+            # groups keeps its rows.
+            ranked = key.reshape(self._groups_of(key.shape[0]), -1) if self.over_batch else key
             top = torch.topk(ranked, k * r.shape[0] // ranked.shape[0], dim=1, sorted=False).indices
             order = torch.sort(top, dim=1).values
             chosen = torch.zeros_like(ranked).scatter_(1, order, 1.0).view_as(r_fixed)
@@ -476,6 +487,6 @@ def build_routers(cfg: HydraConfig, dim: int, fractions: list[float]) -> tuple[n
         if frac < (1.0 if j == 0 else fractions[j - 1]) - 1e-9 and (j == 0 or not token_choice):
             routers[str(j)] = ExpertChoiceRouter(dim, j, 1.0 if j == 0 else cfg.mor_gate_scale,
                                                  over_batch=cfg.topk_over in ("batch", "causal"),
-                                                 causal_choice=cfg.topk_over == "causal")
+                                                 causal_choice=cfg.topk_over == "causal", groups=cfg.topk_groups)
     depth_router = TokenChoiceRouter(dim, len(fractions)) if token_choice and len(fractions) > 1 else None
     return routers, depth_router

@@ -126,6 +126,9 @@ def build_model_config(cfg: TrainConfig, data: DataInfo) -> HydraConfig:
                          f"({data.vocab_size} in {data.path}): token ids would be out of range")
     if model_cfg.max_seq_len < cfg.seq_len:
         raise ValueError(f"model max_seq_len={model_cfg.max_seq_len} is below seq_len={cfg.seq_len}")
+    if cfg.batch_size % model_cfg.topk_groups:
+        raise ValueError(f"model topk_groups={model_cfg.topk_groups} pools the batch's rows in equal groups: it must "
+                         f"divide batch_size={cfg.batch_size}")
     return model_cfg
 
 
