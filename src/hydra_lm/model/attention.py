@@ -87,6 +87,12 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: Docum
     """Causal attention over the whole (compacted) row; with ``doc``, the entries' documents, only within
     a document. ``backend``: ``HydraConfig.attention_backend``."""
     if doc is None:
+        device = q.device.type
+        if backend not in ("auto", "sdpa") and torch.is_autocast_enabled(device):
+            # SDPA casts to the autocast dtype itself; the packages do not (flash-attn takes only fp16 / bf16,
+            # xFormers one dtype for all three), and CCGQA's q/k leave the fp32 norms in fp32.
+            dtype = torch.get_autocast_dtype(device)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         return flexible_attention(q, k, v, is_causal=True, backend=backend)
     return doc_causal_attention(q, k, v, doc)
 
