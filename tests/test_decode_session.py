@@ -102,6 +102,23 @@ def test_calls_inside_and_outside_inference_mode_keep_separate_sessions():
     assert torch.equal(inside, outside) and len(model._decode_sessions) == 2
 
 
+def test_a_model_made_under_inference_mode_decodes_with_a_new_session_each_call():
+    """Parameters created or loaded under ``torch.inference_mode()`` are inference tensors: they keep no version, so
+    an in-place change (a state dict loaded in inference mode) cannot be seen. Such a model decodes, inside inference
+    mode and out, with a session built for the call, never a kept one."""
+    model = _model()
+    with torch.inference_mode():
+        twin = copy.deepcopy(model)
+    assert all(p.is_inference() for p in twin.parameters())
+    prompt = _prompt(2, 5, 0)
+    want = model.generate(prompt, max_new_tokens=4)
+    with torch.inference_mode():
+        inside = twin.generate(prompt, max_new_tokens=4)
+        first = _sessions(twin)[0]
+        assert torch.equal(twin.generate(prompt, max_new_tokens=4), want) and _sessions(twin)[0] is not first
+    assert torch.equal(inside, want) and torch.equal(twin.generate(prompt, max_new_tokens=4), want)
+
+
 def test_sessions_are_bounded_released_and_never_copied(monkeypatch):
     """At most SESSIONS_KEPT sessions, the least recently used dropped first; release_decode_state frees them; a
     deep copy of the model carries none (it decodes with its own); an error inside a call drops its session."""

@@ -12,6 +12,8 @@ import torch.nn.attention.flex_attention as flex_module
 import torch.nn.functional as F
 
 from hydra_lm.model import doc_attention as da
+from hydra_lm.model.attention import CCGQAttention, GQAttention
+from hydra_lm.model.layers import RotaryEmbedding
 
 from support import TINY, tiny_model
 
@@ -175,3 +177,16 @@ def test_the_dense_mask_is_built_once_per_set_of_entries(overrides, monkeypatch)
     for m, d in zip(masks.values(), built):  # each mask allows what dense_doc_mask of its entries allows
         torch.testing.assert_close(m == 0, dense_doc_mask(d), rtol=0, atol=0)
         assert m.dtype == torch.float32 and torch.isneginf(m[m != 0]).all()
+
+
+@pytest.mark.parametrize("kind", ["ccgqa", "gqa"])
+def test_a_cached_forward_takes_no_documents(kind):
+    # A cache holds one sequence: CCGQA's conv / value-shift state would not follow the documents, and the cached
+    # attention would attend across them.
+    attn = CCGQAttention(64, 2, 1, 32) if kind == "ccgqa" else GQAttention(64, 2, 1, 32)
+    x, pos = torch.randn(1, 4, 64), torch.arange(4)[None]
+    cache = attn.new_cache(1, 16, "cpu", torch.float32)
+    doc = da.documents(torch.tensor([[0, 0, 1, 1]]), torch.float32)
+    with pytest.raises(ValueError, match="takes no documents"):
+        attn(x, pos, RotaryEmbedding(32, 16), cache, None, doc)
+    assert not cache.slot_valid.any()

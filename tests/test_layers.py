@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hydra_lm.model import attention_backend, layers
+from hydra_lm.model import attention, attention_backend, layers
 from hydra_lm.train.memory_estimate import compute_memory_footprint
 from hydra_lm.model.attention import CCGQAttention, GQAttention, set_attention_backend
 from support import tiny_model
@@ -66,6 +66,25 @@ def test_set_attention_backend_switches_a_built_model_and_its_config_together():
     with pytest.raises(ValueError, match="attention_backend='magic': must be one of"):
         set_attention_backend(model, "magic")
     assert model.config.attention_backend == "sdpa"  # a refused name changes nothing
+
+
+@pytest.mark.parametrize("overrides", [{}, {"arch": "dense", "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}],
+                         ids=["ccgqa", "gqa"])
+def test_the_packages_get_q_k_v_in_the_autocast_dtype(overrides, monkeypatch):
+    # Under CUDA autocast CCGQA's q and k leave the fp32 norms in fp32 while v is bf16: SDPA casts them itself, but
+    # flash-attn takes only fp16 / bf16 and xFormers one dtype for all three. CPU autocast keeps rms_norm in its
+    # input's dtype: patched to run in fp32 as CUDA autocast runs it.
+    rms_norm = F.rms_norm
+    monkeypatch.setattr(F, "rms_norm", lambda x, shape, weight=None, eps=None: rms_norm(
+        x.float(), shape, None if weight is None else weight.float(), eps))
+    seen = []
+    flexible = attention.flexible_attention
+    monkeypatch.setattr(attention, "flexible_attention",
+                        lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or flexible(q, k, v, **kw))
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        tiny_model(attention_backend="flash", **overrides).eval()(ids)
+    assert seen and all(dtypes == (torch.bfloat16,) * 3 for dtypes in seen)
 
 
 def test_gradient_checkpoint_mixin_and_memory_footprint():

@@ -4,7 +4,7 @@ Both modules take a (possibly compacted) sequence ``x`` [B, N, E] with the ORIGI
 every entry, ``pos`` [B, N]. Two ways to run:
 
 * full: causal attention over the N entries (training, evaluation);
-* cached (``cache`` given): the N entries are new tokens appended to a per-layer cache. ``valid``
+* cached (``cache`` given, no documents): the N entries are new tokens appended to a per-layer cache. ``valid``
   [B, N] marks which entries really are tokens of this unit; valid entries come first in every row
   (the router orders them so). Invalid entries are computed but never stored as valid, never
   attended to by valid ones and never advance the conv / value-shift state.
@@ -82,11 +82,24 @@ def _same_doc(doc: torch.Tensor, s: int) -> torch.Tensor:
     return doc == (doc if s == 0 else F.pad(doc, (s, 0), value=-1)[:, : doc.shape[1]])
 
 
+def _no_documents(cache: AttentionCache | None, doc: Documents | None) -> None:
+    # No caller passes both: a cache holds one sequence, so CCGQA's conv / value-shift state would run on across
+    # the documents' boundaries and the cached attention would attend across them.
+    if cache is not None and doc is not None:
+        raise ValueError("attention: a forward with a KV cache (a decode step or prefill) takes no documents (doc)")
+
+
 def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: Documents | None,
                    backend: str = "auto") -> torch.Tensor:
     """Causal attention over the whole (compacted) row; with ``doc``, the entries' documents, only within
     a document. ``backend``: ``HydraConfig.attention_backend``."""
     if doc is None:
+        device = q.device.type
+        if backend not in ("auto", "sdpa") and torch.is_autocast_enabled(device):
+            # SDPA casts to the autocast dtype itself; the packages do not (flash-attn takes only fp16 / bf16,
+            # xFormers one dtype for all three), and CCGQA's q/k leave the fp32 norms in fp32.
+            dtype = torch.get_autocast_dtype(device)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         return flexible_attention(q, k, v, is_causal=True, backend=backend)
     return doc_causal_attention(q, k, v, doc)
 
@@ -165,8 +178,9 @@ class CCGQAttention(nn.Module):
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding,
                 cache: AttentionCache | None = None, valid: torch.Tensor | None = None,
                 doc: Documents | None = None) -> torch.Tensor:
+        _no_documents(cache, doc)
         b, n, _ = x.shape
-        if cache is not None and n == 1 and doc is None and self._runs_decode_kernel(x):
+        if cache is not None and n == 1 and self._runs_decode_kernel(x):
             from ..kernels.ccgqa_decode import ccgqa_decode  # imports Triton: only where the kernel runs
 
             return self.out(ccgqa_decode(self, x, pos, rope, cache, valid))
@@ -178,7 +192,7 @@ class CCGQAttention(nn.Module):
 
         # The convs read the cached latents (decode) or zeros (a sequence start); computed before
         # the cache is advanced below.
-        history = cache.conv.to(qk.dtype) if cache is not None and doc is None else None
+        history = cache.conv.to(qk.dtype) if cache is not None else None
         conv = self.causal_convs(qk, history, ids)
         if ids is not None:
             if self.value_shift:
@@ -292,6 +306,7 @@ class GQAttention(nn.Module):
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RotaryEmbedding,
                 cache: AttentionCache | None = None, valid: torch.Tensor | None = None,
                 doc: Documents | None = None) -> torch.Tensor:
+        _no_documents(cache, doc)
         b, n, _ = x.shape
         q, k, v = self.qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         cos, sin = rope(pos, q.dtype)

@@ -7,8 +7,8 @@ step and a capture before its second token, and a prefill launched kernel by ker
 about 94 ms a call for the 100M preset at batch 1 and 32 against 46 ms for 128 new tokens at batch 1
 (benchmarks/BENCHMARKS.md, forty-sixth session). A session is built once per (batch, cache length, device,
 settings) and kept while the model's weights, buffers, routing curriculum and config stay as they were
-(``fingerprint``); anything else builds a new one. A model keeps its ``SESSIONS_KEPT`` most recent sessions
-(``HydraModel.release_decode_state`` frees them).
+(``fingerprint``); anything else builds a new one, as does every call of a model whose weights are inference tensors.
+A model keeps its ``SESSIONS_KEPT`` most recent sessions (``HydraModel.release_decode_state`` frees them).
 
 The prefill graph: a prompt of T tokens is padded to its bucket (the next power of two, at least
 ``MIN_PREFILL_BUCKET``, at most the cache) with the padded entries marked invalid, which prefills exactly as the
@@ -49,8 +49,11 @@ def fingerprint(model) -> tuple:
     """What a session's step and graphs were built from: every parameter's and buffer's storage and version
     (an optimizer step, ``load_state_dict`` or ``.to()`` changes one), the blocks' routing curriculum and the
     config. A write through ``.data`` changes neither storage nor version: after one, call
-    ``HydraModel.release_decode_state()`` (the step's cast weight copies would otherwise be stale)."""
-    tensors = tuple((t.data_ptr(), t._version) for t in itertools.chain(model.parameters(), model.buffers()))
+    ``HydraModel.release_decode_state()`` (the step's cast weight copies would otherwise be stale). An inference
+    tensor (created or loaded under ``torch.inference_mode()``) keeps no version and may have been written in place
+    unseen: a model with one matches no earlier fingerprint, so each call builds its session afresh."""
+    tensors = tuple((t.data_ptr(), object() if t.is_inference() else t._version)
+                    for t in itertools.chain(model.parameters(), model.buffers()))
     curriculum = tuple((b.mod_active, b.mor_active, b.mor_ramp) for b in model.blocks)
     return tensors, curriculum, repr(model.config)
 

@@ -357,14 +357,15 @@ class DecodeStep:
         return torch.autocast(self.device.type, dtype=dtype, enabled=enabled, cache_enabled=False)
 
     def _run_all(self) -> None:
-        side = torch.cuda.Stream() if self.graphed else None
+        # On the model's device, whichever is current: a stream of another device would order nothing here.
+        side = torch.cuda.Stream(self.device) if self.graphed else None
         if side is not None:  # warm-up away from the default stream, as a later capture requires
-            side.wait_stream(torch.cuda.current_stream())
+            side.wait_stream(torch.cuda.current_stream(self.device))
         with (torch.cuda.stream(side) if side is not None else nullcontext()), self.autocast():
             for op in self._ops:
                 op.run()
         if side is not None:
-            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.current_stream(self.device).wait_stream(side)
         self._unit_calls += sum(op.unit for op in self._ops)
 
     def _run_segment(self, i: int) -> bool:
@@ -374,7 +375,7 @@ class DecodeStep:
             graph.replay()
             if flag is None:
                 return True
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.current_stream(self.device).synchronize()  # the replay's stream: the flag's copy is on it
             return bool(self._flag)
         with self.autocast():
             entered = self._run_ops(i)

@@ -332,7 +332,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         later ones reuse it. Its cache is then allocated for a power-of-two number of positions (capped at
         ``max_seq_len``), so prompts of similar length share one compilation.
 
-        The caches, the step with its graphs and (graphed and compiled) the prefill's CUDA graph per prompt-length
+        The caches, the step with its graphs and (graphed, compiled or not) the prefill's CUDA graph per prompt-length
         bucket are kept for the next call of the same (batch, cache length, settings) while the weights stay as
         they were (``decode_session``); ``release_decode_state()`` frees them.
         """
