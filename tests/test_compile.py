@@ -156,3 +156,18 @@ def test_a_mor_ramp_in_progress_trains_in_the_dynamic_unit_graph():
         torch.testing.assert_close(out["loss"], ref["loss"])
     _assert_same_gradients(model, reference)
     assert compiled_graphs(run_block) == 0 and compiled_graphs(run_unit) == 1
+
+
+def test_compiled_moe_blocks_run_off_the_grouped_gemm():
+    """Off CUDA's bf16 grouped GEMM the experts run as a loop that reads their slices' bounds on the host; the
+    compiled MoE blocks run it (a graph break there) and give eager's loss and gradients."""
+    torch._dynamo.reset()
+    model, reference = (tiny_model(moe=True, moe_num_layers=1, moe_num_experts=3, moe_top_k=2).train()
+                        for _ in range(2))
+    compile_units(model, backend="eager")
+    ids, targets = _batch(1)
+    out, ref = model(ids, targets=targets), reference(ids, targets=targets)
+    out["loss"].backward()
+    ref["loss"].backward()
+    torch.testing.assert_close(out["loss"], ref["loss"])
+    _assert_same_gradients(model, reference)

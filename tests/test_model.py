@@ -289,7 +289,10 @@ def test_moe_matches_a_per_token_reference():
                 up = h[b, t] @ moe.w_gate_up[ex]
                 a, u = up.chunk(2)
                 ref[b, t] += gate * ((torch.nn.functional.silu(a) * u) @ moe.w_down[ex])
-    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-12)
+    # float64 throughout, the router's softmax too: the analytic gradient is the numerical one
+    small = torch.randn(1, 3, 16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda v: moe(v)[0], small)
 
 
 # ---------------------------------------------------------------------------- outputs and API

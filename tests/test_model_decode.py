@@ -346,7 +346,8 @@ def test_generate_restores_training_mode_and_checks_inputs():
     # Sampling arguments are checked before the prefill, also when no token is to be sampled.
     for kwargs, message in ((dict(temperature=float("nan")), "temperature=nan must be a finite number"),
                             (dict(temperature=-1.0), "temperature=-1.0 must be"), (dict(top_k=2.5), "top_k=2.5"),
-                            (dict(top_k=True), "top_k=True"), (dict(top_p=5), "top_p=5 must lie in"),
+                            (dict(top_k=True), "top_k=True"), (dict(temperature=True), "temperature=True"),
+                            (dict(top_p=5), "top_p=5 must lie in"),
                             (dict(eos_token_id=TINY["vocab_size"]), "eos_token_id="),
                             (dict(eos_token_id=2.5), "eos_token_id=2.5 must be an integer")):
         for n in (0, 2):
@@ -389,3 +390,9 @@ def test_generate_stops_at_eos():
     first = model.generate(prompt, 1)[0, -1].item()
     out = model.generate(prompt, 10, eos_token_id=first)
     assert out.shape[1] == 7 and out[0, -1].item() == first
+
+
+def test_a_cache_longer_than_the_rotary_table_is_refused():
+    model = tiny_model().eval()
+    with pytest.raises(ValueError, match="cache of 129 positions is longer than the model's max_seq_len"):
+        model.init_cache(1, model.config.max_seq_len + 1)

@@ -101,3 +101,26 @@ def test_root_exports_are_lazy():
             "assert 'hydra_lm.train.optimize' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert "optimize_for_gpu" in hydra_lm.__all__
+
+
+def test_a_graphed_step_refuses_batches_whose_tensors_change(monkeypatch):
+    """A captured step replays on fixed buffers: a batch that leaves one out (doc_ids, say) would run on the previous
+    batch's; one that adds a tensor has no buffer. Both get one clear error. (GraphedStep needs CUDA: a stand-in
+    that calls the step function records what it saw.)"""
+    from hydra_lm.train import graphed_train_step as gts
+
+    class Eager:
+        def __init__(self, fn, warmup, before_capture=None):
+            self.fn, self.captured = fn, False
+
+        def __call__(self):
+            return self.fn()
+
+    monkeypatch.setattr(gts, "GraphedStep", Eager)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    step = gts.GraphedTrainStep(lambda **b: sorted(b), lambda: None, torch.device("cpu"), graph_update=False)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    assert step.micro({"input_ids": ids, "targets": ids, "doc_ids": ids}) == ["doc_ids", "input_ids", "targets"]
+    for batch in ({"input_ids": ids, "targets": ids}, {"input_ids": ids, "targets": ids, "doc_ids": ids, "x": ids}):
+        with pytest.raises(ValueError, match="every batch must hold the same tensors"):
+            step.micro(batch)

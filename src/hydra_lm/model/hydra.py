@@ -262,6 +262,9 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         """Per block, per depth, per layer: latent KV slots, conv state and value-shift state. ``dtype``
         (default: autocast's where autocast is on for the device, else the weights'): what autocast computes
         the cached values in, so storing them in it loses nothing and takes half an fp32 cache's memory."""
+        if length > self.config.max_seq_len:  # positions past the rotary table: an index error, or on CUDA garbage
+            raise ValueError(f"init_cache: a cache of {length} positions is longer than the model's max_seq_len "
+                             f"({self.config.max_seq_len}); allocate at most {self.config.max_seq_len}")
         weight = self.embed.weight
         device = torch.device(device or weight.device)
         if dtype is None:

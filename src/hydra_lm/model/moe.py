@@ -57,7 +57,9 @@ class MoEFeedForward(nn.Module):
         router_in = h
         if self.training and self.jitter > 0:
             router_in = h * torch.empty_like(h).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
-        probs = torch.softmax(self.router(router_in).float(), dim=-1)
+        # fp32 at least (bf16 router logits), fp64 kept for float64 reference models
+        logits = self.router(router_in)
+        probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         gate, expert = torch.topk(probs, self.top_k, dim=-1)  # [M, k]
         if self.top_k > 1:
             # Renormalise over the chosen experts; with k=1 keep the raw probability, otherwise the
@@ -76,5 +78,8 @@ class MoEFeedForward(nn.Module):
         g, u = up.chunk(2, dim=-1)
         ys = expert_matmul(F.silu(g) * u, self.w_down, offsets)
         ys = ys * gate.reshape(-1)[order, None].to(ys.dtype)
-        out = torch.zeros_like(h).index_add_(0, token, ys.to(h.dtype))
+        # Back to (token, choice) order and summed over the k choices: deterministic, where an index_add_ of the
+        # k contributions per token adds with atomics on CUDA, in a varying order.
+        ys = ys.to(h.dtype)
+        out = torch.empty_like(ys).index_copy_(0, order, ys).view(b * t, self.top_k, dim).sum(1)
         return x + out.reshape(b, t, dim), loss, fraction

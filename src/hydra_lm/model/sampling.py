@@ -35,7 +35,7 @@ def batch_prompts(prompts, device: torch.device) -> tuple[torch.Tensor, torch.Te
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """A ValueError naming the first sampling argument ``sample_next`` cannot use."""
-    if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
+    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
         raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 = greedy)")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k={top_k!r} must be an integer >= 1")

@@ -178,7 +178,9 @@ def compile_units(model, **kwargs):
         # graph serves it (on an H100 a dense model's block graphs trained no faster, with 1.2 GB more peak).
         block.compiled_block = compiled_block if block.recursions > 1 or block.all_routers() else None
     for moe in model.moe_blocks.values():
-        moe.compile(**kwargs)
+        # Not fullgraph: off the grouped GEMM (CPU, or CUDA outside bf16) the experts' loop reads their slices'
+        # bounds on the host, which Dynamo cannot trace; it breaks the graph there instead of failing.
+        moe.compile(**{**kwargs, "fullgraph": False})
     model.ce_compile = {"backend": kwargs.get("backend", "inductor"), "mode": kwargs.get("mode")}
     return model
 

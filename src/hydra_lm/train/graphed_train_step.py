@@ -52,13 +52,18 @@ class GraphedTrainStep:
             self._update.reset()
 
     def micro(self, batch: dict[str, torch.Tensor]) -> Any:
+        if self._buffers and batch.keys() != self._buffers.keys():
+            # A key left out would run on the previous batch's buffer (an old document mask, say).
+            raise ValueError(f"CUDA-graphed training step: every batch must hold the same tensors; this one has "
+                             f"{sorted(batch)}, the first had {sorted(self._buffers)} (pass the same keys, e.g. "
+                             "doc_ids in every batch or in none, or train without CUDA graphs)")
         for name, value in batch.items():
             buf = self._buffers.get(name)
             if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
                 if self._micro.captured:
                     raise ValueError(f"CUDA-graphed training step: {name} is now {tuple(value.shape)} "
                                      f"{value.dtype}, it was captured as {tuple(buf.shape)} {buf.dtype}; a "
-                                     "captured step needs fixed batch shapes (drop --cuda_graph)")
+                                     "captured step needs fixed batch shapes (train without CUDA graphs)")
                 buf = self._buffers[name] = torch.empty(value.shape, dtype=value.dtype, device=self.device)
             # From pinned memory the copy queues behind the previous replay instead of waiting for it.
             buf.copy_(value.pin_memory() if value.device.type == "cpu" else value, non_blocking=True)
