@@ -2,8 +2,8 @@
 
 Inside a step nothing reads a device value back to the host: losses, grad norms and the
 curriculum's loss EMA stay on the device and are read together every ``log_every`` steps.
-Under torchrun the same loop runs on every rank (see ``distributed``): losses and routing
-statistics are averaged over ranks each step, so every rank takes the same decisions.
+Under torchrun the same loop runs on every rank (see ``distributed``): losses, routing statistics
+and the MoE expert load are averaged over ranks each step, so every rank takes the same decisions.
 """
 
 from __future__ import annotations
@@ -378,16 +378,20 @@ class Trainer:
             generator = torch.Generator(self.device).manual_seed(cfg.seed * 1_000_003 + self.step)
             self.train_step.sample_hessian(inputs, generator)
         moe_load = self.train_step.moe_load
-        if moe_load is not None:
-            window.add_moe_load(moe_load)
         graphs = self.train_step.graphs
         if graphs is not None and graphs.captured and not self._graphs_announced:
             self.log.info(f"step {self.step + 1}: training step captured as CUDA graphs, replayed from now on")
         self._graphs_announced = graphs is not None and graphs.captured
         parts = parts / cfg.grad_accum
-        if self.dist.enabled:  # one small all-reduce: every rank logs and decides on the global mean
-            flat = mean_across_ranks(torch.cat([parts, stats.flatten()]), self.dist)
-            parts, stats = flat[:5], flat[5:].reshape(stats.shape)
+        if self.dist.enabled:  # one small all-reduce: every rank logs and decides on the global mean (MoE load too)
+            loads = [] if moe_load is None else [moe_load.flatten()]
+            flat = mean_across_ranks(torch.cat([parts, stats.flatten(), *loads]), self.dist)
+            n = 5 + stats.numel()
+            parts, stats = flat[:5], flat[5:n].reshape(stats.shape)
+            if moe_load is not None:
+                moe_load = flat[n:].reshape(moe_load.shape)
+        if moe_load is not None:
+            window.add_moe_load(moe_load)
         # A batch the filter skipped (a non-finite loss among them) changed nothing: not a divergence.
         self.finite.fold(parts[0] if keep is None else torch.where(keep > 0, parts[0], 0.0), grad_norm)
         self.curriculum.observe(parts[1])
