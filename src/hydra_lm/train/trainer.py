@@ -38,7 +38,7 @@ from .swa import WeightAverage
 from .attention_kernels import enable_fa3
 from .fp8 import FP8_FORMATS, convert_to_fp8
 from .moe_training import check_moe_options, hold_routers
-from .resume import continue_after_switch, handle_divergence, restore, save_checkpoint
+from .resume import continue_after_switch, finish_save, handle_divergence, restore, save_checkpoint
 from .seq_len_schedule import SeqLenSchedule, carry_over
 from .sharded_checkpoint import ShardedSaver
 from .stall_dump import StallDump
@@ -74,7 +74,8 @@ class Trainer:
         self.seq_stage = 0
         self.loader = self._stage_loader(0)
         self.batches = None  # the iterator over self.loader
-        self.saver = ShardedSaver(setup.manager, self.dist, cfg.async_checkpoint) if self.dist.enabled else None
+        self.saver = ShardedSaver(setup.manager, self.dist, cfg.async_checkpoint, self.log.info) \
+            if self.dist.enabled else None
         self.step = 0
         self.tokens_seen = 0
         self.clock = TrainClock(self.device, cfg.max_steps, cfg.time_budget_s)
@@ -266,8 +267,7 @@ class Trainer:
                 if not stopping and handle_divergence(self):
                     now = self.clock.position(self.step)
                     continue
-                if self.saver is not None:
-                    self.saver.finish()  # a pending save was checked before it started: it is good
+                finish_save(self)  # a pending save was checked before it started: it is good
                 return 1
             if due.log:
                 # An optimization switched off: from the last good checkpoint, or on from here (this step's
@@ -296,8 +296,7 @@ class Trainer:
         interrupted = stopping and now < end
         if interrupted:
             self.save(f"interrupted by {self.stop_request.reason}")
-        if self.saver is not None:
-            self.saver.finish()
+        finish_save(self)
         if interrupted:
             self.log.info(f"stopped at step {self.step}; resume with: hydra-lm train --out {s.run_dir}")
             return EXIT_INTERRUPTED
