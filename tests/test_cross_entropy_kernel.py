@@ -80,3 +80,15 @@ def test_a_target_outside_the_vocabulary_makes_its_row_nan_and_reads_nothing_out
     bad = torch.tensor([False, True, False, True, True, False], device=DEVICE)
     assert loss[bad].isnan().all() and loss[~bad].isfinite().all() and loss[2] == 0
     assert grad.isfinite().all() and not grad[:, 70:].any() and not grad[bad].any() and grad[~bad].any()
+
+
+def test_targets_given_as_a_column_of_a_wider_tensor_are_read_row_by_row():
+    from hydra_lm.kernels import cross_entropy_rows as kernel
+
+    logits, targets = _case(torch.float32, n=9)
+    pairs = torch.stack([targets, torch.full_like(targets, 7)], dim=1)  # targets[i] at offset 2 * i
+    scale = torch.tensor(1.0, device=DEVICE)
+    want = kernel.cross_entropy_rows(logits, targets, scale, 70, -100, True)
+    got = kernel.cross_entropy_rows(logits, pairs[:, 0], scale, 70, -100, True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

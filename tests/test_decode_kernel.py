@@ -171,6 +171,82 @@ def test_decode_step_with_the_kernels_tensor_core_path_follows_the_reference():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_decode_step_with_the_kernel_and_one_tap_convs_follows_the_reference():
+    """Convs of one tap each (a valid configuration) keep no conv history: the kernel's history update pads it to one
+    masked slot and writes nothing, and the model decodes as on the PyTorch path."""
+    overrides = dict(conv_seq_kernel=1, conv_ch_kernel=1)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    fused, reference = (_teacher_forced_logits(tiny_model(decode_kernel=k, **overrides).double().to(DEVICE).eval(),
+                                               ids, 5, False)
+                        for k in ("triton", "torch"))
+    for t, (a, b) in enumerate(zip(fused, reference)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"position {5 + t}")
+
+
+def _one_step(attn, cache, pos: int, rope_len: int, dtype, seed: int = 0):
+    """The kernel's latent output for one token at ``pos`` of every row, over ``cache`` (history flags all off)."""
+    from hydra_lm.kernels.ccgqa_decode import ccgqa_decode
+
+    g = torch.Generator().manual_seed(seed)
+    batch = cache.k.shape[0]
+    x = torch.randn(batch, 1, attn.qkv.in_features, generator=g).to(DEVICE, dtype)
+    rope = RotaryEmbedding(attn.head_dim, rope_len).to(DEVICE)
+    with torch.no_grad():
+        return ccgqa_decode(attn, x, torch.full((batch, 1), pos, device=DEVICE), rope, cache, None)
+
+
+def test_kernel_addresses_caches_of_2_to_the_31_values():
+    """A K/V cache of more than 2**31 values: the last KV head's slots start past int32's range. Allocated, never
+    filled (the pages stay untouched), so its output and written slot must match a short cache's."""
+    torch.manual_seed(0)
+    attn = CCGQAttention(48, 4, 4, 16, decode_kernel="torch").to(DEVICE, torch.float16)
+    pos, short = 3, 8
+    length = 2**31 // (3 * 16) + 1  # (head 3) * length * 16 > 2**31 - 1
+    small = attn.new_cache(1, short, DEVICE, torch.float16)
+    big = copy.copy(small)
+    big.k, big.v = (torch.empty(1, 4, length, 16, device=DEVICE, dtype=torch.float16) for _ in range(2))
+    big.slot_valid = torch.zeros(1, length, dtype=torch.bool, device=DEVICE)
+    big.conv, big.shift = small.conv.clone(), small.shift.clone()
+    want, got = _one_step(attn, small, pos, short, torch.float16), _one_step(attn, big, pos, short, torch.float16)
+    assert torch.equal(got, want)
+    for name in ("k", "v"):
+        assert torch.equal(getattr(big, name)[:, :, pos], getattr(small, name)[:, :, pos]), name
+    assert bool(big.slot_valid[0, pos])
+
+
+def test_kernel_tiles_heads_of_1024_as_a_gpu_can_multiply(monkeypatch):
+    """Heads 1,024 wide in half precision: the attention's tiles stay 16 slots deep at least, which tl.dot needs
+    on a GPU (on a CPU, the NVIDIA backend's limits are imposed on Triton's interpreter)."""
+    from hydra_lm.kernels.ccgqa_decode import ccgqa_decode
+
+    if not torch.cuda.is_available():
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import min_dot_size
+        from triton.runtime.interpreter import interpreter_builder
+
+        monkeypatch.setitem(interpreter_builder.codegen_fns, "min_dot_size", min_dot_size(GPUTarget("cuda", 90, 32)))
+    torch.manual_seed(0)
+    attn = CCGQAttention(48, 1, 1, 1024, decode_kernel="torch").to(DEVICE)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.02)
+    attn.half().float()  # weights the half-precision copy holds exactly
+    cache = attn.new_cache(1, 40, DEVICE, torch.float16)
+    for t in (cache.k, cache.v):
+        t.normal_()
+    cache.slot_valid[:, :20] = True
+    reference = copy.deepcopy(cache)
+    for name in ("k", "v", "conv", "shift"):
+        setattr(reference, name, getattr(reference, name).float())
+    x = torch.randn(1, 1, 48, device=DEVICE).half()
+    pos, rope = torch.full((1, 1), 20, device=DEVICE), RotaryEmbedding(1024, 40).to(DEVICE)
+    with torch.no_grad():
+        want = attn(x.float(), pos, rope, reference, None)
+        attn.half()
+        got = attn.out(ccgqa_decode(attn, x, pos, rope, cache, None))
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-3)
+
+
 def test_decode_kernel_setting_is_checked_with_what_to_change(monkeypatch):
     with pytest.raises(ValueError, match="decode_kernel"):
         HydraConfig(decode_kernel="fused")
@@ -187,15 +263,48 @@ def test_decode_kernel_setting_is_checked_with_what_to_change(monkeypatch):
              attn.new_cache(1, 8, "cpu", torch.float32))
 
 
-def test_kernel_refuses_strided_caches():
+@pytest.mark.parametrize("name", ["k_cache", "shift_state", "rope_sin"])
+def test_kernel_refuses_strided_caches(name):
     from hydra_lm.kernels.ccgqa_decode import ccgqa_decode
 
     attn = CCGQAttention(48, 2, 1, 8, decode_kernel="triton").to(DEVICE)
-    cache = attn.new_cache(1, 8, DEVICE, torch.float32)
-    cache.k = cache.k.transpose(2, 3).contiguous().transpose(2, 3)  # same shape, other layout
-    with pytest.raises(ValueError, match="k_cache not contiguous"):
-        ccgqa_decode(attn, torch.zeros(1, 1, 48, device=DEVICE), torch.zeros(1, 1, dtype=torch.long, device=DEVICE),
-                     RotaryEmbedding(8, 8).to(DEVICE), cache, None)
+    cache = attn.new_cache(2, 8, DEVICE, torch.float32)
+    rope = RotaryEmbedding(8, 8).to(DEVICE)
+    if name == "k_cache":
+        cache.k = cache.k.transpose(2, 3).contiguous().transpose(2, 3)  # same shape, other layout
+    elif name == "shift_state":  # every other column of a wider tensor
+        cache.shift = torch.zeros(2, 2 * cache.shift.shape[1], device=DEVICE)[:, ::2]
+    else:
+        rope.sin = torch.zeros(8, 8, device=DEVICE)[:, :4]
+    with pytest.raises(ValueError, match=f"{name} not contiguous"):
+        ccgqa_decode(attn, torch.zeros(2, 1, 48, device=DEVICE), torch.zeros(2, 1, dtype=torch.long, device=DEVICE),
+                     rope, cache, None)
+
+
+def test_route_kernel_reads_positions_and_flags_given_as_columns_of_wider_tensors():
+    """``pos`` and ``valid`` [B, 1] sliced out of wider tensors (strided views): each row's own is read."""
+    from hydra_lm.kernels.route_decode import route_decode
+
+    torch.manual_seed(0)
+    batch, dim, length = 3, 16, 32
+    router = ExpertChoiceRouter(dim, 1, gate_scale=1.0).to(DEVICE, torch.float64)
+    with torch.no_grad():
+        router.proj.weight.normal_()
+        router.proj.bias.normal_()
+    want = torch.zeros(batch, 2, length, dtype=torch.float64, device=DEVICE)
+    want[:, 0].normal_()
+    want[:, 1] = 1
+    got = want.clone()
+    x = torch.randn(batch, 1, dim, dtype=torch.float64, device=DEVICE)
+    pos = torch.tensor([[5, 100], [9, 100], [20, 100]], device=DEVICE)[:, :1]
+    valid = torch.tensor([[True, False], [False, False], [True, False]], device=DEVICE)[:, :1]
+    with torch.no_grad():
+        gate, admitted = router.decide_new(x, valid, "causal", 1, None, want, 0.25, pos)
+    mask = torch.zeros(batch, 1, dtype=torch.bool, device=DEVICE)
+    weight = torch.zeros(batch, 1, dtype=gate.dtype, device=DEVICE)
+    route_decode(router, x, valid, pos, 0.25, RANK_PRIOR, got, weight, mask)
+    assert torch.equal(mask, admitted & valid)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def test_route_kernel_refuses_a_strided_state():

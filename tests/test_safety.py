@@ -247,6 +247,46 @@ def test_disk_full_while_saving_is_one_line_naming_the_path_and_space(tiny_data,
     assert not list((run / "checkpoints").glob(".tmp-*"))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process through DCP, on purpose
+@pytest.mark.parametrize("use_async", [False, True], ids=["dcp", "dcp_async"])
+def test_disk_full_in_a_sharded_save_is_the_same_one_line(tiny_data, tmp_path, monkeypatch, capsys, use_async):
+    """DCP hands a rank's failed write on inside a CheckpointException (a BaseException, not the OSError): still the
+    one line, whether the save writes at once or in the background (then reported at its commit, where an
+    asynchronous save also first logs "saved"). One process saves through the multi-process saver here."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from hydra_lm.train.sharded_checkpoint import ShardedSaver
+
+    init, real_write, calls = Trainer.__init__, FileSystemWriter.write_data, []
+
+    def with_sharded_saver(self, setup):
+        init(self, setup)
+        self.saver = ShardedSaver(setup.manager, self.dist, use_async, self.log.info)
+
+    def write_data(self, plan, planner):
+        calls.append(1)
+        if len(calls) == 2:  # the second checkpoint does not fit
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(self, plan, planner)
+
+    monkeypatch.setattr(Trainer, "__init__", with_sharded_saver)
+    monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "6", "--keep_checkpoints", "2") == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines()[-1].startswith(
+        f"hydra-lm train: error: no space left on the device while writing a checkpoint to {run / 'checkpoints'} (")
+    [kept] = checkpoints(run)
+    assert kept.name.endswith("step3") and verify(kept).layout == "dcp"
+    saved = f"saved checkpoint {kept}"
+    if use_async:
+        started = f"started saving checkpoint {kept} in the background"
+        assert started in out and saved in out and out.index(started) < out.index(saved)
+    else:
+        assert saved in out and "in the background" not in out
+    assert out.count("saved checkpoint") == 1
+
+
 @pytest.fixture(scope="module")
 def finished_run(tiny_data, tmp_path_factory):
     run = tmp_path_factory.mktemp("finished") / "run"

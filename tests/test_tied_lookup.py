@@ -58,6 +58,17 @@ def test_sorted_rows_add_rejects_mismatched_shapes():
         sorted_index_add_(torch.zeros(4, 3), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4))
 
 
+def test_float64_weights_keep_index_add():
+    """The kernel sums in fp32: a float64 model's lookup gradient goes through autograd's own (CUDA tensors stood in
+    for by their attributes, so that the gate is checked on a CPU too)."""
+    from types import SimpleNamespace
+
+    from hydra_lm.model.tied_lookup import kernel_applies
+
+    assert kernel_applies(SimpleNamespace(is_cuda=True, dtype=torch.float32))
+    assert not kernel_applies(SimpleNamespace(is_cuda=True, dtype=torch.float64))
+
+
 def _tied_grads(monkeypatch, kernel: bool, ce_impl: str = "chunked", micro_batches: int = 1, together: bool = False):
     from hydra_lm.kernels import sorted_index_add
     from hydra_lm.model import hydra

@@ -37,10 +37,11 @@ COMMON = [*TINY_RUN, "--max_steps", "6", "--log_every", "1", "--save_every", "3"
 TOL = 1e-5
 
 
-def torchrun(data, run, *extra, nproc: int = 2, check: bool = True) -> subprocess.CompletedProcess:
+def torchrun(data, run, *extra, nproc: int = 2, check: bool = True, script=None) -> subprocess.CompletedProcess:
+    """``hydra-lm train`` on ``nproc`` ranks (or ``script``, a file that runs the CLI, with the same arguments)."""
+    entry = ["-m", "hydra_lm"] if script is None else [str(script)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "hydra_lm", "train", "--data", str(data), "--out", str(run), *COMMON, "--gradient_checkpointing",
-           *extra]
+           *entry, "train", "--data", str(data), "--out", str(run), *COMMON, "--gradient_checkpointing", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if check and proc.returncode != 0:
@@ -99,6 +100,45 @@ def test_two_ranks_match_one_rank_and_resume(tiny_data, tmp_path, reference, par
     (one / "checkpoints" / "latest").write_text("hydra_debug_step3\n")
     single(tiny_data, one, "--grad_accum", str(2 * accum))
     assert_close(train_losses(one), train_losses(straight))
+
+
+# Each rank's own expert load (the last micro-batch's) and what its log window adds up, one JSON line a step.
+LOAD_RECORDER = """
+import json, os, sys
+
+from hydra_lm.cli import main
+from hydra_lm.train.log_window import LogWindow
+from hydra_lm.train.step import TrainStep
+
+
+def dump(kind, load):
+    with open(os.path.join(os.environ["LOAD_DIR"], f"{kind}{os.environ['RANK']}.jsonl"), "a") as f:
+        f.write(json.dumps(load.tolist()) + "\\n")
+
+
+micro_step, add_moe_load = TrainStep.micro_step, LogWindow.add_moe_load
+TrainStep.micro_step = lambda self, *a, **k: (micro_step(self, *a, **k), dump("local", self.moe_load))[0]
+LogWindow.add_moe_load = lambda self, load: (dump("logged", load), add_moe_load(self, load))[1]
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_every_rank_logs_the_expert_load_averaged_over_ranks(tiny_data, tmp_path, monkeypatch):
+    """Like the losses and routing statistics, the MoE expert load each rank's log window sums is the mean of the
+    ranks' own, so every rank logs (and warns about starving experts) on the same numbers."""
+    script = tmp_path / "record_loads.py"
+    script.write_text(LOAD_RECORDER)
+    monkeypatch.setenv("LOAD_DIR", str(tmp_path))
+    torchrun(tiny_data, tmp_path / "run", "--grad_accum", "1", "--max_steps", "3", "--eval_every", "0",
+             "--no-eval_at_start", "--moe", "--moe_num_experts", "4", "--moe_num_layers", "1", script=script)
+    local, logged = ([[json.loads(line) for line in (tmp_path / f"{kind}{r}.jsonl").read_text().splitlines()]
+                      for r in range(2)] for kind in ("local", "logged"))
+    assert len(local[0]) == len(logged[0]) == len(logged[1]) == 3
+    assert local[0] != local[1]  # the ranks routed different rows
+    mean = (torch.tensor(local[0]) + torch.tensor(local[1])) / 2
+    for rank in range(2):
+        torch.testing.assert_close(torch.tensor(logged[rank]), mean, msg=f"rank {rank}")
 
 
 @pytest.mark.slow

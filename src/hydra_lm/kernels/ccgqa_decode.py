@@ -111,7 +111,7 @@ def _ccgqa_decode_kernel(
     # the row's valid slots before it in BLOCK_L tiles: through tl.dot in the cache's dtype with the query
     # heads padded to QP rows (USE_DOT), else as products and sums in ACC (fp64, or heads under 16 wide).
     scale = tl.rsqrt(tl.zeros((), dtype=ACC) + D)
-    kv_row = (b * HK + g) * L * D
+    kv_row = (b * HK + g).to(tl.int64) * L * D  # a cache of 2**31 values or more overflows int32
     if USE_DOT:
         r = tl.arange(0, QP)
         q = tl.sum(tl.where(r[:, None, None] == i[None, :, None], q[None, :, :], 0.0), axis=1)  # [QP, D]
@@ -174,17 +174,17 @@ def _ccgqa_decode(qkv: torch.Tensor, cs_w: torch.Tensor, cs_b: torch.Tensor, cc_
                   qk_mean: bool, eps: float) -> torch.Tensor:
     b = qkv.shape[0]
     hk, length, d = k.shape[1], k.shape[2], k.shape[3]
-    named = dict(conv_seq=cs_w, conv_ch_taps=cc_w, rope=cos, conv_state=conv, k_cache=k, v_cache=v,
-                 slot_valid=slot_valid)
+    named = dict(conv_seq=cs_w, conv_ch_taps=cc_w, rope_cos=cos, rope_sin=sin, conv_state=conv, shift_state=shift,
+                 k_cache=k, v_cache=v, slot_valid=slot_valid)
     strided = [name for name, t in named.items() if not t.is_contiguous()]
     if strided:  # the kernel indexes every tensor as laid out contiguously
         raise ValueError(f"ccgqa_decode: {', '.join(strided)} not contiguous; pass the caches HydraModel.init_cache "
                          "allocates (or .contiguous() copies)")
     y = torch.empty(b, n_heads * d, dtype=k.dtype, device=qkv.device)
     group = n_heads // hk
-    # tl.dot takes no fp64 on GPUs, nor operands under 16 wide. Tiles of 8,192 cached values (256 slots of 32-wide
-    # heads) in two stages: at the 100M layout's shapes on an H200 the fastest of 64-256 slots, 1-3 stages and 2
-    # or 4 warps (benchmarks/BENCHMARKS.md, fortieth session).
+    # tl.dot takes no fp64 on GPUs, nor operands under 16 wide (heads of 1,024 get tiles of 16 slots). Tiles of
+    # 8,192 cached values (256 slots of 32-wide heads) in two stages: at the 100M layout's shapes on an H200 the
+    # fastest of 64-256 slots, 1-3 stages and 2 or 4 warps (benchmarks/BENCHMARKS.md, fortieth session).
     fp64 = k.dtype == torch.float64
     use_dot = not fp64 and d >= 16
     heads = triton.next_power_of_2(group)
@@ -192,8 +192,10 @@ def _ccgqa_decode(qkv: torch.Tensor, cs_w: torch.Tensor, cs_b: torch.Tensor, cc_
         qkv, cs_w, cs_b, cc_w, cc_b, temperature, cos, sin, pos, valid, conv, shift, k, v, slot_valid, y,
         length, eps,
         H=n_heads, HK=hk, G=group, GP=heads, D=d, KS=kernel_seq, KC=kernel_ch,
-        PP=triton.next_power_of_2(kernel_seq + kernel_ch - 2), VP=shift.shape[1], QK_MEAN=qk_mean, USE_DOT=use_dot,
-        QP=max(16, heads), BLOCK_L=min(256, 8192 // d) if use_dot else 32, ACC=tl.float64 if fp64 else tl.float32,
+        # One slot at least: convs of one tap keep no history (P = 0), and tl.arange takes no empty range.
+        PP=max(1, triton.next_power_of_2(kernel_seq + kernel_ch - 2)), VP=shift.shape[1], QK_MEAN=qk_mean,
+        USE_DOT=use_dot, QP=max(16, heads), BLOCK_L=max(16, min(256, 8192 // d)) if use_dot else 32,
+        ACC=tl.float64 if fp64 else tl.float32,
         num_warps=4, num_stages=2)
     return y
 

@@ -65,6 +65,7 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, scale: torch
     if logits.stride(1) != 1:
         raise ValueError("cross_entropy_rows: the logits' columns must be contiguous")
     n, padded = logits.shape
+    targets = targets.contiguous()  # the kernel reads row r's target at offset r
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     grad = logits.new_empty((n, padded) if need_grad else (0,))
     if n:

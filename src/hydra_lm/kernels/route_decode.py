@@ -92,6 +92,8 @@ def route_decode(router, x: torch.Tensor, valid: torch.Tensor | None, pos: torch
     strided = [name for name, t in tensors.items() if not t.is_contiguous()]
     if strided:  # the kernel indexes them as laid out contiguously
         raise ValueError(f"route_decode: {', '.join(strided)} not contiguous")
+    # A [B, 1] column of a wider tensor reshapes to a strided view; the kernel reads row r at offset r.
     _route_decode(x.reshape(b, -1), router.proj.weight.reshape(-1), router.proj.bias, router.gate_scale,
-                  router.threshold_sum, router.threshold_weight, None if valid is None else valid.reshape(b),
-                  pos.reshape(b), state, gate, mask, capacity, prior)
+                  router.threshold_sum, router.threshold_weight,
+                  None if valid is None else valid.reshape(b).contiguous(), pos.reshape(b).contiguous(), state, gate,
+                  mask, capacity, prior)

@@ -40,11 +40,12 @@ class HeadGradientSlot:
 
 def kernel_applies(weight: torch.Tensor) -> bool:
     """Whether the lookup's gradient goes into the head's through the Triton kernel: on CUDA with Triton, outside
-    ``torch.compile`` (which traces the plain lookup and loss), for a plain tensor (not a DTensor shard)."""
+    ``torch.compile`` (which traces the plain lookup and loss), for a plain tensor (not a DTensor shard), and not in
+    float64, which the kernel would sum in fp32."""
     from torch.distributed.tensor import DTensor
 
-    return (weight.is_cuda and TRITON_AVAILABLE and not torch.compiler.is_compiling()
-            and not isinstance(weight, DTensor))
+    return (weight.is_cuda and weight.dtype != torch.float64 and TRITON_AVAILABLE
+            and not torch.compiler.is_compiling() and not isinstance(weight, DTensor))
 
 
 class _TiedLookup(torch.autograd.Function):

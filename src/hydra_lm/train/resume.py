@@ -3,13 +3,16 @@ after a divergence (or after the anomaly monitor switched an optimization off)."
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from .checkpoint import DISK_FULL, CheckpointError, capture_rng, disk_full_error, restore_rng, verify
 from .distributed import broadcast_object, gather_objects
 from .optim import load_keeping_lr, portable_optimizer_state
-from .sharded_checkpoint import RANK_FILE, load_dcp, load_optimizer, load_single_into_sharded
+from .sharded_checkpoint import RANK_FILE, load_dcp, load_optimizer, load_single_into_sharded, os_error
 
 
 def save_checkpoint(t, reason: str = "") -> bool:
@@ -39,7 +42,7 @@ def save_checkpoint(t, reason: str = "") -> bool:
         "model_config": t.s.model_cfg.to_dict(),
         "data": t.s.data.to_dict(),
     }
-    try:
+    with disk_full_in_one_line(t):
         if t.saver is not None:
             state["loader_ranks"] = gather_objects(t.loader.state_dict(), t.dist)
             path = t.saver.save(t.step, t.model, t.optimizer, rng_tensors, state)
@@ -48,12 +51,33 @@ def save_checkpoint(t, reason: str = "") -> bool:
             optimizer = portable_optimizer_state(get_optimizer_state_dict(t.model, t.optimizer))
             trainer_tensors = {"optimizer": optimizer, **rng_tensors}
             path = t.s.manager.save(t.step, t.model, trainer_tensors, state, t.swa.save if t.swa is not None else None)
-    except OSError as err:
-        if err.errno not in DISK_FULL:
-            raise
-        raise disk_full_error(t.s.manager.dir, err, state_bytes(t)) from None
-    t.log.info(f"saved checkpoint {path}" + (f" ({reason})" if reason else ""))
+    note = f" ({reason})" if reason else ""
+    if t.saver is not None and t.saver.use_async:  # the saver logs "saved" once the files are committed
+        t.log.info(f"started saving checkpoint {path}{note} in the background")
+    else:
+        t.log.info(f"saved checkpoint {path}{note}")
     return True
+
+
+def finish_save(t) -> None:
+    """Commit a pending asynchronous save (collective; nothing without one), a full disk reported as in
+    ``save_checkpoint``."""
+    if t.saver is not None:
+        with disk_full_in_one_line(t):
+            t.saver.finish()
+
+
+@contextlib.contextmanager
+def disk_full_in_one_line(t):
+    """A checkpoint write that found the disk full as one line (``disk_full_error``), whether its OSError comes
+    bare or inside DCP's CheckpointException, which is no Exception."""
+    try:
+        yield
+    except (OSError, CheckpointException) as err:
+        cause = os_error(err)
+        if cause is None or cause.errno not in DISK_FULL:
+            raise
+        raise disk_full_error(t.s.manager.dir, cause, state_bytes(t)) from None
 
 
 def state_bytes(t) -> int:
@@ -147,8 +171,7 @@ def roll_back_to(t, good) -> None:
 
 def continue_after_switch(t) -> bool:
     """An optimization was switched off: go on from the last good checkpoint (True), or from here without one."""
-    if t.saver is not None:
-        t.saver.finish()  # a pending save was checked before it started: the newest good checkpoint
+    finish_save(t)  # a pending save was checked before it started: the newest good checkpoint
     good = last_good_checkpoint(t)
     if good is not None:
         roll_back_to(t, good)
@@ -163,8 +186,7 @@ def handle_divergence(t) -> bool:
     values = w.means()
     where = (f"training diverged by step {t.step} (last {w.steps} steps: mean loss {values[0]:.4g}, grad "
              f"norm {values[5]:.4g})")
-    if t.saver is not None:
-        t.saver.finish()  # a pending save was checked before it started: it is good
+    finish_save(t)  # a pending save was checked before it started: it is good
     good = last_good_checkpoint(t)
     record = {"kind": "divergence", "step": t.step, "loss": values[0], "grad_norm": values[5],
               "rollbacks": t.rollback.rollbacks}

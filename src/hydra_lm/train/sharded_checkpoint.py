@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -36,8 +36,9 @@ RANK_FILE = "rank{}.pt"
 
 
 class ShardedSaver:
-    def __init__(self, manager: CheckpointManager, info: DistInfo, use_async: bool = False):
-        self.manager, self.info, self.use_async = manager, info, use_async
+    def __init__(self, manager: CheckpointManager, info: DistInfo, use_async: bool = False,
+                 log: Callable[[str], None] = lambda message: None):
+        self.manager, self.info, self.use_async, self.log = manager, info, use_async, log
         self._pending: tuple[Any, Path, int, dict] | None = None
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, rank_tensors: dict[str, Any],
@@ -70,6 +71,7 @@ class ShardedSaver:
         # Newer torch returns a response object whose upload future is the one to wait for.
         (getattr(future, "upload_completion", None) or future).result()
         self._commit(tmp, step, state)
+        self.log(f"saved checkpoint {self.manager.dir / self.manager.name(step)}")  # on disk only now
 
     def _commit(self, tmp: Path, step: int, state: dict[str, Any]) -> None:
         barrier(self.info)  # every rank's files are on disk
@@ -113,12 +115,20 @@ def load_dcp(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimize
         _drop_state_not_in(model, optimizer, with_state)
 
 
+def _rank_errors(err: BaseException) -> list[BaseException]:
+    """Each failed rank's exception inside DCP's error (a CheckpointException, which pairs each with its traceback);
+    none for another error."""
+    return [f[0] if isinstance(f, tuple) else f for f in (getattr(err, "failures", None) or {}).values()]
+
+
+def os_error(err: BaseException) -> OSError | None:
+    """``err`` if an OSError, else the first failed rank's OSError inside DCP's error; None if neither."""
+    return next((e for e in (err, *_rank_errors(err)) if isinstance(e, OSError)), None)
+
+
 def _reason(err: Exception) -> str:
     """One line out of DCP's error, which wraps each rank's exception with its traceback."""
-    failures = getattr(err, "failures", None)
-    if failures:
-        first = next(iter(failures.values()))
-        err = first[0] if isinstance(first, tuple) else first
+    err = next(iter(_rank_errors(err)), err)
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     # A refused weights-only pickle explains itself on the line naming the global.
     return next((line for line in lines if "GLOBAL" in line), lines[0] if lines else type(err).__name__)

@@ -2,8 +2,8 @@
 
 Inside a step nothing reads a device value back to the host: losses, grad norms and the
 curriculum's loss EMA stay on the device and are read together every ``log_every`` steps.
-Under torchrun the same loop runs on every rank (see ``distributed``): losses and routing
-statistics are averaged over ranks each step, so every rank takes the same decisions.
+Under torchrun the same loop runs on every rank (see ``distributed``): losses, routing statistics
+and the MoE expert load are averaged over ranks each step, so every rank takes the same decisions.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .swa import WeightAverage
 from .attention_kernels import enable_fa3
 from .fp8 import FP8_FORMATS, convert_to_fp8
 from .moe_training import check_moe_options, hold_routers
-from .resume import continue_after_switch, handle_divergence, restore, save_checkpoint
+from .resume import continue_after_switch, finish_save, handle_divergence, restore, save_checkpoint
 from .seq_len_schedule import SeqLenSchedule, carry_over
 from .sharded_checkpoint import ShardedSaver
 from .stall_dump import StallDump
@@ -74,7 +74,8 @@ class Trainer:
         self.seq_stage = 0
         self.loader = self._stage_loader(0)
         self.batches = None  # the iterator over self.loader
-        self.saver = ShardedSaver(setup.manager, self.dist, cfg.async_checkpoint) if self.dist.enabled else None
+        self.saver = ShardedSaver(setup.manager, self.dist, cfg.async_checkpoint, self.log.info) \
+            if self.dist.enabled else None
         self.step = 0
         self.tokens_seen = 0
         self.clock = TrainClock(self.device, cfg.max_steps, cfg.time_budget_s)
@@ -266,8 +267,7 @@ class Trainer:
                 if not stopping and handle_divergence(self):
                     now = self.clock.position(self.step)
                     continue
-                if self.saver is not None:
-                    self.saver.finish()  # a pending save was checked before it started: it is good
+                finish_save(self)  # a pending save was checked before it started: it is good
                 return 1
             if due.log:
                 # An optimization switched off: from the last good checkpoint, or on from here (this step's
@@ -296,8 +296,7 @@ class Trainer:
         interrupted = stopping and now < end
         if interrupted:
             self.save(f"interrupted by {self.stop_request.reason}")
-        if self.saver is not None:
-            self.saver.finish()
+        finish_save(self)
         if interrupted:
             self.log.info(f"stopped at step {self.step}; resume with: hydra-lm train --out {s.run_dir}")
             return EXIT_INTERRUPTED
@@ -378,16 +377,20 @@ class Trainer:
             generator = torch.Generator(self.device).manual_seed(cfg.seed * 1_000_003 + self.step)
             self.train_step.sample_hessian(inputs, generator)
         moe_load = self.train_step.moe_load
-        if moe_load is not None:
-            window.add_moe_load(moe_load)
         graphs = self.train_step.graphs
         if graphs is not None and graphs.captured and not self._graphs_announced:
             self.log.info(f"step {self.step + 1}: training step captured as CUDA graphs, replayed from now on")
         self._graphs_announced = graphs is not None and graphs.captured
         parts = parts / cfg.grad_accum
-        if self.dist.enabled:  # one small all-reduce: every rank logs and decides on the global mean
-            flat = mean_across_ranks(torch.cat([parts, stats.flatten()]), self.dist)
-            parts, stats = flat[:5], flat[5:].reshape(stats.shape)
+        if self.dist.enabled:  # one small all-reduce: every rank logs and decides on the global mean (MoE load too)
+            loads = [] if moe_load is None else [moe_load.flatten()]
+            flat = mean_across_ranks(torch.cat([parts, stats.flatten(), *loads]), self.dist)
+            n = 5 + stats.numel()
+            parts, stats = flat[:5], flat[5:n].reshape(stats.shape)
+            if moe_load is not None:
+                moe_load = flat[n:].reshape(moe_load.shape)
+        if moe_load is not None:
+            window.add_moe_load(moe_load)
         # A batch the filter skipped (a non-finite loss among them) changed nothing: not a divergence.
         self.finite.fold(parts[0] if keep is None else torch.where(keep > 0, parts[0], 0.0), grad_norm)
         self.curriculum.observe(parts[1])
