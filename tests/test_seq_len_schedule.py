@@ -5,7 +5,10 @@ import json
 import pytest
 
 from hydra_lm.cli import main
+from hydra_lm.config import HydraConfig
+from hydra_lm.model.accounting import executed_flops_per_token
 from hydra_lm.train.seq_len_schedule import SeqLenSchedule, carry_over
+from hydra_lm.train.trainer import Trainer
 from support import TINY_RUN, train_losses
 
 
@@ -38,3 +41,25 @@ def test_resume_across_a_length_switch_is_exact(tiny_data, tmp_path):
     assert (loaders[3]["seq_len"], loaders[3]["batch_size"]) == (16, 8)
     assert (loaders[6]["seq_len"], loaders[6]["batch_size"]) == (32, 4)
     assert "sequence length 16 -> 32, 4 rows" in (tmp_path / "straight" / "train.log").read_text()
+
+
+def test_mfu_counts_the_stages_own_row_length(tiny_data, tmp_path, monkeypatch):
+    """Attention's FLOPs per token grow with the row: the MFU of a step on rows of 16 counts rows of 16, not the
+    --seq_len of 32. (A peak rate is set by hand: the trainer measures one on CUDA only.)"""
+    init = Trainer.__init__
+
+    def with_peak(self, setup):
+        init(self, setup)
+        self.peak_flops = 1e12
+
+    monkeypatch.setattr(Trainer, "__init__", with_peak)
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(tiny_data), "--out", str(run), *TINY_RUN, "--log_every", "1", "--max_steps",
+                 "4", "--no-eval_at_start", "--eval_every", "0", "--seq_len_schedule", "16:0,32:0.5"]) == 0
+    model_cfg = HydraConfig.from_saved(json.loads((run / "config.json").read_text())["model"])
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    for r in train:
+        length = 16 if r["step"] <= 2 else 32
+        want = executed_flops_per_token(model_cfg, length, training=True) * r["tokens_per_s"] / 1e12
+        assert r["mfu"] == pytest.approx(want, rel=1e-9), r["step"]

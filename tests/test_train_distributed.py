@@ -37,13 +37,14 @@ COMMON = [*TINY_RUN, "--max_steps", "6", "--log_every", "1", "--save_every", "3"
 TOL = 1e-5
 
 
-def torchrun(data, run, *extra, nproc: int = 2, check: bool = True, script=None) -> subprocess.CompletedProcess:
+def torchrun(data, run, *extra, nproc: int = 2, check: bool = True, script=None,
+             timeout: float = 600) -> subprocess.CompletedProcess:
     """``hydra-lm train`` on ``nproc`` ranks (or ``script``, a file that runs the CLI, with the same arguments)."""
     entry = ["-m", "hydra_lm"] if script is None else [str(script)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            *entry, "train", "--data", str(data), "--out", str(run), *COMMON, "--gradient_checkpointing", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
@@ -100,6 +101,19 @@ def test_two_ranks_match_one_rank_and_resume(tiny_data, tmp_path, reference, par
     (one / "checkpoints" / "latest").write_text("hydra_debug_step3\n")
     single(tiny_data, one, "--grad_accum", str(2 * accum))
     assert_close(train_losses(one), train_losses(straight))
+
+
+@pytest.mark.slow
+def test_asynchronous_saves_do_not_cross_the_ranks_agreement_collectives(tiny_data, tmp_path):
+    """DCP's background thread ran its collectives on the group the main thread agrees on (stop signals, barriers):
+    with a save at step 3 and no logging or evaluation between the steps the run hung after that save. Its own
+    group keeps the two apart: the run ends, with both checkpoints committed."""
+    run = tmp_path / "run"
+    torchrun(tiny_data, run, "--parallel", "ddp", "--async_checkpoint", "--log_every", "3", "--eval_every", "0",
+             "--no-eval_at_start", timeout=240)
+    assert [s for s, _ in train_losses(run)] == [3, 6]
+    for step in (3, 6):
+        assert verify(run / "checkpoints" / f"hydra_debug_step{step}").layout == "dcp"
 
 
 # Each rank's own expert load (the last micro-batch's) and what its log window adds up, one JSON line a step.

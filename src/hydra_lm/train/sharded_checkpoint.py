@@ -40,6 +40,11 @@ class ShardedSaver:
                  log: Callable[[str], None] = lambda message: None):
         self.manager, self.info, self.use_async, self.log = manager, info, use_async, log
         self._pending: tuple[Any, Path, int, dict] | None = None
+        # An asynchronous save's collectives run in DCP's background thread while the main thread's agreement
+        # collectives (stop signals, barriers) go on: on one group the two interleave, which hung or mismatched
+        # under torchrun. So it gets a gloo group of its own (created on every rank, as every rank builds a saver).
+        self._async_group = torch.distributed.new_group(backend="gloo") \
+            if use_async and torch.distributed.is_initialized() else None
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, rank_tensors: dict[str, Any],
              state: dict[str, Any]) -> Path:
@@ -55,7 +60,7 @@ class ShardedSaver:
         payload = {"model": model_sd, "optim": optim_sd}
         state = {**state, "layout": "dcp", "world_size": info.world_size, "parallel": info.parallel}
         if self.use_async:
-            future = dcp.async_save(payload, checkpoint_id=str(tmp / DCP_DIR), process_group=info.control)
+            future = dcp.async_save(payload, checkpoint_id=str(tmp / DCP_DIR), process_group=self._async_group)
             self._pending = (future, tmp, step, state)
         else:
             dcp.save(payload, checkpoint_id=str(tmp / DCP_DIR))

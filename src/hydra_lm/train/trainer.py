@@ -434,7 +434,8 @@ class Trainer:
         mc = self.s.model_cfg
         live = mc.replace(mod_enabled=mc.mod_enabled and self.curriculum.mod_active,
                           mor_enabled=mc.mor_enabled and self.curriculum.mor_active)
-        return executed_flops_per_token(live, self.cfg.seq_len, training=True)
+        # the rows of the sequence-length schedule's stage (attention's FLOPs grow with them)
+        return executed_flops_per_token(live, self.loader.seq_len, training=True)
 
     def _eval(self) -> dict | None:
         if not self.s.data.token_counts.get("val"):
