@@ -10,7 +10,8 @@ import torch
 
 from support import tiny_model
 from hydra_lm.cli import main
-from hydra_lm.train.memory_estimate import estimate_training_memory, optimizer_state_bytes
+from hydra_lm.config import preset_config
+from hydra_lm.train.memory_estimate import estimate_training_memory, measure_training_memory, optimizer_state_bytes
 from hydra_lm.train.optim import build_optimizer
 from hydra_lm.train.options import TrainConfig
 
@@ -74,8 +75,17 @@ def test_the_cuda_estimate_counts_bf16_activations_and_the_fused_loss():
     assert cuda["weights_mb"] == cpu["weights_mb"] and cuda["optimizer_mb"] == cpu["optimizer_mb"]  # fp32 master
     # bf16 matmul outputs and no full [B, T, V] logits kept: well under the fp32 count, above a quarter of it.
     assert 0.25 * cpu["activations_mb"] < cuda["activations_mb"] < 0.8 * cpu["activations_mb"]
-    # The working set: the fused loss's chunk of 4,096 rows of fp32 logits and their bf16 gradient.
-    assert cuda["backward_mb"] == pytest.approx(4096 * 8192 * 6 / 2**20)
+    # The working set: the fused loss's chunk of fp32 logits and their bf16 gradient, of 4,096 rows or the batch's
+    # fewer; without the fused loss (--no-chunked_ce) the whole batch's, and its logits are kept for the backward.
+    assert 4 * 256 * 8192 * 6 / 2**20 <= cuda["backward_mb"] < 4096 * 8192 * 6 / 2**20
+    big = estimate_training_memory("debug", 8, 1024, "adamw", vocab_size=8192, device="cuda")
+    assert big["backward_mb"] == pytest.approx(4096 * 8192 * 6 / 2**20)
+    cfg = preset_config("debug", vocab_size=8192)
+    plain = measure_training_memory(cfg, 8, 1024, device="cuda", fused_loss=False)
+    assert plain["backward_mb"] >= 8 * 1024 * 8192 * 6 / 2**20
+    assert plain["activations_mb"] > big["activations_mb"] + 8 * 1024 * 8192 * 2 / 2**20  # the bf16 logits kept
+    assert measure_training_memory(cfg, 8, 1024, device="cuda", ce_chunk_size=8192)["backward_mb"] == \
+        pytest.approx(8192 * 8192 * 6 / 2**20)
     # Sophia-G's Hessian estimate materialises the batch's logits (fp32, their softmax and gradient).
     sophia = estimate_training_memory("debug", 4, 256, "sophia", vocab_size=8192, device="cuda")
     assert sophia["activations_mb"] == cuda["activations_mb"]

@@ -414,6 +414,27 @@ def test_adaptive_lr_average_follows_a_lasting_new_level():
     assert not any(spikes[-20:])  # ...but a level that lasts becomes the new normal
 
 
+def test_a_switched_off_optimization_comes_back_after_a_clean_window_and_its_slowdown_switches_nothing_else():
+    """A later anomaly restarts the clean window instead of keeping the optimization off for good; and the slower
+    path it leaves is a new throughput level, not three drops that would switch the next optimization off."""
+    from hydra_lm.train.safe_optimizations import AnomalyMonitor, SafeOptimizations, Switch
+
+    state = {"graphs": True, "compile": True}
+    switches = [Switch(name, name, lambda n=name: state.__setitem__(n, False),
+                       lambda n=name: state.__setitem__(n, True)) for name in state]
+    safe = SafeOptimizations(switches, AnomalyMonitor(window=100, loss_spike=2.0, throughput_drop=0.7),
+                             warn=lambda message: None, record=lambda record: None)
+    for step in range(0, 200, 10):
+        safe.observe(step, 1.0, 1.0, 1000.0)
+    for step in (200, 210, 220):  # three loss spikes: the first switch goes off
+        safe.observe(step, 5.0, 1.0, 1000.0)
+    assert state == {"graphs": False, "compile": True}
+    for step in range(230, 400, 10):  # 40% slower without graphs, and one more spike at 240
+        safe.observe(step, 5.0 if step == 240 else 1.0, 1.0, 600.0)
+    assert state == {"graphs": True, "compile": True}  # back 100 clean steps after the spike at 240
+    assert safe.switches[0].on and safe.monitor.last_anomaly == 240
+
+
 def test_repeated_loss_spikes_switch_the_chunked_loss_off_and_back_on(tiny_data, tmp_path, monkeypatch):
     run = tmp_path / "run"
     seen = spike_logged_losses(monkeypatch, {4, 5, 6})

@@ -117,6 +117,22 @@ def test_data_without_validation_split_trains_and_warns(tmp_path, capsys):
     assert records(tmp_path / "run", "eval") == []
 
 
+def test_a_cpu_runs_optimizer_state_resumes_into_a_fused_adamw():
+    """A checkpoint of a CPU run (AdamW unfused) resumed where AdamW is fused (CUDA; torch's CPU fused kernel stands
+    in): the groups stay fused, as the step's clipping inside the update expects, and step with the loaded state."""
+    model = torch.nn.Linear(4, 2)
+    cpu_run = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    cpu_run.step()
+    saved = optim.portable_optimizer_state(cpu_run.state_dict())
+    fused = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    optim.load_keeping_lr(fused, lambda: fused.load_state_dict(saved), torch.device("cpu"))
+    assert fused.param_groups[0]["fused"] and not fused.param_groups[0]["foreach"]
+    fused.grad_scale = torch.tensor(1.0)  # what clipping inside the fused update sets (step.py)
+    fused.step()
+    assert all(st["step"].item() == 2 for st in fused.state.values())
+
+
 def test_graph_capturable_optimizer_keeps_checkpoints_portable():
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)

@@ -28,14 +28,16 @@ def divisors(n: int) -> list[int]:
 def fit_micro_batch(cfg: TrainConfig, model_cfg: HydraConfig, gpu_bytes: int) -> tuple[int, int, float]:
     """(batch, accumulation, estimated peak MB) for ``cfg``'s sequences per step on a GPU of ``gpu_bytes``:
     the largest micro-batch that fits (1 when none does), by the memory estimate of ``model_cfg`` with
-    ``cfg``'s sequence length, optimizer and gradient checkpointing."""
+    ``cfg``'s sequence length, optimizer, gradient checkpointing and loss (fused or not, its chunk size). Sized for
+    the configured loss: the anomaly monitor switching the fused loss off mid-run is not budgeted for."""
     estimated: dict[int, float] = {}
 
     def peak(batch: int) -> float:
         if batch not in estimated:
             estimated[batch] = measure_training_memory(model_cfg, batch, cfg.seq_len, cfg.optimizer,
                                                        cfg.gradient_checkpointing, cfg.checkpoint_every or 1,
-                                                       device="cuda")["peak_mb"]
+                                                       device="cuda", fused_loss=cfg.chunked_ce is not False,
+                                                       ce_chunk_size=cfg.chunked_ce_size)["peak_mb"]
         return estimated[batch]
 
     sequences = cfg.batch_size * cfg.grad_accum

@@ -79,8 +79,11 @@ def compute_memory_footprint(model: HydraModel, batch_size: int, seq_len: int,
 
 def measure_training_memory(cfg: HydraConfig, batch_size: int, seq_len: int, optimizer: str = "adamw",
                             gradient_checkpointing: bool = False, checkpoint_every: int = 1,
-                            device: str = "cpu") -> dict[str, float]:
-    """The estimate itself, from a config: one forward on fake tensors, saved activations summed."""
+                            device: str = "cpu", fused_loss: bool = True, ce_chunk_size: int | None = None
+                            ) -> dict[str, float]:
+    """The estimate itself, from a config: one forward on fake tensors, saved activations summed. On CUDA the loss
+    is the fused one of ``ce_chunk_size`` tokens per chunk (the model's default when None) unless ``fused_loss`` is
+    False (``--no-chunked_ce``: the whole logits)."""
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"--batch_size {batch_size} and --seq_len {seq_len} must be >= 1")
     if device not in DEVICES:
@@ -98,7 +101,10 @@ def measure_training_memory(cfg: HydraConfig, batch_size: int, seq_len: int, opt
     with FakeTensorMode():
         model = HydraModel(cfg)
         model.gradient_checkpointing, model.checkpoint_every = gradient_checkpointing, checkpoint_every
-        model.ce_impl = "chunked" if cuda else "naive"
+        fused = cuda and fused_loss
+        model.ce_impl = "chunked" if fused else "naive"
+        if ce_chunk_size is not None:
+            model.ce_chunk_size = ce_chunk_size
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
         # The CPU's autocast casts the same matmuls to bf16 as CUDA's: the fake tensors need no GPU.
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cuda), \
@@ -108,8 +114,9 @@ def measure_training_memory(cfg: HydraConfig, batch_size: int, seq_len: int, opt
         states = optimizer_state_bytes(model, optimizer)
         update = muon_update_bytes(model) if cuda and optimizer == "muon" else 0
     backward = 2 * max(saved.values(), default=0)
-    if cuda:  # the fused loss's one chunk of fp32 logits and their bf16 gradient, while activations are held
-        backward = max(backward, model.ce_chunk_size * cfg.vocab_size * (4 + 2))
+    if cuda:  # the loss's fp32 logits and their bf16 gradient (the fused loss's one chunk), while activations are held
+        rows = min(model.ce_chunk_size, batch_size * seq_len) if fused else batch_size * seq_len
+        backward = max(backward, rows * cfg.vocab_size * (4 + 2))
     if optimizer == "sophia":  # its Hessian estimate's whole fp32 logits, their softmax and their gradient
         backward = max(backward, batch_size * seq_len * cfg.vocab_size * 4 * 3)
     parts = {"weights_mb": params / MB, "gradients_mb": params / MB, "optimizer_mb": states / MB,

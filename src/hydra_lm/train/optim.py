@@ -1,5 +1,5 @@
-"""Optimizer construction: parameter groups (decoupled weight decay on 2-D weights only, per-group
-LR ratios) and the optimizers behind ``--optimizer``."""
+"""Optimizer construction: parameter groups (decoupled weight decay on parameters of two or more dimensions
+only, per-group LR ratios) and the optimizers behind ``--optimizer``."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ def param_groups(model: nn.Module, weight_decay: float,
 
     ``place(name, param)`` gives the part ("muon" or "main"), the group's LR as a multiple of the
     scheduled LR (``set_lr`` applies it) and a weight-decay multiplier."""
-    # Norm gains, biases, router biases and recursion embeddings (1-D) are not shrunk: decaying
-    # them pulls scales toward zero without regularising anything.
+    # Norm gains and biases (1-D) are not shrunk: decaying them pulls scales toward zero without regularising
+    # anything. Matrices, conv kernels, MoE experts and the recursion embeddings ([recursions, dim], added
+    # per depth like a bias; their decay has not been measured against none) are.
     groups: dict[tuple, dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -151,9 +152,10 @@ def steps_to_device(optimizer: torch.optim.Optimizer, device: torch.device) -> N
             state["step"] = state["step"].to(device, torch.float32)
 
 
-# Group settings a run's config sets (--weight_decay, --beta1/--beta2, --moe_expert_wd_scale): a checkpoint's
-# values must not override a resumed run's.
-CONFIGURED_GROUP_KEYS = ("weight_decay", "betas")
+# Group settings a run's config sets (--weight_decay, --beta1/--beta2, --moe_expert_wd_scale) and its device
+# (AdamW's fused / foreach kernels: a CPU run's checkpoint resumed on CUDA): a checkpoint's values must not override
+# a resumed run's.
+CONFIGURED_GROUP_KEYS = ("weight_decay", "betas", "fused", "foreach")
 
 
 def load_keeping_lr(optimizer: torch.optim.Optimizer, load: Callable[[], None], device: torch.device) -> None:
@@ -169,7 +171,9 @@ def load_keeping_lr(optimizer: torch.optim.Optimizer, load: Callable[[], None], 
         group.update(configured)
         if capturable:
             group["capturable"] = True
-    if any(capturable for *_, capturable in held):
+    # Fused and capturable updates read their step counters on the device; a checkpoint of neither kept them on the
+    # host.
+    if any(capturable or configured.get("fused") for _, _, capturable, configured in held):
         steps_to_device(optimizer, device)
 
 

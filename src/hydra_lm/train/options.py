@@ -65,7 +65,8 @@ class TrainConfig:
     lr: float | None = opt(None, "peak learning rate", type=float)
     min_lr: float | None = opt(None, "final learning rate (default lr/10)", type=float)
     warmup_steps: int | None = opt(None, "linear warm-up steps (default max_steps/10, at most 1000)", type=int)
-    weight_decay: float = opt(0.1, "decoupled weight decay (2-D weights only)", type=float)
+    weight_decay: float = opt(0.1, "decoupled weight decay (weights of two or more dimensions, not norms or "
+                                   "biases)", type=float)
     beta1: float = opt(0.9, "Adam beta1", type=float)
     beta2: float = opt(0.95, "Adam beta2", type=float)
     grad_clip: float | None = opt(None, "clip the global gradient norm to this (0: no clipping)", type=float)

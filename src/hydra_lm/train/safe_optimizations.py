@@ -148,6 +148,7 @@ class SafeOptimizations:
         culprit.turn_off()
         culprit.on, culprit.off_since = False, step
         self.monitor.recent.clear()
+        self.monitor.tps_ema = None  # the slower path sets a new level: its first steps are no drops
         self.warn(f"{ANOMALIES_TO_SWITCH} anomalies within {self.monitor.window} steps: switched {culprit.name} off "
                   f"at step {step}; it is tried again after {self.monitor.window} clean steps")
         self.record({"kind": "safety", "step": step, "optimization": culprit.name, "action": "off"})
@@ -155,9 +156,10 @@ class SafeOptimizations:
 
     def _graduate(self, step: int) -> None:
         for s in self.switches:
-            clean = step - s.off_since >= self.monitor.window and self.monitor.last_anomaly <= s.off_since
+            clean = step - max(s.off_since, self.monitor.last_anomaly) >= self.monitor.window
             if not s.on and not s.failed_pretest and clean:
                 s.turn_on()
                 s.on = True
+                self.monitor.tps_ema = None
                 self.warn(f"{s.name} switched on again at step {step}: {step - s.off_since} steps without an anomaly")
                 self.record({"kind": "safety", "step": step, "optimization": s.name, "action": "on"})
