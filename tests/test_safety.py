@@ -117,7 +117,11 @@ def test_persistent_divergence_stops_naming_a_good_checkpoint_and_keeps_it(tiny_
     actions = [r["action"] for r in records(run, "divergence")]
     assert actions == ["rollback", "rollback", "stop"]
     err = capsys.readouterr().err
-    assert f"last good checkpoint is {good} (step 3)" in err and "--lr 0.000125" in err
+    assert f"last good checkpoint is {good} (step 3)" in err and "--lr 0.000125" in err and "--adamw_lr" not in err
+    # With Muon and an absolute --adamw_lr, the advice lowers that part too.
+    muon = tmp_path / "muon"
+    assert train(tiny_data, muon, "--optimizer", "muon", "--adamw_lr", "2e-3") == 1
+    assert "--lr 0.000125 --adamw_lr 0.00025" in capsys.readouterr().err
 
 
 def test_resuming_with_the_advised_lr_runs_at_that_lr(tiny_data, tmp_path, monkeypatch, capsys):

@@ -197,10 +197,13 @@ def handle_divergence(t) -> bool:
         return False
     if not t.rollback.may_roll_back():
         t.metrics.write({**record, "action": "stop", "good_checkpoint": str(good.path)})
-        lower = cfg.lr * t.rollback.lr_scale * cfg.rollback_lr_factor
+        scale = t.rollback.lr_scale * cfg.rollback_lr_factor
+        # --adamw_lr is absolute: lower it alike, or Muon's part alone would slow down
+        adamw = f" --adamw_lr {cfg.adamw_lr * scale:.3g}" if cfg.optimizer == "muon" and cfg.adamw_lr else ""
         t.log.warning(f"{where} after {t.rollback.rollbacks} rollback(s); nothing from the diverged state "
                       f"was saved. The last good checkpoint is {good.path} (step {good.step}): resume from it "
-                      f"with a lower learning rate: hydra-lm train --out {t.s.run_dir} --lr {lower:.3g}")
+                      f"with a lower learning rate: hydra-lm train --out {t.s.run_dir} --lr {cfg.lr * scale:.3g}"
+                      f"{adamw}")
         return False
     diverged_at = t.step
     roll_back_to(t, good)
