@@ -6,7 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -409,3 +411,49 @@ def test_row_groups_that_do_not_divide_the_batch_are_refused(tiny_data, tmp_path
                  "--model.topk_groups", "3") == 2
     err = capsys.readouterr().err
     assert "topk_groups=3 pools the batch's rows in equal groups: it must divide batch_size=4" in err
+
+
+def test_the_grace_period_after_a_signal_bounds_the_step_alone():
+    """The first signal's grace period (after which the process exits without a new checkpoint) ends with the step
+    in progress: the checkpoint and the final evaluation after it may take longer. Its message is logged then,
+    not from the signal handler, where a print can land inside the main thread's."""
+    script = textwrap.dedent("""
+        import os, signal, time
+        from hydra_lm.train.stop_signal import StopRequest
+
+        class Log:
+            def info(self, message): print("info:", message, flush=True)
+            def warning(self, message): print("warning:", message, flush=True)
+
+        stop = StopRequest(Log(), grace_s=0.5)
+        stop.install()
+        os.kill(os.getpid(), signal.SIGTERM)  # during a step
+        time.sleep(0.1)
+        print("in the handler's time:", stop.reason, flush=True)
+        stop.acknowledge()  # the step ended
+        time.sleep(1.0)  # the interrupt checkpoint, longer than the grace period
+        print("checkpoint saved", flush=True)
+        stop.uninstall()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines == ["in the handler's time: SIGTERM",
+                     "info: SIGTERM received: saving a checkpoint after the step in progress", "checkpoint saved"]
+
+
+def test_the_same_command_resumes_with_model_overrides_split_over_layers_and_a_presets_other_spelling(tiny_data,
+                                                                                                    tmp_path):
+    """A run whose model overrides come partly from --config and partly from the command line, and whose preset was
+    typed in another case, resumes with the command that started it; a changed override is still refused."""
+    config = tmp_path / "run.toml"
+    config.write_text('[model]\nn_heads = 2\nn_kv_heads = 1\nmlp_hidden = 128\n')
+    run = tmp_path / "run"
+    command = ["train", "--data", str(tiny_data), "--out", str(run), "--config", str(config), "--model_size", "Debug",
+               "--model.dim", "64", "--batch_size", "4", "--seq_len", "32", "--eval_batches", "1", "--device", "cpu",
+               "--log_every", "1", "--no-eval_at_start", "--max_steps", "4"]
+    assert main([*command, "--stop_at_step", "2"]) == 0
+    assert main(command) == 0
+    assert [r["step"] for r in records(run, "train")] == [1, 2, 3, 4]
+    assert main([*command[:-1], "6", "--model.dim", "128"]) == 2

@@ -63,3 +63,35 @@ def test_mfu_counts_the_stages_own_row_length(tiny_data, tmp_path, monkeypatch):
         length = 16 if r["step"] <= 2 else 32
         want = executed_flops_per_token(model_cfg, length, training=True) * r["tokens_per_s"] / 1e12
         assert r["mfu"] == pytest.approx(want, rel=1e-9), r["step"]
+
+
+def test_a_switch_under_compilation_banks_its_own_step_alone_and_a_time_budget_moves_on(tiny_data, tmp_path,
+                                                                                       monkeypatch):
+    """Compiled runs (CUDA's default; here the plan says so while the step stays eager) bank a switching step as
+    start-up. It used to take every step since the last evaluation with it: a seconds budget's position fell back
+    before the switch, the stage switched back, and the run never ended."""
+    import dataclasses
+
+    run_trainer, train_step, switches = Trainer.run, Trainer._train_step, []
+
+    def compiled(self):
+        self.plan = dataclasses.replace(self.plan, compile="units")
+        return run_trainer(self)
+
+    def counted(self, window):
+        changed = train_step(self, window)
+        if changed:
+            switches.append(self.loader.seq_len)
+            assert len(switches) <= 2, f"the stages switched back and forth: {switches}"
+        return changed
+
+    monkeypatch.setattr(Trainer, "run", compiled)
+    monkeypatch.setattr(Trainer, "_train_step", counted)
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(tiny_data), "--out", str(run), *TINY_RUN, "--log_every", "1", "--max_steps",
+                 "1000", "--time_budget_s", "3", "--eval_every", "0", "--no-eval_at_start", "--save_every", "1000",
+                 "--seq_len_schedule", "16:0,32:0.25", "--mod_off", "--mor_off"]) == 0
+    assert switches == [32]
+    train = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["kind"] == "train"]
+    assert train[-1]["train_s"] >= 3.0 and train[-1]["startup_s"] < 3.0

@@ -97,8 +97,6 @@ def test_validation_errors_are_clear():
         resolve(TrainConfig(lr=1e-3, min_lr=1e-2), "debug", False)
     with pytest.raises(ValueError, match="stop_at_step"):
         resolve(TrainConfig(max_steps=10, stop_at_step=11), "debug", False)
-    with pytest.raises(ValueError, match="warmup_steps=20 exceeds max_steps=10: the learning rate would never reach"):
-        resolve(TrainConfig(max_steps=10, warmup_steps=20), "debug", False)
 
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")

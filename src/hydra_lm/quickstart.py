@@ -48,6 +48,7 @@ def quickstart(out: str | Path = "hydra-quickstart", max_steps: int | None = Non
     cli = {**QUICKSTART, "data": str(data_dir), "out": str(out / "run"), "seed": seed, "device": device}
     if max_steps is not None:
         cli["max_steps"] = max_steps
+        cli["warmup_steps"] = min(QUICKSTART["warmup_steps"], max(1, max_steps // 10))
         cli["eval_every"] = max(1, max_steps // 4)
         cli["save_every"] = max(1, max_steps // 4)
     code = train(setup_run(cli))

@@ -15,7 +15,7 @@ class LogWindow:
     statistics and learning rate, and the MoE expert load; read back once per record (``means``)."""
 
     def __init__(self, device: torch.device, saved: dict | None = None):
-        self.t0 = time.perf_counter()
+        self.t0 = self.opened = time.perf_counter()
         self.steps = 0
         self.timed_steps = 0  # steps since t0: throughput counts training steps only
         self.sums = torch.zeros(6, device=device)
@@ -60,11 +60,13 @@ class LogWindow:
         """(a "train" metrics record: the window's means, then ``run``'s fields, then routing and MoE
         load; MoE starvation warnings by expert)."""
         loss, ce, aux, ponder, moe, gnorm = self.means()
-        elapsed = time.perf_counter() - self.t0
+        now = time.perf_counter()
+        # A window of start-up steps alone (compiling, capturing) has no training time: their own rate, start-up in.
+        steps, elapsed = (self.timed_steps, now - self.t0) if self.timed_steps else (self.steps, now - self.opened)
         record: dict[str, Any] = {
             "kind": "train", "step": step, "loss": loss, "ce_loss": ce, "aux_loss": aux, "ponder_loss": ponder,
             "moe_loss": moe, "lr": self.lr, "grad_norm": gnorm,
-            "tokens_per_s": self.timed_steps * tokens_per_step / max(elapsed, 1e-9), **run,
+            "tokens_per_s": steps * tokens_per_step / max(elapsed, 1e-9), **run,
         }
         if self.stats is not None and self.stats.numel():
             fracs = self.stats[:, 0].tolist()

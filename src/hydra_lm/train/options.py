@@ -370,8 +370,6 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("eval_every", "eval_batches", "warmup_steps", "experimental_prefetch_threads", "batch_filter_warmup",
                  "fp8_min_tokens"):
         need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)} must be >= 0")
-    need(cfg.warmup_steps <= cfg.max_steps, f"warmup_steps={cfg.warmup_steps} exceeds max_steps={cfg.max_steps}: the "
-                                            "learning rate would never reach --lr; lower --warmup_steps")
     if cfg.experimental_fp8:
         check_fp8_setting(cfg.fp8_format, cfg.fp8_recipe)
     need(cfg.prefetch_buffer_size >= 1, f"prefetch_buffer_size={cfg.prefetch_buffer_size} must be >= 1")

@@ -105,14 +105,29 @@ def merge_layers(file_values: dict[str, Any], cli: dict[str, Any], saved: dict[s
                     del base[key]
         for key in FROZEN_ON_RESUME:
             for layer, where in ((file_values, "the config file"), (cli, "the command line")):
-                if key in layer and layer[key] != base.get(key):
+                if key in layer and _changes(key, layer[key], base.get(key)):
                     raise ValueError(f"cannot change {key} when resuming (run has {base.get(key)!r}, {where} gives "
                                      f"{layer[key]!r}): it would not load or not reproduce the run; start a new "
                                      "--out directory instead")
     merged = {**base, **file_values, **cli}
-    if "model" in file_values and "model" in cli:
-        merged["model"] = {**file_values["model"], **cli["model"]}
+    # Model overrides merge key by key: the run's, then the config file's, then the command line's.
+    models = [layer["model"] for layer in (base, file_values, cli) if layer.get("model") is not None]
+    if models:
+        merged["model"] = {k: v for model in models for k, v in model.items()}
     return TrainConfig(**merged)
+
+
+def _changes(key: str, given: Any, saved: Any) -> bool:
+    """Whether a resume's ``given`` value of frozen ``key`` changes the run's ``saved`` one: model overrides only in
+    the keys given (the rest may come from another layer), preset names as the preset they name."""
+    if key == "model" and isinstance(given, dict) and isinstance(saved, dict):
+        return any(k not in saved or saved[k] != v for k, v in given.items())
+    if key == "model_size" and isinstance(given, str) and isinstance(saved, str):
+        try:
+            return preset_config(given).preset != preset_config(saved).preset
+        except ValueError:
+            return True
+    return given != saved
 
 
 def build_model_config(cfg: TrainConfig, data: DataInfo) -> HydraConfig:

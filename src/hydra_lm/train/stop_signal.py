@@ -37,10 +37,20 @@ class StopRequest:
             return
         self._at = now
         self.reason = signal.Signals(signum).name
-        self.log.info(f"{self.reason} received: saving a checkpoint after the step in progress")
+        # Logged by ``acknowledge``, not here: a print inside the handler, landing while the main thread prints,
+        # raises "reentrant call" into the step.
         self._watchdog = threading.Timer(self.grace_s, self._give_up)
         self._watchdog.daemon = True
         self._watchdog.start()
+
+    def acknowledge(self) -> None:
+        """The step in progress ended and the run stops: say so (once) and end the grace period, which bounds the
+        step alone, not the checkpoint and the final evaluation that follow (a second signal still stops them)."""
+        if self._watchdog is None:
+            return
+        self._watchdog.cancel()
+        self._watchdog = None
+        self.log.info(f"{self.reason} received: saving a checkpoint after the step in progress")
 
     def _give_up(self) -> None:
         self.log.warning(f"the step in progress did not finish within {self.grace_s:.0f} s of {self.reason} (a "

@@ -247,7 +247,7 @@ class Trainer:
             self.curriculum.apply(self.clock.position(self.step), self.model)
             self._eval()
         self.window = self.new_window()
-        stopping = False
+        stopping, saved_step = False, None
         self.clock.start()
         compiled = self.plan.compile is not None or self.plan.cuda_graph
         compiling = compiled
@@ -259,6 +259,7 @@ class Trainer:
             # CUDA graphs (the steps after it): start-up, not training time, which a seconds budget counts.
             if compiling:
                 self.clock.bank(startup=True)
+                self.window.restart_timer(self.clock.t0)  # the window's tokens/s: training steps only
                 compiling = self.train_step.graphs is not None and not self.train_step.graphs.captured
             now = self.clock.position(self.step)
             stopping = self._stop_agreed()
@@ -292,9 +293,11 @@ class Trainer:
                 break
             if due.save and not ending:
                 self.save(reason)
+                saved_step = self.step
                 self._restart_timer()
+                stopping = self._stop_agreed()  # a signal during the save: no step after it, and no second save
         interrupted = stopping and now < end
-        if interrupted:
+        if interrupted and saved_step != self.step:
             self.save(f"interrupted by {self.stop_request.reason}")
         finish_save(self)
         if interrupted:
@@ -308,6 +311,7 @@ class Trainer:
         self.stall.beat()
         if any_rank(self.stop_request.reason is not None, self.dist):
             self.stop_request.reason = self.stop_request.reason or "a signal on another rank"
+            self.stop_request.acknowledge()
             return True
         return False
 
@@ -347,6 +351,10 @@ class Trainer:
             changed = True
             if self.train_step.graphs is not None:  # the routing's control flow changed: capture it again
                 self.train_step.graphs.reset()
+        if changed and (self.plan.compile is not None or self.plan.cuda_graph):
+            # The steps since the clock last started trained: bank them, so that start-up (which the loop banks
+            # after this step) holds the recompiling step alone, and a seconds budget's position moves on.
+            self._restart_timer()
         lr = lr_at(clock, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
                    schedule=cfg.schedule, wsd_decay_pct=cfg.wsd_decay_pct)
         if self.adaptive is not None:
