@@ -416,7 +416,8 @@ def test_row_groups_that_do_not_divide_the_batch_are_refused(tiny_data, tmp_path
 def test_the_grace_period_after_a_signal_bounds_the_step_alone():
     """The first signal's grace period (after which the process exits without a new checkpoint) ends with the step
     in progress: the checkpoint and the final evaluation after it may take longer. Its message is logged then,
-    not from the signal handler, where a print can land inside the main thread's."""
+    not from the signal handler, where a print can land inside the main thread's; and an error after the step is
+    not the interrupted step's."""
     script = textwrap.dedent("""
         import os, signal, time
         from hydra_lm.train.stop_signal import StopRequest
@@ -433,6 +434,8 @@ def test_the_grace_period_after_a_signal_bounds_the_step_alone():
         stop.acknowledge()  # the step ended
         time.sleep(1.0)  # the interrupt checkpoint, longer than the grace period
         print("checkpoint saved", flush=True)
+        # an error after the step (a full disk during that save) is its own, not the interrupted step's
+        assert not stop.step_failed(OSError(28, "No space left on device"))
         stop.uninstall()
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,

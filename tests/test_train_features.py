@@ -156,3 +156,35 @@ def test_graph_capturable_optimizer_keeps_checkpoints_portable():
     group = opt.param_groups[0]
     assert group["lr"] is lr and group["capturable"] and group["lr_ratio"] == 1.0
     assert all(st["step"].dtype == torch.float32 for st in opt.state.values())
+
+
+def test_metrics_lines_are_strict_json_with_nested_non_finite_values(tmp_path):
+    """A NaN inside a nested record (a router's share, an expert's load) is written as null, like a top-level one:
+    strict readers (jq, JSON.parse) reject NaN."""
+    from hydra_lm.train.metrics import MetricsWriter, RunLog
+
+    writer = MetricsWriter(tmp_path, RunLog(None, echo=False))
+    writer.write({"kind": "train", "step": 1, "loss": float("nan"), "routing": {"block1.mod0": float("inf")},
+                  "moe_expert_load": {"after_block0": [0.5, float("nan")]}})
+    writer.close()
+    line = (tmp_path / "metrics.jsonl").read_text().strip()
+    record = json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in {line}"))
+    assert record["loss"] is None and record["routing"]["block1.mod0"] is None
+    assert record["moe_expert_load"]["after_block0"] == [0.5, None]
+
+
+def test_a_resumed_run_logs_to_its_own_wandb_run(tmp_path, monkeypatch):
+    """--wandb: a resume continues the W&B run its start made (the id kept in the run directory); a fresh start in
+    the same directory makes a new one. (A stand-in module records what wandb.init was given.)"""
+    import sys
+    import types
+
+    from hydra_lm.train.metrics import MetricsWriter, RunLog
+
+    ids = []
+    run = types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
+    fake = types.SimpleNamespace(init=lambda **kw: ids.append(kw["id"]) or run)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    for resume_step in (-1, 5, -1):
+        MetricsWriter(tmp_path, RunLog(None, echo=False), wandb=True, resume_step=resume_step).close()
+    assert ids[0] == ids[1] != ids[2]

@@ -175,6 +175,19 @@ def test_removed_options_say_what_replaced_them(capsys):
     assert merge_layers({}, {}, saved).compile_mode == "default"
 
 
+def test_a_new_mode_on_resume_brings_its_own_length_logging_and_evaluation_size():
+    """A run saved resolved in testing mode, resumed with --mode production: the settings it had from the old mode
+    (and those derived from its length) take the new mode's, what was given explicitly stays."""
+    saved = resolve(TrainConfig(mode="testing", eval_batches=7), "debug", False).to_dict()
+    resumed = resolve(merge_layers({}, {"mode": "production"}, saved), "debug", False)
+    fresh = resolve(TrainConfig(mode="production"), "debug", False)
+    for key in ("max_steps", "log_every", "eval_every", "save_every", "min_lr"):
+        assert getattr(resumed, key) == getattr(fresh, key), key
+    assert resumed.eval_batches == 7 and resumed.warmup_steps == saved["warmup_steps"]  # given; already run
+    kept = resolve(merge_layers({}, {}, saved), "debug", False)
+    assert (kept.max_steps, kept.log_every) == (saved["max_steps"], saved["log_every"])
+
+
 def test_model_overrides_parse_from_argv():
     rest, overrides = split_model_overrides(["train", "--model.dim", "64", "--model.mod_capacity=0.5",
                                              "--model.moe", "true", "--lr", "1"])
@@ -236,6 +249,8 @@ def test_cli_overrides_config_file_and_resolved_config_is_written(tiny_data, tmp
     (["--model.bogus", "1"], "unknown HydraConfig key 'bogus'"),
     (["--model.mod_capacity", "1.5"], "mod_capacity"),
     (["--8bit_adam"], "--8bit_adam"),
+    (["--8bit_adam", "--adafactor"], "--adafactor contradicts --8bit_adam"),  # the flags as typed
+    (["--optimizer", "lion", "--adafactor"], "--adafactor contradicts --optimizer lion"),
     (["--chunked_ce_size", "0"], "chunked_ce_size=0 must be >= 1"),
     (["--chunked_ce", "--ce_impl", "liger"], "impl 'liger'"),  # CPU (and no liger-kernel here): refused up front
     (["--cuda_graph"], "--cuda_graph needs a CUDA device"),

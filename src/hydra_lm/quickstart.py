@@ -57,7 +57,7 @@ def quickstart(out: str | Path = "hydra-quickstart", max_steps: int | None = Non
     t_train = time.perf_counter() - start - t_data
     evals = _eval_records(out / "run")
     sample = generate_text(out / "run", prompt, max_new_tokens=max_new_tokens, temperature=0.8, top_k=40,
-                           seed=seed, device=device)
+                           seed=seed, device=device, compile_step=False)  # one short sample: no compile
     print("\n" + "=" * 72)
     if evals:
         first, last = evals[0], evals[-1]

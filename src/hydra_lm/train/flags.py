@@ -104,11 +104,12 @@ def parse_value(raw: str) -> Any:
 def cli_values(args: argparse.Namespace, model_overrides: dict[str, Any]) -> dict[str, Any]:
     """The train settings the user typed, as TrainConfig keys."""
     values = {name: getattr(args, name) for name in FIELDS if name != "model" and getattr(args, name, None) is not None}
+    given: dict[str, str] = {}  # field -> the flag that set it, as typed
     for alias, (field, target) in KEY_ALIASES.items():
         if getattr(args, f"alias_{alias}", None):
             if field in values and values[field] != target:
-                raise ValueError(f"--{alias} contradicts --{field} {values[field]}")
-            values[field] = target
+                raise ValueError(f"--{alias} contradicts {given.get(field, f'--{field} {values[field]}')}")
+            values[field], given[field] = target, f"--{alias}"
     for name in MODEL_ALIASES:
         if getattr(args, f"model_alias_{name}", None) is not None:
             values[name] = getattr(args, f"model_alias_{name}")

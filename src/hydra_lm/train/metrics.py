@@ -9,12 +9,14 @@ import resource
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_id"
 LOG_FILE = "train.log"
 
 
@@ -125,8 +127,12 @@ class MetricsWriter:
                 import wandb as wandb_mod
             except ImportError:
                 raise ValueError("--wandb needs the wandb package (pip install wandb)") from None
+            # One W&B run per training run: a resume continues the id its start recorded, a fresh start takes a new one.
+            id_file = run_dir / WANDB_ID_FILE
+            run_id = id_file.read_text().strip() if resume_step >= 0 and id_file.is_file() else uuid.uuid4().hex[:16]
+            id_file.write_text(run_id + "\n")
             self._wandb = wandb_mod.init(project=wandb_project, dir=str(run_dir), config=config,
-                                         name=run_dir.name, resume="allow")
+                                         name=run_dir.name, id=run_id, resume="allow")
 
     def rewind(self, step: int) -> None:
         """A rollback to the checkpoint of ``step`` redoes the steps after it: drop their measurements (train and
@@ -157,8 +163,7 @@ class MetricsWriter:
         tmp.replace(self.path)
 
     def write(self, record: dict[str, Any]) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self._file.write(json.dumps(clean) + "\n")
+        self._file.write(json.dumps(_finite_or_null(record)) + "\n")
         self._file.flush()
         step = record.get("step", 0)
         numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
@@ -198,3 +203,15 @@ def progress_line(r: dict[str, Any], max_steps: int) -> str:
     if "mod_exec_frac" in r:
         parts.append(f"mod {r['mod_exec_frac']:.2f}")
     return " | ".join(parts)
+
+
+def _finite_or_null(value: Any) -> Any:
+    """``value`` with every non-finite float, nested ones too (routing, expert load), as None: strict JSON readers
+    (jq, browsers) reject NaN and Infinity."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value

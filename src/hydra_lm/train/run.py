@@ -22,8 +22,8 @@ from .distributed import DistInfo, broadcast_object, init_distributed, launched_
 from .flags import to_toml
 from .metrics import RunLog, git_revision, versions
 from .fit_batch import fit_micro_batch
-from .options import (COMPILE_MODES, FIELDS, FROZEN_ON_RESUME, TrainConfig, derived_defaults, normalize, resolve,
-                      validate)
+from .options import (COMPILE_MODES, FIELDS, FROZEN_ON_RESUME, MODE_DEFAULTS, TrainConfig, derived_defaults,
+                      normalize, resolve, validate)
 from .run_lock import RunLock
 
 CONFIG_JSON = "config.json"
@@ -102,6 +102,12 @@ def merge_layers(file_values: dict[str, Any], cli: dict[str, Any], saved: dict[s
             derived = derived_defaults(base["lr"], base["max_steps"], base["mode"])
             for key in ("min_lr", "eval_every", "save_every"):
                 if key in base and base[key] == derived[key]:
+                    del base[key]
+        # Likewise a new --mode gets its own length, logging and evaluation size where the run had the old mode's.
+        mode = cli.get("mode") or file_values.get("mode")
+        if mode is not None and mode != base.get("mode") and base.get("mode") in MODE_DEFAULTS:
+            for key, value in MODE_DEFAULTS[base["mode"]].items():
+                if base.get(key) == value:
                     del base[key]
         for key in FROZEN_ON_RESUME:
             for layer, where in ((file_values, "the config file"), (cli, "the command line")):

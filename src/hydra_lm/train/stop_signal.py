@@ -26,6 +26,7 @@ class StopRequest:
         self._at: float | None = None
         self._previous: dict = {}
         self._watchdog: threading.Timer | None = None
+        self._step_ended = False  # the step in progress at the signal ended (``acknowledge``)
 
     def _handler(self, signum, frame) -> None:
         now = time.monotonic()
@@ -49,7 +50,7 @@ class StopRequest:
         if self._watchdog is None:
             return
         self._watchdog.cancel()
-        self._watchdog = None
+        self._watchdog, self._step_ended = None, True
         self.log.info(f"{self.reason} received: saving a checkpoint after the step in progress")
 
     def _give_up(self) -> None:
@@ -60,8 +61,9 @@ class StopRequest:
 
     def step_failed(self, error: BaseException) -> bool:
         """Whether a step that raised ``error`` failed because of the stop request (reported, then the
-        run stops as interrupted) rather than on its own (the caller re-raises)."""
-        if self.reason is None:
+        run stops as interrupted) rather than on its own (the caller re-raises): only a step in progress at the
+        signal can be (a full disk while the interrupt checkpoint is written is its own error)."""
+        if self.reason is None or self._step_ended:
             return False
         self.log.warning(f"the step in progress failed after {self.reason} ({type(error).__name__}: "
                        f"{str(error).splitlines()[0] if str(error) else ''}; a signal to the process group also "
