@@ -460,3 +460,21 @@ def test_the_same_command_resumes_with_model_overrides_split_over_layers_and_a_p
     assert main(command) == 0
     assert [r["step"] for r in records(run, "train")] == [1, 2, 3, 4]
     assert main([*command[:-1], "6", "--model.dim", "128"]) == 2
+
+
+def test_a_signal_before_the_first_step_stops_without_a_step(tiny_data, tmp_path, monkeypatch):
+    """A signal during the pretest or the first evaluation stops there (exit 130): no first step, which on a GPU is
+    a minutes-long compile racing the grace period, and nothing new to save."""
+    import hydra_lm.train.trainer as trainer_module
+
+    class SignalDuringPretest:
+        def __init__(self, trainer):
+            self.trainer = trainer
+
+        def before_training(self):
+            self.trainer.stop_request.reason = "SIGTERM"
+
+    monkeypatch.setattr(trainer_module, "PretestHook", SignalDuringPretest)
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "4") == 130
+    assert records(run, "train") == [] and not list((run / "checkpoints").glob("*step*"))

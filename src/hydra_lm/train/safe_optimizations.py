@@ -47,9 +47,7 @@ class AnomalyMonitor:
         self.last_anomaly = -1
 
     def observe(self, step: int, loss: float, grad_norm: float, tokens_per_s: float) -> list[str]:
-        found = []
-        if not math.isfinite(grad_norm):
-            found.append(f"non-finite gradient norm ({grad_norm})")
+        found = []  # non-finite losses and gradients never get here: the divergence guard takes them (note_divergence)
         if self.loss_ema is not None and not loss <= self.loss_spike * self.loss_ema:
             found.append(f"loss spike: {loss:.4g} > {self.loss_spike:g} x its average {self.loss_ema:.4g}")
         if self.tps_ema is not None and tokens_per_s < self.throughput_drop * self.tps_ema:

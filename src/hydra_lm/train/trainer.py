@@ -246,6 +246,9 @@ class Trainer:
             # The curriculum's routing at step 0 (e.g. --mod_off: every block dense), as the first step will train.
             self.curriculum.apply(self.clock.position(self.step), self.model)
             self._eval()
+        if self._stop_agreed():  # a signal during the pretest or the first evaluation: not a (compiling) step more
+            self.log.info(f"stopped before step {self.step + 1}; resume with: hydra-lm train --out {s.run_dir}")
+            return EXIT_INTERRUPTED
         self.window = self.new_window()
         stopping, saved_step = False, None
         self.clock.start()
