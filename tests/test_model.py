@@ -331,6 +331,34 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_calibrates_the_thre
     torch.testing.assert_close(buffers[0], buffers[1], rtol=0, atol=0)
 
 
+def test_gradient_checkpointing_recomputes_the_causal_choice_with_the_threshold_the_forward_read():
+    """``topk_over="causal"`` chooses by the routers' thresholds, which the forward then folds the batch's boundary
+    into: the recomputation in backward must read them as the forward did, or it runs other entries and the
+    gradients are wrong (thresholds of little weight, early in training, move most)."""
+    import copy
+
+    for seed in (1, 4):
+        model = tiny_model(seed, topk_over="causal", mod_capacity=0.125, mor_capacity=0.25,
+                           max_seq_len=256).double().train()
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for block in model.blocks:
+                for router in block.routers.values():
+                    router.proj.weight.mul_(30)
+                    router.threshold_weight.fill_(0.05)
+                    router.threshold_sum.fill_(0.05 * float(torch.randn((), generator=g)))
+            w = model.blocks[0].routers["1"].proj.weight[0]  # row 0's tokens run hot for the first block's router
+            model.embed.weight[:12] += 3.0 * w / w.norm()
+        ids = torch.randint(0, 12, (4, 256), generator=g) + 24 * torch.arange(4)[:, None]  # each row its own ids
+        grads = []
+        for ckpt in (False, True):
+            run = copy.deepcopy(model)
+            run.gradient_checkpointing = ckpt
+            run(ids, targets=ids)["loss"].backward()
+            grads.append(torch.cat([p.grad.flatten() for p in run.parameters() if p.grad is not None]))
+        torch.testing.assert_close(grads[1], grads[0], msg=f"seed {seed}")
+
+
 def test_inactive_token_choice_router_keeps_one_stats_row_per_router_name():
     model = tiny_model(mor_routing="token").train()
     model.set_curriculum(mor_active=False)  # the curriculum's MoR-off phase: every depth passes through

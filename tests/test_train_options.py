@@ -52,6 +52,10 @@ def test_a_cuda_run_on_the_table_gets_the_largest_micro_batch_that_fits_the_gpu(
     assert fit_batch.fit_micro_batch(cfg, model_cfg, 32 * gib) == (20, 3, 20 * 1024.0)
     assert fit_batch.fit_micro_batch(cfg, model_cfg, 200 * gib)[:2] == (60, 1)
     assert fit_batch.fit_micro_batch(cfg, model_cfg, gib // 2)[:2] == (1, 60)
+    # Row groups of a top-k over the batch: micro-batches they split evenly (15, not 20; 3 when none fits).
+    grouped = model_cfg.replace(topk_over="causal", topk_groups=3)
+    assert fit_batch.fit_micro_batch(cfg, grouped, 32 * gib) == (15, 4, 15 * 1024.0)
+    assert fit_batch.fit_micro_batch(cfg, grouped, gib // 2)[:2] == (3, 20)
     # What the trainer's setup does with it on a GPU, and says.
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=32 * gib))
     lines = []

@@ -61,25 +61,40 @@ def _through_eos(tokens: torch.Tensor, eos_token_id: int | None) -> torch.Tensor
 
 
 def _recompute_keeps_buffers(block: nn.Module) -> dict:
-    """``checkpoint`` options under which backward's recomputation of ``block`` leaves its buffers as the
-    forward left them: its routers fold each training batch's top-k boundary into their thresholds in
-    place, and a second fold would shorten the running mean's memory (decay squared per step). Traced by
-    Dynamo (the whole model compiled), the recomputation replays no buffer update, and a custom
-    ``context_fn`` is not traceable there, so none is given."""
+    """``checkpoint`` options under which backward's recomputation of ``block`` reads its buffers as the forward
+    read them and leaves them as the forward left them: its routers fold each training batch's top-k boundary into
+    their thresholds in place, so the recomputation would see the folded threshold (``topk_over="causal"`` chooses
+    by it: other entries, wrong gradients) and fold it again (decay squared per step). Traced by Dynamo (the whole
+    model compiled), the recomputation replays no buffer update, and a custom ``context_fn`` is not traceable
+    there, so none is given."""
     if torch.compiler.is_compiling():
         return {}
+    buffers = list(block.buffers())
 
-    @contextlib.contextmanager
-    def kept():
-        saved = [(b, b.clone()) for b in block.buffers()]
-        try:
+    def contexts():  # one pair per checkpointed call: the forward's snapshot serves its own recomputation
+        read: list[torch.Tensor] = []
+
+        @contextlib.contextmanager
+        def forward():
+            read[:] = [b.clone() for b in buffers]
             yield
-        finally:  # the recomputation may end early, by an exception, once it has what backward needs
-            with torch.no_grad():
-                for buffer, value in saved:
-                    buffer.copy_(value)
 
-    return {"context_fn": lambda: (contextlib.nullcontext(), kept())}
+        @contextlib.contextmanager
+        def recompute():
+            left = [b.clone() for b in buffers]
+            with torch.no_grad():
+                for buffer, value in zip(buffers, read):
+                    buffer.copy_(value)
+            try:
+                yield
+            finally:  # the recomputation may end early, by an exception, once it has what backward needs
+                with torch.no_grad():
+                    for buffer, value in zip(buffers, left):
+                        buffer.copy_(value)
+
+        return forward(), recompute()
+
+    return {"context_fn": contexts}
 
 
 class HydraModel(nn.Module, GradientCheckpointMixin):

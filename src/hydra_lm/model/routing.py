@@ -272,8 +272,9 @@ class ExpertChoiceRouter(Router):
             # Detached input: this loss trains the router only.
             r_aux = self.logits_of_parameters(x, r)
             aux = F.binary_cross_entropy_with_logits(r_aux - boundary, chosen)
-            # Agreement of the causal rule with top-k: in evaluation the rank rule that causal mode runs;
-            # in training steps its threshold fallback only (the rank costs [B, N, N] per router).
+            # Agreement of the causal rule with top-k: in evaluation the rank rule at the top-k's own share k/N
+            # (causal mode runs it at the depth's capacity, which differs where k was rounded: a deep unit's 1 or 2
+            # tokens a row); in training steps its threshold fallback only (the rank costs [B, N, N] per router).
             if self.training:
                 causal = r_fixed > threshold
             else:

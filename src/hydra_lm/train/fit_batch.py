@@ -42,9 +42,11 @@ def fit_micro_batch(cfg: TrainConfig, model_cfg: HydraConfig, gpu_bytes: int) ->
 
     sequences = cfg.batch_size * cfg.grad_accum
     budget_mb = FIT_SHARE * gpu_bytes / 2 ** 20
-    options = divisors(sequences)
+    # Micro-batches that topk_groups splits into equal groups of rows (every divisor when it is 1)
+    groups = model_cfg.topk_groups
+    options = [d for d in divisors(sequences) if d % groups == 0] or [sequences]
     # The peak grows with the micro-batch: a binary search over the divisors needs a few estimates only.
-    low, high, batch = 0, len(options) - 1, 1
+    low, high, batch = 0, len(options) - 1, options[0]
     while low <= high:
         middle = (low + high) // 2
         if peak(options[middle]) <= budget_mb:
