@@ -298,7 +298,8 @@ class Trainer:
                 self.save(reason)
                 saved_step = self.step
                 self._restart_timer()
-                stopping = self._stop_agreed()  # a signal during the save: no step after it, and no second save
+                if now < end:  # a signal during the save: no step after it, and no second save
+                    stopping = self._stop_agreed()
         interrupted = stopping and now < end
         if interrupted and saved_step != self.step:
             self.save(f"interrupted by {self.stop_request.reason}")
