@@ -365,3 +365,14 @@ def test_inactive_token_choice_router_keeps_one_stats_row_per_router_name():
     out = model(_ids(2, 40))
     assert out["routing_stats"].shape == (len(model.router_names()), 3)
     assert float(out["ponder_loss"]) == 0.0
+
+
+def test_token_choice_router_computes_in_the_models_precision():
+    # A float64 model's depth choice and gates in float64: in float32 its gradients missed finite differences.
+    from hydra_lm.model.routing import TokenChoiceRouter
+
+    router = TokenChoiceRouter(8, 3).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    decision, loss = router.enter(x, None, "hard")
+    assert decision.dtype == loss.dtype == torch.float64
+    torch.autograd.gradcheck(lambda t: router.enter(t, None, "hard")[0][..., 1:], (x,))

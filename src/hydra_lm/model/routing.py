@@ -422,10 +422,10 @@ class TokenChoiceRouter(Router):
 
     def enter(self, x, valid, mode):
         """(decision [B, N, 1 + R] = (chosen depth, weight at each depth), balancing loss)."""
-        probs = torch.softmax(self.proj(x).float(), dim=-1)
+        probs = torch.softmax(self.proj(x).to(torch.promote_types(x.dtype, torch.float32)), dim=-1)  # fp32 or wider
         depth = probs.argmax(dim=-1)
-        one_hot = F.one_hot(depth, self.recursions).float()
-        mask = torch.ones_like(depth, dtype=torch.float) if valid is None else valid.float()
+        one_hot = F.one_hot(depth, self.recursions).to(probs.dtype)
+        mask = torch.ones_like(probs[..., 0]) if valid is None else valid.to(probs.dtype)
         count = mask.sum().clamp(min=1.0)
         f = (one_hot * mask[..., None]).sum((0, 1)) / count
         p = (probs * mask[..., None]).sum((0, 1)) / count
@@ -435,7 +435,7 @@ class TokenChoiceRouter(Router):
         reach = probs.flip(-1).cumsum(-1).flip(-1)
         chosen_p = probs.gather(-1, depth[..., None]).squeeze(-1)
         weights = [reach[..., j] if mode == "static" else chosen_p for j in range(self.recursions)]
-        return torch.stack([depth.float(), *weights], dim=-1), loss
+        return torch.stack([depth.to(probs.dtype), *weights], dim=-1), loss
 
     def decide_new(self, x, valid, mode, depth, decision, state=None, capacity=None, pos=None):
         weight = decision[..., 1 + depth]
