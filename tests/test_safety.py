@@ -282,6 +282,7 @@ def test_disk_full_in_a_sharded_save_is_the_same_one_line(tiny_data, tmp_path, m
         f"hydra-lm train: error: no space left on the device while writing a checkpoint to {run / 'checkpoints'} (")
     [kept] = checkpoints(run)
     assert kept.name.endswith("step3") and verify(kept).layout == "dcp"
+    assert not list((run / "checkpoints").glob(".tmp-*")), "the failed save's partial files are gone"
     saved = f"saved checkpoint {kept}"
     if use_async:
         started = f"started saving checkpoint {kept} in the background"

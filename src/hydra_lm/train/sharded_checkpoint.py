@@ -14,6 +14,8 @@ by W ranks loads on any number of ranks (or one process), FSDP2 or DDP.
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -59,12 +61,13 @@ class ShardedSaver:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         payload = {"model": model_sd, "optim": optim_sd}
         state = {**state, "layout": "dcp", "world_size": info.world_size, "parallel": info.parallel}
-        if self.use_async:
-            future = dcp.async_save(payload, checkpoint_id=str(tmp / DCP_DIR), process_group=self._async_group)
-            self._pending = (future, tmp, step, state)
-        else:
-            dcp.save(payload, checkpoint_id=str(tmp / DCP_DIR))
-            self._commit(tmp, step, state)
+        with self._removed_on_failure(tmp):
+            if self.use_async:
+                future = dcp.async_save(payload, checkpoint_id=str(tmp / DCP_DIR), process_group=self._async_group)
+                self._pending = (future, tmp, step, state)
+            else:
+                dcp.save(payload, checkpoint_id=str(tmp / DCP_DIR))
+                self._commit(tmp, step, state)
         return self.manager.dir / self.manager.name(step)
 
     def finish(self) -> None:
@@ -73,10 +76,21 @@ class ShardedSaver:
             return
         future, tmp, step, state = self._pending
         self._pending = None
-        # Newer torch returns a response object whose upload future is the one to wait for.
-        (getattr(future, "upload_completion", None) or future).result()
-        self._commit(tmp, step, state)
+        with self._removed_on_failure(tmp):
+            # Newer torch returns a response object whose upload future is the one to wait for.
+            (getattr(future, "upload_completion", None) or future).result()
+            self._commit(tmp, step, state)
         self.log(f"saved checkpoint {self.manager.dir / self.manager.name(step)}")  # on disk only now
+
+    @contextlib.contextmanager
+    def _removed_on_failure(self, tmp: Path):
+        """A failed save's partial files go at once (on a full disk they hold the space the next save needs)."""
+        try:
+            yield
+        except BaseException:  # DCP's CheckpointException is one
+            if self.info.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     def _commit(self, tmp: Path, step: int, state: dict[str, Any]) -> None:
         barrier(self.info)  # every rank's files are on disk
