@@ -202,7 +202,7 @@ def sweep(run: str, args: argparse.Namespace) -> None:
         for k in args.capacity_prior:
             routing.rank_decision = capacity_weighted(decision, k)
             print(row(f"capacity_prior {k:g}", evaluate()) + decode(), flush=True)
-            routing.rank_decision, routing.RANK_PRIOR = decision, prior
+            routing.rank_decision, routing.RANK_PRIOR = decision, args.rank_prior[-1]  # what follows runs at the last
         if args.oracle:
             oracle_rows(evaluate)
         RecursiveBlock.depth_capacities = scaled_capacities

@@ -12,7 +12,7 @@
 #                                               # against the preset part's (CUDA graph IF nodes)
 #   bash benchmarks/device_targets.sh table     # the table alone
 set -uo pipefail
-part=${1:?usage: device_targets.sh preset|memory|1B|table}
+part=${1:?usage: device_targets.sh preset|memory|1B|decode|table}
 here=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$here/target_runs}
 mkdir -p "$out"

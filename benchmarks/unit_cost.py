@@ -1,5 +1,6 @@
-"""Time of one routed unit (forward + backward, compiled as the trainer compiles it) against the tokens it
-runs on: the fixed cost that every unit pays however few tokens reach it, and the cost per token.
+"""Time of one routed unit (forward + backward, compiled at dynamic token counts as evaluation compiles it;
+training compiles whole blocks at static shapes) against the tokens it runs on: the fixed cost that every unit
+pays however few tokens reach it, and the cost per token.
 
 A HYDRA step runs 32 units for the 100M preset (8 blocks x 4 depths); the geometric MoR schedule leaves
 its deep units a few tokens per row, so their time is almost all fixed cost. This splits a step's unit
@@ -32,6 +33,7 @@ import torch
 
 from hydra_lm.config import preset_config
 from hydra_lm.model.hydra import HydraModel
+from hydra_lm.model.block import _run_compiled_unit
 from hydra_lm.model.cuda_graphs import GraphedStep
 from hydra_lm.model.doc_attention import documents_for
 from hydra_lm.train.compile_policy import compile_units
@@ -70,7 +72,7 @@ def unit_step(model: HydraModel, batch: int, n: int, device: torch.device, docum
         # autograd.grad, not backward: a leaf's gradient accumulation would tie the capture to the
         # default stream (the capture fails); the step's gradients are all computed, only not stored.
         with autocast:
-            out = block.compiled_unit(block.layers, xc, rec, pos, model.rope, None, None, doc, weight)
+            out = _run_compiled_unit(block.compiled_unit, block.layers, xc, rec, pos, model.rope, None, doc, weight)
         return torch.autograd.grad(out, wrt, grad)
     return step
 
