@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -339,6 +342,23 @@ def test_loader_state_round_trip(token_data, threads):
     first.close(), resumed.close()
 
 
+def test_dropping_a_prefetching_loader_stops_its_threads(token_data):
+    before = set(threading.enumerate())
+    gc.disable()  # the threads must stop without a garbage collection
+    try:
+        loader = PackedLoader(token_data, "train", batch_size=2, seq_len=16, prefetch_threads=2)
+        next(loader)
+        threads = [t for t in threading.enumerate() if t not in before and t.name.startswith("hydra-prefetch")]
+        assert threads
+        del loader
+        deadline = time.monotonic() + 10
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        gc.enable()
+    assert not any(t.is_alive() for t in threads)
+
+
 def test_rank_sharding_is_disjoint_and_covers_epoch(token_data):
     kw = dict(batch_size=2, seq_len=20, seed=7)
     ranks = [PackedLoader(token_data, "train", rank=r, world_size=2, **kw) for r in range(2)]
@@ -392,6 +412,8 @@ def test_loader_errors(tmp_path, text_data):
         PackedLoader(text_data[0], "test", batch_size=1, seq_len=8)
     with pytest.raises(ValueError, match="fewer than batch_size"):
         PackedLoader(text_data[0], "val", batch_size=512, seq_len=64)
+    with pytest.raises(ValueError, match=r"about 0 rows of seq_len=100000 \(the split is shorter than seq_len\)"):
+        PackedLoader(text_data[0], "val", batch_size=1, seq_len=100_000)
     with pytest.raises(ValueError, match="rank"):
         PackedLoader(text_data[0], "train", batch_size=1, seq_len=8, rank=2, world_size=2)
     broken = tmp_path / "broken"
@@ -406,6 +428,11 @@ def test_loader_errors(tmp_path, text_data):
         key = next(iter(damaged))
         with pytest.raises(ValueError, match=f"lacks a valid '{key}'.*prepare it again"):
             PackedLoader(broken, "train", batch_size=1, seq_len=8)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(text_data[0], damaged)
+    (damaged / "train.idx.npy").write_bytes(b"")  # an empty index raised a bare EOFError
+    with pytest.raises(ValueError, match="not a plain integer array.*prepare the data again"):
+        PackedLoader(damaged, "train", batch_size=1, seq_len=8)
     other = PackedLoader(text_data[0], "train", batch_size=1, seq_len=8)
     with pytest.raises(ValueError, match="seq_len"):
         other.load_state_dict({**other.state_dict(), "seq_len": 9})

@@ -117,7 +117,7 @@ def open_split(data_dir: str | Path, split: str, meta: dict | None = None) -> tu
     tokens = np.memmap(tokens_file, dtype=dtype, mode="r")
     try:  # never unpickle: the index is a plain integer array
         starts = np.load(starts_file, mmap_mode="r", allow_pickle=False)
-    except ValueError as err:
+    except (ValueError, EOFError, OSError) as err:  # a truncated or empty file raises EOFError
         raise ValueError(f"{starts_file} is not a plain integer array ({err}): prepare the data again") from None
     if len(starts) != info["documents"] or (len(starts) and (starts[0] != 0 or starts[-1] >= len(tokens))):
         raise ValueError(f"{starts_file} does not match {tokens_file}: prepare the data again")
