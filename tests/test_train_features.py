@@ -3,12 +3,15 @@ optional loggers, a data directory without a validation split."""
 
 import importlib.util
 import json
+import shutil
 
 import pytest
 import torch
 
 from hydra_lm.cli import main
+from hydra_lm.data import prepare_data
 from hydra_lm.train import optim
+from hydra_lm.train.data_io import dataset_dir, open_data
 from hydra_lm.train.options import TrainConfig
 from support import TINY_RUN, prepare, records, write_corpus
 
@@ -97,6 +100,33 @@ def test_dataset_flag_takes_a_prepared_directory(tiny_data, tmp_path):
                  *TINY_RUN]) == 0
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["data"]["path"] == str(tiny_data)
+
+
+def test_dataset_specs_named_alike_get_directories_of_their_own(tmp_path, monkeypatch):
+    """`--dataset corpus` in two projects names two corpora: each gets its own cache directory (they shared one,
+    each start preparing over the other's data), and a corpus named by another path finds its own."""
+    monkeypatch.setenv("HYDRA_CACHE_DIR", str(tmp_path / "cache"))
+    dirs = []
+    for project in ("a", "b"):
+        write_corpus(tmp_path / project / "corpus", n_docs=8, seed=len(dirs))
+        monkeypatch.chdir(tmp_path / project)
+        dirs.append(dataset_dir("corpus"))
+    assert dirs[0] != dirs[1] and all(d.name.startswith("corpus-") for d in dirs)
+    assert dataset_dir(str(tmp_path / "a" / "corpus")) == dirs[0]
+
+
+def test_a_damaged_tokenizer_is_an_error_not_a_missing_one(tiny_data, tmp_path):
+    """Only data prepared without a tokenizer has none; a damaged tokenizer.json turned the run's tokenizer check
+    off."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    text = (data / "tokenizer.json").read_text()
+    (data / "tokenizer.json").write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match="tokenizer recorded for data directory .* cannot be loaded.*prepare the data"):
+        open_data(data)
+    torch.save(torch.arange(3, 300).view(3, -1), tmp_path / "shard.pt")
+    shards = prepare_data([str(tmp_path / "shard.pt")], tmp_path / "shards", val_fraction=0.0, progress=False)
+    assert open_data(shards).tokenizer_fingerprint is None
 
 
 @pytest.mark.parametrize("flag, package", [("--tensorboard", "tensorboard"), ("--wandb", "wandb")])
