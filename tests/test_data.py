@@ -216,6 +216,21 @@ def test_pt_shards_as_is_and_with_tokenizer(tmp_path, text_data):
         prepare_data([str(big)], tmp_path / "out3", tokenizer=tok_dir, progress=False)
 
 
+def test_an_interrupted_preparation_is_not_read_as_a_corpus(tmp_path, token_data):
+    """Shards without meta.json (a `prepare` that died) are refused, and their index (document starts, not
+    tokens) is never read as token shards, named or found in a corpus."""
+    broken = tmp_path / "corpus" / "old_out"
+    shutil.copytree(token_data, broken)
+    (broken / "meta.json").unlink()
+    with pytest.raises(ValueError, match="incomplete `hydra-lm prepare` output.*prepare it again from its corpus"):
+        prepare_data([str(broken)], tmp_path / "out", progress=False)
+    with pytest.raises(ValueError, match="document index of prepared data"):
+        prepare_data([str(broken / "train.idx.npy")], tmp_path / "out", progress=False)
+    _token_shard(tmp_path / "corpus" / "shard.pt", [5, 6, 7])
+    out = prepare_data([str(tmp_path / "corpus")], tmp_path / "out", val_fraction=0.0, progress=False)
+    assert read_meta(out)["num_documents"] == 3
+
+
 def test_named_set_through_env(tmp_path, monkeypatch):
     (tmp_path / "hydra_small_chat_pt").mkdir()
     _token_shard(tmp_path / "hydra_small_chat_pt" / "part0.pt", [8, 9, 10])
@@ -257,6 +272,8 @@ def test_bad_inputs_raise_clear_errors(tmp_path, monkeypatch):
     (tmp_path / "nothing").mkdir()
     with pytest.raises(ValueError, match="no supported files"):
         prepare_data([str(tmp_path / "nothing")], out, progress=False)
+    with pytest.raises(ValueError, match="choose an --out outside the inputs"):
+        prepare_data([str(tmp_path / "empty")], tmp_path / "empty", progress=False)
     (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02" * 100)
     with pytest.raises(ValueError, match="unknown input type"):
         prepare_data([str(tmp_path / "blob.bin")], out, progress=False)
