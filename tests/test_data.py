@@ -216,6 +216,32 @@ def test_pt_shards_as_is_and_with_tokenizer(tmp_path, text_data):
         prepare_data([str(big)], tmp_path / "out3", tokenizer=tok_dir, progress=False)
 
 
+def test_a_tokenizer_whose_ids_have_holes_keeps_its_ids(tmp_path):
+    """A vocabulary's size is its largest id + 1, not its count of entries (id 70000 of 5 entries was wrapped into
+    uint16 as 4464); a tokenizer that gives out ids above the size it reports is refused, by name."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2, "zz": 70000}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "src").mkdir()
+    for i in range(4):
+        (tmp_path / "src" / f"d{i}.txt").write_text("a zz b a zz\n")
+    out = prepare_data([str(tmp_path / "src")], tmp_path / "out", tokenizer=tmp_path / "tokenizer.json",
+                       val_fraction=0.0, progress=False)
+    meta, tok = read_meta(out), load_tokenizer(out)
+    assert meta["vocab_size"] == tok.vocab_size == 70001 and meta["dtype"] == "uint32"
+    assert np.fromfile(out / "train.bin", dtype=np.uint32)[1:6].tolist() == tok.encode("a zz b a zz")
+    assert tok.encode("zz") == [70000]
+
+    class Underreporting(HydraTokenizer):
+        vocab_size = 3
+
+    lying = Underreporting(tok.backend, tok.kind, "holes.json", tok.eos_id, tok.bos_id, tok.pad_id)
+    with pytest.raises(ValueError, match="tokenizer holes.json produced token id 70000, outside its vocabulary"):
+        prepare_data([str(tmp_path / "src")], tmp_path / "out2", tokenizer=lying, val_fraction=0.0, progress=False)
+
+
 def test_an_interrupted_preparation_is_not_read_as_a_corpus(tmp_path, token_data):
     """Shards without meta.json (a `prepare` that died) are refused, and their index (document starts, not
     tokens) is never read as token shards, named or found in a corpus."""

@@ -179,7 +179,8 @@ def prepare_data(inputs: Sequence[str | Path] | str | Path | None, out_dir: str 
         eos_id = _scan_token_vocab(corpus)  # the separator takes the first id after the shards' own
         vocab, bos_id, pad_id = eos_id + 1, eos_id, eos_id
     dtype = token_dtype(vocab)
-    writers = {s: SplitWriter(out, s, dtype, eos_id) for s in SPLITS}
+    ids_from = f"tokenizer {tok.name}" if tok is not None else "the token shards"
+    writers = {s: SplitWriter(out, s, dtype, eos_id, vocab, ids_from) for s in SPLITS}
     try:
         filled = _encode_all(corpus, tok, writers, text_field, max_bytes, seed, val_fraction, vocab, progress)
         if writers["train"].documents == 0:

@@ -131,8 +131,10 @@ class SplitWriter:
     the validation set empty can still move one document there without rewriting the file.
     """
 
-    def __init__(self, out_dir: str | Path, split: str, dtype: np.dtype, eos_id: int):
+    def __init__(self, out_dir: str | Path, split: str, dtype: np.dtype, eos_id: int, vocab_size: int,
+                 ids_from: str):
         self.out_dir, self.split, self.dtype, self.eos_id = Path(out_dir), split, np.dtype(dtype), int(eos_id)
+        self.vocab_size, self.ids_from = min(int(vocab_size), np.iinfo(self.dtype).max + 1), ids_from
         self._tmp = self.out_dir / f".{split}.bin.tmp-{os.getpid()}"
         self._file = open(self._tmp, "wb")
         self._starts = array("q")
@@ -146,6 +148,11 @@ class SplitWriter:
         return len(self._starts) + (self._pending is not None)
 
     def add(self, ids: np.ndarray) -> None:
+        # astype would wrap an id that does not fit the dtype into another, valid-looking token
+        if len(ids) and int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"{self.ids_from} produced token id {int(ids.max())}, outside its vocabulary of "
+                             f"{self.vocab_size} ids ({self.dtype.name} token files): use a tokenizer whose ids are "
+                             f"all below the vocabulary size it reports")
         if self._pending is not None:
             self._write(self._pending)
         self._pending = ids
