@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -152,6 +154,29 @@ def test_a_corpus_of_one_document_is_cut_for_its_validation_split(tmp_path, hash
     ids = [np.fromfile(out / f"{s}.bin", dtype=np.uint16)[1:-1].tolist() for s in ("train", "val")]
     assert load_tokenizer(out).decode(ids[0] + ids[1]) == text  # the document's head, then its tail
     assert "last" in meta["val_holdout"]
+    (tmp_path / "short").mkdir()
+    (tmp_path / "short" / name).write_text("a", encoding="utf-8")
+    short = prepare_data([str(tmp_path / "short" / name)], tmp_path / "out_short", tokenizer=out, val_fraction=0.05,
+                         progress=False)
+    assert read_meta(short)["splits"]["train"]["documents"] == 1, "too short to cut, it trains"
+
+
+@pytest.mark.parametrize("docs, hashed_into", [(5, "val"), (5, "train"), (1, "train")])
+def test_the_tokenizer_learns_only_text_that_ends_up_in_train(tmp_path, docs, hashed_into):
+    """Where the hash split leaves a split empty, a document (of a one-document corpus: its tail) changes split
+    after the hash; the tokenizer must not have learnt it. A word is one token only where the tokenizer saw it."""
+    words = ["abcde", "fghij", "klmno", "pqrst", "uvwxy"]
+    names = [n for i in range(3000) if in_val(n := f"d{i:04d}.txt", 0, 0.1) == (hashed_into == "val")][:docs]
+    texts = [f"{w} " * 60 for w in words] if docs > 1 else ["abcde " * 100 + "uvwxy " * 4]
+    (tmp_path / "src").mkdir()
+    for name, text in zip(names, texts):
+        (tmp_path / "src" / name).write_text(text, encoding="utf-8")
+    out = prepare_data([str(tmp_path / "src")], tmp_path / "out", vocab_size=400, val_fraction=0.1, progress=False)
+    tok = load_tokenizer(out)
+    split_text = {s: tok.decode(np.fromfile(out / f"{s}.bin", dtype=np.uint16).tolist()) for s in ("train", "val")}
+    in_train = {w for w in words if w in split_text["train"]}
+    assert {w for w in words if w in split_text["val"]} - in_train, "some words only validate"
+    assert {w for w in words if len(tok.encode(" " + w)) == 1} == in_train
 
 
 def test_gzipped_token_shards_read_like_plain_ones_and_a_damaged_gzip_is_one_clear_error(tmp_path):
@@ -255,6 +280,44 @@ def test_an_interrupted_preparation_is_not_read_as_a_corpus(tmp_path, token_data
     _token_shard(tmp_path / "corpus" / "shard.pt", [5, 6, 7])
     out = prepare_data([str(tmp_path / "corpus")], tmp_path / "out", val_fraction=0.0, progress=False)
     assert read_meta(out)["num_documents"] == 3
+
+
+@pytest.mark.parametrize("inputs", ["blank text, a tokenizer", "empty token shards"])
+def test_inputs_without_a_document_are_refused_clearly(tmp_path, text_data, inputs):
+    if inputs.startswith("blank"):
+        path, kw = tmp_path / "blank.txt", {"tokenizer": text_data[0]}
+        path.write_text("   \n\n")
+    else:
+        path, kw = tmp_path / "empty.pt", {}
+        torch.save(torch.zeros(0, dtype=torch.long), path)
+    with pytest.raises(ValueError, match="no training documents"):
+        prepare_data([str(path)], tmp_path / "out", progress=False, **kw)
+
+
+def test_binary_or_utf16_text_files_are_reported(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "notes.txt").write_text("hello world, some text\n" * 200, encoding="utf-16")
+    with pytest.raises(ValueError, match="notes.txt looks binary or UTF-16: convert it to UTF-8"):
+        prepare_data([str(src / "notes.txt")], tmp_path / "out", vocab_size=300, progress=False)
+    with pytest.raises(ValueError, match="the inputs are empty .1 file.s. were skipped as binary or UTF-16"):
+        prepare_data([str(src)], tmp_path / "out", vocab_size=300, progress=False)
+    _write_corpus(src, n=6)
+    out = prepare_data([str(src)], tmp_path / "out", vocab_size=300, progress=False)
+    assert read_meta(out)["num_documents"] == 6
+    assert "skipped 1 file(s) that look binary or UTF-16" in capsys.readouterr().err
+
+
+def test_a_killed_preparations_temporary_files_are_removed(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    live = f".val.bin.tmp-{os.getppid()}"
+    for name in (f".train.bin.tmp-{dead.pid}", f".meta.json.tmp-{dead.pid}", live):
+        (out / name).write_bytes(b"partial")
+    prepare_data([str(_write_corpus(tmp_path / "src", n=6))], out, vocab_size=300, progress=False)
+    assert sorted(p.name for p in out.glob(".*tmp*")) == [live], "a live writer's files stay"
 
 
 def test_named_set_through_env(tmp_path, monkeypatch):

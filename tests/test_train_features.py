@@ -1,8 +1,11 @@
 """Optional trainer features run (or refuse clearly): optimizers, checkpointing, dense arch, --dataset,
 optional loggers, a data directory without a validation split."""
 
+import contextlib
 import importlib.util
+import io
 import json
+import multiprocessing
 import shutil
 
 import pytest
@@ -113,6 +116,30 @@ def test_dataset_specs_named_alike_get_directories_of_their_own(tmp_path, monkey
         dirs.append(dataset_dir("corpus"))
     assert dirs[0] != dirs[1] and all(d.name.startswith("corpus-") for d in dirs)
     assert dataset_dir(str(tmp_path / "a" / "corpus")) == dirs[0]
+
+
+def _prepare_as_a_rank(spec: str, start, logs) -> None:
+    start.wait()
+    with contextlib.redirect_stdout(io.StringIO()) as log:
+        dataset_dir(spec)
+    logs.put(log.getvalue())
+
+
+def test_ranks_given_one_dataset_prepare_it_once(tmp_path, monkeypatch):
+    """Every torchrun rank runs `--dataset` before the process group forms: one prepares, the others wait for it
+    (all of them prepared into one directory at once, replacing each other's files)."""
+    corpus = write_corpus(tmp_path / "corpus", n_docs=200)
+    monkeypatch.setenv("HYDRA_CACHE_DIR", str(tmp_path / "cache"))
+    context = multiprocessing.get_context("spawn")
+    start, logs = context.Barrier(2), context.Queue()
+    ranks = [context.Process(target=_prepare_as_a_rank, args=(str(corpus), start, logs)) for _ in range(2)]
+    for rank in ranks:
+        rank.start()
+    outputs = [logs.get(timeout=300) for _ in ranks]
+    for rank in ranks:
+        rank.join(60)
+    assert [rank.exitcode for rank in ranks] == [0, 0]
+    assert sorted("] preparing " in out for out in outputs) == [False, True]
 
 
 def test_a_damaged_tokenizer_is_an_error_not_a_missing_one(tiny_data, tmp_path):

@@ -10,16 +10,18 @@ A prepared directory holds, per split (``train``, ``val``):
 - ``<split>.idx.npy``: ``int64`` start offset of every document (the position of its ``eos``).
 
 plus ``tokenizer.json`` (or ``tokenizer_tiktoken.json``) and ``meta.json``, written last: a
-directory without ``meta.json`` is incomplete.
+directory without ``meta.json`` is incomplete. ``.prepare.lock`` lets one process at a time prepare it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import re
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ import numpy as np
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
+PREPARE_LOCK = ".prepare.lock"
 PREPARE_HINT = "run `hydra-lm prepare --inputs PATH... --out DIR` (or hydra_lm.data.prepare_data) first"
 
 # Tokens are buffered before writing so a corpus of many tiny documents is not one syscall each.
@@ -63,6 +66,44 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+_TEMP_NAME = re.compile(r"\..+\.tmp-(\d+)")
+
+
+def remove_stale_temp_files(directory: Path) -> None:
+    """Delete the temporary files (``atomic_path``, ``SplitWriter``) of writers killed before they renamed them."""
+    for path in directory.iterdir():
+        match = _TEMP_NAME.fullmatch(path.name)
+        if match and not _alive(int(match.group(1))):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process; a number no pid reaches
+        pass
+    return True
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path, on_wait: Callable[[], None]) -> Iterator[None]:
+    """Hold an advisory ``flock`` on ``path`` for the block; if another process holds it, call ``on_wait`` and
+    wait for it. The kernel drops the lock when its holder dies (even by SIGKILL); the file stays, as a lock
+    file must (see ``train/run_lock.py``)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:

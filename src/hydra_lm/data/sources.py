@@ -75,6 +75,7 @@ class Corpus:
     inputs: list[str] | None
     strict_text: bool = False
     notes: dict = field(default_factory=dict)
+    skipped: set[Path] = field(default_factory=set)  # files found in directories that turned out binary
 
     @property
     def has_text(self) -> bool:
