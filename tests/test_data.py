@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import shutil
+import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -149,6 +154,29 @@ def test_a_corpus_of_one_document_is_cut_for_its_validation_split(tmp_path, hash
     ids = [np.fromfile(out / f"{s}.bin", dtype=np.uint16)[1:-1].tolist() for s in ("train", "val")]
     assert load_tokenizer(out).decode(ids[0] + ids[1]) == text  # the document's head, then its tail
     assert "last" in meta["val_holdout"]
+    (tmp_path / "short").mkdir()
+    (tmp_path / "short" / name).write_text("a", encoding="utf-8")
+    short = prepare_data([str(tmp_path / "short" / name)], tmp_path / "out_short", tokenizer=out, val_fraction=0.05,
+                         progress=False)
+    assert read_meta(short)["splits"]["train"]["documents"] == 1, "too short to cut, it trains"
+
+
+@pytest.mark.parametrize("docs, hashed_into", [(5, "val"), (5, "train"), (1, "train")])
+def test_the_tokenizer_learns_only_text_that_ends_up_in_train(tmp_path, docs, hashed_into):
+    """Where the hash split leaves a split empty, a document (of a one-document corpus: its tail) changes split
+    after the hash; the tokenizer must not have learnt it. A word is one token only where the tokenizer saw it."""
+    words = ["abcde", "fghij", "klmno", "pqrst", "uvwxy"]
+    names = [n for i in range(3000) if in_val(n := f"d{i:04d}.txt", 0, 0.1) == (hashed_into == "val")][:docs]
+    texts = [f"{w} " * 60 for w in words] if docs > 1 else ["abcde " * 100 + "uvwxy " * 4]
+    (tmp_path / "src").mkdir()
+    for name, text in zip(names, texts):
+        (tmp_path / "src" / name).write_text(text, encoding="utf-8")
+    out = prepare_data([str(tmp_path / "src")], tmp_path / "out", vocab_size=400, val_fraction=0.1, progress=False)
+    tok = load_tokenizer(out)
+    split_text = {s: tok.decode(np.fromfile(out / f"{s}.bin", dtype=np.uint16).tolist()) for s in ("train", "val")}
+    in_train = {w for w in words if w in split_text["train"]}
+    assert {w for w in words if w in split_text["val"]} - in_train, "some words only validate"
+    assert {w for w in words if len(tok.encode(" " + w)) == 1} == in_train
 
 
 def test_gzipped_token_shards_read_like_plain_ones_and_a_damaged_gzip_is_one_clear_error(tmp_path):
@@ -213,6 +241,85 @@ def test_pt_shards_as_is_and_with_tokenizer(tmp_path, text_data):
         prepare_data([str(big)], tmp_path / "out3", tokenizer=tok_dir, progress=False)
 
 
+def test_a_tokenizer_whose_ids_have_holes_keeps_its_ids(tmp_path):
+    """A vocabulary's size is its largest id + 1, not its count of entries (id 70000 of 5 entries was wrapped into
+    uint16 as 4464); a tokenizer that gives out ids above the size it reports is refused, by name."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2, "zz": 70000}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "src").mkdir()
+    for i in range(4):
+        (tmp_path / "src" / f"d{i}.txt").write_text("a zz b a zz\n")
+    out = prepare_data([str(tmp_path / "src")], tmp_path / "out", tokenizer=tmp_path / "tokenizer.json",
+                       val_fraction=0.0, progress=False)
+    meta, tok = read_meta(out), load_tokenizer(out)
+    assert meta["vocab_size"] == tok.vocab_size == 70001 and meta["dtype"] == "uint32"
+    assert np.fromfile(out / "train.bin", dtype=np.uint32)[1:6].tolist() == tok.encode("a zz b a zz")
+    assert tok.encode("zz") == [70000]
+
+    class Underreporting(HydraTokenizer):
+        vocab_size = 3
+
+    lying = Underreporting(tok.backend, tok.kind, "holes.json", tok.eos_id, tok.bos_id, tok.pad_id)
+    with pytest.raises(ValueError, match="tokenizer holes.json produced token id 70000, outside its vocabulary"):
+        prepare_data([str(tmp_path / "src")], tmp_path / "out2", tokenizer=lying, val_fraction=0.0, progress=False)
+
+
+def test_an_interrupted_preparation_is_not_read_as_a_corpus(tmp_path, token_data):
+    """Shards without meta.json (a `prepare` that died) are refused, and their index (document starts, not
+    tokens) is never read as token shards, named or found in a corpus."""
+    broken = tmp_path / "corpus" / "old_out"
+    shutil.copytree(token_data, broken)
+    (broken / "meta.json").unlink()
+    with pytest.raises(ValueError, match="incomplete `hydra-lm prepare` output.*prepare it again from its corpus"):
+        prepare_data([str(broken)], tmp_path / "out", progress=False)
+    with pytest.raises(ValueError, match="document index of prepared data"):
+        prepare_data([str(broken / "train.idx.npy")], tmp_path / "out", progress=False)
+    _token_shard(tmp_path / "corpus" / "shard.pt", [5, 6, 7])
+    out = prepare_data([str(tmp_path / "corpus")], tmp_path / "out", val_fraction=0.0, progress=False)
+    assert read_meta(out)["num_documents"] == 3
+
+
+@pytest.mark.parametrize("inputs", ["blank text, a tokenizer", "empty token shards"])
+def test_inputs_without_a_document_are_refused_clearly(tmp_path, text_data, inputs):
+    if inputs.startswith("blank"):
+        path, kw = tmp_path / "blank.txt", {"tokenizer": text_data[0]}
+        path.write_text("   \n\n")
+    else:
+        path, kw = tmp_path / "empty.pt", {}
+        torch.save(torch.zeros(0, dtype=torch.long), path)
+    with pytest.raises(ValueError, match="no training documents"):
+        prepare_data([str(path)], tmp_path / "out", progress=False, **kw)
+
+
+def test_binary_or_utf16_text_files_are_reported(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "notes.txt").write_text("hello world, some text\n" * 200, encoding="utf-16")
+    with pytest.raises(ValueError, match="notes.txt looks binary or UTF-16: convert it to UTF-8"):
+        prepare_data([str(src / "notes.txt")], tmp_path / "out", vocab_size=300, progress=False)
+    with pytest.raises(ValueError, match="the inputs are empty .1 file.s. were skipped as binary or UTF-16"):
+        prepare_data([str(src)], tmp_path / "out", vocab_size=300, progress=False)
+    _write_corpus(src, n=6)
+    out = prepare_data([str(src)], tmp_path / "out", vocab_size=300, progress=False)
+    assert read_meta(out)["num_documents"] == 6
+    assert "skipped 1 file(s) that look binary or UTF-16" in capsys.readouterr().err
+
+
+def test_a_killed_preparations_temporary_files_are_removed(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    live = f".val.bin.tmp-{os.getppid()}"
+    for name in (f".train.bin.tmp-{dead.pid}", f".meta.json.tmp-{dead.pid}", live):
+        (out / name).write_bytes(b"partial")
+    prepare_data([str(_write_corpus(tmp_path / "src", n=6))], out, vocab_size=300, progress=False)
+    assert sorted(p.name for p in out.glob(".*tmp*")) == [live], "a live writer's files stay"
+
+
 def test_named_set_through_env(tmp_path, monkeypatch):
     (tmp_path / "hydra_small_chat_pt").mkdir()
     _token_shard(tmp_path / "hydra_small_chat_pt" / "part0.pt", [8, 9, 10])
@@ -254,6 +361,8 @@ def test_bad_inputs_raise_clear_errors(tmp_path, monkeypatch):
     (tmp_path / "nothing").mkdir()
     with pytest.raises(ValueError, match="no supported files"):
         prepare_data([str(tmp_path / "nothing")], out, progress=False)
+    with pytest.raises(ValueError, match="choose an --out outside the inputs"):
+        prepare_data([str(tmp_path / "empty")], tmp_path / "empty", progress=False)
     (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02" * 100)
     with pytest.raises(ValueError, match="unknown input type"):
         prepare_data([str(tmp_path / "blob.bin")], out, progress=False)
@@ -339,6 +448,23 @@ def test_loader_state_round_trip(token_data, threads):
     first.close(), resumed.close()
 
 
+def test_dropping_a_prefetching_loader_stops_its_threads(token_data):
+    before = set(threading.enumerate())
+    gc.disable()  # the threads must stop without a garbage collection
+    try:
+        loader = PackedLoader(token_data, "train", batch_size=2, seq_len=16, prefetch_threads=2)
+        next(loader)
+        threads = [t for t in threading.enumerate() if t not in before and t.name.startswith("hydra-prefetch")]
+        assert threads
+        del loader
+        deadline = time.monotonic() + 10
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        gc.enable()
+    assert not any(t.is_alive() for t in threads)
+
+
 def test_rank_sharding_is_disjoint_and_covers_epoch(token_data):
     kw = dict(batch_size=2, seq_len=20, seed=7)
     ranks = [PackedLoader(token_data, "train", rank=r, world_size=2, **kw) for r in range(2)]
@@ -392,6 +518,8 @@ def test_loader_errors(tmp_path, text_data):
         PackedLoader(text_data[0], "test", batch_size=1, seq_len=8)
     with pytest.raises(ValueError, match="fewer than batch_size"):
         PackedLoader(text_data[0], "val", batch_size=512, seq_len=64)
+    with pytest.raises(ValueError, match=r"about 0 rows of seq_len=100000 \(the split is shorter than seq_len\)"):
+        PackedLoader(text_data[0], "val", batch_size=1, seq_len=100_000)
     with pytest.raises(ValueError, match="rank"):
         PackedLoader(text_data[0], "train", batch_size=1, seq_len=8, rank=2, world_size=2)
     broken = tmp_path / "broken"
@@ -406,6 +534,11 @@ def test_loader_errors(tmp_path, text_data):
         key = next(iter(damaged))
         with pytest.raises(ValueError, match=f"lacks a valid '{key}'.*prepare it again"):
             PackedLoader(broken, "train", batch_size=1, seq_len=8)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(text_data[0], damaged)
+    (damaged / "train.idx.npy").write_bytes(b"")  # an empty index raised a bare EOFError
+    with pytest.raises(ValueError, match="not a plain integer array.*prepare the data again"):
+        PackedLoader(damaged, "train", batch_size=1, seq_len=8)
     other = PackedLoader(text_data[0], "train", batch_size=1, seq_len=8)
     with pytest.raises(ValueError, match="seq_len"):
         other.load_state_dict({**other.state_dict(), "seq_len": 9})

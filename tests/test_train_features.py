@@ -1,14 +1,20 @@
 """Optional trainer features run (or refuse clearly): optimizers, checkpointing, dense arch, --dataset,
 optional loggers, a data directory without a validation split."""
 
+import contextlib
 import importlib.util
+import io
 import json
+import multiprocessing
+import shutil
 
 import pytest
 import torch
 
 from hydra_lm.cli import main
+from hydra_lm.data import prepare_data
 from hydra_lm.train import optim
+from hydra_lm.train.data_io import dataset_dir, open_data
 from hydra_lm.train.options import TrainConfig
 from support import TINY_RUN, prepare, records, write_corpus
 
@@ -97,6 +103,57 @@ def test_dataset_flag_takes_a_prepared_directory(tiny_data, tmp_path):
                  *TINY_RUN]) == 0
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["data"]["path"] == str(tiny_data)
+
+
+def test_dataset_specs_named_alike_get_directories_of_their_own(tmp_path, monkeypatch):
+    """`--dataset corpus` in two projects names two corpora: each gets its own cache directory (they shared one,
+    each start preparing over the other's data), and a corpus named by another path finds its own."""
+    monkeypatch.setenv("HYDRA_CACHE_DIR", str(tmp_path / "cache"))
+    dirs = []
+    for project in ("a", "b"):
+        write_corpus(tmp_path / project / "corpus", n_docs=8, seed=len(dirs))
+        monkeypatch.chdir(tmp_path / project)
+        dirs.append(dataset_dir("corpus"))
+    assert dirs[0] != dirs[1] and all(d.name.startswith("corpus-") for d in dirs)
+    assert dataset_dir(str(tmp_path / "a" / "corpus")) == dirs[0]
+
+
+def _prepare_as_a_rank(spec: str, start, logs) -> None:
+    start.wait()
+    with contextlib.redirect_stdout(io.StringIO()) as log:
+        dataset_dir(spec)
+    logs.put(log.getvalue())
+
+
+def test_ranks_given_one_dataset_prepare_it_once(tmp_path, monkeypatch):
+    """Every torchrun rank runs `--dataset` before the process group forms: one prepares, the others wait for it
+    (all of them prepared into one directory at once, replacing each other's files)."""
+    corpus = write_corpus(tmp_path / "corpus", n_docs=200)
+    monkeypatch.setenv("HYDRA_CACHE_DIR", str(tmp_path / "cache"))
+    context = multiprocessing.get_context("spawn")
+    start, logs = context.Barrier(2), context.Queue()
+    ranks = [context.Process(target=_prepare_as_a_rank, args=(str(corpus), start, logs)) for _ in range(2)]
+    for rank in ranks:
+        rank.start()
+    outputs = [logs.get(timeout=300) for _ in ranks]
+    for rank in ranks:
+        rank.join(60)
+    assert [rank.exitcode for rank in ranks] == [0, 0]
+    assert sorted("] preparing " in out for out in outputs) == [False, True]
+
+
+def test_a_damaged_tokenizer_is_an_error_not_a_missing_one(tiny_data, tmp_path):
+    """Only data prepared without a tokenizer has none; a damaged tokenizer.json turned the run's tokenizer check
+    off."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    text = (data / "tokenizer.json").read_text()
+    (data / "tokenizer.json").write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match="tokenizer recorded for data directory .* cannot be loaded.*prepare the data"):
+        open_data(data)
+    torch.save(torch.arange(3, 300).view(3, -1), tmp_path / "shard.pt")
+    shards = prepare_data([str(tmp_path / "shard.pt")], tmp_path / "shards", val_fraction=0.0, progress=False)
+    assert open_data(shards).tokenizer_fingerprint is None
 
 
 @pytest.mark.parametrize("flag, package", [("--tensorboard", "tensorboard"), ("--wandb", "wandb")])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -65,16 +66,23 @@ class PackedLoader:
         if validate:
             self._check_ids()
         per_step = batch_size * world_size
-        worst = (len(self.tokens) - 1 - (seq_len - 1 if self.random_offset else 0)) // seq_len
+        worst = max(0, (len(self.tokens) - 1 - (seq_len - 1 if self.random_offset else 0)) // seq_len)
         if loop and worst < per_step:
+            shorter = " (the split is shorter than seq_len)" if len(self.tokens) <= seq_len else ""
             raise ValueError(f"split {split!r} of {self.data_dir} has {len(self.tokens):,} tokens, about {worst} rows "
-                             f"of seq_len={seq_len}: fewer than batch_size*world_size={per_step}; lower batch_size "
-                             f"or seq_len, or prepare more data")
+                             f"of seq_len={seq_len}{shorter}: fewer than batch_size*world_size={per_step}; lower "
+                             f"batch_size or seq_len, or prepare more data")
         self._epoch = self._position = self._step = 0
         self._lock = threading.Lock()
         self._layouts: dict[int, tuple[int, int, np.ndarray | None]] = {}
-        self._prefetcher = (OrderedPrefetcher(self._batch_at, prefetch_threads, prefetch_buffer_size)
-                            if prefetch_threads > 0 else None)
+        self._prefetcher = None
+        if prefetch_threads > 0:
+            # The prefetcher reaches the loader only weakly: `del loader` frees it at once and stops the threads,
+            # where a cycle kept them alive until a garbage collection.
+            loader = weakref.proxy(self)
+            self._prefetcher = OrderedPrefetcher(lambda cursor: loader._batch_at(cursor), prefetch_threads,
+                                                 prefetch_buffer_size)
+            weakref.finalize(self, self._prefetcher.close)
 
     # validation -------------------------------------------------------------------------------
     def _check_ids(self) -> None:
@@ -172,9 +180,7 @@ class PackedLoader:
                 "targets": torch.from_numpy(targets), "doc_ids": torch.from_numpy(doc_ids)}
 
     def _cursors_from(self, cursor: tuple[int, int]):
-        while not self._pass_over(cursor):
-            yield cursor
-            cursor = self._advance(cursor)
+        return _cursors(weakref.proxy(self), cursor)  # held by the prefetcher: a weak reference, as above
 
     # iteration ---------------------------------------------------------------------------------
     def __iter__(self) -> "PackedLoader":
@@ -242,8 +248,8 @@ class PackedLoader:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown may have torn down the executor module already
-            pass
+
+def _cursors(loader: PackedLoader, cursor: tuple[int, int]):
+    while not loader._pass_over(cursor):
+        yield cursor
+        cursor = loader._advance(cursor)

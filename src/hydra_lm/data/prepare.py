@@ -5,20 +5,25 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from .readers import NotText
 from .shards import (
     FORMAT_VERSION,
     META_FILE,
+    PREPARE_LOCK,
     SPLITS,
     SplitWriter,
     bin_path,
+    exclusive_lock,
     idx_path,
     read_meta,
+    remove_stale_temp_files,
     token_dtype,
     write_json_atomic,
 )
@@ -49,17 +54,23 @@ def _documents(corpus: Corpus, text_field: str, max_bytes: int | None) -> Iterat
     """``(source index, key, payload)`` in corpus order, stopping once ``max_bytes`` were read.
 
     Text counts its UTF-8 bytes, token arrays 4 bytes per token; the document that would cross
-    the cap is left out, except a first one, so a tiny cap still yields data.
+    the cap is left out, except a first one, so a tiny cap still yields data. A binary file found
+    in a directory is skipped (and noted in ``corpus.skipped``); one named explicitly is an error.
     """
     used = 0
     for si, source in enumerate(corpus.sources):
-        for key, payload in source.documents(text_field, corpus.strict_text):
-            if max_bytes is not None:
-                size = len(payload.encode("utf-8")) if isinstance(payload, str) else 4 * len(payload)
-                if used and used + size > max_bytes:
-                    return
-                used += size
-            yield si, key, payload
+        try:
+            for key, payload in source.documents(text_field, corpus.strict_text):
+                if max_bytes is not None:
+                    size = len(payload.encode("utf-8")) if isinstance(payload, str) else 4 * len(payload)
+                    if used and used + size > max_bytes:
+                        return
+                    used += size
+                yield si, key, payload
+        except NotText:
+            if source.explicit:
+                raise
+            corpus.skipped.add(source.path)
 
 
 def _check_options(vocab_size, val_fraction, seed, max_bytes, text_field) -> None:
@@ -95,25 +106,55 @@ def _up_to_date(out: Path, fingerprint: str) -> bool:
                for s, info in meta["splits"].items())
 
 
-def _train_tokenizer(corpus, text_field, max_bytes, seed, val_fraction, vocab_size, sample_bytes, progress):
-    def texts(heads: bool) -> Iterator[str]:
-        used = 0
-        for _, key, payload in _documents(corpus, text_field, max_bytes):
-            if heads:  # the part of each document that stays in training however an empty split is filled
-                payload = payload[:int(len(payload) * (1 - val_fraction))]
-            if payload.strip() and (heads or not in_val(key, seed, val_fraction)):
-                yield payload
-                used += len(payload)
-                if used >= sample_bytes:
-                    return
+def _cut(n: int, val_fraction: float) -> int:
+    """Where a corpus of one document, ``n`` characters or tokens long, is cut: its head trains, its last
+    ``val_fraction`` validates; a document too short to cut trains whole."""
+    return n - max(1, int(n * val_fraction)) if n >= 2 else n
 
-    stream = texts(heads=False)
+
+def _training_texts(corpus, text_field, max_bytes, seed, val_fraction, sample_bytes) -> Iterator[str]:
+    """Up to ``sample_bytes`` of the text that ends up in the train split, ``_fill_an_empty_split`` included,
+    so that no validation text shapes the tokenizer.
+
+    The latest train document is held back until a later document shows that it stays in train: where the
+    hash split leaves validation empty, the last train document moves there."""
+    used, n_train, n_val = 0, 0, 0
+    held = last = None
+    for _, key, text in _documents(corpus, text_field, max_bytes):
+        if not text.strip():
+            continue
+        if held is not None:
+            yield held
+            used += len(held)
+            if used >= sample_bytes:
+                return
+            held = None
+        last = text
+        if in_val(key, seed, val_fraction):
+            n_val += 1
+        else:
+            n_train, held = n_train + 1, text
+    if n_train + n_val == 1 and val_fraction > 0:  # one document: its head trains
+        yield last[:_cut(len(last), val_fraction)]
+    elif n_train == 0 and n_val:  # every document hashed into validation: the last one trains
+        yield last
+    elif held is not None and (n_val or val_fraction <= 0):
+        yield held
+
+
+def _skipped_hint(corpus: Corpus) -> str:
+    if not corpus.skipped:
+        return ""
+    return (f" ({len(corpus.skipped)} file(s) were skipped as binary or UTF-16, e.g. {min(corpus.skipped)}: convert "
+            f"them to UTF-8)")
+
+
+def _train_tokenizer(corpus, text_field, max_bytes, seed, val_fraction, vocab_size, sample_bytes, progress):
+    stream = _training_texts(corpus, text_field, max_bytes, seed, val_fraction, sample_bytes)
     first = next(stream, None)
-    if first is None:  # every document hashed into validation (a corpus of one file): `_fill_an_empty_split`
-        stream = texts(heads=True)
-        first = next(stream, None)
     if first is None:
-        raise ValueError(f"no training text in {corpus.description}: the inputs are empty; add text")
+        raise ValueError(f"no training text in {corpus.description}: the inputs are empty{_skipped_hint(corpus)}; "
+                         f"add text")
     _log(progress, f"training a byte-level BPE tokenizer (vocab {vocab_size})")
     return HydraTokenizer.train(_chain(first, stream), vocab_size, progress)
 
@@ -148,7 +189,8 @@ def prepare_data(inputs: Sequence[str | Path] | str | Path | None, out_dir: str 
     Pre-tokenized ``.pt``/``.npy`` inputs without a tokenizer are stored as-is, with a separator id
     appended after their vocabulary. The validation split holds out whole documents by a hash of
     ``(seed, key)``, where a key is a path relative to its input (``path#n`` for records).
-    Re-running with the same inputs and options does nothing unless ``force``.
+    Re-running with the same inputs and options does nothing unless ``force``. Of several processes
+    preparing one directory at once, one prepares it while the others wait for it.
     """
     start = time.perf_counter()
     out = Path(out_dir).expanduser()
@@ -163,27 +205,47 @@ def prepare_data(inputs: Sequence[str | Path] | str | Path | None, out_dir: str 
     options = {"vocab_size": vocab_size, "val_fraction": val_fraction, "seed": seed, "text_field": text_field,
                "max_bytes": max_bytes, "tokenizer_sample_bytes": tokenizer_sample_bytes}
     fingerprint = _fingerprint(corpus, options, tok.fingerprint() if tok else "train" if corpus.has_text else "as-is")
-    if not force and _up_to_date(out, fingerprint):
+
+    def prepared() -> bool:
+        if force or not _up_to_date(out, fingerprint):
+            return False
         _log(progress, f"{out} is already prepared from the same inputs and options (fingerprint "
                        f"{fingerprint[:12]}): skipped")
+        return True
+
+    if prepared():  # without the lock, which a read-only directory could not hold
         return out
     out.mkdir(parents=True, exist_ok=True)
-    _log(progress, f"preparing {out} from {corpus.description}")
+    # Every rank of a torchrun given --dataset prepares the same directory: the first to take the lock prepares
+    # it, the others wait, then find it prepared.
+    with exclusive_lock(out / PREPARE_LOCK, lambda: _log(progress, f"waiting for another process preparing {out}")):
+        if not prepared():
+            remove_stale_temp_files(out)  # of a preparation that was killed
+            _build(out, corpus, tok, options, fingerprint, start, progress)
+    return out
 
+
+def _build(out: Path, corpus: Corpus, tok: HydraTokenizer | None, options: dict, fingerprint: str, start: float,
+           progress: bool) -> None:
+    _log(progress, f"preparing {out} from {corpus.description}")
+    text_field, max_bytes, seed, val_fraction = (options[k] for k in ("text_field", "max_bytes", "seed",
+                                                                      "val_fraction"))
     if tok is None and corpus.has_text:
-        tok = _train_tokenizer(corpus, text_field, max_bytes, seed, val_fraction, vocab_size,
-                               tokenizer_sample_bytes, progress)
+        tok = _train_tokenizer(corpus, text_field, max_bytes, seed, val_fraction, options["vocab_size"],
+                               options["tokenizer_sample_bytes"], progress)
     if tok is not None:
         vocab, eos_id, bos_id, pad_id = tok.vocab_size, tok.eos_id, tok.bos_id, tok.pad_id
     else:
         eos_id = _scan_token_vocab(corpus)  # the separator takes the first id after the shards' own
         vocab, bos_id, pad_id = eos_id + 1, eos_id, eos_id
     dtype = token_dtype(vocab)
-    writers = {s: SplitWriter(out, s, dtype, eos_id) for s in SPLITS}
+    ids_from = f"tokenizer {tok.name}" if tok is not None else "the token shards"
+    writers = {s: SplitWriter(out, s, dtype, eos_id, vocab, ids_from) for s in SPLITS}
     try:
         filled = _encode_all(corpus, tok, writers, text_field, max_bytes, seed, val_fraction, vocab, progress)
         if writers["train"].documents == 0:
-            raise ValueError(f"no training documents in {corpus.description}: the inputs hold no text; add data")
+            raise ValueError(f"no training documents in {corpus.description}: the inputs hold no text"
+                             f"{_skipped_hint(corpus)}; add data")
         # Only now does the old output start to be replaced: drop its meta.json first so that, if
         # this run dies halfway, no stale meta.json vouches for half-replaced shards.
         (out / META_FILE).unlink(missing_ok=True)
@@ -192,6 +254,9 @@ def prepare_data(inputs: Sequence[str | Path] | str | Path | None, out_dir: str 
         for w in writers.values():
             w.abort()
         raise
+    if corpus.skipped:
+        print(f"[hydra-lm prepare] warning: skipped {len(corpus.skipped)} file(s) that look binary or UTF-16, e.g. "
+              f"{min(corpus.skipped)}: convert them to UTF-8 to include them", file=sys.stderr, flush=True)
     for stale in (TOKENIZER_FILE, TIKTOKEN_FILE):
         (out / stale).unlink(missing_ok=True)
     if tok is not None:
@@ -201,7 +266,8 @@ def prepare_data(inputs: Sequence[str | Path] | str | Path | None, out_dir: str 
     meta = {
         "format_version": FORMAT_VERSION, "hydra_lm_version": __version__, "fingerprint": fingerprint,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "vocab_size": vocab, "vocab_size_requested": vocab_size if tok is not None and tok.kind == "bpe" else None,
+        "vocab_size": vocab,
+        "vocab_size_requested": options["vocab_size"] if tok is not None and tok.kind == "bpe" else None,
         "dtype": dtype.name, "eos_id": eos_id, "bos_id": bos_id, "pad_id": pad_id,
         "tokenizer": tok.describe() if tok is not None else None,
         "splits": splits, "num_documents": sum(v["documents"] for v in splits.values()),
@@ -217,7 +283,6 @@ def prepare_data(inputs: Sequence[str | Path] | str | Path | None, out_dir: str 
     _log(progress, f"done in {meta['seconds']:.1f}s: vocab {vocab} ({dtype.name}), train {splits['train']['tokens']:,} "
                    f"tokens / {splits['train']['documents']:,} docs, val {splits['val']['tokens']:,} tokens / "
                    f"{splits['val']['documents']:,} docs")
-    return out
 
 
 def _encode_all(corpus, tok, writers, text_field, max_bytes, seed, val_fraction, vocab, progress) -> str:
@@ -228,6 +293,7 @@ def _encode_all(corpus, tok, writers, text_field, max_bytes, seed, val_fraction,
     pending: list[tuple[bool, str]] = []
     pending_chars = 0
     done_source = 0
+    last_text = None  # the latest document if it is text: a corpus of one text document is cut in characters
 
     def flush() -> None:
         nonlocal pending, pending_chars
@@ -245,6 +311,7 @@ def _encode_all(corpus, tok, writers, text_field, max_bytes, seed, val_fraction,
             if payload.strip():
                 pending.append((is_val, payload))
                 pending_chars += len(payload)
+                last_text = payload
                 if len(pending) >= _BATCH_DOCS or pending_chars >= _BATCH_CHARS:
                     flush()
             continue
@@ -256,28 +323,33 @@ def _encode_all(corpus, tok, writers, text_field, max_bytes, seed, val_fraction,
             raise ValueError(f"{corpus.sources[si].path}: token id {top} >= vocab size {vocab} of the tokenizer: "
                              f"these shards were made with another tokenizer; pass the matching one")
         writers["val" if is_val else "train"].add(payload)
+        last_text = None
     flush()
     bar.update(sum(s.size for s in corpus.sources[done_source:]))
     bar.close()
-    return _fill_an_empty_split(writers, val_fraction)
+    return _fill_an_empty_split(writers, val_fraction, tok, last_text)
 
 
-def _fill_an_empty_split(writers, val_fraction: float) -> str:
+def _fill_an_empty_split(writers, val_fraction: float, tok, last_text: str | None) -> str:
     """Where the hash split left a split empty, give it a document: the other split's last one, or, of a corpus of
     one document (a single text file or token stream), its last ``val_fraction`` for validation. Returns what was
-    done, for meta.json ("" if nothing)."""
+    done, for meta.json ("" if nothing). ``_training_texts`` follows the same rules."""
     train, val = writers["train"], writers["val"]
-    if val_fraction <= 0 or (train.documents and val.documents):
+    if val_fraction <= 0 or bool(train.documents) == bool(val.documents):  # both hold documents, or neither
         return ""
     full, empty = (train, val) if train.documents else (val, train)
     if full.documents >= 2:
         empty.add(full.take_pending())
         return f"; none fell into {empty.split}, so the last document was moved there"
     ids = full.take_pending()
-    if len(ids) < 2:  # too short to cut
-        full.add(ids)
-        return ""
-    cut = len(ids) - max(1, int(len(ids) * val_fraction))
-    train.add(ids[:cut])
-    val.add(ids[cut:])
-    return f"; the corpus is one document, so its last {len(ids) - cut} tokens are the validation split"
+    if last_text is not None:  # cut where the tokenizer's training text ended
+        cut = _cut(len(last_text), val_fraction)
+        head, tail = tok.encode_arrays([last_text[:cut], last_text[cut:]])
+    else:
+        cut = _cut(len(ids), val_fraction)
+        head, tail = ids[:cut], ids[cut:]
+    train.add(head)
+    if not len(tail):
+        return "; the corpus is one document, too short to cut, so all of it is in train"
+    val.add(tail)
+    return f"; the corpus is one document, so its last {len(tail)} tokens are the validation split"

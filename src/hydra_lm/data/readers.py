@@ -77,11 +77,16 @@ def looks_binary(path: Path) -> bool:
     return b"\0" in head
 
 
+class NotText(ValueError):
+    """A text input holding NUL bytes: binary data, or text in UTF-16 or UTF-32."""
+
+
 def read_text(path: Path, strict: bool = False) -> str | None:
-    """The file's text; None for binary files, and with ``strict`` for files that are not UTF-8."""
+    """The file's text; None with ``strict`` for files that are not UTF-8; ``NotText`` for binary files."""
     data = _read_bytes(path)
     if b"\0" in data[:8192]:
-        return None
+        raise NotText(f"{path} looks binary or UTF-16: convert it to UTF-8 (e.g. iconv -f UTF-16 -t UTF-8), or "
+                      f"leave it out of the inputs")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -130,8 +135,6 @@ def iter_json(path: Path, key: str, text_field: str, explicit: bool = False) -> 
     the text field are an error there rather than text.
     """
     raw = read_text(path)
-    if raw is None:
-        return
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError:

@@ -10,16 +10,18 @@ A prepared directory holds, per split (``train``, ``val``):
 - ``<split>.idx.npy``: ``int64`` start offset of every document (the position of its ``eos``).
 
 plus ``tokenizer.json`` (or ``tokenizer_tiktoken.json``) and ``meta.json``, written last: a
-directory without ``meta.json`` is incomplete.
+directory without ``meta.json`` is incomplete. ``.prepare.lock`` lets one process at a time prepare it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import re
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ import numpy as np
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
+PREPARE_LOCK = ".prepare.lock"
 PREPARE_HINT = "run `hydra-lm prepare --inputs PATH... --out DIR` (or hydra_lm.data.prepare_data) first"
 
 # Tokens are buffered before writing so a corpus of many tiny documents is not one syscall each.
@@ -63,6 +66,44 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+_TEMP_NAME = re.compile(r"\..+\.tmp-(\d+)")
+
+
+def remove_stale_temp_files(directory: Path) -> None:
+    """Delete the temporary files (``atomic_path``, ``SplitWriter``) of writers killed before they renamed them."""
+    for path in directory.iterdir():
+        match = _TEMP_NAME.fullmatch(path.name)
+        if match and not _alive(int(match.group(1))):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process; a number no pid reaches
+        pass
+    return True
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path, on_wait: Callable[[], None]) -> Iterator[None]:
+    """Hold an advisory ``flock`` on ``path`` for the block; if another process holds it, call ``on_wait`` and
+    wait for it. The kernel drops the lock when its holder dies (even by SIGKILL); the file stays, as a lock
+    file must (see ``train/run_lock.py``)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:
@@ -117,7 +158,7 @@ def open_split(data_dir: str | Path, split: str, meta: dict | None = None) -> tu
     tokens = np.memmap(tokens_file, dtype=dtype, mode="r")
     try:  # never unpickle: the index is a plain integer array
         starts = np.load(starts_file, mmap_mode="r", allow_pickle=False)
-    except ValueError as err:
+    except (ValueError, EOFError, OSError) as err:  # a truncated or empty file raises EOFError
         raise ValueError(f"{starts_file} is not a plain integer array ({err}): prepare the data again") from None
     if len(starts) != info["documents"] or (len(starts) and (starts[0] != 0 or starts[-1] >= len(tokens))):
         raise ValueError(f"{starts_file} does not match {tokens_file}: prepare the data again")
@@ -131,8 +172,10 @@ class SplitWriter:
     the validation set empty can still move one document there without rewriting the file.
     """
 
-    def __init__(self, out_dir: str | Path, split: str, dtype: np.dtype, eos_id: int):
+    def __init__(self, out_dir: str | Path, split: str, dtype: np.dtype, eos_id: int, vocab_size: int,
+                 ids_from: str):
         self.out_dir, self.split, self.dtype, self.eos_id = Path(out_dir), split, np.dtype(dtype), int(eos_id)
+        self.vocab_size, self.ids_from = min(int(vocab_size), np.iinfo(self.dtype).max + 1), ids_from
         self._tmp = self.out_dir / f".{split}.bin.tmp-{os.getpid()}"
         self._file = open(self._tmp, "wb")
         self._starts = array("q")
@@ -146,6 +189,11 @@ class SplitWriter:
         return len(self._starts) + (self._pending is not None)
 
     def add(self, ids: np.ndarray) -> None:
+        # astype would wrap an id that does not fit the dtype into another, valid-looking token
+        if len(ids) and int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"{self.ids_from} produced token id {int(ids.max())}, outside its vocabulary of "
+                             f"{self.vocab_size} ids ({self.dtype.name} token files): use a tokenizer whose ids are "
+                             f"all below the vocabulary size it reports")
         if self._pending is not None:
             self._write(self._pending)
         self._pending = ids

@@ -75,6 +75,7 @@ class Corpus:
     inputs: list[str] | None
     strict_text: bool = False
     notes: dict = field(default_factory=dict)
+    skipped: set[Path] = field(default_factory=set)  # files found in directories that turned out binary
 
     @property
     def has_text(self) -> bool:
@@ -90,6 +91,11 @@ class Corpus:
 
 
 def _file_source(path: Path, root: Path, explicit: bool) -> Source | None:
+    if path.name.endswith(".idx.npy"):  # the document starts of prepared data, not token shards
+        if not explicit:
+            return None
+        raise ValueError(f"{path} is the document index of prepared data, not token shards: pass the corpus it "
+                         f"was prepared from, or train on its directory with --data")
     fmt = readers.detect_format(path)
     if fmt is None:
         if not explicit:
@@ -111,13 +117,19 @@ def _is_prepared(directory: Path) -> bool:
     return (directory / "meta.json").is_file() and (directory / "train.bin").is_file()
 
 
+def _is_incomplete(directory: Path) -> bool:
+    """Shards of a `hydra-lm prepare` that died before writing its ``meta.json``, the file written last."""
+    return not (directory / "meta.json").is_file() and all(
+        (directory / name).is_file() for name in ("train.bin", "train.idx.npy"))
+
+
 def _walk(root: Path, skip_test_data: bool = False) -> Iterator[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
         rel_parts = Path(dirpath).relative_to(root).parts
         in_tests = any(p in TEST_DIRS for p in rel_parts)
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")
                              and not (skip_test_data and in_tests and d.endswith("data"))
-                             and not _is_prepared(Path(dirpath) / d))
+                             and not _is_prepared(Path(dirpath) / d) and not _is_incomplete(Path(dirpath) / d))
         for name in sorted(filenames):
             if not name.startswith("."):
                 yield Path(dirpath) / name
@@ -127,6 +139,9 @@ def _dir_sources(root: Path) -> list[Source]:
     if _is_prepared(root):
         raise ValueError(f"{root} is prepared data (a `hydra-lm prepare` output), not a corpus: train on it with "
                          f"--data {root}, or prepare from the files it was made of")
+    if _is_incomplete(root):
+        raise ValueError(f"{root} is incomplete `hydra-lm prepare` output (its meta.json is missing: the preparation "
+                         f"was interrupted), not a corpus: prepare it again from its corpus")
     if readers.is_saved_dataset(root):
         files = [p for p in root.rglob("*") if p.is_file()]
         stamp = max((p.stat().st_mtime_ns for p in files), default=0)
@@ -193,7 +208,7 @@ def resolve_inputs(inputs: Sequence[str | Path] | str | Path | None, default_cap
                 raise FileNotFoundError(f"input pattern {spec!r} matches no files")
             base = _glob_base(str(path))
             for m in map(Path, matches):
-                if any(_is_prepared(d) for d in (m, *m.parents)):  # an earlier output the pattern reaches
+                if any(_is_prepared(d) or _is_incomplete(d) for d in (m, *m.parents)):  # an earlier output
                     continue
                 if m.is_dir():
                     sources += _dir_sources(m)
@@ -220,6 +235,9 @@ def resolve_inputs(inputs: Sequence[str | Path] | str | Path | None, default_cap
         if ident not in seen:
             seen.add(ident)
             unique.append(s)
+    if not unique and sources:
+        raise ValueError(f"every input file of {inputs} is inside the output directory {exclude}, which is never "
+                         f"read as input: choose an --out outside the inputs")
     if not unique:
         raise ValueError(f"no supported input files in {inputs}: supported are {readers.FORMAT_HELP}")
     return Corpus(unique, f"{len(unique)} source(s) from {', '.join(inputs)}", inputs, notes=notes)

@@ -6,6 +6,7 @@ normalisation) and trains in seconds with the Rust ``tokenizers`` library.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -112,11 +113,13 @@ class HydraTokenizer:
         return cls(enc, "tiktoken", encoding, eos, eos, eos)
 
     # use ------------------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
+        """Ids run from 0 to ``vocab_size - 1``: a vocabulary with holes counts up to its largest id."""
         if self.kind == "tiktoken":
             return self.backend.n_vocab
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        entries = self.backend.get_vocab(with_added_tokens=True)
+        return max(len(entries), max(entries.values(), default=-1) + 1)
 
     def encode(self, text: str) -> list[int]:
         if self.kind == "tiktoken":

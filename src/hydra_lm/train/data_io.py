@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import os
 import re
 from dataclasses import dataclass
@@ -43,10 +45,12 @@ def open_data(path: str | Path) -> DataInfo:
     if not counts.get("train"):
         raise ValueError(f"data directory {path} has no training tokens: prepare it from a non-empty corpus")
     fingerprint = None
-    try:
-        fingerprint = data_pkg.load_tokenizer(path).fingerprint()
-    except (ValueError, FileNotFoundError):
-        pass  # pre-tokenized data without a tokenizer: training works, text generation does not
+    if meta.get("tokenizer"):  # none: pre-tokenized data, which trains but cannot generate text
+        try:
+            fingerprint = data_pkg.load_tokenizer(path).fingerprint()
+        except (ValueError, FileNotFoundError) as err:
+            raise ValueError(f"the tokenizer recorded for data directory {path} cannot be loaded ({err}); if its "
+                             f"file is damaged or missing, prepare the data again") from None
     return DataInfo(path, int(meta["vocab_size"]), int(meta["eos_id"]), fingerprint, counts)
 
 
@@ -56,13 +60,29 @@ def dataset_dir(name: str) -> Path:
     if (as_path / "meta.json").is_file():
         return as_path
     root = Path(os.environ.get("HYDRA_CACHE_DIR", Path.home() / ".cache" / "hydra_lm")).expanduser()
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "default"
-    out = root / "prepared" / safe
-    inputs = None if name.lower() in ("default", "stdlib") else [name]
+    if name.lower() in ("default", "stdlib"):  # the built-in corpus: one per name, whatever the directory
+        inputs, out = None, root / "prepared" / name.lower()
+    else:
+        spec, label = _resolved_spec(name)
+        inputs = [spec]
+        # A readable name alone gave two corpora named alike (`corpus` in two projects) one directory.
+        digest = hashlib.sha256(spec.encode("utf-8")).hexdigest()[:10]
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_")[:80]
+        out = root / "prepared" / f"{safe}-{digest}".lstrip("-")
     try:
         return Path(data_pkg.prepare_data(inputs, out))
     except FileNotFoundError as err:
         raise ValueError(str(err)) from None
+
+
+def _resolved_spec(spec: str) -> tuple[str, str]:
+    """``(spec, label)``: a path or glob made absolute, labelled by its last plain component; hub specs (``hf:``)
+    and named sets as given."""
+    path = Path(spec).expanduser()
+    if spec.startswith("hf:") or not (path.exists() or glob.has_magic(spec)):
+        return spec, spec
+    full = path.resolve() if path.exists() else Path(os.path.abspath(path))
+    return str(full), next((p for p in reversed(full.parts) if not glob.has_magic(p)), "")
 
 
 def train_loader(info: DataInfo, batch_size: int, seq_len: int, seed: int, prefetch_threads: int = 0,
