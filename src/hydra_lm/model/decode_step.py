@@ -242,7 +242,7 @@ class DecodeStep:
             decisions, valid = [], None
             decision = None  # a token-choice router's per-token depths ([B, 1, 1 + R]), set on entry
             if block.depth_router is not None and block._active(block.depth_router):
-                decision = torch.zeros(batch, 1, 1 + block.recursions, dtype=torch.float32, device=x.device)
+                decision = torch.zeros(batch, 1, 1 + block.recursions, dtype=gate_dtype, device=x.device)
             for j in range(block.recursions):
                 router, weight = gates.get(j), None
                 if router is not None and block._active(router):
