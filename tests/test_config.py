@@ -52,6 +52,30 @@ def test_invalid_values_raise_value_errors_that_name_the_field(overrides, field)
         preset_config("debug", **overrides)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (dict(n_blocks=1), "mod_every=2: routes none of the 1 block.*: set mod_first_block=True with mod_every=1"),
+    (dict(n_blocks=2, mod_every=3), "mod_every=3: routes none of the 2 block.*: lower mod_every to at most 2"),
+    (dict(n_heads=256, n_kv_heads=1), r"n_heads=256: must divide the query latent dim/compression_factor=128 .*"
+                                      r"try one of \[1, 2, 4, 8, 16, 32, 64\]$"),
+    (dict(n_heads=3, n_kv_heads=1), r"n_heads=3: must divide the query latent dim/compression_factor=128 .*"
+                                    r"try one of \[1, 2, 4, 8, 16, 32, 64\]$"),  # no head_dim: none would fit
+    (dict(dim=4, compression_factor=8), "compression_factor=8: must divide dim=4"),
+    (dict(head_dim=16), "head_dim=16: n_heads\\*head_dim=4\\*16 must equal .*=128: set head_dim=32 or leave it unset"),
+    (dict(arch="dense", n_heads=3, n_kv_heads=1), "n_heads=3: must divide dim=512 for the dense baseline"),
+], ids=["one_block", "mod_every_past_the_blocks", "more_heads_than_latent", "heads_not_dividing_latent",
+        "compression_past_dim", "head_dim_set", "dense_heads"])
+def test_layout_errors_name_the_field_to_change_and_a_value_that_works(overrides, message):
+    with pytest.raises(ValueError, match=f"^HydraConfig.{message}"):
+        HydraConfig(**overrides)
+
+
+@pytest.mark.parametrize("dim, heads", [(512, 8), (256, 4), (1000, 20)])
+def test_the_dense_presets_heads_follow_a_dim_override(dim, heads):
+    cfg = preset_config("debug", arch="dense", dim=dim)
+    assert (cfg.n_heads, cfg.n_heads * cfg.head_dim, cfg.head_dim % 2) == (heads, dim, 0)
+    assert cfg.n_heads % cfg.n_kv_heads == 0 and cfg.n_kv_heads == max(1, heads // 4)
+
+
 def test_a_copy_with_other_sizes_derives_its_heads_mlp_and_depth_again_unless_they_were_set():
     small = HydraConfig(vocab_size=128, dim=64, n_heads=2, n_kv_heads=1)
     fresh = HydraConfig(vocab_size=128, dim=128, n_heads=4, n_kv_heads=1)

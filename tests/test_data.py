@@ -83,6 +83,24 @@ def test_tokenizer_round_trip(tmp_path, monkeypatch):
     assert load_tokenizer("org/tiny").encode(samples[0]) == tok.encode(samples[0])
 
 
+def test_a_continuation_keeps_the_space_a_metaspace_tokenizer_puts_before_its_first_word(tmp_path):
+    """SentencePiece-style tokenizers (Llama's, T5's tokenizer.json) mark a word's leading space on its first
+    token, and their decoder drops it at the start of a text: a continuation decoded alone loses it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from hydra_lm.infer.runs import continuation
+
+    spm = Tokenizer(models.BPE(unk_token="<unk>"))
+    spm.pre_tokenizer, spm.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    spm.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50,
+                            trainers.BpeTrainer(vocab_size=60, special_tokens=["<eos>", "<unk>"]))
+    spm.save(str(tmp_path / "spm.json"))
+    for tok in (HydraTokenizer.from_file(tmp_path / "spm.json"), HydraTokenizer.train(_texts(30), vocab_size=300)):
+        whole, prompt = tok.encode("the quick brown fox"), tok.encode("the quick")
+        assert whole[:len(prompt)] == prompt
+        assert "the quick" + continuation(tok, prompt, whole[len(prompt):]) == "the quick brown fox"
+
+
 # prepare -----------------------------------------------------------------------------------------
 def test_prepare_layout(text_data):
     out, src = text_data

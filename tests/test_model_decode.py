@@ -3,6 +3,7 @@ autocast, generate and sampling, and the checks of their inputs."""
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -292,6 +293,20 @@ def test_each_prompt_of_a_batch_stops_after_its_own_eos():
     assert torch.equal(alone, out[1])
 
 
+def test_sampled_prompts_of_a_batch_draw_as_each_alone_with_a_generator_per_row():
+    model = tiny_model().double().eval()
+    prompts = [_ids(1, 7, seed=2)[0], _ids(1, 4, seed=3)[0]]
+
+    def generators(*seeds):
+        return [torch.Generator().manual_seed(seed) for seed in seeds]
+
+    batch = model.generate(prompts, 8, temperature=1.0, top_k=20, generator=generators(5, 6))
+    for prompt, seed, got in zip(prompts, (5, 6), batch):
+        assert torch.equal(got, model.generate([prompt], 8, temperature=1.0, top_k=20, generator=generators(seed))[0])
+    with pytest.raises(ValueError, match="a sequence of 2 generators for 3 rows: pass one per row"):
+        model.generate([*prompts, prompts[0]], 2, temperature=1.0, generator=generators(5, 6))
+
+
 def test_prompts_of_several_lengths_are_checked():
     model = tiny_model().eval()
     for prompts, message in (([], "non-empty list"), ("abc", "not text"),
@@ -361,6 +376,42 @@ def test_a_tiny_temperature_samples_the_argmax():
     logits = torch.tensor([[0.5, 3.0, -1.0], [2.0, -4.0, 1.9]])
     for temperature in (1e-40, 1e-30):  # logits / temperature would overflow float32 to inf, and softmax to NaN
         assert sample_next(logits, temperature).tolist() == [1, 0]
+
+
+def test_float64_logits_are_sampled_in_float64():
+    from hydra_lm.model.sampling import sample_next
+
+    logits = torch.tensor([[1.0, 1.0 + 1e-9]], dtype=torch.float64)  # one value in float32: a coin toss there
+    gen = torch.Generator().manual_seed(0)
+    assert [sample_next(logits, 1e-30, generator=gen).item() for _ in range(50)] == [1] * 50
+
+
+def test_top_k_and_top_p_keep_every_token_tied_with_the_last_one_they_keep():
+    from hydra_lm.model.sampling import sample_next
+
+    gen = torch.Generator().manual_seed(0)
+
+    def drawn(logits, **cut):
+        return {sample_next(torch.tensor([logits]), 1.0, generator=gen, **cut).item() for _ in range(400)}
+
+    assert drawn([0.0, 0.0, 0.0, 0.0], top_p=0.5) == {0, 1, 2, 3}  # not the first half by index
+    assert drawn([1.5, 1.0, 1.0, 0.0], top_p=0.5) == {0, 1, 2}
+    assert drawn([3.0, 1.0, 1.0, 0.0], top_p=0.5) == {0}  # the top alone holds more than half
+    assert drawn([1.0, 1.0, 1.0, 0.0], top_k=1) == {0, 1, 2}
+    assert drawn([1.0, 1.0, 0.5, 0.0], top_k=3) == {0, 1, 2}
+
+
+def test_sampling_takes_numpy_numbers_and_names_what_it_cannot_use():
+    from hydra_lm.model.sampling import sample_next
+
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    for cut in (dict(temperature=np.float32(0.5)), dict(top_k=np.int64(2)), dict(top_p=np.float32(0.9))):
+        assert sample_next(logits, **{"temperature": 1.0, **cut}).item() in range(4)
+    for cut, message in ((dict(top_k=np.float32(2.0)), r"top_k=np.float32\(2.0\) must be an integer >= 1"),
+                         (dict(temperature=np.bool_(True)), "temperature=np.True_ must be a finite number"),
+                         (dict(top_p=np.float64(1.5)), r"top_p=np.float64\(1.5\) must lie in")):
+        with pytest.raises(ValueError, match=message):
+            sample_next(logits, **{"temperature": 1.0, **cut})
 
 
 def test_forward_names_token_ids_the_embedding_cannot_look_up():

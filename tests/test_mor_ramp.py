@@ -1,5 +1,7 @@
 """--mor_ramp: MoR capacities move from full depth to the configured ones in 4 levels, and resume exactly."""
 
+import pytest
+
 from support import tiny_model, tokens_per_unit
 from hydra_lm.train.curriculum import Curriculum, CurriculumPlan
 from hydra_lm.train.options import TrainConfig
@@ -24,6 +26,15 @@ def test_capacities_ramp_in_four_levels_from_full_depth_to_the_configured_ones()
     entry = configured[name[:-1] + "0"]
     seen = [u[name] for u in units[1:]]
     assert seen == sorted(seen, reverse=True) and entry > seen[0] > seen[-1] == configured[name]
+
+
+@pytest.mark.parametrize("ramp", [1.5, -0.5, float("nan"), True, "1"])
+def test_a_ramp_outside_0_1_is_refused(ramp):
+    model = tiny_model()
+    before = tokens_per_unit(model, 64)
+    with pytest.raises(ValueError, match=r"mor_ramp=.* must lie in \[0, 1\]"):
+        model.set_curriculum(mor_ramp=ramp)
+    assert tokens_per_unit(model, 64) == before
 
 
 def test_ramped_run_logs_its_levels_and_resumes_exactly(tiny_data, tmp_path):

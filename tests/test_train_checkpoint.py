@@ -1,6 +1,7 @@
 """Checkpoints: atomic layout, safe loading, rotation, corruption detection and fallback."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -120,13 +121,19 @@ def test_every_checkpoint_broken_is_an_error_not_a_fresh_start(tmp_path):
         m.latest_good()  # sets it aside as *.corrupt
 
 
-def test_resolve_checkpoint_accepts_a_directory_or_file(tmp_path):
+def test_resolve_checkpoint_accepts_a_directory_a_file_or_a_name(tmp_path, monkeypatch):
     m = CheckpointManager(tmp_path / "checkpoints", "debug")
     path = save(m, tiny(), 7)
     assert resolve_checkpoint(tmp_path).step == 7
     assert resolve_checkpoint(tmp_path, path / "model.safetensors").step == 7
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve_checkpoint(tmp_path, tmp_path / "nope")
+    monkeypatch.chdir(tmp_path / "checkpoints")  # a name finds the checkpoint here or in the run's checkpoints/
+    assert resolve_checkpoint(tmp_path / "run", path.name).step == 7
+    monkeypatch.chdir(tmp_path)
+    assert resolve_checkpoint(tmp_path, path.name).step == 7
+    with pytest.raises(CheckpointError, match=re.escape(f"nope does not exist, here or in {tmp_path / 'checkpoints'}")):
+        resolve_checkpoint(tmp_path, "nope")
     stray = tmp_path / "model.pt"
     stray.write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="neither a checkpoint directory's file nor an exported"):

@@ -233,8 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="validation loss and perplexity of a run's checkpoint (causal and top-k)")
     ev.add_argument("--run", required=True, help="run directory")
-    ev.add_argument("--checkpoint", default=None, help="checkpoint directory or exported .safetensors file "
-                                                       "(default: the run's newest good checkpoint)")
+    ev.add_argument("--checkpoint", default=None, help="checkpoint directory (or its name in the run's checkpoints/) "
+                                                       "or exported .safetensors file (default: the run's newest good "
+                                                       "checkpoint)")
     ev.add_argument("--data", default=None, help="data directory (default: the run's)")
     ev.add_argument("--batch_size", type=int, default=None)
     ev.add_argument("--seq_len", type=int, default=None)
@@ -246,20 +247,25 @@ def build_parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export", help="write a checkpoint (also a sharded multi-process one) as one safetensors "
                                         "file holding the full model and its config")
     exp.add_argument("--run", required=True, help="run directory")
-    exp.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the newest good one)")
+    exp.add_argument("--checkpoint", default=None, help="checkpoint directory or its name in the run's "
+                                                        "checkpoints/ (default: the newest good one)")
     exp.add_argument("--out", required=True, help="the .safetensors file to write")
     exp.set_defaults(func=_cmd_export)
 
     gen = sub.add_parser("generate", help="sample text from a run's checkpoint (causal routing, cached decoding)")
     gen.add_argument("--run", required=True, help="run directory")
     gen.add_argument("--prompt", required=True, action="append",
-                     help="the text to continue; give it several times to sample several prompts as one batch")
+                     help="the text to continue; give it several times to sample several prompts as one batch "
+                          "(the first samples with --seed, the next with --seed + 1, ..., each as it would alone "
+                          "with that seed)")
     gen.add_argument("--max_new_tokens", type=int, default=100)
     gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     gen.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens; 0: all of them")
     gen.add_argument("--top_p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--checkpoint", default=None)
+    gen.add_argument("--checkpoint", default=None, help="checkpoint directory (or its name in the run's "
+                                                        "checkpoints/) or exported .safetensors file (default: the "
+                                                        "run's newest good checkpoint)")
     gen.add_argument("--device", default="auto")
     # A few prompts a process, at most max_seq_len tokens each: the compiles (about 20 s for the 100M preset's decode
     # step and about 50 s for its prefill on an H200) cannot pay for themselves here, where the compiled step saves

@@ -133,7 +133,7 @@ class HydraConfig:
         _choice(self, "attention_backend", ATTENTION_BACKENDS)
         _choice(self, "doc_mask_backend", DOC_MASK_BACKENDS)
         _choice(self, "decode_kernel", DECODE_KERNELS)
-        for name in ("vocab_size", "dim", "n_blocks", "recursions", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+        for name in ("vocab_size", "dim", "n_blocks", "recursions", "n_layers", "n_heads", "n_kv_heads",
                      "compression_factor", "mlp_hidden", "max_seq_len", "conv_seq_kernel", "conv_ch_kernel",
                      "mod_every", "moe_num_experts", "moe_num_layers", "moe_top_k", "moe_hidden", "topk_groups"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -141,16 +141,18 @@ class HydraConfig:
         if self.n_heads % self.n_kv_heads:
             bad("n_kv_heads", f"must divide n_heads={self.n_heads} (grouped-query attention); "
                               f"try one of {[d for d in range(1, self.n_heads + 1) if self.n_heads % d == 0]}")
-        if self.arch == "hydra":
-            if self.dim % self.compression_factor:
-                bad("compression_factor", f"must divide dim={self.dim}; the query latent is dim/compression_factor")
-            latent = self.dim // self.compression_factor
-            if self.head_dim * self.n_heads != latent:
-                bad("n_heads", f"n_heads*head_dim={self.n_heads}*{self.head_dim} must equal the query latent "
-                               f"dim/compression_factor={latent}; pick n_heads dividing {latent} or set head_dim")
-        elif self.head_dim * self.n_heads != self.dim:
-            bad("n_heads", f"n_heads*head_dim={self.n_heads}*{self.head_dim} must equal dim={self.dim} for the "
-                           "dense baseline")
+        # The fields head_dim is derived from come first: a bad one is named, not the head_dim of 0 it gave.
+        if self.arch == "hydra" and self.dim % self.compression_factor:
+            bad("compression_factor", f"must divide dim={self.dim}; the query latent is dim/compression_factor")
+        latent = self.dim // self.compression_factor if self.arch == "hydra" else self.dim
+        what = f"the query latent dim/compression_factor={latent}" if self.arch == "hydra" else \
+            f"dim={latent} for the dense baseline"
+        if latent % self.n_heads:
+            heads = [d for d in range(1, latent + 1) if latent % d == 0 and latent // d % 2 == 0]
+            bad("n_heads", f"must divide {what} (each head an even share of it): try one of {heads}")
+        if self.head_dim != latent // self.n_heads:
+            bad("head_dim", f"n_heads*head_dim={self.n_heads}*{self.head_dim} must equal {what}: set head_dim="
+                            f"{latent // self.n_heads} or leave it unset")
         if self.head_dim % 2:
             bad("head_dim", "must be even (rotary embeddings rotate channel pairs)")
         if not (0.0 < self.mod_capacity <= 1.0):
@@ -167,9 +169,12 @@ class HydraConfig:
             bad("mod_every", "middle_cycle sharing has one block MoD can route (the shared middle), so every "
                              "mod_every-th block routes none unless mod_every=1: set mod_every=1, or mod_enabled=False")
         if self.arch == "hydra" and self.mod_enabled and self.mod_capacity < 1 and not self.mod_routes_a_block():
+            # Of one block, the first, only mod_first_block routes it; of more, mod_every <= n_blocks routes one.
+            fix = "set mod_first_block=True with mod_every=1" if self.n_blocks == 1 else \
+                f"lower mod_every to at most {self.n_blocks}"
             bad("mod_every", f"routes none of the {self.n_blocks} block(s) (MoD routes every mod_every-th block, the "
-                             "first only with mod_first_block=True and mod_every=1): lower mod_every, add blocks, or "
-                             "set mod_enabled=False")
+                             f"first only with mod_first_block=True and mod_every=1): {fix}, add blocks, or set "
+                             "mod_enabled=False")
         if self.mod_first_block and self.mod_every != 1:
             bad("mod_first_block", f"routes the first block only with mod_every=1 (mod_every={self.mod_every} "
                                    "skips it): set mod_every=1 or mod_first_block=False")
@@ -353,6 +358,16 @@ def _lookup_preset(name: str) -> str:
     raise ValueError(f"unknown preset {name!r}{hint}; choose one of {', '.join(PRESETS)}")
 
 
+def _dense_heads(dim: int) -> tuple[int, int]:
+    """The dense baseline's (query heads, key/value heads) at width ``dim``: heads of the even size dividing ``dim``
+    nearest 64 (the presets' dim/64), about a quarter as many key/value heads."""
+    if not isinstance(dim, int) or dim < 2:
+        return 1, 1  # the config's own check names the bad dim
+    sizes = [d for d in range(2, dim + 1, 2) if dim % d == 0] or [dim]
+    n_heads = dim // min(sizes, key=lambda d: (abs(d - 64), -d))
+    return n_heads, max(d for d in range(1, max(1, n_heads // 4) + 1) if n_heads % d == 0)
+
+
 def preset_config(name: str, **overrides: Any) -> HydraConfig:
     """The config of a named preset, with ``overrides`` applied (unknown keys raise ``ValueError``)."""
     key = _lookup_preset(name)
@@ -360,8 +375,7 @@ def preset_config(name: str, **overrides: Any) -> HydraConfig:
     values = {k: v for k, v in PRESETS[key].items() if k != "advertised_params"}
     if overrides.get("arch") == "dense":
         # The dense baseline keeps width, MLP and depth-in-unique-layers; its attention is full-width GQA.
-        values["n_heads"] = values["dim"] // 64
-        values["n_kv_heads"] = max(1, values["n_heads"] // 4)
+        values["n_heads"], values["n_kv_heads"] = _dense_heads(overrides.get("dim", values["dim"]))
     values.update(overrides)
     values["preset"] = key
     return HydraConfig(**values)

@@ -41,6 +41,8 @@ def quickstart(out: str | Path = "hydra-quickstart", max_steps: int | None = Non
 
     if max_new_tokens < 0:  # before minutes of training, not after
         raise ValueError(f"--max_new_tokens {max_new_tokens} must be >= 0")
+    if max_steps is not None and max_steps < 1:  # before the corpus is prepared, not after
+        raise ValueError(f"--max_steps {max_steps} must be >= 1")
     start = time.perf_counter()
     out = Path(out).expanduser()
     data_dir = prepare_data(None, out / "data")

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_model
 
 from ..config import HydraConfig
+from ..model.attention import kernels_for_device
 from ..model.factory import create_model
 from ..train.checkpoint import EXPORT_FORMAT, Checkpoint, resolve_checkpoint
 from ..train.data_io import ValSet, open_data, tokenized_alike
@@ -31,7 +32,11 @@ class LoadedRun:
     device: torch.device
 
 
-def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto") -> LoadedRun:
+def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto",
+             adapt_kernels: bool = True) -> LoadedRun:
+    """A run's checkpoint (``checkpoint``: a path, a name in the run's checkpoints directory, or None: the newest
+    good one) as a model on ``device``. ``adapt_kernels``: kernel choices the run saved that ``device`` cannot run
+    fall back to "auto" with a note (``kernels_for_device``); ``export_model`` keeps them as saved."""
     run_dir = Path(run_dir).expanduser()
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist")
@@ -44,6 +49,12 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
             raise ValueError(f"{config_path} is corrupt: {err}") from None
         if not isinstance(config, dict):
             raise ValueError(f"{config_path} is corrupt: not a JSON object")
+        # The run's tokenizer decodes the checkpoint's tokens: one from another run would print wrong text.
+        trained_with, run_with = (d.get("tokenizer_fingerprint") if isinstance(d, dict) else None
+                                  for d in (ckpt.state.get("data"), config.get("data")))
+        if None not in (trained_with, run_with) and trained_with != run_with:
+            raise ValueError(f"checkpoint {ckpt.path} was trained with another tokenizer than run {run_dir}: pass "
+                             "the --run it came from")
     else:  # a checkpoint copied out of its run carries its own config
         config = {"train": ckpt.state.get("train_config", {}), "model": ckpt.state.get("model_config"),
                   "data": ckpt.state.get("data", {})}
@@ -52,7 +63,12 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
         raise ValueError(f"checkpoint {ckpt.path} holds no model config")
     dev = pick_device(device)
     try:
-        model = create_model(HydraConfig.from_saved(model_values))
+        model_config = HydraConfig.from_saved(model_values)
+        if adapt_kernels:
+            model_config, notes = kernels_for_device(model_config, dev)
+            for note in notes:
+                print(f"note: {note}", file=sys.stderr)
+        model = create_model(model_config)
     except (ValueError, TypeError) as err:
         raise ValueError(f"checkpoint {ckpt.path} records an unusable model config: {err}") from None
     if ckpt.layout == "dcp":
@@ -68,8 +84,12 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
     if curriculum is not None:  # evaluate the network as it was training at that step
         if not (isinstance(curriculum, dict) and {"mod_active", "mor_active"} <= set(curriculum)):
             raise ValueError(f"checkpoint {ckpt.path} records a malformed curriculum: pick another with --checkpoint")
-        model.set_curriculum(mod_active=curriculum["mod_active"], mor_active=curriculum["mor_active"],
-                            mor_ramp=curriculum.get("mor_ramp", 1.0))
+        try:
+            model.set_curriculum(mod_active=curriculum["mod_active"], mor_active=curriculum["mor_active"],
+                                 mor_ramp=curriculum.get("mor_ramp", 1.0))
+        except ValueError as err:
+            raise ValueError(f"checkpoint {ckpt.path} records a malformed curriculum ({err}): pick another with "
+                             "--checkpoint") from None
     return LoadedRun(run_dir, model, ckpt, config, dev)
 
 
@@ -78,7 +98,7 @@ def export_model(run_dir: str | Path, out: str | Path, checkpoint: str | Path | 
     out = Path(out).expanduser()
     if out.suffix != ".safetensors":
         raise ValueError(f"--out {out}: name the file *.safetensors")
-    run = load_run(run_dir, checkpoint, "cpu")
+    run = load_run(run_dir, checkpoint, "cpu", adapt_kernels=False)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     meta = {"format": EXPORT_FORMAT, "step": str(run.checkpoint.step),
@@ -157,7 +177,9 @@ def generate_text(run_dir: str | Path, prompt: str | list[str], max_new_tokens: 
     """Prompt in, prompt + continuation out, decoded with the run's tokenizer (causal routing), in bf16 autocast
     on CUDA as evaluation runs; ``compile_step`` as ``HydraModel.generate`` (default: compiled units on CUDA).
     A list of prompts (any lengths) is sampled as one batch and gives a list of texts; each continues for at most
-    ``max_new_tokens`` and at most what the model's context leaves after the longest prompt."""
+    ``max_new_tokens`` and at most what the model's context leaves after the longest prompt. Prompt i samples
+    with a generator of its own seeded ``seed + i``, so it gets in the batch what it gets alone with that seed (up
+    to rounding, which the batch's shapes can change)."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not prompts:
         raise ValueError("no prompt given")
@@ -178,14 +200,22 @@ def generate_text(run_dir: str | Path, prompt: str | list[str], max_new_tokens: 
         print(f"note: max_new_tokens {max_new_tokens} -> {room}: the model's context is {context} tokens"
               + (" and the longest prompt takes the rest" if len(ids) > 1 else ""), file=sys.stderr)
         max_new_tokens = room
-    gen = torch.Generator(device=run.device).manual_seed(seed)
+    generators = [torch.Generator(device=run.device).manual_seed(seed + i) for i in range(len(ids))]
     with _autocast(run.device):  # the precision its validation losses were measured in
         out = run.model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 eos_token_id=tok.eos_id, generator=gen, compile_step=compile_step)
+                                 eos_token_id=tok.eos_id, generator=generators, compile_step=compile_step)
     texts = []
     for text, row, full in zip(prompts, ids, out):
         new = full[len(row):].tolist()
         if tok.eos_id in new:
             new = new[:new.index(tok.eos_id)]
-        texts.append(text + tok.decode(new))
+        texts.append(text + continuation(tok, row[1:], new))
     return texts[0] if isinstance(prompt, str) else texts
+
+
+def continuation(tok, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text ``new_ids`` add after ``prompt_ids``. Decoded alone they can lose what joins them to the prompt (a
+    SentencePiece-style Metaspace decoder drops the first token's leading space), so the prompt's text is taken
+    off the whole decode where that starts with it."""
+    prompt, whole = tok.decode(prompt_ids), tok.decode(prompt_ids + new_ids)
+    return whole[len(prompt):] if whole.startswith(prompt) else tok.decode(new_ids)

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ATTENTION_BACKENDS, DECODE_KERNELS
+from ..config import ATTENTION_BACKENDS, DECODE_KERNELS, HydraConfig
 from ..kernels import TRITON_AVAILABLE
-from .attention_backend import flexible_attention
-from .doc_attention import Documents, doc_causal_attention
+from .attention_backend import check_attention_backend, flexible_attention
+from .doc_attention import Documents, doc_causal_attention, resolve_doc_mask_backend
 from .layers import RotaryEmbedding, apply_rotary
 
 
@@ -42,6 +42,24 @@ def decode_kernels_run(setting: str, device: torch.device) -> bool:
                              "TRITON_INTERPRET=1 before starting Python, or decode_kernel='auto' or 'torch' "
                              "(--model.decode_kernel)")
     return True
+
+
+def kernels_for_device(config: HydraConfig, device: torch.device) -> tuple[HydraConfig, list[str]]:
+    """``config`` with each kernel choice ``device`` cannot run (``decode_kernel``, ``attention_backend``,
+    ``doc_mask_backend``) set to "auto", and a line saying so for each. They change how attention is computed, not
+    what, so a run saved with a kernel of its training host still evaluates and generates elsewhere."""
+    checks = {"decode_kernel": lambda value: decode_kernels_run(value, device),
+              "attention_backend": lambda value: check_attention_backend(value, device),
+              "doc_mask_backend": lambda value: resolve_doc_mask_backend(value, device, config.head_dim)}
+    changes = {}
+    for name, check in checks.items():
+        try:
+            check(getattr(config, name))
+        except ValueError:
+            changes[name] = "auto"
+    notes = [f"the run's {name}={getattr(config, name)!r} cannot run on {torch.device(device)}: using 'auto' (the "
+             "same attention, computed another way)" for name in changes]
+    return (config.replace(**changes) if changes else config), notes
 
 
 @dataclass

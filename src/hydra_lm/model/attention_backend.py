@@ -21,6 +21,15 @@ XFORMERS_AVAILABLE = importlib.util.find_spec("xformers") is not None
 _PACKAGES = {"flash": ("flash-attn", FLASH_ATTN_AVAILABLE), "xformers": ("xformers", XFORMERS_AVAILABLE)}
 
 
+def check_attention_backend(backend: str, device: torch.device | str) -> None:
+    """A ValueError where ``HydraConfig.attention_backend`` ``backend`` cannot run on ``device``: a package's
+    backend on CUDA without the package (elsewhere SDPA serves every backend)."""
+    if torch.device(device).type == "cuda" and backend in _PACKAGES and not _PACKAGES[backend][1]:
+        package = _PACKAGES[backend][0]
+        raise ValueError(f"HydraConfig.attention_backend={backend!r} needs the {package} package: pip install "
+                         f"{package}, or set attention_backend='auto' (--model.attention_backend auto)")
+
+
 def flexible_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True,
                        attn_mask: torch.Tensor | None = None, scale: float | None = None,
                        backend: str = "auto") -> torch.Tensor:
@@ -34,10 +43,7 @@ def flexible_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_cau
     if attn_mask is not None or not q.is_cuda or backend in ("auto", "sdpa"):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal and attn_mask is None,
                                               scale=scale, enable_gqa=gqa)
-    package, available = _PACKAGES[backend]
-    if not available:
-        raise ValueError(f"HydraConfig.attention_backend={backend!r} needs the {package} package: pip install "
-                         f"{package}, or set attention_backend='auto' (--model.attention_backend auto)")
+    check_attention_backend(backend, q.device)
     if backend == "flash":
         from flash_attn import flash_attn_func  # takes [B, N, H, D] and handles GQA itself
 

@@ -12,6 +12,7 @@ Routing modes (see ``routing.py``):
 from __future__ import annotations
 
 import contextlib
+import numbers
 from typing import Sequence
 
 import torch
@@ -29,7 +30,7 @@ from .loss import linear_cross_entropy, logits_cross_entropy
 from .layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
 from .moe import MoEFeedForward, grouped_mm_dtype
 from .routing import ROUTING_MODES, depth_fractions
-from .sampling import batch_prompts, check_sampling, sample_next
+from .sampling import batch_prompts, check_generator, check_sampling, sample_next
 from .tied_lookup import HeadGradientSlot, kernel_applies, tied_lookup
 
 
@@ -172,6 +173,9 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         every block (MoD) / every recursion (MoR) with weight 1. ``mor_ramp`` in [0, 1] moves the
         MoR depth capacities from full depth (0) to the configured ones (1). Changing any of them
         retraces a compiled model once."""
+        if isinstance(mor_ramp, bool) or not isinstance(mor_ramp, numbers.Real) or not 0 <= mor_ramp <= 1:
+            raise ValueError(f"mor_ramp={mor_ramp!r} must lie in [0, 1] (0: full depth, 1: the configured MoR "
+                             "capacities)")
         for block in self.blocks:
             block.mod_active = bool(mod_active)
             block.mor_active = bool(mor_active)
@@ -329,12 +333,15 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor | Sequence, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-                 generator: torch.Generator | None = None, cuda_graph: bool | None = None,
+                 generator: torch.Generator | Sequence[torch.Generator] | None = None, cuda_graph: bool | None = None,
                  compile_step: bool | None = None) -> torch.Tensor | list[torch.Tensor]:
         """Prompt [B, T] -> [B, T + max_new_tokens] (stops early once every row emitted ``eos_token_id``).
         Prompts of several lengths, a list of 1-D tensors or of token id lists, decode as one batch, each row from
         the end of its own prompt: the result is a list of 1-D tensors, each its prompt and its new tokens (up to
-        and including its first ``eos_token_id``), the tokens each prompt would get on its own.
+        and including its first ``eos_token_id``). Greedy, each row gets the tokens its prompt gets on its own (up
+        to rounding in fp32 or bf16, where the batch's shapes can turn a near-tie). Sampled, that holds only with
+        ``generator`` a sequence of one generator per row (each seeded as that prompt's own would be): one
+        generator (or the global one) draws the rows in turn, so a row's tokens depend on the rows before it.
 
         ``temperature=0`` is greedy decoding; it yields exactly the tokens that repeated full
         forwards in eval (causal routing) mode would pick. The one-token steps after the prompt
@@ -364,6 +371,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
         check_sampling(temperature, top_k, top_p)  # before the prefill, and with no token to sample too
+        check_generator(generator, input_ids.shape[0])
         if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
                                          or not 0 <= eos_token_id < self.config.vocab_size):
             raise ValueError(f"eos_token_id={eos_token_id!r} must be an integer in [0, {self.config.vocab_size})")

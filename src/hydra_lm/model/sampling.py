@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Sequence
 
 import torch
 
@@ -34,32 +36,57 @@ def batch_prompts(prompts, device: torch.device) -> tuple[torch.Tensor, torch.Te
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """A ValueError naming the first sampling argument ``sample_next`` cannot use."""
-    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
+    """A ValueError naming the first sampling argument ``sample_next`` cannot use. Any real / integral number
+    serves (a NumPy scalar too), never a bool."""
+    if not (_real(temperature) and 0 <= temperature < math.inf):
         raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 = greedy)")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+    if top_k is not None and not (_real(top_k) and isinstance(top_k, numbers.Integral) and top_k >= 1):
         raise ValueError(f"top_k={top_k!r} must be an integer >= 1")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+    if top_p is not None and not (_real(top_p) and 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p={top_p!r} must lie in (0, 1]")
 
 
+def check_generator(generator, rows: int) -> bool:
+    """Whether ``generator`` is one per row (a sequence of ``rows`` generators); a ValueError if it is neither that,
+    one ``torch.Generator`` nor None."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return False
+    if not (isinstance(generator, Sequence) and all(isinstance(g, torch.Generator) for g in generator)):
+        raise ValueError(f"generator={generator!r}: pass a torch.Generator, a sequence of one per row, or None")
+    if len(generator) != rows:
+        raise ValueError(f"generator: a sequence of {len(generator)} generators for {rows} rows: pass one per row, "
+                         "or one torch.Generator for the batch")
+    return True
+
+
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
-                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Pick one token per row of ``logits`` [B, V]; ``temperature=0`` means argmax."""
+                top_p: float | None = None,
+                generator: torch.Generator | Sequence[torch.Generator] | None = None) -> torch.Tensor:
+    """Pick one token per row of ``logits`` [B, V]; ``temperature=0`` means argmax. ``top_k`` and ``top_p`` keep
+    every token whose logit is at least the smallest one they keep: tokens tied with it at the boundary stay too,
+    so top-k may keep more than k. ``generator``: one for the batch (its rows' draws follow each other, so a row's
+    token depends on the rows before it) or a sequence of one per row (each row draws from its own alone)."""
     check_sampling(temperature, top_k, top_p)
+    per_row = check_generator(generator, logits.shape[0])
     if temperature == 0:
         return logits.argmax(dim=-1)
     # Relative to each row's highest logit: a tiny temperature then drives the others to -inf, not the top to inf.
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        kth = torch.topk(logits, int(top_k), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        # Drop a token when the mass before it already reaches top_p (the first token always stays).
-        drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
-        logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+        sorted_logits, _ = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep a token while the mass before it is below top_p (the first always stays); the kept ones are a prefix.
+        kept = ((probs.cumsum(-1) - probs) < top_p).sum(-1, keepdim=True)
+        logits = logits.masked_fill(logits < sorted_logits.gather(-1, kept - 1), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if per_row:
+        return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generator)])
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

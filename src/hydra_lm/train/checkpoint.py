@@ -325,11 +325,16 @@ class CheckpointManager:
 
 def resolve_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None,
                        warn: Callable[[str], None] | None = None) -> Checkpoint:
-    """The checkpoint to evaluate or sample from: an explicit path, else the run's newest good one
-    (``warn`` hears about every newer one skipped, and why)."""
-    if checkpoint is not None:
-        return verify(Path(checkpoint))
+    """The checkpoint to evaluate or sample from: an explicit path (or, where none is there, a name in the run's
+    checkpoints directory), else the run's newest good one (``warn`` hears about every newer one skipped, and why)."""
     ckdir = Path(run_dir) / "checkpoints"
+    if checkpoint is not None:
+        path = Path(checkpoint).expanduser()
+        if not path.exists() and not path.is_absolute():
+            if not (ckdir / path).exists():
+                raise CheckpointError(f"checkpoint {path} does not exist, here or in {ckdir}")
+            path = ckdir / path
+        return verify(path)
     found = CheckpointManager(ckdir, "").list()
     errors = []
     for _, path in reversed(found):
