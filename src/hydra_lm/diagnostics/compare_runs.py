@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..config import HydraConfig
-from ..model.accounting import executed_flops_per_token
+from ..model.accounting import curriculum_flops_per_token
 from ..train.checkpoint import write_text_atomic
 from ..train.curriculum import CurriculumPlan
 from ..train.data_io import DataInfo
@@ -76,14 +76,13 @@ class ComparePlan:
 
 # ---------------------------------------------------------------------------- FLOPs accounting
 def flops_per_token_in_phase(model_cfg: HydraConfig, seq_len: int, mod_active: bool, mor_active: bool,
-                             cache: dict | None = None) -> float:
-    """Executed training FLOPs/token while the curriculum has MoD / MoR switched on or off."""
-    key = (mod_active, mor_active)
+                             mor_ramp: float = 1.0, cache: dict | None = None) -> float:
+    """Executed training FLOPs/token while the curriculum has MoD / MoR switched on or off and the MoR
+    capacities at ``mor_ramp`` (``curriculum_flops_per_token``), memoised in ``cache``."""
+    key = (mod_active, mor_active, mor_ramp if mor_active else 1.0)
     if cache is not None and key in cache:
         return cache[key]
-    live = model_cfg.replace(mod_enabled=model_cfg.mod_enabled and mod_active,
-                             mor_enabled=model_cfg.mor_enabled and mor_active)
-    value = executed_flops_per_token(live, seq_len, training=True)
+    value = curriculum_flops_per_token(model_cfg, seq_len, *key)
     if cache is not None:
         cache[key] = value
     return value
@@ -91,23 +90,27 @@ def flops_per_token_in_phase(model_cfg: HydraConfig, seq_len: int, mod_active: b
 
 def planned_flops(model_cfg: HydraConfig, cfg: TrainConfig, steps: int, tokens_per_step: int) -> float:
     """Executed FLOPs of a run of ``steps`` steps: routing starts off and switches on as the
-    curriculum plans it (MoD at the latest step the plan allows: its loss gate may open earlier)."""
+    curriculum plans it (MoD at the latest step the plan allows: its loss gate may open earlier), and
+    ``--mor_ramp`` moves the MoR capacities through their levels, each counted for its own steps."""
     routable = (model_cfg.arch == "hydra" and model_cfg.mod_enabled,
                 model_cfg.arch == "hydra" and model_cfg.mor_enabled and model_cfg.recursions > 1)
     plan = CurriculumPlan.from_config(cfg.replace(max_steps=steps), routable)
     mod_on = plan.mod_gate_step if plan.loss_gate is None else plan.mod_force_step
-    switches = sorted({0, steps, *(min(s, steps) for s in (mod_on, plan.mor_step) if s is not None)})
+    changes = (mod_on, plan.mor_step, *plan.ramp_steps())
+    switches = sorted({0, steps, *(min(s, steps) for s in changes if s is not None)})
     cache: dict = {}
     total = 0.0
     for start, end in zip(switches, switches[1:]):
         mod = mod_on is not None and start >= mod_on
         mor = plan.mor_step is not None and start >= plan.mor_step
-        total += (end - start) * flops_per_token_in_phase(model_cfg, cfg.seq_len, mod, mor, cache)
+        fpt = flops_per_token_in_phase(model_cfg, cfg.seq_len, mod, mor, plan.ramp_level(start), cache)
+        total += (end - start) * fpt
     return total * tokens_per_step
 
 
 def steps_for_flops(budget: float, model_cfg: HydraConfig, cfg: TrainConfig, tokens_per_step: int) -> int:
     """The fewest steps whose planned executed FLOPs reach ``budget`` (planned FLOPs grow with steps)."""
+    # The ramp only adds tokens to MoR's configured capacities: its levels are never the cheapest.
     cheapest = min(flops_per_token_in_phase(model_cfg, cfg.seq_len, m, r) for m in (False, True) for r in (False, True))
     lo, hi = 1, max(1, math.ceil(budget / (cheapest * tokens_per_step)))
     while lo < hi:
@@ -122,12 +125,13 @@ def steps_for_flops(budget: float, model_cfg: HydraConfig, cfg: TrainConfig, tok
 def executed_flops_at(steps: list[int], train_records: list[dict], model_cfg: HydraConfig, seq_len: int,
                       tokens_per_step: int) -> list[float]:
     """Cumulative executed FLOPs at ``steps``, from the curriculum state logged with each train record
-    (a logged window is counted in the state at its end)."""
+    (a logged window is counted in the state at its end; records written before the MoR ramp was logged
+    count its configured capacities)."""
     cache: dict = {}
     marks, totals, total, previous = [0], [0.0], 0.0, 0
     for r in train_records:
         fpt = flops_per_token_in_phase(model_cfg, seq_len, bool(r.get("mod_active", True)),
-                                       bool(r.get("mor_active", True)), cache)
+                                       bool(r.get("mor_active", True)), float(r.get("mor_ramp", 1.0)), cache)
         total += (r["step"] - previous) * fpt * tokens_per_step
         previous = r["step"]
         marks.append(previous)
