@@ -102,11 +102,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         if "routing" in result:
             overall = result.get("val_agreement_decisions")
             decisions = "" if overall is None else f" ({100 * overall:.1f}% of all routing decisions)"
-            print(f"  routing: {100 * result['val_agreement']:.1f}% top-k/threshold agreement, mean of the routers"
-                  f"{decisions}; executed fraction per router, causal against its top-k target:")
+            agreement = ("no top-k/threshold agreement (every router off)" if result.get("val_agreement") is None
+                         else f"{100 * result['val_agreement']:.1f}% top-k/threshold agreement, mean of the routers "
+                         "switched on")
+            print(f"  routing: {agreement}{decisions}; executed fraction per router, causal against its top-k target:")
             for name, r in result["routing"].items():
-                print(f"    {name:<16} {r['exec_causal']:.3f} / {r['target']:.3f}   "
-                      f"agreement {100 * r['agreement']:.1f}%")
+                agrees = "off (runs every candidate)" if r.get("agreement") is None else \
+                    f"agreement {100 * r['agreement']:.1f}%"
+                print(f"    {name:<16} {r['exec_causal']:.3f} / {r['target']:.3f}   {agrees}")
         for warning in routing_warnings(result):
             print(f"  warning: {warning}")
     return 0

@@ -258,7 +258,8 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
                      f"training time): {v['description']}; run directory `{v['run_dir']}`")
     lines += ["", "## Routing health", "",
               f"Executed share of tokens per router with causal routing against its top-k target, at the final "
-              f"checkpoint; agreement is the share of tokens where the causal threshold makes the top-k choice. "
+              f"checkpoint; agreement is the share of tokens where the causal threshold makes the top-k choice "
+              f"(\"off\": a router the curriculum kept switched off, left out of the agreement means). "
               f"Warnings: a share off its target by more than {STARVATION_TOLERANCE}, or a causal loss more than "
               f"{GAP_TOLERANCE} nats above the top-k loss.", ""]
     routed = {name: v for name, v in results["variants"].items() if v["routing"]}
@@ -266,7 +267,8 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
         lines.append("No variant has routers.")
     for name, v in routed.items():
         rows = [(router, f"{r['target']:.3f}", f"{r['exec_causal']:.3f}", f"{r['exec_topk']:.3f}",
-                 f"{r['agreement']:.3f}") for router, r in v["routing"].items()]
+                 "off" if r.get("agreement") is None else f"{r['agreement']:.3f}")
+                for router, r in v["routing"].items()]
         overall = (v["final"] or {}).get("val_agreement_decisions")
         summary = [] if overall is None else [f"Agreement over all of its routing decisions (each router weighted "
                                               f"by its candidates): {overall:.1%}.", ""]
