@@ -87,11 +87,12 @@ def _cmd_scaling(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from .infer import eval_run
     from .train.evaluate import routing_warnings
+    from .train.metrics import finite_or_null
 
     result = eval_run(args.run, args.checkpoint, data=args.data, batch_size=args.batch_size, seq_len=args.seq_len,
                       max_batches=args.eval_batches, device=args.device)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(finite_or_null(result)))  # strict JSON: a non-finite loss as null
     else:
         print(f"{result['checkpoint']} (step {result['step']}), {result['val_tokens']:,} validation tokens:")
         for mode, note in (("causal", "causal routing: what generation does"),
