@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--out", default=None, help="output directory: runs/NAME per variant, results.json, "
                                                      "report.md and the plots")
     compare.add_argument("--budget", required=True, help="per variant: tokens=N, flops=N (executed training "
-                                                         "FLOPs) or seconds=N (training time); k/M/G/T/P suffixes")
+                                                         "FLOPs), k/M/G/T/P suffixes; or seconds=N (training "
+                                                         "time), s/m/h units (seconds=10m)")
     compare.add_argument("--variants", nargs="+", default=None, metavar="NAME",
                          help=f"built-in variants ({', '.join(BUILTIN_VARIANTS)}; default: "
                               f"{' '.join(DEFAULT_VARIANTS)} unless --variant is given)")
@@ -201,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(experimental_fp8, fp8_format, fp8_recipe, fp8_min_tokens), budget_scale (its share of "
                          "--budget, e.g. 0.7); repeatable; arch=dense allowed")
     compare.add_argument("--evals", type=int, default=None,
-                         help="evaluations spread evenly over the budget (default 8; or --eval_every N steps)")
+                         help="evaluations spread evenly over the budget (default 8; or --eval_every N steps, "
+                              "0: the start and the end only)")
     compare.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
                          help="train every variant once per seed (runs/NAME.seedS; instead of --seed) and report "
                               "each variant's mean and spread over them")

@@ -21,7 +21,8 @@ from ..train.options import TrainConfig
 from .variants import Variant
 
 BUDGET_KINDS = ("tokens", "flops", "seconds")
-SUFFIXES = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
+SUFFIXES = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}  # tokens and flops: magnitudes
+TIME_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}  # seconds: 10m is ten minutes, not ten million seconds
 MARKER = "compare.json"
 
 @dataclass(frozen=True)
@@ -34,17 +35,22 @@ class Budget:
 
 
 def parse_budget(text: str) -> Budget:
-    """``tokens=2e6``, ``flops=5e15``, ``seconds=600``; k/M/G/T/P suffixes allowed (``tokens=2M``)."""
+    """``tokens=2e6``, ``flops=5e15``, ``seconds=600``; tokens and flops take k/M/G/T/P suffixes (``tokens=2M``),
+    seconds the units s/m/h (``seconds=10m``: 600)."""
     kind, eq, raw = str(text).partition("=")
     kind = kind.strip().lower()
     hint = "write --budget KIND=N with KIND one of tokens, flops, seconds (e.g. --budget tokens=2e6)"
     if not eq or kind not in BUDGET_KINDS:
         raise ValueError(f"--budget {text!r}: {hint}")
     raw = raw.strip().replace("_", "")
-    scale = SUFFIXES.get(raw[-1:].lower(), 1.0) if raw[-1:].isalpha() else 1.0
-    number = raw[:-1] if raw[-1:].lower() in SUFFIXES else raw
+    units, named = (TIME_UNITS, "s, m or h (seconds=10m)") if kind == "seconds" else \
+        (SUFFIXES, "k, M, G, T or P (tokens=2M)")
+    # A letter after a number's digits (not an exponent's "e").
+    suffix = raw[-1].lower() if raw[-2:-1] in set("0123456789.") and raw[-1:].isalpha() and raw[-1] not in "eE" else ""
+    if suffix and suffix not in units:
+        raise ValueError(f"--budget {text!r}: {kind} takes the suffixes {named}, not {raw[-1]!r}")
     try:
-        value = float(number) * scale
+        value = float(raw[:-1] if suffix else raw) * units.get(suffix, 1.0)
     except ValueError:
         raise ValueError(f"--budget {text!r}: {raw!r} is not a number; {hint}") from None
     if not math.isfinite(value) or value <= 0:
@@ -147,26 +153,35 @@ def _fingerprint(values: dict[str, Any]) -> dict[str, Any]:
                                   if k not in ("out", "device", "resume", "keep_checkpoints", "save_every")}))
 
 
-def finished_marker(run: VariantRun) -> dict[str, Any] | None:
-    """The marker of a run that finished (or diverged); None for one not trained yet or cut short. A run started
-    or finished under other settings is an error: resumed or reported, it would mix two studies."""
+def read_marker(run: VariantRun) -> dict[str, Any] | None:
+    """The marker a compare left in a run's directory, whatever its status; None for a run never started (or a
+    marker cut short: the trainer resumes, or finds nothing to do, and it is rewritten). A run started or
+    finished under other settings is an error: resumed or reported, it would mix two studies."""
     path = run.run_dir / MARKER
     if not path.is_file():
         return None
     try:
         marker = json.loads(path.read_text(encoding="utf-8"))
     except ValueError:
-        return None  # a marker cut short: the trainer resumes (or finds nothing to do) and it is rewritten
+        return None
     was, now = _fingerprint(marker.get("settings", {})), _fingerprint(run.values)
     if was != now:
         diff = sorted(k for k in {*was, *now} if was.get(k) != now.get(k))
         raise ValueError(f"{run.run_dir} was trained by an earlier compare with other settings ({', '.join(diff)}): "
                          "use a new --out directory, or remove that run directory to train it again")
-    return None if marker.get("status") == "started" else marker
+    return marker
+
+
+def finished_marker(run: VariantRun) -> dict[str, Any] | None:
+    """The marker of a run that finished (or diverged); None for one not trained yet, cut short or failed (the next
+    call trains those)."""
+    marker = read_marker(run)
+    return None if marker is None or marker.get("status") in ("started", "failed") else marker
 
 
 def write_marker(run: VariantRun, status: str) -> None:
-    """Record a variant's run as started, finished or diverged with its settings (its routing health is its last
-    evaluation's, in its metrics)."""
+    """Record a variant's run as started, finished, diverged or failed (it raised) with its settings (its routing
+    health is its last evaluation's, in its metrics)."""
     marker = {"status": status, "variant": run.variant.overrides, "settings": _fingerprint(run.values)}
+    run.run_dir.mkdir(parents=True, exist_ok=True)  # a run that failed before the trainer made it
     write_text_atomic(run.run_dir / MARKER, json.dumps(marker, indent=1))
