@@ -332,6 +332,49 @@ def test_the_steps_that_compile_after_a_curriculum_switch_count_as_start_up_not_
     assert banked == [1, switch] and switch > 1
 
 
+def test_a_resumed_windows_start_up_rate_counts_only_the_steps_since_it_reopened(monkeypatch):
+    """A window of start-up steps alone is timed from its opening: the steps before the interruption that a resumed
+    run's window continues took no part in that time (counted in, they overstated tokens/s tenfold)."""
+    import torch
+
+    from hydra_lm.train import log_window
+
+    now = [100.0]
+    monkeypatch.setattr(log_window.time, "perf_counter", lambda: now[0])
+    window = log_window.LogWindow(torch.device("cpu"), {"sums": [4.0 * 9] * 5 + [9.0], "steps": 9})
+    now[0] += 0.5  # the first step after the resume, compiling
+    window.add(torch.full((5,), 4.0), torch.tensor(1.0), torch.zeros(0, 3), 1e-3)
+    window.restart_timer(now[0])  # the trainer banks that step as start-up
+    record, _ = window.record(10, tokens_per_step=1000, run={}, router_names=[], moe_names=[])
+    assert record["tokens_per_s"] == pytest.approx(1000 / 0.5)
+    assert record["loss"] == pytest.approx(4.0)  # its means still take the steps before the interruption
+
+
+def test_the_progress_line_shows_a_routed_models_executed_share():
+    import torch
+
+    from hydra_lm.train.log_window import LogWindow
+    from hydra_lm.train.metrics import progress_line
+
+    window = LogWindow(torch.device("cpu"))
+    window.add(torch.full((5,), 4.0), torch.tensor(1.0), torch.tensor([[0.25, 1.0, 0.9], [0.375, 1.0, 0.8]]), 1e-3)
+    record, _ = window.record(1, 128, {"memory_mb": 400.0}, ["block1.mod0", "block1.mor1"], [])
+    assert progress_line(record, 8).endswith(" | exec 0.31")
+
+
+def test_eval_json_writes_a_non_finite_number_as_null(monkeypatch, capsys):
+    import hydra_lm.infer
+
+    nan = float("nan")
+    monkeypatch.setattr(hydra_lm.infer, "eval_run", lambda *args, **kwargs: {
+        "step": 8, "val_loss_causal": nan, "val_loss_topk": 4.2, "val_gap": nan,
+        "routing": {"block1.mod0": {"agreement": float("inf")}}})
+    assert main(["eval", "--run", "unused", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out, parse_constant=lambda word: pytest.fail(f"bare {word} in JSON"))
+    assert (result["val_loss_causal"], result["val_loss_topk"], result["val_gap"]) == (None, 4.2, None)
+    assert result["routing"]["block1.mod0"]["agreement"] is None
+
+
 @pytest.mark.parametrize("command", ["train", "compare", "bench"])
 def test_every_command_runs_with_the_trainers_cuda_allocator_and_a_users_setting_wins(tmp_path, monkeypatch,
                                                                                       command, capsys):

@@ -135,9 +135,16 @@ def test_compare_refuses_bad_requests_with_one_line(tiny_data, tmp_path, capsys)
         (["--budget", "watts=5"], "one of tokens, flops, seconds"),
         (["--budget", "tokens=0"], "positive"),
         (["--budget", "flops=lots"], "not a number"),
+        (["--budget", "seconds=1k"], "seconds takes the suffixes s, m or h"),  # 1k seconds or 1 minute?
+        (["--budget", "tokens=10h"], "tokens takes the suffixes k, M, G, T or P"),
         (["--budget", "tokens=1k", "--variants", "hydar"], "did you mean hydra?"),
         (["--budget", "tokens=1k", "--variant", "cap:mod_capacty=0.5"], "did you mean mod_capacity"),
         (["--budget", "tokens=1k", "--variant", "dense:n_layers=3"], "built-in"),
+        (["--budget", "tokens=1k", "--variant", "a:mod_capacity=0.5,mod_capacity=0.9"],
+         "--variant a: mod_capacity is given twice"),
+        # A setting the variant's model or trainer rejects names the variant.
+        (["--budget", "tokens=1k", "--variant", "a:mod_capacity=1.5"], "--variant a: HydraConfig.mod_capacity=1.5"),
+        (["--budget", "tokens=1k", "--variant", "a:mod_enable_pct=2"], "--variant a: mod_enable_pct=2.0 must lie"),
         (["--budget", "tokens=1k", "--max_steps", "5"], "--max_steps cannot be given"),
         (["--budget", "tokens=1k", "--arch", "dense"], "variants choose the architecture"),
         # What the device cannot run is refused before the first variant trains, naming the variant.
@@ -461,3 +468,82 @@ def test_a_run_whose_throughput_wavered_is_flagged_as_unfair_to_a_seconds_budget
     assert line.startswith("b8r1.seed0: its throughput was unsteady") and f"{STEADY_THROUGHPUT:.0%}" in line
     assert throughput_steadiness(records([800_000.0] * 9)) is None  # too few windows to tell
 
+
+
+def test_a_seconds_budget_takes_time_units_and_tokens_and_flops_magnitudes():
+    assert [parse_budget(f"seconds={t}").value for t in ("10m", "1.5h", "90s", "600")] == [600, 5400, 90, 600]
+    assert [parse_budget(b).value for b in ("tokens=2M", "flops=1.5k", "flops=5e15")] == [2e6, 1500, 5e15]
+
+
+def test_eval_every_0_evaluates_at_the_start_and_the_end_only(tiny_data, tmp_path):
+    from hydra_lm.diagnostics.compare_results import collect_results
+    from hydra_lm.diagnostics.report import write_report
+
+    shared = {"model_size": "debug", "device": "cpu", "batch_size": 4, "seq_len": 32, "eval_every": 0}
+    with pytest.raises(ValueError, match="--evals and --eval_every both set"):
+        plan_compare(str(tiny_data), str(tmp_path / "cmp"), parse_budget("tokens=8k"), ["hydra"], [], 2, shared)
+    plan = plan_compare(str(tiny_data), str(tmp_path / "cmp"), parse_budget("tokens=8k"), ["hydra"], [], None, shared)
+    assert plan.runs[0].values["eval_every"] == 0 and plan.evals is None
+    write_report(collect_results(plan), [], tmp_path / "report.md")
+    assert "measured at the start and at the end only (--eval_every 0)" in (tmp_path / "report.md").read_text()
+
+
+def test_a_variant_that_raises_is_reported_failed_and_the_others_train(tiny_data, tmp_path, monkeypatch, capsys):
+    import hydra_lm.train as train_module
+
+    train = train_module.train
+
+    def out_of_memory_in_bad(setup):
+        if setup.run_dir.name == "bad":
+            setup.close()  # as train does on its way out
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return train(setup)
+    monkeypatch.setattr(train_module, "train", out_of_memory_in_bad)
+    out = tmp_path / "cmp"
+    request = ("--budget", "tokens=256", "--variant", "bad:mod_capacity=0.5", "--variant", "after:mod_capacity=0.25",
+               "--evals", "1")
+    assert compare(tiny_data, out, *request) == 1
+    printed = capsys.readouterr()
+    assert "RuntimeError: CUDA out of memory (simulated)" in printed.err
+    assert "bad failed (traceback above)" in printed.out
+    results = json.loads((out / "results.json").read_text())
+    assert {name: v["status"] for name, v in results["variants"].items()} == {"bad": "failed", "after": "finished"}
+    assert "| bad (failed) |" in (out / "report.md").read_text()
+    monkeypatch.setattr(train_module, "train", train)
+    assert compare(tiny_data, out, *request) == 0  # the same command trains the failed run again
+    assert "after (2/2) finished earlier" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("causal", [None, 4.2])
+def test_a_non_finite_final_loss_is_the_runs_final_one_and_warned_about_by_the_runs_name(tmp_path, causal):
+    """MetricsWriter stores a non-finite loss as null: the run ends on that evaluation, not on its last finite one,
+    and its warnings name the run (a variant's seed or learning rate), not the variant."""
+    from hydra_lm.config import preset_config
+    from hydra_lm.diagnostics.compare_results import variant_results
+    from hydra_lm.diagnostics.compare_runs import VariantRun, write_marker
+    from hydra_lm.diagnostics.report import table_rows
+    from hydra_lm.diagnostics.variants import Variant
+
+    run_dir = tmp_path / "runs" / "hydra.seed1"
+    run_dir.mkdir(parents=True)
+    router = {"target": 0.125, "exec_causal": 0.5, "exec_topk": 0.125, "agreement": 0.9, "active": True,
+              "calibrated": True}
+    rs = [{"kind": "eval", "step": 0, "val_loss_causal": 5.6, "val_loss_topk": 5.6, "val_gap": 0.0},
+          *({"kind": "train", "step": s, "train_s": 0.1 * s} for s in (4, 8)),
+          {"kind": "eval", "step": 8, "val_loss_causal": causal, "val_loss_topk": None, "val_gap": None,
+           "routing": {"block1.mod0": router}}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+    run = VariantRun(Variant("hydra"), run_dir, {"lr": 1e-3, "min_lr": 1e-4, "max_steps": 8, "seed": 1},
+                     preset_config("debug", arch="dense"), "hydra.seed1", 1)
+    write_marker(run, "finished")
+    entry = variant_results(run, 32, 128, tmp_path)
+    assert entry["final"]["step"] == 8 and entry["final"]["val_loss_causal"] == causal
+    assert [p["val_loss_causal"] for p in entry["evals"]] == [5.6, causal]
+    lost = "causal and top-k" if causal is None else "top-k"
+    assert entry["warnings"] == [
+        "hydra.seed1: router block1.mod0 executes 0.500 of the tokens under causal routing against a target of 0.125",
+        f"hydra.seed1: its final evaluation (step 8) has a non-finite {lost} validation loss, reported as such: the "
+        "model diverged by then (lower the learning rate, or look for the step where its training loss left the "
+        "finite numbers)"]
+    (row,) = table_rows({"variants": {run.name: entry}})
+    assert row[6:9] == ("nan" if causal is None else "4.2000", "nan", "nan")

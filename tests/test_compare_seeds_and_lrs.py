@@ -46,6 +46,22 @@ def test_seeds_train_every_variant_per_seed_and_report_the_spread(tiny_data, tmp
     assert "across_seeds" not in json.loads((tmp_path / "one" / "results.json").read_text())
 
 
+def test_the_report_under_lrs_names_the_grid_not_a_learning_rate_no_run_trained_at(tiny_data, tmp_path):
+    from hydra_lm.diagnostics.compare import plan_compare
+    from hydra_lm.diagnostics.compare_results import collect_results
+    from hydra_lm.diagnostics.compare_runs import parse_budget
+    from hydra_lm.diagnostics.report import write_report
+
+    shared = {"model_size": "debug", "device": "cpu", "batch_size": 4, "seq_len": 32}
+    plan = plan_compare(str(tiny_data), str(tmp_path / "cmp"), parse_budget("tokens=1k"), ["hydra"], [], 1, shared,
+                        lrs=[1e-3, 3e-3])
+    results = collect_results(plan)
+    write_report(results, [], tmp_path / "report.md")
+    header = (tmp_path / "report.md").read_text().splitlines()[2]
+    assert "peak learning rates from the --lrs grid (below) (wsd)" in header
+    assert f"learning rate {results['settings']['lr']:g}" not in header and "of their own" not in header
+
+
 @pytest.mark.slow
 def test_lrs_train_every_variant_per_learning_rate_and_report_each_ones_best(tiny_data, tmp_path, capsys):
     out = tmp_path / "cmp"

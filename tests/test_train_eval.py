@@ -8,7 +8,7 @@ import torch
 import hydra_lm
 from hydra_lm.model import routing
 from hydra_lm.train import evaluate
-from hydra_lm.train.evaluate import format_eval
+from hydra_lm.train.evaluate import decisions_per_row, format_eval, routing_warnings
 from support import tokens_per_unit
 
 
@@ -94,6 +94,43 @@ def test_agreement_over_decisions_weighs_each_router_by_its_candidates():
     assert result["val_agreement_decisions"] == pytest.approx(expected, rel=1e-9)
     assert result["val_agreement"] == pytest.approx(sum(agreements.values()) / len(agreements), rel=1e-9)
     assert f"(of decisions {100 * expected:.1f}%)" in format_eval(result)
+
+
+def test_routers_the_curriculum_keeps_off_count_in_neither_agreement():
+    """A switched-off router lets every candidate through and decides nothing: it used to count as agreeing on all."""
+    model = tiny(n_blocks=2, recursions=3, mor_capacity=0.5)
+    model.set_curriculum(mod_active=False, mor_active=True)
+    result = evaluate(model, batches(), torch.device("cpu"))
+    routers = result["routing"]
+    off = [name for name in routers if ".mod" in name]
+    assert off and all(routers[n]["agreement"] is None and not routers[n]["active"] for n in off)
+    on = {name: r["agreement"] for name, r in routers.items() if name not in off}
+    assert result["val_agreement"] == pytest.approx(sum(on.values()) / len(on), rel=1e-9)
+    weights = dict(zip(routers, decisions_per_row(list(routers), [r["exec_topk"] for r in routers.values()])))
+    expected = sum(weights[n] * a for n, a in on.items()) / sum(weights[n] for n in on)
+    assert result["val_agreement_decisions"] == pytest.approx(expected, rel=1e-9)
+    model.set_curriculum(mod_active=False, mor_active=False)
+    result = evaluate(model, batches(), torch.device("cpu"))
+    assert "val_agreement" not in result and "val_agreement_decisions" not in result
+    assert "agreement - (every router off)" in format_eval(result)
+
+
+def test_a_router_kept_off_and_never_calibrated_leaves_the_calibrated_ones_warnings():
+    """With MoR kept off (--mor_off) its routers never calibrate; MoD's routers, calibrated and drifted far above
+    their threshold, still warn (one uncalibrated router used to silence every warning)."""
+    model = tiny(recursions=2)
+    model.set_curriculum(mod_active=True, mor_active=False)
+    model.train()
+    for b in batches():  # training forwards calibrate the active routers' thresholds
+        model(b["input_ids"], targets=b["targets"])
+    for module in model.modules():
+        if isinstance(module, routing.ExpertChoiceRouter) and module.kind == "mod":
+            module.proj.bias.data += 5.0  # every logit far above the threshold: causal routing runs every token
+    result = evaluate(model, batches(), torch.device("cpu"))
+    mod = [name for name in result["routing"] if ".mod" in name]
+    assert mod and [w.split()[1] for w in routing_warnings(result) if w.startswith("router")] == mod
+    assert result["routing_calibrated"] and all(result["routing"][n]["calibrated"] for n in mod)
+    assert not any(r["calibrated"] for name, r in result["routing"].items() if name not in mod)
 
 
 def test_max_batches_stop_and_empty_split():

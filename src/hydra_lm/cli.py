@@ -87,11 +87,12 @@ def _cmd_scaling(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from .infer import eval_run
     from .train.evaluate import routing_warnings
+    from .train.metrics import finite_or_null
 
     result = eval_run(args.run, args.checkpoint, data=args.data, batch_size=args.batch_size, seq_len=args.seq_len,
                       max_batches=args.eval_batches, device=args.device)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(finite_or_null(result)))  # strict JSON: a non-finite loss as null
     else:
         print(f"{result['checkpoint']} (step {result['step']}), {result['val_tokens']:,} validation tokens:")
         for mode, note in (("causal", "causal routing: what generation does"),
@@ -102,11 +103,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         if "routing" in result:
             overall = result.get("val_agreement_decisions")
             decisions = "" if overall is None else f" ({100 * overall:.1f}% of all routing decisions)"
-            print(f"  routing: {100 * result['val_agreement']:.1f}% top-k/threshold agreement, mean of the routers"
-                  f"{decisions}; executed fraction per router, causal against its top-k target:")
+            agreement = ("no top-k/threshold agreement (every router off)" if result.get("val_agreement") is None
+                         else f"{100 * result['val_agreement']:.1f}% top-k/threshold agreement, mean of the routers "
+                         "switched on")
+            print(f"  routing: {agreement}{decisions}; executed fraction per router, causal against its top-k target:")
             for name, r in result["routing"].items():
-                print(f"    {name:<16} {r['exec_causal']:.3f} / {r['target']:.3f}   "
-                      f"agreement {100 * r['agreement']:.1f}%")
+                agrees = "off (runs every candidate)" if r.get("agreement") is None else \
+                    f"agreement {100 * r['agreement']:.1f}%"
+                print(f"    {name:<16} {r['exec_causal']:.3f} / {r['target']:.3f}   {agrees}")
         for warning in routing_warnings(result):
             print(f"  warning: {warning}")
     return 0
@@ -186,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--out", default=None, help="output directory: runs/NAME per variant, results.json, "
                                                      "report.md and the plots")
     compare.add_argument("--budget", required=True, help="per variant: tokens=N, flops=N (executed training "
-                                                         "FLOPs) or seconds=N (training time); k/M/G/T/P suffixes")
+                                                         "FLOPs), k/M/G/T/P suffixes; or seconds=N (training "
+                                                         "time), s/m/h units (seconds=10m)")
     compare.add_argument("--variants", nargs="+", default=None, metavar="NAME",
                          help=f"built-in variants ({', '.join(BUILTIN_VARIANTS)}; default: "
                               f"{' '.join(DEFAULT_VARIANTS)} unless --variant is given)")
@@ -197,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(experimental_fp8, fp8_format, fp8_recipe, fp8_min_tokens), budget_scale (its share of "
                          "--budget, e.g. 0.7); repeatable; arch=dense allowed")
     compare.add_argument("--evals", type=int, default=None,
-                         help="evaluations spread evenly over the budget (default 8; or --eval_every N steps)")
+                         help="evaluations spread evenly over the budget (default 8; or --eval_every N steps, "
+                              "0: the start and the end only)")
     compare.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
                          help="train every variant once per seed (runs/NAME.seedS; instead of --seed) and report "
                               "each variant's mean and spread over them")

@@ -23,6 +23,7 @@ import gc
 import json
 import math
 import os
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -108,10 +109,12 @@ def run_compare(data: str | None, out: str | None, budget: str, variant_names: l
 
 def train_runs(plan: ComparePlan, names: list[str]) -> int:
     """Train the runs of ``plan`` named in ``names`` that are not finished, one after another, in this
-    process. 130 when interrupted (the same command resumes), else 0."""
+    process. A run that raises is marked failed (the same command trains it again) and the others go on.
+    130 when interrupted (the same command resumes), else 1 when a run failed, else 0."""
     from ..train import setup_run, train
 
     runs = training_order(plan)
+    failed = False
     for i, run in enumerate(runs, 1):
         if run.name not in names:
             continue
@@ -125,15 +128,24 @@ def train_runs(plan: ComparePlan, names: list[str]) -> int:
         # Each variant is a new model: the previous ones' compiled graphs only count against Dynamo's
         # recompile limit of the functions every model shares (the routed unit).
         torch._dynamo.reset()
-        setup = setup_run(run.values)
-        write_marker(run, "started")  # its settings: a later command must not resume it under others
-        code = train(setup)
-        gc.collect()  # the finished run's model and CUDA graphs go now, not inside the next run's capture
+        try:
+            setup = setup_run(run.values)
+            write_marker(run, "started")  # its settings: a later command must not resume it under others
+            code = train(setup)
+        except Exception:  # e.g. out of memory: the other variants still train and the report names it failed
+            traceback.print_exc()
+            print(f"compare: {run.name} failed (traceback above); the next runs go on, and the same command "
+                  "trains it again", flush=True)
+            write_marker(run, "failed")
+            failed = True
+            continue
+        finally:
+            gc.collect()  # the run's model and CUDA graphs go now, not inside the next run's capture
         if code == 130:
             print(f"compare: interrupted; run the same command again to resume {run.name}", flush=True)
             return code
         write_marker(run, "finished" if code == 0 else "diverged")
-    return 0
+    return 1 if failed else 0
 
 
 def training_order(plan: ComparePlan) -> list[VariantRun]:
@@ -192,7 +204,6 @@ def train_on_gpus(plan: ComparePlan, request: tuple, gpus: int) -> int:
 def _gpu_worker(gpu: int, device: str, threads: int, queue, request: tuple, log: str) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = device
     import sys
-    import traceback
 
     import torch._inductor.config as inductor_config
 
@@ -218,8 +229,10 @@ def _gpu_worker(gpu: int, device: str, threads: int, queue, request: tuple, log:
                       flush=True)
                 failed.append(name)
                 continue
-            if code:  # interrupted: leave the rest to the command's next call
+            if code == 130:  # interrupted: leave the rest to the command's next call
                 sys.exit(code)
+            if code:  # marked failed, its traceback above
+                failed.append(name)
         sys.exit(1 if failed else 0)
 
 
@@ -244,7 +257,7 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
         raise ValueError("--data DATA_DIR is required (a directory from `hydra-lm prepare`; or --dataset default)")
     if not out:
         raise ValueError("--out DIR is required: the variants' runs, results.json, report.md and plots go there")
-    if evals is not None and shared.get("eval_every"):
+    if evals is not None and shared.get("eval_every") is not None:
         raise ValueError("--evals and --eval_every both set when to evaluate: keep one")
     evals = DEFAULT_EVALS if evals is None else evals
     if evals < 1:
@@ -282,12 +295,17 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
     tokens_per_step = base.batch_size * base.seq_len * base.grad_accum
     out_dir = Path(out).expanduser()
     runs = []
+    custom_names = {c.name for c in customs}
     for v in variants:
-        model_cfg = model_config(v.overrides)
-        # Batch and sequence length are shared; the learning rates follow the variant's optimizer (its
-        # per-size default) unless the variant or the shared flags give them.
-        own = resolve(TrainConfig(**{**shared, **v.train, "data": str(info.path), "model_size": preset}), preset,
-                      on_cuda)
+        label = v.swept_from or v.name
+        try:
+            model_cfg = model_config(v.overrides)
+            # Batch and sequence length are shared; the learning rates follow the variant's optimizer (its
+            # per-size default) unless the variant or the shared flags give them.
+            own = resolve(TrainConfig(**{**shared, **v.train, "data": str(info.path), "model_size": preset}), preset,
+                          on_cuda)
+        except ValueError as err:  # say which variant's settings to change
+            raise ValueError(f"{'--variant' if label in custom_names else 'variant'} {label}: {err}") from None
         # A run needs only its newest checkpoint (to resume, and for the final evaluation); the trainer's
         # default three of every 1B run (10 GB each) likely filled a device's 128 GB disk mid-study
         # (benchmarks/BENCHMARKS.md, twenty-ninth session).
@@ -305,7 +323,9 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
         values["max_steps"] = steps
         # Rounded up: the last of the evals falls on the run's end (the trainer always evaluates there),
         # not one step before it (1000 steps // 3 = 333 evaluated at 999 and again at 1000).
-        values["eval_every"] = shared.get("eval_every") or max(1, math.ceil(steps / evals))
+        # --eval_every 0: at the end only (and the start), as in train.
+        values["eval_every"] = shared["eval_every"] if shared.get("eval_every") is not None else \
+            max(1, math.ceil(steps / evals))
         # A checkpoint at the middle and the end: the trainer's default of one per tenth cost a 1B run
         # about 30 s a save (twenty-ninth session), device time a study lacks.
         values["save_every"] = shared.get("save_every") or max(1, math.ceil(steps / 2))
@@ -315,7 +335,7 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
             run_values = {**values, "out": str(out_dir / "runs" / name), **({} if seed is None else {"seed": seed})}
             runs.append(VariantRun(v, out_dir / "runs" / name, run_values, model_cfg, name, seed))
     out_dir.mkdir(parents=True, exist_ok=True)
-    return ComparePlan(out_dir, budget, runs, info, base, None if shared.get("eval_every") else evals,
+    return ComparePlan(out_dir, budget, runs, info, base, None if shared.get("eval_every") is not None else evals,
                        tokens_per_step, seeds)
 
 

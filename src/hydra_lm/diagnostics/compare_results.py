@@ -14,7 +14,7 @@ import numpy as np
 from ..model.accounting import executed_flops_per_token
 from ..train.metrics import METRICS_FILE
 from ..train.run import CONFIG_JSON
-from .compare_runs import ComparePlan, VariantRun, executed_flops_at, finished_marker
+from .compare_runs import ComparePlan, VariantRun, executed_flops_at, read_marker
 from .routing_health import depth_profile, health_warnings
 from .variants import parameter_count
 
@@ -101,16 +101,25 @@ def mixed_devices_warning(variants: dict[str, Any]) -> list[str]:
             "kind of device"]
 
 
+def _final_causal(entry: dict[str, Any]) -> float | None:
+    """A finished run's final causal loss; None for a run not finished or whose final loss is not finite (its
+    warning says so): such a run has no loss to average over seeds or to rank a learning rate by."""
+    if entry["status"] != "finished" or entry["final"] is None:
+        return None
+    return entry["final"]["val_loss_causal"]
+
+
 def lr_sweep(runs: list[VariantRun], variants: dict[str, Any]) -> dict[str, Any]:
     """Per variant swept over --lrs: its final causal loss at each learning rate (the mean over seeds, runs that
-    finished without a rollback only), the best learning rate and whether it is the grid's smallest or largest."""
+    finished with a finite loss and without a rollback only), the best learning rate and whether it is the grid's
+    smallest or largest."""
     losses: dict[str, dict[float, list[float]]] = {}
     for run in runs:
         if run.variant.swept_from is None:
             continue
         entry = variants[run.name]
         at_lr = losses.setdefault(run.variant.swept_from, {}).setdefault(run.values["lr"], [])
-        if entry["status"] == "finished" and entry["final"] is not None and not entry.get("rollbacks"):
+        if _final_causal(entry) is not None and not entry.get("rollbacks"):
             at_lr.append(entry["final"]["val_loss_causal"])
     out = {}
     for family, by_lr in losses.items():
@@ -139,13 +148,13 @@ def lr_extensions(sweep: dict[str, Any]) -> dict[str, float]:
 
 
 def across_seeds(runs: list[VariantRun], variants: dict[str, Any]) -> dict[str, Any]:
-    """Per variant, its final causal losses over the seeds (finished runs only): mean, min, max and the
-    sample standard deviation."""
+    """Per variant, its final causal losses over the seeds (finished runs with a finite loss only): mean, min, max
+    and the sample standard deviation."""
     out: dict[str, Any] = {}
     for run in runs:
         entry = variants[run.name]
         summary = out.setdefault(run.variant.name, {"arch": run.variant.arch, "seeds": [], "causal": []})
-        if entry["status"] == "finished" and entry["final"] is not None:
+        if _final_causal(entry) is not None:
             summary["seeds"].append(run.seed)
             summary["causal"].append(entry["final"]["val_loss_causal"])
     for summary in out.values():
@@ -159,16 +168,17 @@ def across_seeds(runs: list[VariantRun], variants: dict[str, Any]) -> dict[str, 
 def variant_results(run: VariantRun, seq_len: int, tokens_per_step: int, out_dir: Path) -> dict[str, Any]:
     records = _records(run.run_dir)
     train_rs = [r for r in records if r.get("kind") == "train"]
-    eval_rs = [r for r in records if r.get("kind") == "eval" and r.get("val_loss_causal") is not None]
-    marker = finished_marker(run) or {}
+    # Non-finite losses are stored as null and kept: a run whose last evaluation is not finite ended so.
+    eval_rs = [r for r in records if r.get("kind") == "eval"]
+    status = (read_marker(run) or {}).get("status", "unfinished")
     steps = [r["step"] for r in eval_rs]
     flops = executed_flops_at(steps, train_rs, run.model_cfg, seq_len, tokens_per_step)
     evals = []
     for r, f in zip(eval_rs, flops):
+        causal, topk = r.get("val_loss_causal"), r.get("val_loss_topk")
         point = {"step": r["step"], "tokens": r["step"] * tokens_per_step, "flops": f,
-                 "train_s": r.get("train_s"), "val_loss_causal": r["val_loss_causal"],
-                 "val_loss_topk": r["val_loss_topk"],
-                 "gap": r.get("val_gap", r["val_loss_causal"] - r["val_loss_topk"])}
+                 "train_s": r.get("train_s"), "val_loss_causal": causal, "val_loss_topk": topk,
+                 "gap": r.get("val_gap", None if causal is None or topk is None else causal - topk)}
         for key in ("val_agreement", "val_agreement_decisions", "val_exec_frac_causal", "routing"):  # when present
             if key in r:
                 point[key] = r[key]
@@ -182,7 +192,7 @@ def variant_results(run: VariantRun, seq_len: int, tokens_per_step: int, out_dir
         "variant": run.variant.name, "seed": run.values.get("seed"), "swept_from": run.variant.swept_from,
         "budget_scale": run.variant.budget_scale,
         "description": run.variant.description, "arch": run.variant.arch, "overrides": run.variant.overrides,
-        "run_dir": os.path.relpath(run.run_dir, out_dir), "status": marker.get("status", "unfinished"),
+        "run_dir": os.path.relpath(run.run_dir, out_dir), "status": "unfinished" if status == "started" else status,
         "device": run_device(run.run_dir),
         "params": parameter_count(run.model_cfg),
         "flops_per_token": executed_flops_per_token(run.model_cfg, seq_len, training=True),
@@ -204,7 +214,14 @@ def variant_results(run: VariantRun, seq_len: int, tokens_per_step: int, out_dir
     rollbacks = [r for r in records if r.get("kind") == "divergence" and r.get("action") == "rollback"]
     entry["rollbacks"] = len(rollbacks)
     entry["throughput_steadiness"] = throughput_steadiness(train_rs)
-    entry["warnings"] = health_warnings(run.variant.name, eval_rs[-1] if eval_rs else None)
+    entry["warnings"] = health_warnings(run.name, eval_rs[-1] if eval_rs else None)
+    lost = [label for key, label in (("val_loss_causal", "causal"), ("val_loss_topk", "top-k"))
+            if final is not None and final[key] is None]
+    if lost:
+        entry["warnings"].append(
+            f"{run.name}: its final evaluation (step {final['step']}) has a non-finite {' and '.join(lost)} validation "
+            "loss, reported as such: the model diverged by then (lower the learning rate, or look for the step where "
+            "its training loss left the finite numbers)")
     if rollbacks:
         entry["warnings"].append(
             f"{run.name}: diverged and rolled back {len(rollbacks)} time(s), ending at {rollbacks[-1]['lr_scale']:g}x "

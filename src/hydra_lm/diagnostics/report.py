@@ -26,15 +26,22 @@ def _tflops(v: dict[str, Any]) -> float | None:
     return v["executed_flops"] / v["train_s"] / 1e12
 
 
+def _loss(final: dict[str, Any] | None, key: str, spec: str) -> str:
+    """A final evaluation's loss (or gap): "nan" where it was not finite (stored as null), "-" without one."""
+    if final is None:
+        return "-"
+    return "nan" if final.get(key) is None else format(final[key], spec)
+
+
 def table_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
     rows = []
     for name, v in results["variants"].items():
-        final = v["final"] or {}
+        final = v["final"]
         label = name if v["status"] == "finished" else f"{name} ({v['status']})"
         rows.append((label, f"{v['params'] / 1e6:.2f}M", f"{v['tokens']:,}", _num(v["executed_flops"], ".3g"),
-                     _num(v["train_s"], ".1f"), _num(_tflops(v), ".3g"), _num(final.get("val_loss_causal"), ".4f"),
-                     _num(final.get("val_loss_topk"), ".4f"), _num(final.get("gap"), "+.4f"),
-                     _num(final.get("val_agreement"), ".1%"),
+                     _num(v["train_s"], ".1f"), _num(_tflops(v), ".3g"), _loss(final, "val_loss_causal", ".4f"),
+                     _loss(final, "val_loss_topk", ".4f"), _loss(final, "gap", "+.4f"),
+                     _num((final or {}).get("val_agreement"), ".1%"),
                      _num(v["tokens_per_s"], ",.0f"), _num(v.get("peak_memory_mb"), ",.0f")))
     return rows
 
@@ -181,13 +188,14 @@ def _markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> lis
 
 
 def _own_optimizers(results: dict[str, Any]) -> str:
-    """The variants trained with another optimizer or learning rate than the shared settings."""
-    s = results["settings"]
+    """The variants trained with another optimizer or learning rate than the shared settings (under --lrs, another
+    optimizer: every run has a learning rate of the grid)."""
+    s, swept = results["settings"], bool(results.get("lr_sweep"))
     own = list(dict.fromkeys(  # one entry per variant, however many seeds it ran
         f"{v.get('variant', name)}: {v['optimizer']}, {v['lr']:g} -> {v['min_lr']:g}"
         for name, v in results["variants"].items()
-        if "lr" in v and (v["optimizer"] != s.get("optimizer", "adamw") or v["lr"] != s["lr"]
-                          or v["min_lr"] != s["min_lr"])))
+        if "lr" in v and (v["optimizer"] != s.get("optimizer", "adamw")
+                          or not swept and (v["lr"] != s["lr"] or v["min_lr"] != s["min_lr"]))))
     return f" Optimizer and learning rate of their own: {'; '.join(own)}." if own else ""
 
 
@@ -201,11 +209,15 @@ def _own_budgets(results: dict[str, Any]) -> str:
 def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None:
     s, budget = results["settings"], results["budget"]
     if s["evals"] is None:
-        spacing = f"every {s['eval_every']} steps (--eval_every)"
+        spacing = "at the start and at the end only (--eval_every 0)" if s["eval_every"] == 0 else \
+            f"at the start, every {s['eval_every']} steps (--eval_every), and at the end"
     elif budget["kind"] == "seconds":
-        spacing = f"every 1/{s['evals']} of the training-time budget"
+        spacing = f"at the start, every 1/{s['evals']} of the training-time budget, and at the end"
     else:
-        spacing = f"every ceil(steps / {s['evals']}) steps"
+        spacing = f"at the start, every ceil(steps / {s['evals']}) steps, and at the end"
+    # Under --lrs no run trains at the shared learning rate: each takes one of the grid.
+    lr = "peak learning rates from the --lrs grid (below)" if results.get("lr_sweep") else \
+        f"learning rate {s['lr']:g} -> {s['min_lr']:g}"
     seeds = (f"seeds {', '.join(map(str, s['seed']))} (every variant once per seed)" if isinstance(s["seed"], list)
              else f"seed {s['seed']}")
     lines = [
@@ -213,10 +225,10 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
         "",
         f"Budget **{budget['kind']} = {budget['value']:g}** per variant on `{results['data']}`: preset "
         f"{s['model_size']}, batch {s['batch_size']} x {s['seq_len']} tokens x accumulation {s['grad_accum']} "
-        f"({s['tokens_per_step']:,} tokens/step), learning rate {s['lr']:g} -> {s['min_lr']:g} ({s['schedule']}), "
+        f"({s['tokens_per_step']:,} tokens/step), {lr} ({s['schedule']}), "
         f"{seeds}" + (f", model overrides {s['model_overrides']}" if s["model_overrides"] else "") + "."
         + _own_optimizers(results) + _own_budgets(results),
-        f"Validation loss is measured at the start, {spacing}, and at the end, with causal routing (what "
+        f"Validation loss is measured {spacing}, with causal routing (what "
         "generation does) and top-k routing (teacher-forced). Executed FLOPs count the tokens each routed unit "
         "really processes, following the routing curriculum; training seconds exclude evaluation, checkpoints "
         "and compilation at the start of a run.",
@@ -238,7 +250,8 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
                   *_markdown_table(REACH_COLUMNS, reach), ""]
     if results.get("across_seeds"):
         margin = seed_margin(results)
-        lines += ["## Across seeds", "", "Final causal validation loss of each variant over its seeds (finished runs).",
+        lines += ["## Across seeds", "",
+                  "Final causal validation loss of each variant over its seeds (finished runs with a finite loss).",
                   "", *_markdown_table(SEED_COLUMNS, seed_rows(results)), "", *([margin, ""] if margin else [])]
     if results.get("lr_sweep"):
         lines += ["## Learning rate per variant", "",
@@ -258,7 +271,8 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
                      f"training time): {v['description']}; run directory `{v['run_dir']}`")
     lines += ["", "## Routing health", "",
               f"Executed share of tokens per router with causal routing against its top-k target, at the final "
-              f"checkpoint; agreement is the share of tokens where the causal threshold makes the top-k choice. "
+              f"checkpoint; agreement is the share of tokens where the causal threshold makes the top-k choice "
+              f"(\"off\": a router the curriculum kept switched off, left out of the agreement means). "
               f"Warnings: a share off its target by more than {STARVATION_TOLERANCE}, or a causal loss more than "
               f"{GAP_TOLERANCE} nats above the top-k loss.", ""]
     routed = {name: v for name, v in results["variants"].items() if v["routing"]}
@@ -266,7 +280,8 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
         lines.append("No variant has routers.")
     for name, v in routed.items():
         rows = [(router, f"{r['target']:.3f}", f"{r['exec_causal']:.3f}", f"{r['exec_topk']:.3f}",
-                 f"{r['agreement']:.3f}") for router, r in v["routing"].items()]
+                 "off" if r.get("agreement") is None else f"{r['agreement']:.3f}")
+                for router, r in v["routing"].items()]
         overall = (v["final"] or {}).get("val_agreement_decisions")
         summary = [] if overall is None else [f"Agreement over all of its routing decisions (each router weighted "
                                               f"by its candidates): {overall:.1%}.", ""]

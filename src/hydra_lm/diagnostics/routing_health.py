@@ -48,9 +48,12 @@ def depth_profile(config: HydraConfig, routers: dict[str, dict[str, float]]) -> 
     return {kind: mean(r) for kind, r in rows.items()}
 
 
-def health_warnings(variant: str, final_eval: dict[str, Any] | None) -> list[str]:
-    """``train.evaluate.routing_warnings`` of a variant's last evaluation record, each line naming the variant."""
+def health_warnings(run: str, final_eval: dict[str, Any] | None) -> list[str]:
+    """``train.evaluate.routing_warnings`` of a run's last evaluation record, each line naming the run (a variant's
+    name, with its seed or learning rate under --seeds or --lrs)."""
     if not final_eval:
         return []
-    record = {"val_gap": final_eval["val_loss_causal"] - final_eval["val_loss_topk"], **final_eval}
-    return [f"{variant}: {line}" for line in routing_warnings(record)]
+    causal, topk = final_eval.get("val_loss_causal"), final_eval.get("val_loss_topk")
+    # A non-finite loss is stored as null: no gap to judge.
+    record = {"val_gap": None if causal is None or topk is None else causal - topk, **final_eval}
+    return [f"{run}: {line}" for line in routing_warnings(record)]

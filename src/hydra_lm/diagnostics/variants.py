@@ -71,11 +71,15 @@ def parse_custom_variant(spec: str) -> Variant:
     overrides: dict[str, Any] = {}
     train: dict[str, Any] = {}
     scale = 1.0
+    seen: set[str] = set()
     for item in filter(None, (part.strip() for part in body.split(","))):
         key, eq, raw = item.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"--variant {spec!r}: {item!r} is not field=value")
         key = key.strip()
+        if key in seen:
+            raise ValueError(f"--variant {name}: {key} is given twice; give each field once")
+        seen.add(key)
         if key == BUDGET_SCALE:
             scale = parse_value(raw.strip())
             if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 100:

@@ -44,25 +44,28 @@ def _layer_conv_flops(cfg: HydraConfig) -> int:
     return 2 * channels * cfg.conv_seq_kernel + 2 * channels * (channels // groups) * cfg.conv_ch_kernel
 
 
-def unit_token_counts(cfg: HydraConfig, seq_len: int) -> list[tuple[str, int, int]]:
-    """(unit name, layers in its stack, tokens per row it runs on) for every unit, in top-k mode."""
+def unit_token_counts(cfg: HydraConfig, seq_len: int, mor_ramp: float = 1.0) -> list[tuple[str, int, int]]:
+    """(unit name, layers in its stack, tokens per row it runs on) for every unit, in top-k mode; ``mor_ramp``:
+    the curriculum's MoR capacity ramp (``HydraModel.set_curriculum``), which runs more tokens per depth."""
     from .hydra import HydraModel  # the block layout is defined once, by the model
 
     with torch.device("meta"):  # layout only: no memory for weights
         blocks = HydraModel._build_blocks(cfg)
     units = []
     for block in blocks:
+        block.mor_ramp = float(mor_ramp)
         for j, k in enumerate(block.tokens_per_depth(seq_len)):
             units.append((f"{block.name}.depth{j}", len(block.layers), k))
     return units
 
 
-def executed_flops_per_token(cfg: HydraConfig, seq_len: int, training: bool = True) -> float:
-    """Matmul/conv/attention FLOPs per input token actually executed (x3 for a training step)."""
+def executed_flops_per_token(cfg: HydraConfig, seq_len: int, training: bool = True, mor_ramp: float = 1.0) -> float:
+    """Matmul/conv/attention FLOPs per input token actually executed (x3 for a training step), at the MoR
+    capacity ramp ``mor_ramp`` (``unit_token_counts``)."""
     per_row = 0.0
     linear = 2 * _layer_linear_params(cfg) + _layer_conv_flops(cfg)
     attn_width = cfg.n_heads * cfg.head_dim
-    for _, n_layers, k in unit_token_counts(cfg, seq_len):
+    for _, n_layers, k in unit_token_counts(cfg, seq_len, mor_ramp):
         mean_context = (k + 1) / 2  # causal: query i sees i+1 keys among the k routed tokens
         per_row += n_layers * k * (linear + 4 * attn_width * mean_context + 2 * cfg.dim)  # + router
     per_token = per_row / seq_len + 2 * cfg.dim * cfg.vocab_size
@@ -70,6 +73,14 @@ def executed_flops_per_token(cfg: HydraConfig, seq_len: int, training: bool = Tr
         per_layer = cfg.moe_top_k * 6 * cfg.dim * cfg.moe_hidden + 2 * cfg.dim * cfg.moe_num_experts
         per_token += cfg.moe_num_layers * per_layer
     return per_token * (3 if training else 1)
+
+
+def curriculum_flops_per_token(cfg: HydraConfig, seq_len: int, mod_active: bool, mor_active: bool,
+                               mor_ramp: float = 1.0) -> float:
+    """Executed training FLOPs/token while the routing curriculum (``train.curriculum``) has MoD / MoR switched
+    on or off and the MoR capacities at ``mor_ramp``."""
+    live = cfg.replace(mod_enabled=cfg.mod_enabled and mod_active, mor_enabled=cfg.mor_enabled and mor_active)
+    return executed_flops_per_token(live, seq_len, training=True, mor_ramp=mor_ramp)  # MoR off: the ramp moves nothing
 
 
 def dense_flops_per_token(cfg: HydraConfig, seq_len: int, training: bool = True) -> float:

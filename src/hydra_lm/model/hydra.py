@@ -194,7 +194,8 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 routing: str | None = None, doc_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Logits [B, T, V], ``aux_loss`` (MoD routers), ``ponder_loss`` (MoR routers), ``moe_loss``,
-        ``routing_stats`` [n_routers, 3] (executed fraction, mean gate, top-k/causal-rule agreement);
+        ``routing_stats`` [n_routers, 3] (executed fraction, mean gate, top-k/causal-rule agreement: NaN for a
+        router the curriculum switched off);
         with ``targets``: ``ce_loss`` and ``loss`` (CE plus the weighted router losses); when
         ``model.ce_impl`` is not "naive" the loss is fused with the head and ``logits`` is omitted.
         ``doc_ids`` [B, T] (documents packed in a row): nothing crosses a document boundary."""

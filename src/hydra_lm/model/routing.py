@@ -34,6 +34,7 @@ multiplying the unit's residual update, and ``valid`` [B, M] (None = all valid).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,8 @@ class Selection:
     weight: torch.Tensor | None  # None: weight 1, or (top-k, Router.gates_entries) the block's entry_gate
     valid: torch.Tensor | None  # None: all entries are real tokens of the unit
     aux_loss: torch.Tensor | None  # router loss (BCE for expert-choice); None: adds no loss term
-    stats: torch.Tensor  # [3]: fraction of the row executed, mean gate, the causal rule's agreement with top-k
+    # [3]: fraction of the row executed, mean gate, the causal rule's agreement with top-k (NaN: router switched off)
+    stats: torch.Tensor
 
 
 class Router(nn.Module):
@@ -381,11 +383,12 @@ def masked_selection(chosen: torch.Tensor, gate: torch.Tensor, valid: torch.Tens
 
 
 def pass_through(x: torch.Tensor, valid: torch.Tensor | None, row_len: int) -> Selection:
-    """Selection of an inactive router: every candidate, weight 1 (keeps the stats layout fixed)."""
+    """Selection of an inactive router: every candidate, weight 1 (keeps the stats layout fixed). Its agreement
+    is NaN: it decides nothing, so an evaluation leaves it out of the routers' agreement (``train.evaluate``)."""
     executed = torch.full((), x.shape[1] / row_len, device=x.device) if valid is None else \
         valid.float().sum(1).mean() / row_len
     one = torch.ones((), device=x.device)
-    return Selection(None, None, valid, None, torch.stack((executed, one, one)))
+    return Selection(None, None, valid, None, torch.stack((executed, one, torch.full_like(one, math.nan))))
 
 
 def causal_order(chosen: torch.Tensor) -> torch.Tensor:

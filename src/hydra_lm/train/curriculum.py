@@ -26,7 +26,6 @@ model sees a few fixed shapes rather than a new one every step.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +71,27 @@ class CurriculumPlan:
             mor += f", capacity ramped in {MOR_RAMP_LEVELS} levels until step {self.mor_ramp_end}"
         return f"{mod}; {mor}"
 
+    def ramp_level(self, step: int) -> float:
+        """Quantised MoR ramp at ``step`` (MoR on): k / MOR_RAMP_LEVELS in the k-th of the span's
+        MOR_RAMP_LEVELS - 1 equal parts, 1 from its end on."""
+        if self.mor_ramp_end is None or self.mor_step is None or step >= self.mor_ramp_end:
+            return 1.0
+        # In integers: the level changes exactly at the steps ``ramp_steps`` gives.
+        part = (step - self.mor_step) * (MOR_RAMP_LEVELS - 1) // self._ramp_span()
+        return (part + 1) / MOR_RAMP_LEVELS
+
+    def ramp_steps(self) -> list[int]:
+        """The steps at which the MoR ramp moves to its next level (its end included); empty without a ramp."""
+        if self.mor_ramp_end is None or self.mor_step is None:
+            return []
+        span = self._ramp_span()
+        # The first step of part k: the least s with (s - mor_step) * (LEVELS - 1) >= k * span.
+        return [self.mor_step - (-k * span // (MOR_RAMP_LEVELS - 1)) for k in range(1, MOR_RAMP_LEVELS - 1)] + \
+            [self.mor_ramp_end]
+
+    def _ramp_span(self) -> int:
+        return max(1, self.mor_ramp_end - self.mor_step)
+
 
 class Curriculum:
     def __init__(self, plan: CurriculumPlan, ema_beta: float = 0.98):
@@ -85,15 +105,6 @@ class Curriculum:
         self._applied: tuple[bool, bool, float] | None = None
         self.mor_ramp = 1.0
 
-    def ramp_level(self, step: int) -> float:
-        """Quantised MoR ramp at ``step``: k / MOR_RAMP_LEVELS in the k-th of the span's
-        MOR_RAMP_LEVELS - 1 equal parts, 1 from its end on."""
-        p = self.plan
-        if p.mor_ramp_end is None or p.mor_step is None or step >= p.mor_ramp_end:
-            return 1.0
-        progress = (step - p.mor_step) / max(1, p.mor_ramp_end - p.mor_step)
-        return (math.floor(progress * (MOR_RAMP_LEVELS - 1)) + 1) / MOR_RAMP_LEVELS
-
     # ------------------------------------------------------------------ per step
     def apply(self, step: int, model) -> str | None:
         """Decide the routing for the step with 0-based index ``step``; returns a message on a switch."""
@@ -103,7 +114,7 @@ class Curriculum:
                 self.mod_active = True
         if not self.mor_active and p.mor_step is not None and step >= p.mor_step:
             self.mor_active = True
-        self.mor_ramp = self.ramp_level(step) if self.mor_active else 1.0
+        self.mor_ramp = p.ramp_level(step) if self.mor_active else 1.0
         state = (self.mod_active, self.mor_active, self.mor_ramp)
         if state == self._applied:
             return None

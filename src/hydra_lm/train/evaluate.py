@@ -5,7 +5,8 @@ Top-k routing picks a row's tokens after seeing the whole row, so its loss is te
 can look better than what the model does when it generates. Each pass states its routing mode
 explicitly; the causal pass never depends on ``model.eval_routing``. Per router, the result gives
 the fraction of the row each pass executed (top-k's is the router's target), and how often the
-causal threshold agrees with top-k's choice.
+causal threshold agrees with top-k's choice. A router the curriculum keeps switched off decides
+nothing: it has no agreement (None) and the agreement means leave it out.
 """
 
 from __future__ import annotations
@@ -82,18 +83,29 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
     out["val_gap"] = out["val_loss_causal"] - out["val_loss_topk"]
     if names:
         causal, topk = per_router.tolist()
-        out["routing"] = {name: {"target": t[0], "exec_causal": c[0], "exec_topk": t[0], "agreement": t[2]}
-                          for name, c, t in zip(names, causal, topk)}
+        calibrated = router_calibration(model)
+        # A router the curriculum keeps off lets every candidate through (NaN agreement): it decides nothing.
+        active = [not math.isnan(t[2]) for t in topk]
+        out["routing"] = {name: {"target": t[0], "exec_causal": c[0], "exec_topk": t[0],
+                                 "agreement": t[2] if on else None, "active": on, "calibrated": calibrated[name]}
+                          for name, c, t, on in zip(names, causal, topk, active)}
         out["val_exec_frac_causal"] = sum(c[0] for c in causal) / len(names)
         out["val_exec_frac_topk"] = sum(t[0] for t in topk) / len(names)
-        out["val_agreement"] = sum(t[2] for t in topk) / len(names)
-        weights = decisions_per_row(names, [t[0] for t in topk])
-        if sum(weights) > 0:
-            out["val_agreement_decisions"] = sum(w * t[2] for w, t in zip(weights, topk)) / sum(weights)
-        # Before its first training batch a router has no threshold to hold to its target yet.
-        out["routing_calibrated"] = all(bool(m.threshold_weight > 0) for m in model.modules()
-                                        if isinstance(m, ExpertChoiceRouter))
+        deciding = [(w, t[2]) for w, t, on in zip(decisions_per_row(names, [t[0] for t in topk]), topk, active) if on]
+        if deciding:  # else no agreement to report: every router is off
+            out["val_agreement"] = sum(a for _, a in deciding) / len(deciding)
+            if sum(w for w, _ in deciding) > 0:
+                out["val_agreement_decisions"] = sum(w * a for w, a in deciding) / sum(w for w, _ in deciding)
+        out["routing_calibrated"] = all(calibrated[name] for name, on in zip(names, active) if on)
     return out
+
+
+def router_calibration(model: torch.nn.Module) -> dict[str, bool]:
+    """Per router name, whether it has a causal threshold to hold to its target: an expert-choice router once a
+    training batch ran it (none does while the curriculum keeps it off); token-choice routers, causal by
+    construction, need none."""
+    return {name: not isinstance(router, ExpertChoiceRouter) or bool(router.threshold_weight > 0)
+            for block in model.blocks for router in block.all_routers() for name in router.names(block.name)}
 
 
 def decisions_per_row(names: list[str], exec_topk: list[float]) -> list[float]:
@@ -124,10 +136,15 @@ _EXPERT_NAME = re.compile(r"^(?P<block>.+)\.(?:mod|mor)(?P<depth>\d+)$")
 def routing_warnings(result: dict[str, Any]) -> list[str]:
     """Plain-language warnings about an evaluation's routing health (empty when healthy)."""
     warnings = []
-    if result["val_gap"] > GAP_WARN:
-        warnings.append(f"causal-routing loss is {result['val_gap']:.3f} nats worse than top-k (more than "
+    gap = result.get("val_gap")  # None: a loss was not finite
+    if gap is not None and gap > GAP_WARN:
+        warnings.append(f"causal-routing loss is {gap:.3f} nats worse than top-k (more than "
                         f"{GAP_WARN}): generation does worse than the teacher-forced top-k number suggests")
-    for name, r in result.get("routing", {}).items() if result.get("routing_calibrated", True) else ():
+    for name, r in result.get("routing", {}).items():
+        # Off: it runs every candidate, as it should. Uncalibrated (no training batch yet): no threshold to
+        # hold to. Records from before the per-router flag carry the evaluation's "routing_calibrated" only.
+        if not r.get("active", True) or not r.get("calibrated", result.get("routing_calibrated", True)):
+            continue
         if abs(r["exec_causal"] - r["target"]) > FRAC_WARN:
             warnings.append(f"router {name} executes {r['exec_causal']:.3f} of the tokens under causal routing "
                             f"against a target of {r['target']:.3f}")
@@ -139,9 +156,12 @@ def format_eval(result: dict[str, Any]) -> str:
     line = (f"val loss causal {result['val_loss_causal']:.4f} (ppl {result['val_ppl_causal']:.1f}) | top-k "
             f"{result['val_loss_topk']:.4f} (ppl {result['val_ppl_topk']:.1f}) | gap {result['val_gap']:+.4f}")
     if "routing" in result:
-        line += f" | agreement {100 * result['val_agreement']:.1f}%"
-        if "val_agreement_decisions" in result:
-            line += f" (of decisions {100 * result['val_agreement_decisions']:.1f}%)"
+        if "val_agreement" in result:
+            line += f" | agreement {100 * result['val_agreement']:.1f}%"
+            if "val_agreement_decisions" in result:
+                line += f" (of decisions {100 * result['val_agreement_decisions']:.1f}%)"
+        else:
+            line += " | agreement - (every router off)"
         line += f" | executed {result['val_exec_frac_causal']:.3f} (top-k {result['val_exec_frac_topk']:.3f})"
     return line + f" | {result['val_tokens']:,} tokens"
 

@@ -16,8 +16,9 @@ class LogWindow:
 
     def __init__(self, device: torch.device, saved: dict | None = None):
         self.t0 = self.opened = time.perf_counter()
-        self.steps = 0
+        self.steps = 0  # with those of the interrupted window a resumed run continues
         self.timed_steps = 0  # steps since t0: throughput counts training steps only
+        self.opened_steps = 0  # steps since the window opened (in this process)
         self.sums = torch.zeros(6, device=device)
         self.stats: torch.Tensor | None = None
         self.lr = 0.0
@@ -35,6 +36,7 @@ class LogWindow:
         self.stats = stats
         self.steps += 1
         self.timed_steps += 1
+        self.opened_steps += 1
         self.lr = lr
 
     def add_moe_load(self, load: torch.Tensor) -> None:
@@ -62,7 +64,8 @@ class LogWindow:
         loss, ce, aux, ponder, moe, gnorm = self.means()
         now = time.perf_counter()
         # A window of start-up steps alone (compiling, capturing) has no training time: their own rate, start-up in.
-        steps, elapsed = (self.timed_steps, now - self.t0) if self.timed_steps else (self.steps, now - self.opened)
+        steps, elapsed = (self.timed_steps, now - self.t0) if self.timed_steps else \
+            (self.opened_steps, now - self.opened)
         record: dict[str, Any] = {
             "kind": "train", "step": step, "loss": loss, "ce_loss": ce, "aux_loss": aux, "ponder_loss": ponder,
             "moe_loss": moe, "lr": self.lr, "grad_norm": gnorm,

@@ -163,7 +163,7 @@ class MetricsWriter:
         tmp.replace(self.path)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(_finite_or_null(record)) + "\n")
+        self._file.write(json.dumps(finite_or_null(record)) + "\n")
         self._file.flush()
         step = record.get("step", 0)
         numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
@@ -200,18 +200,18 @@ def progress_line(r: dict[str, Any], max_steps: int) -> str:
              f"mem {r['memory_mb']:,.0f}MB"]
     if r.get("mfu") is not None:
         parts.append(f"mfu {100 * r['mfu']:.1f}%")
-    if "mod_exec_frac" in r:
-        parts.append(f"mod {r['mod_exec_frac']:.2f}")
+    if "exec_frac_mean" in r:  # routed models: the mean share of a row the routers' units ran
+        parts.append(f"exec {r['exec_frac_mean']:.2f}")
     return " | ".join(parts)
 
 
-def _finite_or_null(value: Any) -> Any:
+def finite_or_null(value: Any) -> Any:
     """``value`` with every non-finite float, nested ones too (routing, expert load), as None: strict JSON readers
     (jq, browsers) reject NaN and Infinity."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: _finite_or_null(v) for k, v in value.items()}
+        return {k: finite_or_null(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite_or_null(v) for v in value]
+        return [finite_or_null(v) for v in value]
     return value

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from ..model.accounting import executed_flops_per_token
+from ..model.accounting import curriculum_flops_per_token
 from ..model.factory import create_model
 
 from .batch_filter import BatchFilter
@@ -419,7 +419,8 @@ class Trainer:
         a run cannot change their decisions. True when the monitor switched an optimization off."""
         run = {"tokens": self.tokens_seen, "memory_mb": memory_mb(self.device), "train_s": self.clock.seconds(),
                "startup_s": self.clock.startup_s,
-               "mod_active": self.curriculum.mod_active, "mor_active": self.curriculum.mor_active}
+               "mod_active": self.curriculum.mod_active, "mor_active": self.curriculum.mor_active,
+               "mor_ramp": self.curriculum.mor_ramp}
         record, warnings = window.record(self.step, self.tokens_per_step, run, self.model.router_names(),
                                          [f"after_block{i}" for i in self.model.moe_blocks])
         for expert, warning in warnings.items():
@@ -443,11 +444,9 @@ class Trainer:
         return self.safe_opts.observe(self.step, loss, gnorm, tps) is not None
 
     def _flops_per_token(self) -> float:
-        mc = self.s.model_cfg
-        live = mc.replace(mod_enabled=mc.mod_enabled and self.curriculum.mod_active,
-                          mor_enabled=mc.mor_enabled and self.curriculum.mor_active)
+        c = self.curriculum
         # the rows of the sequence-length schedule's stage (attention's FLOPs grow with them)
-        return executed_flops_per_token(live, self.loader.seq_len, training=True)
+        return curriculum_flops_per_token(self.s.model_cfg, self.loader.seq_len, c.mod_active, c.mor_active, c.mor_ramp)
 
     def _eval(self) -> dict | None:
         if not self.s.data.token_counts.get("val"):
