@@ -75,6 +75,36 @@ def test_gradient_accumulation_takes_a_list_of_micro_batches():
         assert torch.equal(a, b)
 
 
+def test_a_sophia_setup_estimates_the_hessian_when_due_as_the_trainer_does():
+    """No batch shape among the options: the first step's tokens scale the estimate (the trainer's batch x length x
+    accumulation); the estimate follows the first update and every sophia_update_period-th after, as in train."""
+    from hydra_lm.train.sophia import SophiaG
+
+    with pytest.warns(UserWarning):
+        setup = hydra_lm.create_optimized_training_setup(tiny_model(), lr=1e-3, optimizer="sophia",
+                                                         sophia_update_period=2)
+    assert isinstance(setup.optimizer, SophiaG)
+    estimates, fold = [], setup.optimizer.update_hessian
+    setup.optimizer.update_hessian = lambda: (estimates.append(setup.optimizer.param_groups[0]["steps"]), fold())
+    batch = _batches(1)[0]
+    for _ in range(4):
+        out = setup.step(batch)
+    assert torch.isfinite(out["loss"]) and setup.optimizer.tokens_per_batch == 4 * 32
+    assert estimates == [1, 3]
+    assert any(float(state["hessian"].abs().sum()) > 0 for state in setup.optimizer.state.values())
+    unset = SophiaG(tiny_model().parameters(), lr=1e-3, tokens_per_batch=None)
+    with pytest.raises(ValueError, match="tokens_per_batch is not set"):
+        unset.step()
+
+
+def test_the_cpu_warning_names_what_is_off():
+    with pytest.warns(UserWarning, match=r"runs eagerly on cpu \(no compile, CUDA graphs or fused loss\)"):
+        hydra_lm.optimize_for_gpu(tiny_model())
+    with pytest.warns(UserWarning, match=r"runs eagerly on cpu \(no compile or CUDA graphs\)$") as caught:
+        optimized = hydra_lm.optimize_for_gpu(tiny_model(), chunked_ce=True)
+    assert optimized.model.ce_impl != "naive" and "fused" not in str(caught[0].message)
+
+
 def test_a_batch_of_the_wrong_shape_is_one_clear_error():
     with pytest.warns(UserWarning):
         setup = hydra_lm.create_optimized_training_setup(tiny_model(), lr=1e-3)

@@ -97,6 +97,45 @@ def test_a_broken_fused_loss_is_switched_off_and_training_goes_on(tiny_data, tmp
     assert get_summary(run)["optimizations"]["chunked_ce"]["failed"] == 1
 
 
+def test_a_plain_path_out_of_memory_skips_the_pretest_and_the_run_goes_on(tiny_data, tmp_path, monkeypatch, capsys):
+    """The plain path materialises the whole logits: where it runs out of memory there is nothing to compare with,
+    which is no failure of the optimization. It runs on at most PRETEST_ROWS of the run's rows."""
+    from hydra_lm.train import pretest
+
+    step, rows = pretest._Path.step, []
+
+    def plain_out_of_memory(self, batch, autocast, timed):
+        rows.append(batch[0].shape[0])
+        if self.ce_impl == "naive":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB")
+        return step(self, batch, autocast, timed)
+
+    monkeypatch.setattr(pretest._Path, "step", plain_out_of_memory)
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--chunked_ce", "--batch_size", "8") == 0
+    assert rows == [pretest.PRETEST_ROWS] == [4]  # of the run's 8
+    [result] = get_history(run)[0]["results"]
+    reason = "the plain path raised OutOfMemoryError: CUDA out of memory. Tried to allocate 24.00 GiB"
+    assert result == {"optimization": "chunked_ce", "passed": None, "skipped": True, "reason": reason}
+    assert "pretest skipped for --chunked_ce (new run): the plain path raised OutOfMemoryError" in \
+        capsys.readouterr().err
+    assert records(run, "safety") == []  # the fused loss stays on
+    assert [r["step"] for r in records(run, "train")] == [1, 2, 3]
+    assert get_summary(run)["optimizations"]["chunked_ce"]["skipped"] == 1
+    print_summary(run)
+    assert "--chunked_ce: passed 0, failed 0, skipped 1; last skipped (the plain path raised" in \
+        capsys.readouterr().out
+
+
+def test_the_pretest_batch_keeps_a_few_rows_that_the_row_groups_split():
+    from hydra_lm.train.pretest import pretest_batch
+
+    cpu = torch.device("cpu")
+    for batch_size, groups, rows in ((64, 1, 4), (2, 1, 2), (12, 3, 3), (16, 8, 8), (8, 2, 4)):
+        inputs, targets = pretest_batch(97, batch_size, 16, cpu, seed=0, topk_groups=groups)
+        assert inputs.shape == targets.shape == (rows, 16)
+
+
 def test_skip_pretest_flag(tiny_data, tmp_path, capsys):
     run = tmp_path / "run"
     assert train(tiny_data, run, "--chunked_ce", "--experimental_skip_pretest") == 0

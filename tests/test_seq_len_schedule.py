@@ -25,6 +25,10 @@ def test_stages_keep_tokens_per_step_and_switch_at_their_fractions():
             SeqLenSchedule.parse(bad)
     with pytest.raises(ValueError, match="divide"):
         SeqLenSchedule.parse("48:0,64:0.5").check(batch_size=2, seq_len=64)
+    # Row groups of a top-k over the batch split every stage's rows: 4 x 64 tokens are 8 rows of 32, 4 of 64.
+    SeqLenSchedule.parse("32:0,64:0.5").check(batch_size=4, seq_len=64, topk_groups=4)
+    with pytest.raises(ValueError, match=r"stage 64:0.5 runs micro-batches of 4 rows .* topk_groups=8"):
+        SeqLenSchedule.parse("32:0,64:0.5").check(batch_size=4, seq_len=64, topk_groups=8)
 
 
 def test_resume_across_a_length_switch_is_exact(tiny_data, tmp_path):

@@ -68,6 +68,51 @@ def test_a_cuda_run_on_the_table_gets_the_largest_micro_batch_that_fits_the_gpu(
     assert "micro-batch fitted to the GPU: 20 x 1024 x accumulation 3 (the 1B table's 2 x 30" in lines[0]
 
 
+@pytest.mark.parametrize("flags, routing", [
+    (dict(mod_off=True, mor_off=True), (False, False, 1.0)),
+    (dict(mod_enable_pct=0.1, mod_force_enable_pct=0.2), (False, True, 1.0)),  # dense until the loss gate opens
+    (dict(mor_ramp=True), (True, True, 0.25)),  # the ramp's first level, near full depth
+], ids=["routing_off", "mod_later", "mor_ramp"])
+def test_the_fitted_micro_batch_fits_the_routing_of_the_runs_first_step(flags, routing):
+    """A curriculum that starts dense or deep holds more activations than the routed model: the fit budgets for
+    the run's first step (routers only switch on later, and the ramp moves away from full depth)."""
+    from hydra_lm.config import preset_config
+    from hydra_lm.train.fit_batch import FIT_SHARE, fit_micro_batch
+    from hydra_lm.train.memory_estimate import measure_training_memory
+
+    cfg = resolve(TrainConfig(model_size="1B", max_steps=1000, **flags), "1B", on_cuda=True).replace(seq_len=256)
+    model_cfg = preset_config("debug", vocab_size=512)
+    gpu = 600 * 2 ** 20  # the routed model fits 15 of the 60 sequences (the test above)
+    batch, accum, peak = fit_micro_batch(cfg, model_cfg, gpu)
+
+    def estimate(b, state):
+        return measure_training_memory(model_cfg, b, 256, device="cuda", curriculum=state)["peak_mb"]
+
+    assert batch * accum == 60 and batch < 15
+    assert peak == pytest.approx(estimate(batch, routing), rel=1e-3) and peak <= FIT_SHARE * 600
+    larger = min(d for d in (10, 12, 15, 20, 30, 60) if d > batch)
+    assert estimate(larger, routing) > FIT_SHARE * 600 >= estimate(larger, (True, True, 1.0))
+
+
+def test_the_fitted_micro_batch_runs_every_stage_of_a_sequence_length_schedule(monkeypatch):
+    """A micro-batch of d sequences runs d x seq_len / L rows at a stage of length L: the fit keeps the divisors
+    whose rows every stage takes whole (and topk_groups splits evenly), which validation then accepts."""
+    from hydra_lm.config import preset_config
+    from hydra_lm.train import fit_batch
+    from hydra_lm.train.options import validate
+
+    cfg = resolve(TrainConfig(model_size="250M", max_steps=1000, seq_len_schedule="1024:0,1536:0.5"), "250M", True)
+    assert (cfg.batch_size * cfg.grad_accum, cfg.seq_len) == (120, 1536)
+    model_cfg = preset_config("debug", vocab_size=512)
+    # A synthetic peak of 1 GiB per sequence: 0.7 of 24 GiB holds 16 sequences. 15 divides 120, but its 22.5 rows
+    # of 1024 tokens do not exist: 12 (18 rows); with 4 row groups 8 (12 rows at the first stage, 8 at the second).
+    monkeypatch.setattr(fit_batch, "measure_training_memory", lambda cfg, batch, *a, **k: {"peak_mb": 1024.0 * batch})
+    for model, want in ((model_cfg, 12), (model_cfg.replace(topk_over="causal", topk_groups=4), 8)):
+        batch, accum, _ = fit_batch.fit_micro_batch(cfg, model, 24 * 2 ** 30)
+        assert (batch, accum) == (want, 120 // want)
+        validate(cfg.replace(batch_size=batch, grad_accum=accum))
+
+
 def test_the_trainer_fits_the_micro_batch_only_where_the_user_left_it_to_the_table(tiny_data, tmp_path, monkeypatch):
     """setup_run on a (pretended) 80 GB GPU: the 100M table's 32 x 4 sequences become one micro-batch of
     128 (and the mode's 20 evaluation batches of 32 sequences 5 of 128); an explicit --batch_size or
@@ -258,6 +303,10 @@ def test_cli_overrides_config_file_and_resolved_config_is_written(tiny_data, tmp
     (["--chunked_ce_size", "0"], "chunked_ce_size=0 must be >= 1"),
     (["--chunked_ce", "--ce_impl", "liger"], "impl 'liger'"),  # CPU (and no liger-kernel here): refused up front
     (["--cuda_graph"], "--cuda_graph needs a CUDA device"),
+    # 4 x 48 tokens: 6 rows at the second stage, which 4 row groups do not split (it crashed when the stage began)
+    (["--seq_len", "48", "--seq_len_schedule", "48:0,32:0.5", "--model.topk_over", "batch", "--model.topk_groups", "4"],
+     "seq_len_schedule stage 32:0.5 runs micro-batches of 6 rows (batch_size x seq_len / 32), which model "
+     "topk_groups=4 does not split"),
 ])
 def test_bad_settings_fail_with_one_line(tiny_data, tmp_path, capsys, extra, message):
     code = main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "run"), "--max_steps", "2", *TINY_RUN,

@@ -19,9 +19,18 @@ def test_warmup_is_linear_up_to_the_peak(schedule):
 def test_cosine_decays_monotonically_to_min_lr():
     lrs = [lr_at(s, schedule="cosine", **KW) for s in range(10, 100)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
-    midpoint = lr_at(55, schedule="cosine", **KW)
-    assert midpoint == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert lrs[0] == 1.0  # the first step after warm-up at the peak, step 10 + 89 / 3 a third of the way
+    assert lr_at(10 + 89 / 3, schedule="cosine", **KW) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 3)))
     assert lr_at(100, schedule="cosine", **KW) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("max_steps, warmup_steps", [(100, 10), (10, 2), (5, 1), (3, 0), (1000, 100)])
+def test_the_last_step_runs_at_min_lr(max_steps, warmup_steps):
+    """Steps are numbered from 0: the run's last, max_steps - 1, lands on min_lr (cosine and WSD alike)."""
+    for schedule in ("cosine", "wsd"):
+        kw = dict(lr=1.0, min_lr=0.1, warmup_steps=warmup_steps, max_steps=max_steps, schedule=schedule)
+        assert lr_at(max_steps - 1, **kw) == pytest.approx(0.1), schedule
+        assert lr_at(max_steps - 2, **kw) > 0.1 + 1e-9, schedule
 
 
 def test_wsd_holds_the_peak_then_decays_linearly_over_the_last_fraction():

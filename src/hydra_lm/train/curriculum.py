@@ -106,8 +106,8 @@ class Curriculum:
         self.mor_ramp = 1.0
 
     # ------------------------------------------------------------------ per step
-    def apply(self, step: int, model) -> str | None:
-        """Decide the routing for the step with 0-based index ``step``; returns a message on a switch."""
+    def decide(self, step: int) -> tuple[bool, bool, float]:
+        """The routing (mod_active, mor_active, mor_ramp) for the step with 0-based index ``step``."""
         p = self.plan
         if not self.mod_active and p.mod_gate_step is not None:
             if step >= p.mod_force_step or (step >= p.mod_gate_step and (p.loss_gate is None or self.gate_open)):
@@ -115,7 +115,12 @@ class Curriculum:
         if not self.mor_active and p.mor_step is not None and step >= p.mor_step:
             self.mor_active = True
         self.mor_ramp = p.ramp_level(step) if self.mor_active else 1.0
-        state = (self.mod_active, self.mor_active, self.mor_ramp)
+        return self.mod_active, self.mor_active, self.mor_ramp
+
+    def apply(self, step: int, model) -> str | None:
+        """Decide the routing for the step with 0-based index ``step``; returns a message on a switch."""
+        p = self.plan
+        state = self.decide(step)
         if state == self._applied:
             return None
         previous = self._applied

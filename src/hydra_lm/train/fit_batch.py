@@ -13,8 +13,10 @@ the table's.
 from __future__ import annotations
 
 from ..config import HydraConfig
+from .curriculum import Curriculum, CurriculumPlan
 from .memory_estimate import measure_training_memory
 from .options import TrainConfig
+from .seq_len_schedule import SeqLenSchedule
 
 # Share of the GPU's memory the estimated peak may take: room for the estimate's error (it was 4% under
 # a measured 1B peak and 15% over a 100M one), the CUDA context, compilation and the allocator's slack.
@@ -28,23 +30,29 @@ def divisors(n: int) -> list[int]:
 def fit_micro_batch(cfg: TrainConfig, model_cfg: HydraConfig, gpu_bytes: int) -> tuple[int, int, float]:
     """(batch, accumulation, estimated peak MB) for ``cfg``'s sequences per step on a GPU of ``gpu_bytes``:
     the largest micro-batch that fits (1 when none does), by the memory estimate of ``model_cfg`` with
-    ``cfg``'s sequence length, optimizer, gradient checkpointing and loss (fused or not, its chunk size). Sized for
-    the configured loss: the anomaly monitor switching the fused loss off mid-run is not budgeted for."""
+    ``cfg``'s sequence length, optimizer, gradient checkpointing and loss (fused or not, its chunk size), in the
+    routing of the run's first step: its most expensive, as routers only switch on and the MoR ramp only moves away
+    from full depth (``--mod_off``, a later ``mod_enable_pct``: every token through every block for a while). Sized
+    for the configured loss: the anomaly monitor switching the fused loss off mid-run is not budgeted for."""
     estimated: dict[int, float] = {}
+    routing = Curriculum(CurriculumPlan.from_config(cfg)).decide(0)
 
     def peak(batch: int) -> float:
         if batch not in estimated:
             estimated[batch] = measure_training_memory(model_cfg, batch, cfg.seq_len, cfg.optimizer,
                                                        cfg.gradient_checkpointing, cfg.checkpoint_every or 1,
                                                        device="cuda", fused_loss=cfg.chunked_ce is not False,
-                                                       ce_chunk_size=cfg.chunked_ce_size)["peak_mb"]
+                                                       ce_chunk_size=cfg.chunked_ce_size, curriculum=routing)["peak_mb"]
         return estimated[batch]
 
     sequences = cfg.batch_size * cfg.grad_accum
     budget_mb = FIT_SHARE * gpu_bytes / 2 ** 20
-    # Micro-batches that topk_groups splits into equal groups of rows (every divisor when it is 1)
+    # Micro-batches that topk_groups splits into equal groups of rows (every divisor when it is 1), at every stage
+    # of a sequence-length schedule (its rows per micro-batch: batch x seq_len / the stage's length).
     groups = model_cfg.topk_groups
-    options = [d for d in divisors(sequences) if d % groups == 0] or [sequences]
+    schedule = SeqLenSchedule.parse(cfg.seq_len_schedule) if cfg.seq_len_schedule else None
+    options = [d for d in divisors(sequences) if d % groups == 0
+               and (schedule is None or schedule.refusal(d, cfg.seq_len, groups) is None)] or [sequences]
     # The peak grows with the micro-batch: a binary search over the divisors needs a few estimates only.
     low, high, batch = 0, len(options) - 1, options[0]
     while low <= high:

@@ -5,12 +5,15 @@ Weights, gradients and optimizer state are counted from the parameter shapes. Ac
 measured, not guessed: one forward pass runs on fake tensors (shapes only, no memory) and every
 tensor autograd saves for the backward pass is summed once per storage. The backward pass adds a
 working set of about twice the largest saved tensor (its gradient and the recomputed softmax of
-the loss), or on CUDA the fused loss's chunk of logits if that is larger. ``device`` picks the
-trainer's defaults there: "cpu" counts fp32 activations and the plain loss, "cuda" bf16 autocast
-and the fused chunked loss (weights, gradients and optimizer state stay fp32 on both). Sophia's
-Hessian estimate adds a pass over the batch's whole logits. Checked against a CPU run's peak RSS
-(glibc's dynamic mmap threshold off, so freed memory is given back) within 15% on the debug preset;
-the CUDA figures against measured H100 runs in benchmarks/BENCHMARKS.md.
+the loss), or on CUDA the fused loss's chunk of logits if that is larger. With gradient checkpointing a
+checkpointed block holds only its inputs, and backward recomputes its saved tensors and holds them while it
+runs through the block: the largest block's are added to the working set. ``device`` picks the
+trainer's defaults there: "cpu" counts fp32 activations and the plain loss, "cuda" bf16 autocast (its cast
+cache off, as in the trainer's step) and the fused chunked loss (weights, gradients and optimizer state stay
+fp32 on both). Sophia's Hessian estimate adds a pass over the batch's whole logits. Checked against a CPU run's
+peak RSS (glibc's dynamic mmap threshold off, so freed memory is given back) within 15% on the debug preset,
+routed, dense and checkpointed; the CUDA figures against measured H100 runs in benchmarks/BENCHMARKS.md (made
+while the trainer's autocast still cached its casts, as the estimate then did).
 """
 
 from __future__ import annotations
@@ -72,55 +75,83 @@ def estimate_training_memory(model_size: str, batch_size: int, seq_len: int, opt
 
 def compute_memory_footprint(model: HydraModel, batch_size: int, seq_len: int,
                              optimizer: str = "adamw", device: str = "cpu") -> dict[str, float]:
-    """The same estimate for a built model: its config and its gradient-checkpointing setting."""
+    """The same estimate for a built model: its config, its gradient-checkpointing setting and its routing
+    curriculum as it stands."""
+    block = model.blocks[0]
     return measure_training_memory(model.config, batch_size, seq_len, optimizer,
-                                   model.gradient_checkpointing, model.checkpoint_every, device)
+                                   model.gradient_checkpointing, model.checkpoint_every, device,
+                                   curriculum=(block.mod_active, block.mor_active, block.mor_ramp))
 
 
 def measure_training_memory(cfg: HydraConfig, batch_size: int, seq_len: int, optimizer: str = "adamw",
                             gradient_checkpointing: bool = False, checkpoint_every: int = 1,
-                            device: str = "cpu", fused_loss: bool = True, ce_chunk_size: int | None = None
-                            ) -> dict[str, float]:
+                            device: str = "cpu", fused_loss: bool = True, ce_chunk_size: int | None = None,
+                            curriculum: tuple[bool, bool, float] = (True, True, 1.0)) -> dict[str, float]:
     """The estimate itself, from a config: one forward on fake tensors, saved activations summed. On CUDA the loss
     is the fused one of ``ce_chunk_size`` tokens per chunk (the model's default when None) unless ``fused_loss`` is
-    False (``--no-chunked_ce``: the whole logits)."""
+    False (``--no-chunked_ce``: the whole logits). ``curriculum``: the routing (mod_active, mor_active, mor_ramp) as
+    ``HydraModel.set_curriculum`` takes it; MoD off runs every token through every block, MoR off every recursion.
+    With ``gradient_checkpointing`` a checkpointed block keeps only its inputs, and backward recomputes its saved
+    tensors and holds them while it runs through that block: the largest block's are added to the working set."""
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"--batch_size {batch_size} and --seq_len {seq_len} must be >= 1")
     if device not in DEVICES:
         raise ValueError(f"--device {device!r}: the memory estimate models one of {', '.join(DEVICES)}")
     if seq_len > cfg.max_seq_len:
         cfg = cfg.replace(max_seq_len=seq_len)
-    saved: dict[int, int] = {}
+    saved: dict[int, int] = {}  # storage -> bytes, of every tensor autograd saves
+    outside: set[int] = set()  # the storages saved outside checkpointed blocks, or their inputs: held until backward
+    inside: dict[int, set[int]] = {}  # checkpointed block -> the storages it saves: recomputed in backward
+    current: list[int | None] = [None]  # the checkpointed block running
 
     def keep(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         saved[storage._cdata] = storage.nbytes()
+        (outside if current[0] is None else inside[current[0]]).add(storage._cdata)
         return t
+
+    def enter(index: int, args: tuple) -> None:
+        current[0] = index
+        for t in args:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                saved[storage._cdata] = storage.nbytes()
+                outside.add(storage._cdata)
 
     cuda = device == "cuda"
     with FakeTensorMode():
         model = HydraModel(cfg)
-        model.gradient_checkpointing, model.checkpoint_every = gradient_checkpointing, checkpoint_every
+        model.set_curriculum(*curriculum)
+        # The blocks HydraModel._trunk checkpoints, traced without checkpointing: which tensors each saves.
+        for i, block in enumerate(model.blocks):
+            if gradient_checkpointing and i % checkpoint_every == 0:
+                inside[i] = set()
+                block.register_forward_pre_hook(lambda _, args, i=i: enter(i, args))
+                block.register_forward_hook(lambda *_: current.__setitem__(0, None))
         fused = cuda and fused_loss
         model.ce_impl = "chunked" if fused else "naive"
         if ce_chunk_size is not None:
             model.ce_chunk_size = ce_chunk_size
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
-        # The CPU's autocast casts the same matmuls to bf16 as CUDA's: the fake tensors need no GPU.
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cuda), \
+        # The CPU's autocast casts the same matmuls to bf16 as CUDA's: the fake tensors need no GPU. Its cast cache
+        # off, as in the trainer's step (step.TrainStep.autocast): a shared weight is cast and saved once per use.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cuda, cache_enabled=False), \
                 torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             model(ids, targets=ids)
+        persistent = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}  # not recomputed
         params = sum(p.numel() for p in model.parameters()) * 4
         states = optimizer_state_bytes(model, optimizer)
         update = muon_update_bytes(model) if cuda and optimizer == "muon" else 0
-    backward = 2 * max(saved.values(), default=0)
+    recomputed = max((sum(saved[s] for s in block - outside - persistent) for block in inside.values()), default=0)
+    backward = 2 * max(saved.values(), default=0) + recomputed
     if cuda:  # the loss's fp32 logits and their bf16 gradient (the fused loss's one chunk), while activations are held
         rows = min(model.ce_chunk_size, batch_size * seq_len) if fused else batch_size * seq_len
         backward = max(backward, rows * cfg.vocab_size * (4 + 2))
     if optimizer == "sophia":  # its Hessian estimate's whole fp32 logits, their softmax and their gradient
         backward = max(backward, batch_size * seq_len * cfg.vocab_size * 4 * 3)
     parts = {"weights_mb": params / MB, "gradients_mb": params / MB, "optimizer_mb": states / MB,
-             "activations_mb": sum(saved.values()) / MB, "backward_mb": backward / MB, "update_mb": update / MB}
+             "activations_mb": sum(saved[s] for s in outside) / MB, "backward_mb": backward / MB,
+             "update_mb": update / MB}
     return {**parts, "peak_mb": sum(parts.values())}
 
 

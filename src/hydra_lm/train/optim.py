@@ -85,8 +85,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
     if kind == "sophia":
         from .sophia import SophiaG
 
+        # No batch shape given (create_optimized_training_setup's options may leave it out): its first step sets it.
+        tokens = None if None in (cfg.batch_size, cfg.seq_len) else cfg.batch_size * cfg.seq_len * cfg.grad_accum
         return SophiaG(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, update_period=cfg.sophia_update_period,
-                       tokens_per_batch=cfg.batch_size * cfg.seq_len * cfg.grad_accum)
+                       tokens_per_batch=tokens)
     if kind == "adam8bit":
         return _adam8bit(groups, cfg, device)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}")

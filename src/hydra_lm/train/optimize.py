@@ -110,8 +110,11 @@ def _prepare(model: nn.Module, cfg: TrainConfig, device: torch.device | str | No
         module = torch.compile(model, mode=plan.compile_mode) if plan.compile else model
     applied += plan.describe()
     if caps.device.type != "cuda":
-        warnings.warn(f"no CUDA device: the model runs eagerly on {caps.device} (no compile, CUDA graphs or fused "
-                      "loss)", stacklevel=3)
+        off = [name for name, on in (("compile", plan.compile is not None), ("CUDA graphs", plan.cuda_graph),
+                                     ("fused loss", plan.ce_impl != "naive")) if not on]
+        listed = off[0] if len(off) == 1 else f"{', '.join(off[:-1])} or {off[-1]}"
+        warnings.warn(f"no CUDA device: the model runs {'eagerly ' if plan.compile is None else ''}on {caps.device} "
+                      f"(no {listed})", stacklevel=3)
     elif hydra and plan.compile is not None:
         applied.append("decoding: compiled one-token step in a CUDA graph (generate)")
     return OptimizedModel(model, module, plan, caps, applied)
@@ -130,7 +133,8 @@ def optimize_for_gpu(model: nn.Module, device: torch.device | str | None = None,
 @dataclass
 class TrainingSetup:
     """The optimizer and the trainer's step for one model: ``step(batch)`` runs forward and backward of
-    each micro-batch, clips and updates (as CUDA graphs where the plan captures them) and returns device
+    each micro-batch, clips and updates (as CUDA graphs where the plan captures them), samples Sophia-G's Hessian
+    estimate when it is due (as the trainer does) and returns device
     tensors (no host sync): loss, ce_loss, aux_loss, ponder_loss, moe_loss (means over the micro-batches),
     grad_norm and routing_stats."""
 
@@ -138,6 +142,7 @@ class TrainingSetup:
     optimizer: torch.optim.Optimizer
     train_step: TrainStep
     grad_accum: int
+    hessian_generator: torch.Generator | None = None  # Sophia-G: draws the labels of its Hessian estimates
 
     @property
     def model(self) -> nn.Module:
@@ -160,12 +165,18 @@ class TrainingSetup:
                              "(grad_accum): pass a list of that many")
         if not self.model.training:
             self.model.train()
+        micro = [_as_inputs(inputs) for inputs in micro]
+        if getattr(self.optimizer, "tokens_per_batch", 0) is None:  # Sophia-G without a batch shape in the options
+            self.optimizer.tokens_per_batch = sum(inputs["input_ids"].numel() for inputs in micro)
         parts, stats = None, None
         for inputs in micro:
-            p, s = self.train_step.micro(_as_inputs(inputs))
+            p, s = self.train_step.micro(inputs)
             parts = p.clone() if parts is None else parts + p  # CUDA graphs reuse their output memory
             stats = s.clone()
         grad_norm = self.train_step.update().detach().clone()
+        hessian_due = getattr(self.optimizer, "hessian_due", None)
+        if hessian_due is not None and hessian_due():  # Sophia-G, as the trainer: estimated on the last micro-batch
+            self.train_step.sample_hessian(micro[-1], self.hessian_generator)
         parts = parts / self.grad_accum
         out = dict(zip(("loss", "ce_loss", "aux_loss", "ponder_loss", "moe_loss"), parts.unbind()))
         return {**out, "grad_norm": grad_norm, "routing_stats": stats}
@@ -202,7 +213,8 @@ def create_optimized_training_setup(model: nn.Module, lr: float = SETUP_DEFAULTS
     train_step = TrainStep(model, optimized.module, opt, optimized.device, optimized.plan, cfg.grad_accum,
                            cfg.grad_clip, cfg.cuda_graphs_warmup)
     model.train()
-    return TrainingSetup(optimized, opt, train_step, cfg.grad_accum)
+    generator = torch.Generator(optimized.device).manual_seed(cfg.seed) if hasattr(opt, "hessian_due") else None
+    return TrainingSetup(optimized, opt, train_step, cfg.grad_accum, generator)
 
 
 __all__ = ["DeviceCapabilities", "OptimizedModel", "TrainingSetup", "create_optimized_training_setup",

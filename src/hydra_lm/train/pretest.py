@@ -1,15 +1,17 @@
 """Pretests: before training, each enabled speed optimization runs a few steps against the plain path.
 
-On a copy of the model and one synthetic batch, the optimized forward + backward must give the
-plain path's loss and gradients (within a tolerance), nothing non-finite, and a step time at most
-``MAX_SLOWDOWN`` x the plain one (the two sides alternate; slower means slower in every pair of
-timed repeats, after a warm-up repeat that also compiles; differences under ``MIN_SLOWDOWN_S``
-count as noise). A
-failure switches that optimization off through the anomaly monitor's switches (see
-``safe_optimizations``) and the run goes on without it. Every start of a run pretests (a new run, a
-checkpoint load, changed optimization flags or model size are named as the trigger); results are
-appended to ``RUN_DIR/pretest_logs/pretest_history.json`` and written to one ``pretest_<time>.json``
-per start. CUDA graphs are not pretested: they replay the trainer's own step and optimizer.
+On a copy of the model and one synthetic batch of at most ``PRETEST_ROWS`` rows (the plain path materialises
+the whole logits: at the run's micro-batch it may not fit where the run's fused loss does), the optimized
+forward + backward must give the plain path's loss and gradients (within a tolerance), nothing non-finite,
+and a step time at most ``MAX_SLOWDOWN`` x the plain one (the two sides alternate; slower means slower in
+every pair of timed repeats, after a warm-up repeat that also compiles; differences under
+``MIN_SLOWDOWN_S`` count as noise). A failure switches that optimization off through the anomaly monitor's
+switches (see ``safe_optimizations``) and the run goes on without it. Where the plain path itself cannot
+run (out of memory, say) there is nothing to compare: the pretest is recorded as skipped and the run goes
+on with the optimization. Every start of a run pretests (a new run, a checkpoint load, changed optimization
+flags or model size are named as the trigger); results are appended to
+``RUN_DIR/pretest_logs/pretest_history.json`` and written to one ``pretest_<time>.json`` per start. CUDA
+graphs are not pretested: they replay the trainer's own step and optimizer.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ MIN_SLOWDOWN_S = 0.02  # a step slower by less than this is timing noise, whatev
 # (loss, gradient) relative tolerances: fp32 on the CPU, bf16 autocast on CUDA.
 TOLERANCE = {"cpu": (1e-4, 1e-3), "cuda": (2e-2, 5e-2)}
 PRETESTED = ("compile", "chunked_ce")
+PRETEST_ROWS = 4  # rows of the pretest's batch at most (more where topk_groups needs more)
 
 
 def pretest_dir(run_dir: str | Path) -> Path:
@@ -57,8 +60,8 @@ def get_summary(run_dir: str | Path) -> dict[str, Any]:
     optimizations: dict[str, dict[str, Any]] = {}
     for entry in history:
         for result in entry["results"]:
-            o = optimizations.setdefault(result["optimization"], {"passed": 0, "failed": 0})
-            o["passed" if result["passed"] else "failed"] += 1
+            o = optimizations.setdefault(result["optimization"], {"passed": 0, "failed": 0, "skipped": 0})
+            o["skipped" if result.get("skipped") else "passed" if result["passed"] else "failed"] += 1
             o["last"] = {"time": entry["time"], "trigger": entry["trigger"], **result}
     return {"pretests": len(history), "optimizations": optimizations}
 
@@ -68,8 +71,10 @@ def print_summary(run_dir: str | Path) -> None:
     print(f"{summary['pretests']} pretest(s) in {pretest_dir(run_dir)}")
     for key, o in summary["optimizations"].items():
         last = o["last"]
-        verdict = "passed" if last["passed"] else f"FAILED ({last['reason']})"
-        print(f"  --{key}: passed {o['passed']}, failed {o['failed']}; last {verdict} at {last['time']} "
+        verdict = f"skipped ({last['reason']})" if last.get("skipped") else "passed" if last["passed"] else \
+            f"FAILED ({last['reason']})"
+        skipped = f", skipped {o['skipped']}" if o["skipped"] else ""
+        print(f"  --{key}: passed {o['passed']}, failed {o['failed']}{skipped}; last {verdict} at {last['time']} "
               f"({last['trigger']})")
 
 
@@ -84,11 +89,14 @@ def record_pretest(run_dir: str | Path, entry: dict[str, Any]) -> Path:
     return path
 
 
-def pretest_batch(vocab_size: int, batch_size: int, seq_len: int, device: torch.device, seed: int):
-    """One micro-batch of random tokens, in the run's shape (a compiled step is specialised to it), from a
-    generator of its own: the run's random streams and data order are untouched."""
+def pretest_batch(vocab_size: int, batch_size: int, seq_len: int, device: torch.device, seed: int,
+                  topk_groups: int = 1):
+    """One batch of random tokens of the run's length and at most PRETEST_ROWS of its ``batch_size`` rows (a multiple
+    of ``topk_groups``, which pools a top-k over the batch's rows in equal groups), from a generator of its own: the
+    run's random streams and data order are untouched."""
+    rows = min(batch_size, max(topk_groups, PRETEST_ROWS // topk_groups * topk_groups))
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=gen)
+    tokens = torch.randint(0, vocab_size, (rows, seq_len + 1), generator=gen)
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
@@ -143,19 +151,27 @@ def compare(key: str, model: torch.nn.Module, batch, autocast, device_type: str,
         got = _Path(work, torch.compile(work, mode=compile_mode), "naive")
     else:
         raise ValueError(f"no pretest for --{key} (pretested: {', '.join(PRETESTED)})")
+    skipped = None
     try:
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device_type == "cuda" else []):
             for i in range(REPEATS):  # alternating, so a busy machine slows both sides alike
-                want.step(batch, autocast, timed=i > 0)
+                try:
+                    want.step(batch, autocast, timed=i > 0)
+                except Exception as err:  # no reference to compare with (out of memory, say): not the optimization's
+                    skipped = f"the plain path raised {_first_line(err)}"
+                    break
                 try:
                     got.step(batch, autocast, timed=i > 0)
                 except Exception as err:  # a crashing optimization fails its pretest instead of stopping the run
-                    first_line = (str(err).strip().splitlines() or [""])[0]
-                    return {"optimization": key, "passed": False,
-                            "reason": f"raised {type(err).__name__}: {first_line}"}
+                    return {"optimization": key, "passed": False, "reason": f"raised {_first_line(err)}"}
     finally:
         if key == "compile":  # the copy's graphs must neither hold memory nor shape how the run compiles
             torch._dynamo.reset()
+    if skipped is not None:
+        del work, want, got  # the copy and its gradients, before the run's first step
+        if device_type == "cuda":
+            torch.cuda.empty_cache()
+        return {"optimization": key, "passed": None, "skipped": True, "reason": skipped}
     want_loss, got_loss = want.loss, got.loss
     loss_tol, grad_tol = TOLERANCE.get(device_type, TOLERANCE["cpu"])
     loss_diff = abs(got_loss - want_loss) / max(abs(want_loss), 1e-12)
@@ -177,6 +193,10 @@ def compare(key: str, model: torch.nn.Module, batch, autocast, device_type: str,
         reason = None
     return {"optimization": key, "passed": reason is None, "reason": reason, "loss": got_loss,
             "plain_loss": want_loss, "loss_diff": loss_diff, "grad_diff": grad_diff, "speed_ratio": 1 / slowdown}
+
+
+def _first_line(err: Exception) -> str:
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
 
 
 def pretested_on(train_config: dict[str, Any], device_type: str) -> list[str]:
@@ -233,13 +253,17 @@ class PretestHook:
             return None
         resumed = t.s.resume_from.state if t.s.resume_from is not None else None
         trigger = trigger_of(t.cfg.to_dict(), t.cfg.model_size, resumed)
-        batch = pretest_batch(t.s.model_cfg.vocab_size, t.cfg.batch_size, t.cfg.seq_len, t.device, t.cfg.seed)
+        batch = pretest_batch(t.s.model_cfg.vocab_size, t.cfg.batch_size, t.cfg.seq_len, t.device, t.cfg.seed,
+                              t.s.model_cfg.topk_groups)
         t0 = time.perf_counter()
         entry = run_pretests(t.model, keys, t.cfg.to_dict(), t.cfg.model_size, batch, t.autocast, t.device.type,
                              trigger, t.step)
         path = record_pretest(t.s.run_dir, entry)
         for r in entry["results"]:
-            if r["passed"]:
+            if r.get("skipped"):
+                t.log.warning(f"pretest skipped for --{r['optimization']} ({trigger}): {r['reason']}; the run goes on "
+                              "with it, untested")
+            elif r["passed"]:
                 t.log.info(f"pretest passed for --{r['optimization']} ({trigger}): loss within {r['loss_diff']:.1e}, "
                            f"gradients within {r['grad_diff']:.1e}, {r['speed_ratio']:.2f}x the plain path's speed")
             else:
@@ -269,7 +293,7 @@ def run_pretests_for_checkpoint(path: str | Path, size: str | None = None, devic
     size = size or saved_size
     trigger = trigger_of(train_config, size, state)
     batch = pretest_batch(model_cfg.vocab_size, train_config["batch_size"], train_config["seq_len"], dev,
-                          train_config.get("seed", 0))
+                          train_config.get("seed", 0), model_cfg.topk_groups)
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if dev.type == "cuda" else contextlib.nullcontext
     entry = run_pretests(model, keys, train_config, size, batch, autocast, dev.type, trigger, ckpt.step)
     run_dir = ckpt.path.parent.parent

@@ -25,6 +25,7 @@ from .fit_batch import fit_micro_batch
 from .options import (COMPILE_MODES, FIELDS, FROZEN_ON_RESUME, MODE_DEFAULTS, TrainConfig, derived_defaults,
                       normalize, resolve, validate)
 from .run_lock import RunLock
+from .seq_len_schedule import SeqLenSchedule
 
 CONFIG_JSON = "config.json"
 CONFIG_TOML = "config.toml"
@@ -150,6 +151,8 @@ def build_model_config(cfg: TrainConfig, data: DataInfo) -> HydraConfig:
     if cfg.batch_size % model_cfg.topk_groups:
         raise ValueError(f"model topk_groups={model_cfg.topk_groups} pools the batch's rows in equal groups: it must "
                          f"divide batch_size={cfg.batch_size}")
+    if cfg.seq_len_schedule:  # the rows of each stage's micro-batches too, before a stage's switch fails on them
+        SeqLenSchedule.parse(cfg.seq_len_schedule).check(cfg.batch_size, cfg.seq_len, model_cfg.topk_groups)
     return model_cfg
 
 

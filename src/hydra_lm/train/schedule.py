@@ -16,7 +16,9 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
     if warmup_steps > 0 and step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     if schedule == "cosine":
-        span = max(1, max_steps - warmup_steps)
+        # From the peak at the first step after warm-up to min_lr at the last step, max_steps - 1 (a run of one
+        # step after warm-up stays at the peak).
+        span = max(1, max_steps - 1 - warmup_steps)
         progress = min(1.0, (step - warmup_steps) / span)
         return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
     if schedule == "wsd":

@@ -26,7 +26,7 @@ class SophiaG(torch.optim.Optimizer):
     below the clip."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.965, 0.99), rho: float = 0.04,
-                 weight_decay: float = 0.1, update_period: int = 10, tokens_per_batch: int = 1):
+                 weight_decay: float = 0.1, update_period: int = 10, tokens_per_batch: int | None = 1):
         if update_period < 1:
             raise ValueError(f"--sophia_update_period {update_period}: must be >= 1")
         # "steps" lives in the groups, so a checkpoint keeps the estimate's schedule.
@@ -50,6 +50,9 @@ class SophiaG(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:  # the trainer computes the gradients; no caller passes one
             raise ValueError("SophiaG.step takes no closure: compute the gradients first")
+        if self.tokens_per_batch is None:
+            raise ValueError("SophiaG.tokens_per_batch is not set: give it the tokens of an optimizer step (batch x "
+                             "length x accumulation), which scale its Hessian estimate")
         for group in self.param_groups:
             group["steps"] += 1
             beta1 = group["betas"][0]
