@@ -1,0 +1,79 @@
+"""Loading a trained run for `generate`, `eval` and `export`: what a run's checkpoint must match, per-row sampling
+seeds, kernel settings the device cannot run."""
+
+import json
+
+import pytest
+
+from hydra_lm.cli import main
+from support import TINY_RUN
+
+
+@pytest.fixture(scope="module")
+def two_steps(tiny_data, tmp_path_factory):
+    """A run of two steps with one checkpoint, to load and sample from; tests that change it change a copy."""
+    run = tmp_path_factory.mktemp("two_steps") / "run"
+    assert main(["train", "--data", str(tiny_data), "--out", str(run), *TINY_RUN, "--max_steps", "2"]) == 0
+    return run
+
+
+def test_sampled_prompts_of_a_batch_get_what_each_gets_alone_with_its_seed(two_steps):
+    from hydra_lm.infer import generate_text
+
+    sample = dict(max_new_tokens=12, temperature=1.0, top_k=None, device="cpu")
+    batch = generate_text(two_steps, ["the quick", "a", "a"], seed=3, **sample)
+    alone = [generate_text(two_steps, prompt, seed=seed, **sample) for prompt, seed in (("the quick", 3), ("a", 4))]
+    assert batch[:2] == alone
+    assert batch[1] != batch[2]  # the same prompt twice: two samples, seeds 4 and 5
+
+
+@pytest.mark.parametrize("field, value, message", [
+    (("data", "tokenizer_fingerprint"), "0" * 64, "was trained with another tokenizer than run .*: pass the --run it "
+                                                  "came from"),
+    (("curriculum", "mor_ramp"), 2.0, r"records a malformed curriculum \(mor_ramp=2.0 must lie in \[0, 1\]"),
+], ids=["tokenizer", "mor_ramp"])
+def test_a_checkpoint_that_does_not_fit_its_run_is_refused(two_steps, tmp_path, field, value, message):
+    """state.json is not hashed: edited (or taken from another run), its records must still be checked."""
+    import shutil
+
+    from hydra_lm.infer import load_run
+
+    copy = shutil.copytree(two_steps / "checkpoints" / "hydra_debug_step2", tmp_path / "copy")
+    assert load_run(two_steps, copy, "cpu").checkpoint.step == 2
+    state = json.loads((copy / "state.json").read_text())
+    state[field[0]][field[1]] = value
+    (copy / "state.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=message):
+        load_run(two_steps, copy, "cpu")
+
+
+def test_a_kernel_the_run_saved_that_this_device_cannot_run_falls_back_to_auto(two_steps, tmp_path, monkeypatch,
+                                                                               capsys):
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+
+    from hydra_lm.config import HydraConfig
+    from hydra_lm.model import attention_backend
+    from hydra_lm.model.attention import kernels_for_device
+
+    run = shutil.copytree(two_steps, tmp_path / "run")
+    states = [(path, "model_config") for path in run.glob("checkpoints/*/state.json")]
+    for path, key in [(run / "config.json", "model"), *states]:
+        record = json.loads(path.read_text())
+        record[key]["decode_kernel"] = "triton"
+        path.write_text(json.dumps(record))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # Triton's kernels then run on CUDA only
+    capsys.readouterr()
+    assert main(["generate", "--run", str(run), "--prompt", "the", "--max_new_tokens", "4", "--device", "cpu"]) == 0
+    note = "note: the run's decode_kernel='triton' cannot run on cpu: using 'auto'"
+    assert note in capsys.readouterr().err
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "model.safetensors")]) == 0
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as exported:  # exported as the run saved it
+        assert json.loads(exported.metadata()["model_config"])["decode_kernel"] == "triton"
+    monkeypatch.setitem(attention_backend._PACKAGES, "flash", ("flash-attn", False))
+    flash = HydraConfig(vocab_size=128, dim=64, n_heads=2, n_kv_heads=1, attention_backend="flash")
+    adapted, notes = kernels_for_device(flash, torch.device("cuda"))
+    assert adapted == flash.replace(attention_backend="auto") and len(notes) == 1 and "'flash'" in notes[0]
+    assert kernels_for_device(flash, torch.device("cpu")) == (flash, [])  # SDPA serves every backend there
