@@ -18,11 +18,13 @@ while the trainer's autocast still cached its casts, as the estimate then did).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..config import HydraConfig, preset_config
-from ..model import HydraModel
+from ..model import HydraModel, moe
 from .optim import takes_muon
 
 DEVICES = ("cuda", "cpu")
@@ -136,7 +138,7 @@ def measure_training_memory(cfg: HydraConfig, batch_size: int, seq_len: int, opt
         # The CPU's autocast casts the same matmuls to bf16 as CUDA's: the fake tensors need no GPU. Its cast cache
         # off, as in the trainer's step (step.TrainStep.autocast): a shared weight is cast and saved once per use.
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cuda, cache_enabled=False), \
-                torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), _experts_by_shape(cuda):
             model(ids, targets=ids)
         persistent = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}  # not recomputed
         params = sum(p.numel() for p in model.parameters()) * 4
@@ -153,6 +155,22 @@ def measure_training_memory(cfg: HydraConfig, batch_size: int, seq_len: int, opt
              "activations_mb": sum(saved[s] for s in outside) / MB, "backward_mb": backward / MB,
              "update_mb": update / MB}
     return {**parts, "peak_mb": sum(parts.values())}
+
+
+@contextlib.contextmanager
+def _experts_by_shape(cuda: bool):
+    """MoE experts as one product of their shapes: fake tensors hold no values, so the eager expert loop cannot read
+    the row offsets it slices by. Each form saves the same storages: the grouped GEMM on CUDA saves the tokens' and
+    all experts' bf16 copies, the loop elsewhere the tokens and the fp32 expert weights (parameters)."""
+    def product(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        dtype = torch.bfloat16 if cuda else x.dtype
+        return x.to(dtype) @ weight.to(dtype)[0]
+
+    real, moe.expert_matmul = moe.expert_matmul, product
+    try:
+        yield
+    finally:
+        moe.expert_matmul = real
 
 
 def describe_memory(model_size: str, batch_size: int, seq_len: int, optimizer: str = "adamw", arch: str = "hydra",
