@@ -94,25 +94,6 @@ def test_the_fitted_micro_batch_fits_the_routing_of_the_runs_first_step(flags, r
     assert estimate(larger, routing) > FIT_SHARE * 600 >= estimate(larger, (True, True, 1.0))
 
 
-def test_the_fitted_micro_batch_runs_every_stage_of_a_sequence_length_schedule(monkeypatch):
-    """A micro-batch of d sequences runs d x seq_len / L rows at a stage of length L: the fit keeps the divisors
-    whose rows every stage takes whole (and topk_groups splits evenly), which validation then accepts."""
-    from hydra_lm.config import preset_config
-    from hydra_lm.train import fit_batch
-    from hydra_lm.train.options import validate
-
-    cfg = resolve(TrainConfig(model_size="250M", max_steps=1000, seq_len_schedule="1024:0,1536:0.5"), "250M", True)
-    assert (cfg.batch_size * cfg.grad_accum, cfg.seq_len) == (120, 1536)
-    model_cfg = preset_config("debug", vocab_size=512)
-    # A synthetic peak of 1 GiB per sequence: 0.7 of 24 GiB holds 16 sequences. 15 divides 120, but its 22.5 rows
-    # of 1024 tokens do not exist: 12 (18 rows); with 4 row groups 8 (12 rows at the first stage, 8 at the second).
-    monkeypatch.setattr(fit_batch, "measure_training_memory", lambda cfg, batch, *a, **k: {"peak_mb": 1024.0 * batch})
-    for model, want in ((model_cfg, 12), (model_cfg.replace(topk_over="causal", topk_groups=4), 8)):
-        batch, accum, _ = fit_batch.fit_micro_batch(cfg, model, 24 * 2 ** 30)
-        assert (batch, accum) == (want, 120 // want)
-        validate(cfg.replace(batch_size=batch, grad_accum=accum))
-
-
 def test_the_trainer_fits_the_micro_batch_only_where_the_user_left_it_to_the_table(tiny_data, tmp_path, monkeypatch):
     """setup_run on a (pretended) 80 GB GPU: the 100M table's 32 x 4 sequences become one micro-batch of
     128 (and the mode's 20 evaluation batches of 32 sequences 5 of 128); an explicit --batch_size or

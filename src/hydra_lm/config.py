@@ -149,7 +149,8 @@ class HydraConfig:
             f"dim={latent} for the dense baseline"
         if latent % self.n_heads:
             heads = [d for d in range(1, latent + 1) if latent % d == 0 and latent // d % 2 == 0]
-            bad("n_heads", f"must divide {what} (each head an even share of it): try one of {heads}")
+            bad("n_heads", f"must divide {what} (each head an even share of it): " +
+                (f"try one of {heads}" if heads else "no head count can, as the width is odd: make it even"))
         if self.head_dim != latent // self.n_heads:
             bad("head_dim", f"n_heads*head_dim={self.n_heads}*{self.head_dim} must equal {what}: set head_dim="
                             f"{latent // self.n_heads} or leave it unset")

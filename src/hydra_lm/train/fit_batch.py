@@ -16,7 +16,6 @@ from ..config import HydraConfig
 from .curriculum import Curriculum, CurriculumPlan
 from .memory_estimate import measure_training_memory
 from .options import TrainConfig
-from .seq_len_schedule import SeqLenSchedule
 
 # Share of the GPU's memory the estimated peak may take: room for the estimate's error (it was 4% under
 # a measured 1B peak and 15% over a 100M one), the CUDA context, compilation and the allocator's slack.
@@ -47,12 +46,10 @@ def fit_micro_batch(cfg: TrainConfig, model_cfg: HydraConfig, gpu_bytes: int) ->
 
     sequences = cfg.batch_size * cfg.grad_accum
     budget_mb = FIT_SHARE * gpu_bytes / 2 ** 20
-    # Micro-batches that topk_groups splits into equal groups of rows (every divisor when it is 1), at every stage
-    # of a sequence-length schedule (its rows per micro-batch: batch x seq_len / the stage's length).
+    # Micro-batches that topk_groups splits into equal groups of rows (every divisor when it is 1). Runs with a
+    # sequence-length schedule keep the table's batch (run.py): the fit sizes for one length.
     groups = model_cfg.topk_groups
-    schedule = SeqLenSchedule.parse(cfg.seq_len_schedule) if cfg.seq_len_schedule else None
-    options = [d for d in divisors(sequences) if d % groups == 0
-               and (schedule is None or schedule.refusal(d, cfg.seq_len, groups) is None)] or [sequences]
+    options = [d for d in divisors(sequences) if d % groups == 0] or [sequences]
     # The peak grows with the micro-batch: a binary search over the divisors needs a few estimates only.
     low, high, batch = 0, len(options) - 1, options[0]
     while low <= high:
