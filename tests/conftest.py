@@ -42,12 +42,3 @@ def restore_tf32(monkeypatch):
     flex-versus-dense gradient check past its fp32 tolerance)."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
-
-
-@pytest.fixture
-def flex_on_every_row(monkeypatch):
-    """Flex for rows of any length: the tests' rows are shorter than ``FLEX_MIN_ENTRIES``, below which flex
-    models attend through the dense mask."""
-    from hydra_lm.model import doc_attention
-
-    monkeypatch.setattr(doc_attention, "FLEX_MIN_ENTRIES", 1)

@@ -93,16 +93,11 @@ def test_backend_resolution():
 
 @pytest.mark.parametrize("overrides", [{}, {"arch": "dense", "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}],
                          ids=["hydra", "dense"])
-@pytest.mark.parametrize("min_entries", [1, 20])
-def test_model_gives_the_same_loss_and_gradients_with_flex(overrides, min_entries, flex_backward_on_cpu, monkeypatch):
-    # Routed units attend over compacted rows with their own doc ids: flex must see those; rows shorter than
-    # FLEX_MIN_ENTRIES take the dense mask of theirs.
-    monkeypatch.setattr(da, "FLEX_MIN_ENTRIES", min_entries)
-    calls, masked = [], []
-    flex, sdpa = da._flex_doc_attention, F.scaled_dot_product_attention
+def test_model_gives_the_same_loss_and_gradients_with_flex(overrides, flex_backward_on_cpu, monkeypatch):
+    # Routed units attend over compacted rows with their own doc ids: flex must see those.
+    calls = []
+    flex = da._flex_doc_attention
     monkeypatch.setattr(da, "_flex_doc_attention", lambda q, k, v, doc: calls.append(doc.shape) or flex(q, k, v, doc))
-    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, attn_mask=None, **kw: (
-        attn_mask is not None and masked.append(q.shape[2])) or sdpa(q, *a, attn_mask=attn_mask, **kw))
     ids = torch.randint(0, TINY["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(4))
     doc = torch.tensor([[0] * 13 + [1] * 20 + [2] * 15, [0] * 40 + [1] * 8])
     # Two models of the same weights in one process, each with the backend of its own config.
@@ -110,17 +105,12 @@ def test_model_gives_the_same_loss_and_gradients_with_flex(overrides, min_entrie
     results = []
     for backend, model in models.items():
         seen = len(calls)
-        masked.clear()
         loss = model(ids, targets=torch.roll(ids, -1, 1), doc_ids=doc)["loss"]
         loss.backward()
         assert (len(calls) > seen) == (backend == "flex")
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     (loss_a, grads_a), (loss_b, grads_b) = results
-    lengths = {n for _, n in calls}
-    assert calls and (overrides or min(lengths) < 48), "flex ran, on compacted rows when routed"
-    # the flex model's last forward: its rows shorter than FLEX_MIN_ENTRIES, and only those, took the dense mask
-    assert min(lengths) >= min_entries and all(n < min_entries for n in masked)
-    assert bool(masked) == (min_entries > 1 and not overrides)
+    assert calls and (overrides or min(n for _, n in calls) < 48), "flex ran, on compacted rows when routed"
     torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=1e-12)
     assert grads_a.keys() == grads_b.keys()
     for name in grads_a:
@@ -152,7 +142,7 @@ def test_units_compiled_at_dynamic_token_counts_take_the_dense_mask_with_flex(mo
     assert masks and all(masks) and not calls
 
 
-def test_flex_gets_the_autocast_dtype_like_sdpa(flex_on_every_row, monkeypatch):
+def test_flex_gets_the_autocast_dtype_like_sdpa(monkeypatch):
     seen = []
     flex = da._flex_doc_attention
     monkeypatch.setattr(da, "_flex_doc_attention", lambda q, k, v, doc: seen.append({q.dtype, k.dtype, v.dtype})

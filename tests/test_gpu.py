@@ -343,7 +343,7 @@ def test_flex_document_attention_matches_the_dense_mask_on_gpu():
         torch.testing.assert_close(a, b, rtol=5e-3, atol=5e-3)
 
 
-def test_a_model_with_flex_document_masks_gives_the_dense_masks_loss_and_gradients_on_gpu(flex_on_every_row):
+def test_a_model_with_flex_document_masks_gives_the_dense_masks_loss_and_gradients_on_gpu():
     """Eager (flex compiled on its own) and with compiled units (flex traced inside them), routed units
     attending over compacted rows: the dense-mask model's loss and gradients."""
     from hydra_lm.diagnostics.bench import random_doc_ids
@@ -368,7 +368,7 @@ def test_a_model_with_flex_document_masks_gives_the_dense_masks_loss_and_gradien
             torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
 
 
-def test_a_cuda_graph_replay_rebuilds_the_flex_block_mask_from_the_new_documents(flex_on_every_row):
+def test_a_cuda_graph_replay_rebuilds_the_flex_block_mask_from_the_new_documents():
     """The block mask is computed on the GPU from the doc ids inside the graph, so a replay after new ids
     are copied into the captured buffer attends within the new documents: the dense mask's logits."""
     from hydra_lm.diagnostics.bench import random_doc_ids

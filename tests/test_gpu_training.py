@@ -65,8 +65,7 @@ def test_default_training_on_cuda_is_the_fast_path_with_the_eager_numbers(tiny_d
 # Failed from the eighteenth to the sixtieth session: torch 2.11 could not lower flex inside units compiled with
 # dynamic token counts ("convert FlexibleLayout to FixedLayout first"), which evaluation runs; those units take the
 # dense mask since the sixty-first session, and the test passed on an H100 in the sixty-second.
-def test_flex_document_masks_in_the_default_fast_path_give_the_dense_masks_numbers(tiny_data, tmp_path,
-                                                                                  flex_on_every_row):
+def test_flex_document_masks_in_the_default_fast_path_give_the_dense_masks_numbers(tiny_data, tmp_path):
     """The trainer's default path (compiled units, whole-step CUDA graphs) with flex's block masks built
     inside the captured graphs: the dense mask's losses and gradient norms (that each replay rebuilds
     the mask from the new batch's documents: tests/test_gpu.py)."""

@@ -16,12 +16,12 @@ Two ways to compute the same function, chosen per model by ``HydraConfig.doc_mas
   pytorch/pytorch#175545 and #172225. Fused when compiled (traced with the model, or compiled on its
   own on CUDA); eager CPU code runs flex unfused, which materialises the scores.
 * ``"auto"`` (default): the dense mask. Flex is exact and faster: 3-6% for a whole training step of the
-  100M models on an H100 (benchmarks/BENCHMARKS.md, seventeenth session), 4.2-4.5% of the trainer's tokens/s at
-  100M on an H200 and an H100 (sixty-first and sixty-second). torch 2.11 failed to lower it inside units compiled
-  with dynamic token counts (evaluation's, a MoR ramp's), so those take the dense mask
+  100M models on an H100 (benchmarks/BENCHMARKS.md, seventeenth session), 4.1-4.5% of the bench's and the
+  trainer's tokens/s at 100M on an H200 and an H100 (sixty-first to sixty-third). torch 2.11 failed to lower it
+  inside units compiled with dynamic token counts (evaluation's, a MoR ramp's), so those take the dense mask
   (``block._run_compiled_unit``); with that the trainer's flex GPU test passes (sixty-second). Flex stays opt-in
-  for its cold compile: 205 s against 80 s for the preset on an H100, before short rows took the dense mask
-  (``FLEX_MIN_ENTRIES``; not yet measured since).
+  for its cold compile: 200 s and more against 115-120 s for the preset on an H100 (sixty-third), also when
+  only rows of 512 entries or more took flex, so the extra time is not the routed rows' kernels.
 
 A routed unit (MoD/MoR) attends over a compacted subset of the row; its ``doc`` is the documents of
 the entries present, in their order, so "causal" is over the compacted index.
@@ -38,12 +38,6 @@ from ..config import DOC_MASK_BACKENDS
 
 FLEX_BLOCK = 128  # FlexAttention's default tile; the block mask is built at this granularity
 
-
-# Rows shorter than this attend through the dense mask under flex too: a few tiles a row leave flex little to skip
-# (its 4.5% gain is measured at the preset's 1,024-entry rows), and each routed depth's row length compiled its own
-# flex kernels, forward and backward: the preset's five lengths (1,024 / 128 / 16 / 2 / 1) made flex's cold compile
-# 205 s against the dense mask's 80 s on an H100 (benchmarks/BENCHMARKS.md, sixty-second session).
-FLEX_MIN_ENTRIES = 4 * FLEX_BLOCK
 
 # torch 2.11's compiled flex kernel rejects smaller heads ("embedding dimension ... must be at least 16").
 FLEX_MIN_HEAD_DIM = 16
@@ -186,10 +180,7 @@ _compiled_flex = None
 
 def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: Documents) -> torch.Tensor:
     """Causal attention within documents. q [B, h_q, N, d]; k, v [B, h_k, N, d]; ``doc``: the entries'
-    documents, with the dense mask (SDPA) or without (flex; ``documents_for`` chose). Flex's rows of fewer than
-    ``FLEX_MIN_ENTRIES`` entries take the dense mask too."""
-    if doc.mask is None and q.shape[2] < FLEX_MIN_ENTRIES:
-        doc = documents_for(doc.ids, "sdpa", 0, q.dtype)
+    documents, with the dense mask (SDPA) or without (flex; ``documents_for`` chose)."""
     if doc.mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=doc.mask, enable_gqa=q.shape[1] != k.shape[1])
     device = q.device.type
