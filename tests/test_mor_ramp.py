@@ -7,7 +7,7 @@ from unittest import mock
 import pytest
 import torch
 
-from support import tiny_model, tokens_per_unit
+from support import TINY, tiny_model, tokens_per_unit
 from hydra_lm.config import HydraConfig
 from hydra_lm.diagnostics.compare_runs import executed_flops_at, planned_flops
 from hydra_lm.model import accounting
@@ -45,6 +45,22 @@ def test_a_ramp_outside_0_1_is_refused(ramp):
     with pytest.raises(ValueError, match=r"mor_ramp=.* must lie in \[0, 1\]"):
         model.set_curriculum(mor_ramp=ramp)
     assert tokens_per_unit(model, 64) == before
+
+
+def test_at_full_depth_causal_routing_runs_every_candidate_as_top_k_does():
+    """The ramp's first level keeps every MoR candidate (capacity 1): the causal rule must too, though the
+    thresholds were calibrated at the configured capacities (it turned away up to 22% of candidates under them)."""
+    model = tiny_model()
+    ids = torch.randint(0, TINY["vocab_size"], (4, 64), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):  # training forwards calibrate every threshold at the configured capacities
+        model(ids, targets=ids)
+    model.eval()
+    model.set_curriculum(mod_active=False, mor_ramp=0.0)
+    with torch.no_grad():
+        topk, causal = (model(ids, targets=ids, routing=mode) for mode in ("topk", "causal"))
+    executed = causal["routing_stats"][:, 0]
+    assert torch.equal(executed, topk["routing_stats"][:, 0]) and bool((executed == 1).all())
+    torch.testing.assert_close(causal["ce_loss"], topk["ce_loss"], rtol=0, atol=1e-6)
 
 
 def live_flops(model, seq_len: int) -> float:

@@ -362,7 +362,11 @@ def rank_decision(s: torch.Tensor, above: torch.Tensor, count: torch.Tensor, cap
     it and one over it less: the pseudo-candidates put the midpoint of each range above it,
     ``(1 + capacity) / 2`` or ``capacity / 2``. A document's first candidates thus follow the threshold
     and later ones more and more their rank: on text unlike the training batches, where the threshold
-    alone drifts with the logits, the admitted share comes back towards the capacity (docs/routing.md)."""
+    alone drifts with the logits, the admitted share comes back towards the capacity (docs/routing.md).
+    At capacity 1 (a MoR ramp's first level) top-k takes every candidate, so this does too: the threshold,
+    calibrated at a lower capacity, would otherwise turn away candidates under it that rank low so far."""
+    if capacity >= 1:
+        return torch.ones_like(s, dtype=torch.bool)
     share_above = torch.where(s <= threshold, (1 + capacity) / 2, capacity / 2).to(above.dtype)
     return (above + RANK_PRIOR * share_above) < capacity * (count + RANK_PRIOR)
 
