@@ -7,6 +7,7 @@ import hydra_lm
 import hydra_lm.cli
 from hydra_lm.config import PRESETS, HydraConfig, preset_config
 from hydra_lm.model import HydraModel
+from hydra_lm.model import accounting
 from hydra_lm.model.accounting import count_parameters, executed_flops_per_token
 
 
@@ -33,6 +34,7 @@ def test_preset_parameter_counts_are_within_25_percent_of_the_advertised_ones(na
     (dict(sharing="random"), "sharing"),
     (dict(mor_routing="soft"), "mor_routing"),
     (dict(moe=True, moe_top_k=5), "moe_top_k"),
+    (dict(moe=True, moe_num_experts=1, moe_top_k=1), "moe_num_experts"),  # a router over one expert never learns
     (dict(moe=True, moe_num_layers=2), "moe_num_layers"),
     (dict(sharing="middle_cycle"), "n_blocks"),
     (dict(sharing="middle_cycle", n_blocks=4, mod_every=2), "mod_every"),
@@ -112,6 +114,27 @@ def test_routing_cuts_executed_flops():
     routed = executed_flops_per_token(cfg, 1024)
     full = executed_flops_per_token(cfg.replace(mod_enabled=False, mor_enabled=False), 1024)
     assert full / routed > 1.5
+
+
+@pytest.mark.parametrize("overrides", [{}, {"static_routing_mode": True}, {"mor_routing": "token"},
+                                       {"arch": "dense", "n_layers": 3}], ids=["topk", "static", "token", "dense"])
+def test_executed_flops_are_the_matmuls_the_model_runs(overrides):
+    """The count's matmuls (attention's left out: FlopCounterMode sees the kernels' full squares, not the causal
+    half) are what a forward executes; static routing runs every token through every unit."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    seq_len = 256
+    model = hydra_lm.create_model("debug", vocab_size=1000, dim=128, n_heads=2, n_kv_heads=1, max_seq_len=seq_len,
+                                  **overrides)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(torch.randint(0, 1000, (2, seq_len)))
+    measured = sum(n for op, n in counter.get_flop_counts()["Global"].items() if "attention" not in str(op))
+    cfg = model.config
+    attention = sum(n_layers * k * 4 * cfg.n_heads * cfg.head_dim * (k + 1) / 2
+                    for _, n_layers, k in accounting.unit_token_counts(cfg, seq_len))
+    counted = executed_flops_per_token(cfg, seq_len, training=False) * seq_len - attention
+    assert measured / 2 == pytest.approx(counted, rel=0.02)  # 2 rows
 
 
 def test_info_command_prints_the_promised_facts(capsys):

@@ -22,8 +22,6 @@ def test_rmsnorm_and_swiglu_match_their_definitions():
     mlp = layers.SwiGLUMLP(16, 24)
     gate, up = mlp.gate_up.weight.split(24)
     torch.testing.assert_close(mlp(x), (F.silu(x @ gate.T) * (x @ up.T)) @ mlp.down.weight.T)
-    with pytest.raises(ValueError, match="unknown activation"):
-        layers.get_activation("tanhh")
 
 
 def test_rotary_is_relative_and_norm_preserving():
@@ -39,9 +37,24 @@ def test_rotary_is_relative_and_norm_preserving():
     torch.testing.assert_close(layers.apply_rotary(q, c, s).norm(), q.norm())
 
 
+def test_a_float64_model_gets_the_exact_rotary_table_and_a_float32_one_its_rounding():
+    """A float64 model is the reference the kernels and decode are checked against to 1e-9: its table must not be
+    float32's widened (3e-8 off)."""
+    rope = layers.RotaryEmbedding(64, 512, theta=10000.0)
+    angles = torch.outer(torch.arange(512, dtype=torch.float64),
+                         1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    assert rope.cos.dtype == torch.float32
+    torch.testing.assert_close(rope.cos, angles.cos().float(), rtol=0, atol=0)
+    rope.double()
+    torch.testing.assert_close(rope.cos, angles.cos(), rtol=0, atol=1e-15)
+    torch.testing.assert_close(rope.sin, angles.sin(), rtol=0, atol=1e-15)
+    rope.float()
+    torch.testing.assert_close(rope.sin, angles.sin().float(), rtol=0, atol=0)
+
+
 def test_flexible_attention_expands_gqa_and_validates_backends():
     q, k, v = torch.randn(2, 8, 10, 16), torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 16)
-    out = attention_backend.flexible_attention(q, k, v, is_causal=True)
+    out = attention_backend.flexible_attention(q, k, v)
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
     torch.testing.assert_close(out, ref)
     # The packages serve CUDA calls only: on a CPU every backend is SDPA.

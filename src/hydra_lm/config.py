@@ -182,6 +182,9 @@ class HydraConfig:
         if self.topk_groups > 1 and self.topk_over == "row":
             bad("topk_groups", "pools rows for a top-k over the batch: set topk_over 'batch' or 'causal', or "
                                "topk_groups=1")
+        if self.moe and self.moe_num_experts < 2:
+            bad("moe_num_experts", "must be at least 2 with moe=True: over one expert the router's softmax is always "
+                                   "1, so it never learns; use 2 or more experts, or moe=False")
         if self.moe_top_k > self.moe_num_experts:
             bad("moe_top_k", f"cannot exceed moe_num_experts={self.moe_num_experts}")
         if self.moe and self.moe_num_layers > self.n_units_between_moe():

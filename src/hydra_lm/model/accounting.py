@@ -45,7 +45,8 @@ def _layer_conv_flops(cfg: HydraConfig) -> int:
 
 
 def unit_token_counts(cfg: HydraConfig, seq_len: int, mor_ramp: float = 1.0) -> list[tuple[str, int, int]]:
-    """(unit name, layers in its stack, tokens per row it runs on) for every unit, in top-k mode; ``mor_ramp``:
+    """(unit name, layers in its stack, tokens per row it runs on) for every unit, as the model's default routing
+    runs them: top-k, or every token where ``static_routing_mode`` weights all of them by their gates; ``mor_ramp``:
     the curriculum's MoR capacity ramp (``HydraModel.set_curriculum``), which runs more tokens per depth."""
     from .hydra import HydraModel  # the block layout is defined once, by the model
 
@@ -55,7 +56,7 @@ def unit_token_counts(cfg: HydraConfig, seq_len: int, mor_ramp: float = 1.0) -> 
     for block in blocks:
         block.mor_ramp = float(mor_ramp)
         for j, k in enumerate(block.tokens_per_depth(seq_len)):
-            units.append((f"{block.name}.depth{j}", len(block.layers), k))
+            units.append((f"{block.name}.depth{j}", len(block.layers), seq_len if cfg.static_routing_mode else k))
     return units
 
 

@@ -118,7 +118,7 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: Docum
             # xFormers one dtype for all three), and CCGQA's q/k leave the fp32 norms in fp32.
             dtype = torch.get_autocast_dtype(device)
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        return flexible_attention(q, k, v, is_causal=True, backend=backend)
+        return flexible_attention(q, k, v, backend=backend)
     return doc_causal_attention(q, k, v, doc)
 
 

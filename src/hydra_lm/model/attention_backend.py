@@ -30,34 +30,28 @@ def check_attention_backend(backend: str, device: torch.device | str) -> None:
                          f"{package}, or set attention_backend='auto' (--model.attention_backend auto)")
 
 
-def flexible_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True,
-                       attn_mask: torch.Tensor | None = None, scale: float | None = None,
-                       backend: str = "auto") -> torch.Tensor:
-    """Attention over [B, H, N, D] tensors; k/v may have fewer heads (grouped-query attention).
-    ``backend``: ``HydraConfig.attention_backend``; the packages serve unmasked CUDA calls, SDPA the rest."""
+def flexible_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """Causal attention over [B, H, N, D] tensors; k/v may have fewer heads (grouped-query attention).
+    ``backend``: ``HydraConfig.attention_backend``; the packages serve CUDA calls, SDPA the rest."""
     gqa = q.shape[1] != k.shape[1]
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {backend!r}: choose one of {list(ATTENTION_BACKENDS)}")
-    if attn_mask is not None or not q.is_cuda or backend in ("auto", "sdpa"):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal and attn_mask is None,
-                                              scale=scale, enable_gqa=gqa)
+    if not q.is_cuda or backend in ("auto", "sdpa"):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     check_attention_backend(backend, q.device)
     if backend == "flash":
         from flash_attn import flash_attn_func  # takes [B, N, H, D] and handles GQA itself
 
-        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=is_causal,
-                              softmax_scale=scale)
-        return out.transpose(1, 2)
+        return flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True).transpose(1, 2)
     import xformers.ops as xops
 
     if gqa:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    bias = xops.LowerTriangularMask() if is_causal else None
-    out = xops.memory_efficient_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_bias=bias,
-                                          scale=scale)
+    out = xops.memory_efficient_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          attn_bias=xops.LowerTriangularMask())
     return out.transpose(1, 2)
 
 

@@ -21,32 +21,17 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def get_activation(name: str):
-    """Activation function by name (``silu``/``swish``, ``gelu``, ``relu``, ``gelu_tanh``)."""
-    table = {
-        "silu": F.silu,
-        "swish": F.silu,
-        "gelu": F.gelu,
-        "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-        "relu": F.relu,
-    }
-    if name not in table:
-        raise ValueError(f"unknown activation {name!r}; choose one of {sorted(table)}")
-    return table[name]
-
-
 class SwiGLUMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))`` with the gate and up projections fused into one matmul."""
+    """``down(silu(gate(x)) * up(x))`` with the gate and up projections fused into one matmul."""
 
-    def __init__(self, dim: int, hidden: int, activation: str = "silu"):
+    def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
         self.down = nn.Linear(hidden, dim, bias=False)
-        self.act = get_activation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(self.act(gate) * up)
+        return self.down(F.silu(gate) * up)
 
 
 class RotaryEmbedding(nn.Module):
@@ -58,11 +43,25 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RotaryEmbedding head_dim={head_dim} must be even")
         self.head_dim = head_dim
         self.max_seq_len = max_seq_len
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+        self.theta = theta
+        cos, sin = self._tables(None)
         # Not saved in checkpoints: they are a pure function of the config.
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.register_buffer("cos", cos.float(), persistent=False)
+        self.register_buffer("sin", sin.float(), persistent=False)
+
+    def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [max_seq_len, head_dim/2], computed in float64."""
+        steps = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim
+        angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64, device=device),
+                             1.0 / self.theta ** steps)
+        return angles.cos(), angles.sin()
+
+    def _apply(self, fn, recurse=True):
+        # ``.double()`` would widen the float32 table with its rounding (3e-8): a float64 model gets the exact one.
+        super()._apply(fn, recurse)
+        if self.cos.dtype == torch.float64:
+            self.cos, self.sin = self._tables(self.cos.device)
+        return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for ``positions`` [B, N], shaped [B, 1, N, head_dim/2] to broadcast over heads."""
