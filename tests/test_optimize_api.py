@@ -97,6 +97,26 @@ def test_a_sophia_setup_estimates_the_hessian_when_due_as_the_trainer_does():
         unset.step()
 
 
+def test_the_setup_applies_the_moe_lr_scales_and_the_router_warm_up():
+    """As the trainer: the experts at moe_expert_lr_scale from the first step, the routers held (LR 0) for
+    moe_warmup_steps updates, a set_lr in between included, and learning after them."""
+    model = tiny_model(moe=True, moe_num_layers=1, moe_num_experts=3, moe_top_k=1)
+    with pytest.warns(UserWarning):
+        setup = hydra_lm.create_optimized_training_setup(model, lr=1e-3, moe_expert_lr_scale=0.0,
+                                                         moe_warmup_steps=2)
+    moe = next(iter(model.moe_blocks.values()))
+    router, experts, embed = moe.router.weight, moe.w_gate_up, model.embed.weight
+    initial = [p.detach().clone() for p in (router, experts, embed)]
+    ids = _batches(1)[0]["input_ids"]
+    setup.step(ids)
+    setup.set_lr(1e-3)
+    setup.step(ids)
+    assert torch.equal(router, initial[0]) and torch.equal(experts, initial[1])
+    assert not torch.equal(embed, initial[2])
+    setup.step(ids)
+    assert not torch.equal(router, initial[0]) and torch.equal(experts, initial[1])
+
+
 def test_the_cpu_warning_names_what_is_off():
     with pytest.warns(UserWarning, match=r"runs eagerly on cpu \(no compile, CUDA graphs or fused loss\)"):
         hydra_lm.optimize_for_gpu(tiny_model())

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..model.hydra import HydraModel
 from .compile_policy import SpeedPlan, apply_speed_plan, enable_tf32, resolve_speed_options
+from .moe_training import hold_routers
 from .optim import build_optimizer, set_lr
 from .options import TrainConfig, check_train_keys
 from .run import pick_device
@@ -134,15 +135,18 @@ def optimize_for_gpu(model: nn.Module, device: torch.device | str | None = None,
 class TrainingSetup:
     """The optimizer and the trainer's step for one model: ``step(batch)`` runs forward and backward of
     each micro-batch, clips and updates (as CUDA graphs where the plan captures them), samples Sophia-G's Hessian
-    estimate when it is due (as the trainer does) and returns device
-    tensors (no host sync): loss, ce_loss, aux_loss, ponder_loss, moe_loss (means over the micro-batches),
+    estimate when it is due and holds the MoE routers during ``moe_warmup_steps`` (as the trainer does) and returns
+    device tensors (no host sync): loss, ce_loss, aux_loss, ponder_loss, moe_loss (means over the micro-batches),
     grad_norm and routing_stats."""
 
     optimized: OptimizedModel
     optimizer: torch.optim.Optimizer
     train_step: TrainStep
     grad_accum: int
+    lr: float  # the scheduled LR (each group takes it times its LR ratio)
     hessian_generator: torch.Generator | None = None  # Sophia-G: draws the labels of its Hessian estimates
+    moe_warmup_steps: int = 0  # the first updates, whose MoE router LR is 0
+    steps: int = 0  # updates taken
 
     @property
     def model(self) -> nn.Module:
@@ -154,6 +158,7 @@ class TrainingSetup:
 
     def set_lr(self, lr: float) -> None:
         """Set the learning rate (in place where a captured step reads it from the device)."""
+        self.lr = lr
         set_lr(self.optimizer, lr)
 
     def step(self, batch: dict[str, torch.Tensor] | torch.Tensor | list) -> dict[str, torch.Tensor]:
@@ -166,6 +171,10 @@ class TrainingSetup:
         if not self.model.training:
             self.model.train()
         micro = [_as_inputs(inputs) for inputs in micro]
+        if self.steps < self.moe_warmup_steps:
+            hold_routers(self.optimizer)  # again each step: a set_lr since the last one restored them
+        elif self.steps == self.moe_warmup_steps > 0:
+            self.set_lr(self.lr)  # the warm-up is over: the routers' LR back
         if getattr(self.optimizer, "tokens_per_batch", 0) is None:  # Sophia-G without a batch shape in the options
             self.optimizer.tokens_per_batch = sum(inputs["input_ids"].numel() for inputs in micro)
         parts, stats = None, None
@@ -174,6 +183,7 @@ class TrainingSetup:
             parts = p.clone() if parts is None else parts + p  # CUDA graphs reuse their output memory
             stats = s.clone()
         grad_norm = self.train_step.update().detach().clone()
+        self.steps += 1
         hessian_due = getattr(self.optimizer, "hessian_due", None)
         if hessian_due is not None and hessian_due():  # Sophia-G, as the trainer: estimated on the last micro-batch
             self.train_step.sample_hessian(micro[-1], self.hessian_generator)
@@ -214,7 +224,7 @@ def create_optimized_training_setup(model: nn.Module, lr: float = SETUP_DEFAULTS
                            cfg.grad_clip, cfg.cuda_graphs_warmup)
     model.train()
     generator = torch.Generator(optimized.device).manual_seed(cfg.seed) if hasattr(opt, "hessian_due") else None
-    return TrainingSetup(optimized, opt, train_step, cfg.grad_accum, generator)
+    return TrainingSetup(optimized, opt, train_step, cfg.grad_accum, cfg.lr, generator, cfg.moe_warmup_steps)
 
 
 __all__ = ["DeviceCapabilities", "OptimizedModel", "TrainingSetup", "create_optimized_training_setup",
