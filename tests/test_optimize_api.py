@@ -1,6 +1,7 @@
 """``hydra_lm.optimize_for_gpu`` / ``create_optimized_training_setup``: the trainer's speed policy and
 step behind one call (CPU here: eager, with a warning; the CUDA path is in test_gpu.py)."""
 
+import re
 import subprocess
 import sys
 
@@ -115,6 +116,29 @@ def test_the_setup_applies_the_moe_lr_scales_and_the_router_warm_up():
     assert not torch.equal(embed, initial[2])
     setup.step(ids)
     assert not torch.equal(router, initial[0]) and torch.equal(experts, initial[1])
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(weight_decay=-1.0), "weight_decay=-1.0 must be >= 0"),
+    (dict(grad_clip=-5.0), "grad_clip=-5.0 must be >= 0"),
+    (dict(lr=0.0, optimizer="muon"), "lr=0.0 must be > 0"),
+    (dict(grad_accum=0), "grad_accum=0 must be >= 1"),
+    (dict(compile="yes"), "compile='yes' must be of type bool"),
+    (dict(moe=True, moe_num_experts=4), "give moe, moe_num_experts to hydra_lm.create_model instead"),
+])
+def test_the_setup_refuses_what_the_trainer_refuses(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        hydra_lm.create_optimized_training_setup(tiny_model(), **options)
+
+
+def test_the_setup_takes_the_trainers_flag_aliases():
+    with pytest.warns(UserWarning):
+        hydra_lm.optimize_for_gpu(tiny_model(), compile_units=True)
+    with pytest.raises(ValueError, match="--cuda_graph needs a CUDA device"):  # what the alias sets
+        hydra_lm.optimize_for_gpu(tiny_model(), experimental_cuda_graphs=True)
+    # The optimizer is an argument of its own, which would override the alias.
+    with pytest.raises(ValueError, match="adafactor: pass optimizer='adafactor' to create_optimized_training_setup"):
+        hydra_lm.create_optimized_training_setup(tiny_model(), adafactor=True)
 
 
 def test_the_cpu_warning_names_what_is_off():

@@ -18,7 +18,7 @@ from ..model.hydra import HydraModel
 from .compile_policy import SpeedPlan, apply_speed_plan, enable_tf32, resolve_speed_options
 from .moe_training import hold_routers
 from .optim import build_optimizer, set_lr
-from .options import TrainConfig, check_train_keys
+from .options import KEY_ALIASES, TrainConfig, normalize, resolve
 from .run import pick_device
 from .step import TrainStep
 
@@ -88,9 +88,17 @@ class OptimizedModel:
 
 
 def _train_config(options: dict[str, Any]) -> TrainConfig:
-    check_train_keys(options, "the optimized setup's options")
-    unset = {k: v for k, v in SETUP_DEFAULTS.items() if options.get(k) is None}
-    return TrainConfig(**{**options, **unset})
+    where = "the optimized setup's options"
+    values = normalize(options, where)  # the flags' aliases, types and choices
+    if values.get("model"):
+        names = ", ".join(sorted(values["model"]))
+        raise ValueError(f"{where}: a model's config is fixed once it is built: give {names} to hydra_lm.create_model "
+                         "instead")
+    unset = {k: v for k, v in SETUP_DEFAULTS.items() if values.get(k) is None}
+    cfg = TrainConfig(**{**values, **unset})
+    # resolve runs the trainer's checks once it has filled the fields that only `hydra-lm train` reads (run length,
+    # schedule); the batch shape stays as given: without one, Sophia-G takes its token count from the first step.
+    return resolve(cfg, cfg.model_size, on_cuda=False).replace(batch_size=cfg.batch_size, seq_len=cfg.seq_len)
 
 
 def _prepare(model: nn.Module, cfg: TrainConfig, device: torch.device | str | None) -> OptimizedModel:
@@ -214,10 +222,10 @@ def create_optimized_training_setup(model: nn.Module, lr: float = SETUP_DEFAULTS
     ``cuda_graphs_warmup`` and the speed flags of ``optimize_for_gpu``. The model must return the
     HydraModel's output dict (``loss``, ``ce_loss``, the router losses, ``routing_stats``) when given
     targets."""
+    picks = [(key, KEY_ALIASES[key][1]) for key in options if KEY_ALIASES.get(key, ("",))[0] == "optimizer"]
+    if picks:  # the argument would silently override the flag's alias
+        raise ValueError(f"{picks[0][0]}: pass optimizer={picks[0][1]!r} to create_optimized_training_setup instead")
     cfg = _train_config({**options, "lr": lr, "optimizer": optimizer})
-    for name in ("grad_accum", "cuda_graphs_warmup"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"{name}={getattr(cfg, name)} must be >= 1")
     optimized = _prepare(model, cfg, device)
     opt = build_optimizer(model, cfg, optimized.device)
     train_step = TrainStep(model, optimized.module, opt, optimized.device, optimized.plan, cfg.grad_accum,
