@@ -141,6 +141,24 @@ def test_the_setup_takes_the_trainers_flag_aliases():
         hydra_lm.create_optimized_training_setup(tiny_model(), adafactor=True)
 
 
+def test_the_setup_applies_the_trainers_model_settings():
+    """As hydra-lm train (the same code): gradient checkpointing applied (checkpoint_every implies it), FA3 reported;
+    float8 off CUDA and MoE settings without MoE layers refused; on a module other than a HydraModel, all refused."""
+    model = tiny_model()
+    with pytest.warns(UserWarning):
+        setup = hydra_lm.create_optimized_training_setup(model, checkpoint_every=2, experimental_fa3=True)
+    assert model.gradient_checkpointing and model.checkpoint_every == 2
+    assert "gradient checkpointing (every 2 blocks)" in setup.description
+    assert "--experimental_fa3: " in setup.description
+    assert torch.isfinite(setup.step(_batches(1)[0])["loss"])
+    with pytest.raises(ValueError, match="--experimental_fp8 needs a CUDA GPU"):
+        hydra_lm.create_optimized_training_setup(tiny_model(), experimental_fp8=True)
+    with pytest.raises(ValueError, match="--moe_warmup_steps tune MoE layers, which this model has none of"):
+        hydra_lm.create_optimized_training_setup(tiny_model(), moe_warmup_steps=100)
+    with pytest.raises(ValueError, match="gradient_checkpointing: the setup applies these to a HydraModel only"):
+        hydra_lm.optimize_for_gpu(torch.nn.Linear(8, 8), checkpoint_every=1)
+
+
 def test_the_cpu_warning_names_what_is_off():
     with pytest.warns(UserWarning, match=r"runs eagerly on cpu \(no compile, CUDA graphs or fused loss\)"):
         hydra_lm.optimize_for_gpu(tiny_model())

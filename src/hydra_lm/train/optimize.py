@@ -18,7 +18,8 @@ from ..model.hydra import HydraModel
 from .compile_policy import SpeedPlan, apply_speed_plan, enable_tf32, resolve_speed_options
 from .moe_training import hold_routers
 from .optim import build_optimizer, set_lr
-from .options import KEY_ALIASES, TrainConfig, normalize, resolve
+from .model_features import MODEL_SIDE, apply_model_features
+from .options import FIELDS, KEY_ALIASES, TrainConfig, normalize, resolve
 from .run import pick_device
 from .step import TrainStep
 
@@ -109,11 +110,18 @@ def _prepare(model: nn.Module, cfg: TrainConfig, device: torch.device | str | No
     hydra = isinstance(model, HydraModel)
     if not hydra:  # the routed units and the fused loss exist in a HydraModel only: compile the whole model
         plan = dataclasses.replace(plan, compile="model" if plan.compile else None, ce_impl="naive")
+        model_side = [name for name in MODEL_SIDE if getattr(cfg, name) != FIELDS[name].default]
+        if model_side:
+            raise ValueError(f"{', '.join(model_side)}: the setup applies these to a HydraModel only, as hydra-lm "
+                             f"train does; this model is a {type(model).__name__}: drop them")
     model.to(caps.device)
     applied = ["TF32 matmul"] if enable_tf32(caps.device) and caps.tf32_matmul else []
     if caps.device.type == "cuda":
         applied.append("bf16 autocast" if caps.bf16_autocast else "bf16 autocast (not native on this GPU: slow)")
     if hydra:
+        applied += apply_model_features(model, cfg, caps.device)
+        if cfg.gradient_checkpointing:
+            applied.append(f"gradient checkpointing (every {model.checkpoint_every} blocks)")
         module = apply_speed_plan(model, model, plan)
     else:
         module = torch.compile(model, mode=plan.compile_mode) if plan.compile else model
