@@ -45,6 +45,9 @@ from .step import TrainStep
 from .stop_signal import EXIT_INTERRUPTED, StopRequest
 
 
+# How far apart the ranks' seeds lie (a prime): rank r of one --seed draws no stream of rank 0 of a neighbouring one.
+RANK_SEED_STRIDE = 1_000_000_007
+
 
 class Trainer:
     def __init__(self, setup: RunSetup):
@@ -61,6 +64,8 @@ class Trainer:
         routable = (mc.arch == "hydra" and mc.mod_enabled, mc.arch == "hydra" and mc.mor_enabled and mc.recursions > 1)
         # self.model stays the HydraModel (sharded in place by FSDP2); self.wrapped is what a step calls.
         self.wrapped = wrap_model(self.model, self.dist, self.device, find_unused=any(routable) or mc.moe)
+        if self.dist.enabled:  # the ranks initialised alike (FSDP2 shards each one's copy); now each its own noise
+            torch.manual_seed(cfg.seed + RANK_SEED_STRIDE * self.dist.rank)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg, self.device)
         self.curriculum = Curriculum(CurriculumPlan.from_config(cfg, routable))
