@@ -142,8 +142,9 @@ def optimize_for_gpu(model: nn.Module, device: torch.device | str | None = None,
     matmuls, the speed plan of ``compile_policy`` (a HydraModel: its routed units compiled, fused chunked
     loss; any other module: compiled whole) and the plan's CUDA graphs, which a training step captures
     (``create_optimized_training_setup``). ``options``: the train flags of the same names (``compile``,
-    ``compile_mode``, ``cuda_graph``, ``chunked_ce``, ``ce_impl``, ``optimizer``...),
-    automatic when left out. Without CUDA it warns and leaves the model eager."""
+    ``compile_mode``, ``cuda_graph``, ``chunked_ce``, ``ce_impl``, ``optimizer``...), automatic when left out,
+    checked as the trainer checks them; a HydraModel also gets the trainer's ``gradient_checkpointing``,
+    ``experimental_fp8`` and ``experimental_fa3``. Without CUDA it warns and leaves the model eager."""
     return _prepare(model, _train_config(options), device)
 
 
@@ -227,7 +228,8 @@ def create_optimized_training_setup(model: nn.Module, lr: float = SETUP_DEFAULTS
     """``optimize_for_gpu`` plus the trainer's optimizer (``optim.build_optimizer``: decoupled weight
     decay on 2-D weights, fused AdamW on CUDA) and its step (``step.TrainStep``). ``options``: train
     flags such as ``weight_decay``, ``beta1``, ``beta2``, ``grad_clip`` (1.0), ``grad_accum`` (1),
-    ``cuda_graphs_warmup`` and the speed flags of ``optimize_for_gpu``. The model must return the
+    ``cuda_graphs_warmup``, the MoE settings (``moe_expert_lr_scale``, ``moe_warmup_steps``...) and the flags
+    of ``optimize_for_gpu``. The model must return the
     HydraModel's output dict (``loss``, ``ce_loss``, the router losses, ``routing_stats``) when given
     targets."""
     picks = [(key, KEY_ALIASES[key][1]) for key in options if KEY_ALIASES.get(key, ("",))[0] == "optimizer"]
