@@ -37,6 +37,14 @@ def test_groups_scale_lr_and_decay_per_part_and_the_router_can_be_held():
     assert router["lr"] == 5e-4
 
 
+def test_a_new_optimizer_runs_each_group_at_its_lr_ratio():
+    """Before any set_lr (the one-call setup calls none): each group at lr x its ratio, a captured one too."""
+    opt, router, expert, main_group = _moe_groups(moe_router_lr_scale=0.5, moe_expert_lr_scale=2.0)
+    assert (router["lr"], expert["lr"], main_group["lr"]) == (5e-4, 2e-3, 1e-3)
+    make_capturable(opt, torch.device("cpu"))
+    assert [g["lr"].item() for g in (router, expert, main_group)] == pytest.approx([5e-4, 2e-3, 1e-3])
+
+
 def test_holding_the_routers_of_a_graph_captured_optimizer_leaves_the_other_groups_learning():
     # Captured updates read each group's LR from a device tensor shared by the groups of one LR ratio; the
     # routers' default ratio is everyone's, so a shared tensor zeroed for them would freeze the whole model.

@@ -1,6 +1,7 @@
 """``hydra_lm.optimize_for_gpu`` / ``create_optimized_training_setup``: the trainer's speed policy and
 step behind one call (CPU here: eager, with a warning; the CUDA path is in test_gpu.py)."""
 
+import re
 import subprocess
 import sys
 
@@ -95,6 +96,67 @@ def test_a_sophia_setup_estimates_the_hessian_when_due_as_the_trainer_does():
     unset = SophiaG(tiny_model().parameters(), lr=1e-3, tokens_per_batch=None)
     with pytest.raises(ValueError, match="tokens_per_batch is not set"):
         unset.step()
+
+
+def test_the_setup_applies_the_moe_lr_scales_and_the_router_warm_up():
+    """As the trainer: the experts at moe_expert_lr_scale from the first step, the routers held (LR 0) for
+    moe_warmup_steps updates, a set_lr in between included, and learning after them."""
+    model = tiny_model(moe=True, moe_num_layers=1, moe_num_experts=3, moe_top_k=1)
+    with pytest.warns(UserWarning):
+        setup = hydra_lm.create_optimized_training_setup(model, lr=1e-3, moe_expert_lr_scale=0.0,
+                                                         moe_warmup_steps=2)
+    moe = next(iter(model.moe_blocks.values()))
+    router, experts, embed = moe.router.weight, moe.w_gate_up, model.embed.weight
+    initial = [p.detach().clone() for p in (router, experts, embed)]
+    ids = _batches(1)[0]["input_ids"]
+    setup.step(ids)
+    setup.set_lr(1e-3)
+    setup.step(ids)
+    assert torch.equal(router, initial[0]) and torch.equal(experts, initial[1])
+    assert not torch.equal(embed, initial[2])
+    setup.step(ids)
+    assert not torch.equal(router, initial[0]) and torch.equal(experts, initial[1])
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(weight_decay=-1.0), "weight_decay=-1.0 must be >= 0"),
+    (dict(grad_clip=-5.0), "grad_clip=-5.0 must be >= 0"),
+    (dict(lr=0.0, optimizer="muon"), "lr=0.0 must be > 0"),
+    (dict(grad_accum=0), "grad_accum=0 must be >= 1"),
+    (dict(compile="yes"), "compile='yes' must be of type bool"),
+    (dict(moe=True, moe_num_experts=4), "give moe, moe_num_experts to hydra_lm.create_model instead"),
+])
+def test_the_setup_refuses_what_the_trainer_refuses(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        hydra_lm.create_optimized_training_setup(tiny_model(), **options)
+
+
+def test_the_setup_takes_the_trainers_flag_aliases():
+    with pytest.warns(UserWarning):
+        hydra_lm.optimize_for_gpu(tiny_model(), compile_units=True)
+    with pytest.raises(ValueError, match="--cuda_graph needs a CUDA device"):  # what the alias sets
+        hydra_lm.optimize_for_gpu(tiny_model(), experimental_cuda_graphs=True)
+    # The optimizer is an argument of its own, which would override the alias.
+    with pytest.raises(ValueError, match="adafactor: pass optimizer='adafactor' to create_optimized_training_setup"):
+        hydra_lm.create_optimized_training_setup(tiny_model(), adafactor=True)
+
+
+def test_the_setup_applies_the_trainers_model_settings():
+    """As hydra-lm train (the same code): gradient checkpointing applied (checkpoint_every implies it), FA3 reported;
+    float8 off CUDA and MoE settings without MoE layers refused; on a module other than a HydraModel, all refused."""
+    model = tiny_model()
+    with pytest.warns(UserWarning):
+        setup = hydra_lm.create_optimized_training_setup(model, checkpoint_every=2, experimental_fa3=True)
+    assert model.gradient_checkpointing and model.checkpoint_every == 2
+    assert "gradient checkpointing (every 2 blocks)" in setup.description
+    assert "--experimental_fa3: " in setup.description
+    assert torch.isfinite(setup.step(_batches(1)[0])["loss"])
+    with pytest.raises(ValueError, match="--experimental_fp8 needs a CUDA GPU"):
+        hydra_lm.create_optimized_training_setup(tiny_model(), experimental_fp8=True)
+    with pytest.raises(ValueError, match="--moe_warmup_steps tune MoE layers, which this model has none of"):
+        hydra_lm.create_optimized_training_setup(tiny_model(), moe_warmup_steps=100)
+    with pytest.raises(ValueError, match="gradient_checkpointing: the setup applies these to a HydraModel only"):
+        hydra_lm.optimize_for_gpu(torch.nn.Linear(8, 8), checkpoint_every=1)
 
 
 def test_the_cpu_warning_names_what_is_off():

@@ -149,6 +149,9 @@ def test_per_optimizer_learning_rate_defaults():
 
 @pytest.mark.parametrize("flags, message", [
     (["--optimizer", "lion", "--adamw_lr", "1e-3"], "--adamw_lr sets the AdamW part of --optimizer muon"),
+    (["--optimizer", "sophia", "--beta2", "0.99"], "--beta2 0.99: the betas of adamw, adam8bit, muon .*--optimizer "
+                                                   "sophia keeps its own"),
+    (["--optimizer", "lion", "--beta1", "0.8", "--beta2", "0.9"], "--beta1 0.8 --beta2 0.9: .*--optimizer lion"),
 ])
 def test_unsupported_combinations_are_one_line_errors(tiny_data, tmp_path, capsys, flags, message):
     import re

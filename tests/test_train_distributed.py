@@ -155,6 +155,44 @@ def test_every_rank_logs_the_expert_load_averaged_over_ranks(tiny_data, tmp_path
         torch.testing.assert_close(torch.tensor(logged[rank]), mean, msg=f"rank {rank}")
 
 
+# A fingerprint of the RNG state each training MoE forward draws its router jitter from, one line per call.
+RNG_RECORDER = """
+import hashlib, os, sys
+
+import torch
+
+from hydra_lm.cli import main
+from hydra_lm.model.moe import MoEFeedForward
+
+forward = MoEFeedForward.forward
+
+
+def recording(self, *args, **kwargs):
+    if self.training:
+        with open(os.path.join(os.environ["RNG_DIR"], f"rng{os.environ['RANK']}.txt"), "a") as f:
+            f.write(hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest() + "\\n")
+    return forward(self, *args, **kwargs)
+
+
+MoEFeedForward.forward = recording
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_each_rank_draws_its_own_router_jitter(tiny_data, tmp_path, monkeypatch):
+    """Every rank seeds alike to initialise the same weights; afterwards the MoE router jitter must differ between
+    ranks (identical noise on every rank would be one draw, not world_size)."""
+    script = tmp_path / "record_rng.py"
+    script.write_text(RNG_RECORDER)
+    monkeypatch.setenv("RNG_DIR", str(tmp_path))
+    torchrun(tiny_data, tmp_path / "run", "--grad_accum", "1", "--max_steps", "2", "--eval_every", "0",
+             "--no-eval_at_start", "--moe", "--moe_num_experts", "4", "--moe_num_layers", "1", script=script)
+    states = [(tmp_path / f"rng{r}.txt").read_text().splitlines() for r in range(2)]
+    assert len(states[0]) == len(states[1]) >= 2
+    assert not set(states[0]) & set(states[1])
+
+
 @pytest.mark.slow
 def test_resume_on_one_process_restores_model_and_optimizer(tiny_data, tmp_path):
     run = tmp_path / "run"

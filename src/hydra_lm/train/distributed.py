@@ -31,7 +31,6 @@ PARALLEL = ("fsdp", "ddp")
 class DistInfo:
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0
     parallel: str = "none"  # "none" for a single process, else fsdp / ddp
     control: object | None = None  # a gloo group for host-side agreement (no GPU sync)
 
@@ -76,7 +75,7 @@ def init_distributed(device_name: str, parallel: str) -> tuple[DistInfo, torch.d
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda"
                                 else None, timeout=datetime.timedelta(minutes=30))
     control = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, parallel, control), device
+    return DistInfo(dist.get_rank(), dist.get_world_size(), parallel, control), device
 
 
 def shutdown() -> None:

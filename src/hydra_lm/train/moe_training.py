@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from .options import TrainConfig
+from .options import FIELDS, TrainConfig
 
 MOE_ROUTER = "moe_router"
+# The training settings of MoE layers (off at their defaults)
+MOE_SETTINGS = ("moe_warmup_steps", "moe_expert_lr_scale", "moe_router_lr_scale", "moe_expert_wd_scale")
 # An expert whose share of the assignments falls below this fraction of the uniform share is starving.
 LOW_LOAD = 0.1
 
 
 def check_moe_options(cfg: TrainConfig, arch: str, moe: bool) -> None:
-    knobs = [name for name, on in (("--moe_warmup_steps", cfg.moe_warmup_steps > 0),
-                                   ("--moe_expert_lr_scale", cfg.moe_expert_lr_scale != 1.0),
-                                   ("--moe_router_lr_scale", cfg.moe_router_lr_scale != 1.0),
-                                   ("--moe_expert_wd_scale", cfg.moe_expert_wd_scale != 1.0)) if on]
+    knobs = [f"--{name}" for name in MOE_SETTINGS if getattr(cfg, name) != FIELDS[name].default]
     if arch == "dense" and (moe or knobs):
         raise ValueError(f"{' '.join(knobs) or '--moe'}: MoE layers belong to the hydra architecture; drop the MoE "
                          "settings or use --arch hydra")

@@ -44,6 +44,14 @@ def param_groups(model: nn.Module, weight_decay: float,
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer of ``cfg.optimizer`` over ``model``'s groups, each at ``cfg.lr`` times its LR ratio."""
+    optimizer = _optimizer(model, cfg, device)
+    # The ratios from the first step: the one-call setup steps without a set_lr of its own.
+    set_lr(optimizer, cfg.lr)
+    return optimizer
+
+
+def _optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     kind, cuda = cfg.optimizer, device.type == "cuda"
     adamw_ratio = (cfg.adamw_lr or cfg.lr) / cfg.lr if kind == "muon" else 1.0
 
@@ -137,13 +145,12 @@ def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> N
     LR ratio, and the MoE routers' apart, so that ``moe_training.hold_routers`` zeroes theirs alone) that
     ``set_lr`` refills; step counters move to the device. Done after construction and any restore, so
     checkpoints stay portable."""
-    base = float(optimizer.param_groups[0]["lr"]) / optimizer.param_groups[0].get("lr_ratio", 1.0)
     lrs: dict[tuple[float, bool], torch.Tensor] = {}
     for group in optimizer.param_groups:
-        ratio = group.get("lr_ratio", 1.0)
         group["capturable"] = True
-        key = (ratio, bool(group.get(MOE_ROUTER)))
-        group["lr"] = lrs.setdefault(key, torch.tensor(base * ratio, device=device))
+        key = (group.get("lr_ratio", 1.0), bool(group.get(MOE_ROUTER)))
+        # The groups of one key share an LR (set_lr's lr x ratio, or a held router's 0): the first one's is theirs.
+        group["lr"] = lrs.setdefault(key, torch.tensor(float(group["lr"]), device=device))
     steps_to_device(optimizer, device)
 
 

@@ -16,8 +16,10 @@ from torch import nn
 
 from ..model.hydra import HydraModel
 from .compile_policy import SpeedPlan, apply_speed_plan, enable_tf32, resolve_speed_options
+from .moe_training import hold_routers
 from .optim import build_optimizer, set_lr
-from .options import TrainConfig, check_train_keys
+from .model_features import MODEL_SIDE, apply_model_features
+from .options import FIELDS, KEY_ALIASES, TrainConfig, normalize, resolve
 from .run import pick_device
 from .step import TrainStep
 
@@ -87,9 +89,17 @@ class OptimizedModel:
 
 
 def _train_config(options: dict[str, Any]) -> TrainConfig:
-    check_train_keys(options, "the optimized setup's options")
-    unset = {k: v for k, v in SETUP_DEFAULTS.items() if options.get(k) is None}
-    return TrainConfig(**{**options, **unset})
+    where = "the optimized setup's options"
+    values = normalize(options, where)  # the flags' aliases, types and choices
+    if values.get("model"):
+        names = ", ".join(sorted(values["model"]))
+        raise ValueError(f"{where}: a model's config is fixed once it is built: give {names} to hydra_lm.create_model "
+                         "instead")
+    unset = {k: v for k, v in SETUP_DEFAULTS.items() if values.get(k) is None}
+    cfg = TrainConfig(**{**values, **unset})
+    # resolve runs the trainer's checks once it has filled the fields that only `hydra-lm train` reads (run length,
+    # schedule); the batch shape stays as given: without one, Sophia-G takes its token count from the first step.
+    return resolve(cfg, cfg.model_size, on_cuda=False).replace(batch_size=cfg.batch_size, seq_len=cfg.seq_len)
 
 
 def _prepare(model: nn.Module, cfg: TrainConfig, device: torch.device | str | None) -> OptimizedModel:
@@ -100,11 +110,18 @@ def _prepare(model: nn.Module, cfg: TrainConfig, device: torch.device | str | No
     hydra = isinstance(model, HydraModel)
     if not hydra:  # the routed units and the fused loss exist in a HydraModel only: compile the whole model
         plan = dataclasses.replace(plan, compile="model" if plan.compile else None, ce_impl="naive")
+        model_side = [name for name in MODEL_SIDE if getattr(cfg, name) != FIELDS[name].default]
+        if model_side:
+            raise ValueError(f"{', '.join(model_side)}: the setup applies these to a HydraModel only, as hydra-lm "
+                             f"train does; this model is a {type(model).__name__}: drop them")
     model.to(caps.device)
     applied = ["TF32 matmul"] if enable_tf32(caps.device) and caps.tf32_matmul else []
     if caps.device.type == "cuda":
         applied.append("bf16 autocast" if caps.bf16_autocast else "bf16 autocast (not native on this GPU: slow)")
     if hydra:
+        applied += apply_model_features(model, cfg, caps.device)
+        if cfg.gradient_checkpointing:
+            applied.append(f"gradient checkpointing (every {model.checkpoint_every} blocks)")
         module = apply_speed_plan(model, model, plan)
     else:
         module = torch.compile(model, mode=plan.compile_mode) if plan.compile else model
@@ -125,8 +142,9 @@ def optimize_for_gpu(model: nn.Module, device: torch.device | str | None = None,
     matmuls, the speed plan of ``compile_policy`` (a HydraModel: its routed units compiled, fused chunked
     loss; any other module: compiled whole) and the plan's CUDA graphs, which a training step captures
     (``create_optimized_training_setup``). ``options``: the train flags of the same names (``compile``,
-    ``compile_mode``, ``cuda_graph``, ``chunked_ce``, ``ce_impl``, ``optimizer``...),
-    automatic when left out. Without CUDA it warns and leaves the model eager."""
+    ``compile_mode``, ``cuda_graph``, ``chunked_ce``, ``ce_impl``, ``optimizer``...), automatic when left out,
+    checked as the trainer checks them; a HydraModel also gets the trainer's ``gradient_checkpointing``,
+    ``experimental_fp8`` and ``experimental_fa3``. Without CUDA it warns and leaves the model eager."""
     return _prepare(model, _train_config(options), device)
 
 
@@ -134,15 +152,18 @@ def optimize_for_gpu(model: nn.Module, device: torch.device | str | None = None,
 class TrainingSetup:
     """The optimizer and the trainer's step for one model: ``step(batch)`` runs forward and backward of
     each micro-batch, clips and updates (as CUDA graphs where the plan captures them), samples Sophia-G's Hessian
-    estimate when it is due (as the trainer does) and returns device
-    tensors (no host sync): loss, ce_loss, aux_loss, ponder_loss, moe_loss (means over the micro-batches),
+    estimate when it is due and holds the MoE routers during ``moe_warmup_steps`` (as the trainer does) and returns
+    device tensors (no host sync): loss, ce_loss, aux_loss, ponder_loss, moe_loss (means over the micro-batches),
     grad_norm and routing_stats."""
 
     optimized: OptimizedModel
     optimizer: torch.optim.Optimizer
     train_step: TrainStep
     grad_accum: int
+    lr: float  # the scheduled LR (each group takes it times its LR ratio)
     hessian_generator: torch.Generator | None = None  # Sophia-G: draws the labels of its Hessian estimates
+    moe_warmup_steps: int = 0  # the first updates, whose MoE router LR is 0
+    steps: int = 0  # updates taken
 
     @property
     def model(self) -> nn.Module:
@@ -154,6 +175,7 @@ class TrainingSetup:
 
     def set_lr(self, lr: float) -> None:
         """Set the learning rate (in place where a captured step reads it from the device)."""
+        self.lr = lr
         set_lr(self.optimizer, lr)
 
     def step(self, batch: dict[str, torch.Tensor] | torch.Tensor | list) -> dict[str, torch.Tensor]:
@@ -166,6 +188,10 @@ class TrainingSetup:
         if not self.model.training:
             self.model.train()
         micro = [_as_inputs(inputs) for inputs in micro]
+        if self.steps < self.moe_warmup_steps:
+            hold_routers(self.optimizer)  # again each step: a set_lr since the last one restored them
+        elif self.steps == self.moe_warmup_steps > 0:
+            self.set_lr(self.lr)  # the warm-up is over: the routers' LR back
         if getattr(self.optimizer, "tokens_per_batch", 0) is None:  # Sophia-G without a batch shape in the options
             self.optimizer.tokens_per_batch = sum(inputs["input_ids"].numel() for inputs in micro)
         parts, stats = None, None
@@ -174,6 +200,7 @@ class TrainingSetup:
             parts = p.clone() if parts is None else parts + p  # CUDA graphs reuse their output memory
             stats = s.clone()
         grad_norm = self.train_step.update().detach().clone()
+        self.steps += 1
         hessian_due = getattr(self.optimizer, "hessian_due", None)
         if hessian_due is not None and hessian_due():  # Sophia-G, as the trainer: estimated on the last micro-batch
             self.train_step.sample_hessian(micro[-1], self.hessian_generator)
@@ -201,20 +228,21 @@ def create_optimized_training_setup(model: nn.Module, lr: float = SETUP_DEFAULTS
     """``optimize_for_gpu`` plus the trainer's optimizer (``optim.build_optimizer``: decoupled weight
     decay on 2-D weights, fused AdamW on CUDA) and its step (``step.TrainStep``). ``options``: train
     flags such as ``weight_decay``, ``beta1``, ``beta2``, ``grad_clip`` (1.0), ``grad_accum`` (1),
-    ``cuda_graphs_warmup`` and the speed flags of ``optimize_for_gpu``. The model must return the
+    ``cuda_graphs_warmup``, the MoE settings (``moe_expert_lr_scale``, ``moe_warmup_steps``...) and the flags
+    of ``optimize_for_gpu``. The model must return the
     HydraModel's output dict (``loss``, ``ce_loss``, the router losses, ``routing_stats``) when given
     targets."""
+    picks = [(key, KEY_ALIASES[key][1]) for key in options if KEY_ALIASES.get(key, ("",))[0] == "optimizer"]
+    if picks:  # the argument would silently override the flag's alias
+        raise ValueError(f"{picks[0][0]}: pass optimizer={picks[0][1]!r} to create_optimized_training_setup instead")
     cfg = _train_config({**options, "lr": lr, "optimizer": optimizer})
-    for name in ("grad_accum", "cuda_graphs_warmup"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"{name}={getattr(cfg, name)} must be >= 1")
     optimized = _prepare(model, cfg, device)
     opt = build_optimizer(model, cfg, optimized.device)
     train_step = TrainStep(model, optimized.module, opt, optimized.device, optimized.plan, cfg.grad_accum,
                            cfg.grad_clip, cfg.cuda_graphs_warmup)
     model.train()
     generator = torch.Generator(optimized.device).manual_seed(cfg.seed) if hasattr(opt, "hessian_due") else None
-    return TrainingSetup(optimized, opt, train_step, cfg.grad_accum, generator)
+    return TrainingSetup(optimized, opt, train_step, cfg.grad_accum, cfg.lr, generator, cfg.moe_warmup_steps)
 
 
 __all__ = ["DeviceCapabilities", "OptimizedModel", "TrainingSetup", "create_optimized_training_setup",

@@ -21,6 +21,8 @@ from .seq_len_schedule import SeqLenSchedule
 MODES = ("testing", "production")
 SCHEDULES = ("cosine", "wsd")
 OPTIMIZERS = ("adamw", "adam8bit", "adafactor", "lion", "clion", "muon", "sophia")
+# What --beta1/--beta2 set (muon: its AdamW part); Lion and Sophia-G have betas of their own, Adafactor none.
+ADAM_OPTIMIZERS = ("adamw", "adam8bit", "muon")
 # Modes whose CUDA graphs inductor captures itself ("reduce-overhead", "max-autotune") cannot nest inside the
 # whole-step graphs, and their one use, the layer regions, was removed (REMOVED_KEYS).
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
@@ -67,8 +69,8 @@ class TrainConfig:
     warmup_steps: int | None = opt(None, "linear warm-up steps (default max_steps/10, at most 1000)", type=int)
     weight_decay: float = opt(0.1, "decoupled weight decay (weights of two or more dimensions, not norms or "
                                    "biases)", type=float)
-    beta1: float = opt(0.9, "Adam beta1", type=float)
-    beta2: float = opt(0.95, "Adam beta2", type=float)
+    beta1: float = opt(0.9, "Adam beta1 (adamw, adam8bit, muon's AdamW part; the others keep their own)", type=float)
+    beta2: float = opt(0.95, "Adam beta2 (adamw, adam8bit, muon's AdamW part; the others keep their own)", type=float)
     grad_clip: float | None = opt(None, "clip the global gradient norm to this (0: no clipping)", type=float)
     schedule: str = opt("wsd", "learning-rate schedule after warm-up", type=str, choices=SCHEDULES)
     wsd_decay_pct: float = opt(0.2, "WSD: fraction of the run spent decaying to min_lr", type=float)
@@ -393,6 +395,9 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.adamw_lr is None or cfg.adamw_lr > 0, f"adamw_lr={cfg.adamw_lr} must be > 0")
     need(cfg.adamw_lr is None or cfg.optimizer == "muon", "--adamw_lr sets the AdamW part of --optimizer muon; "
          "with another optimizer use --lr")
+    betas = " ".join(f"--{n} {getattr(cfg, n)}" for n in ("beta1", "beta2") if getattr(cfg, n) != FIELDS[n].default)
+    need(not betas or cfg.optimizer in ADAM_OPTIMIZERS, f"{betas}: the betas of {', '.join(ADAM_OPTIMIZERS)} (its "
+         f"AdamW part); --optimizer {cfg.optimizer} keeps its own: drop them")
     need(cfg.weight_decay >= 0, f"weight_decay={cfg.weight_decay} must be >= 0")
     need(0 < cfg.wsd_decay_pct <= 1, f"wsd_decay_pct={cfg.wsd_decay_pct} must lie in (0, 1]")
     for name in ("mod_enable_pct", "mod_force_enable_pct", "mor_enable_pct"):

@@ -35,9 +35,8 @@ from .run import RunSetup, write_run_files
 from .safe_optimizations import AnomalyMonitor, SafeOptimizations, Switch
 from .schedule import AdaptiveLR, lr_at
 from .swa import WeightAverage
-from .attention_kernels import enable_fa3
-from .fp8 import FP8_FORMATS, convert_to_fp8
-from .moe_training import check_moe_options, hold_routers
+from .model_features import apply_model_features
+from .moe_training import hold_routers
 from .resume import continue_after_switch, finish_save, handle_divergence, restore, save_checkpoint
 from .seq_len_schedule import SeqLenSchedule, carry_over
 from .sharded_checkpoint import ShardedSaver
@@ -45,6 +44,9 @@ from .stall_dump import StallDump
 from .step import TrainStep
 from .stop_signal import EXIT_INTERRUPTED, StopRequest
 
+
+# How far apart the ranks' seeds lie (a prime): rank r of one --seed draws no stream of rank 0 of a neighbouring one.
+RANK_SEED_STRIDE = 1_000_000_007
 
 
 class Trainer:
@@ -62,6 +64,8 @@ class Trainer:
         routable = (mc.arch == "hydra" and mc.mod_enabled, mc.arch == "hydra" and mc.mor_enabled and mc.recursions > 1)
         # self.model stays the HydraModel (sharded in place by FSDP2); self.wrapped is what a step calls.
         self.wrapped = wrap_model(self.model, self.dist, self.device, find_unused=any(routable) or mc.moe)
+        if self.dist.enabled:  # the ranks initialised alike (FSDP2 shards each one's copy); now each its own noise
+            torch.manual_seed(cfg.seed + RANK_SEED_STRIDE * self.dist.rank)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg, self.device)
         self.curriculum = Curriculum(CurriculumPlan.from_config(cfg, routable))
@@ -111,24 +115,15 @@ class Trainer:
             raise ValueError("--time_budget_s works in one process only (ranks time their steps differently and "
                              "would disagree on the schedule); under torchrun use --max_steps")
         check_optimizer_features(cfg, self.dist)
-        check_moe_options(cfg, self.s.model_cfg.arch, self.s.model_cfg.moe)
         self.starving: set[str] = set()
-        if cfg.experimental_fa3:
-            self.log.info(enable_fa3(self.device))
-        if cfg.experimental_fp8:
-            n = convert_to_fp8(self.model, cfg.fp8_format, self.device, cfg.fp8_min_tokens, cfg.fp8_recipe)
-            self.log.info(f"--experimental_fp8: {n} Linear layers of the transformer layers now train in float8 "
-                          f"({FP8_FORMATS[cfg.fp8_format]}, {cfg.fp8_recipe} scaling) on calls of at least "
-                          f"{cfg.fp8_min_tokens} tokens, bf16 below")
         if cfg.mor_ramp and self.s.model_cfg.mor_routing != "expert":
             raise ValueError("--mor_ramp sets the capacities of expert-choice MoR; with --model.mor_routing token "
                              "each token picks its own depth: drop --mor_ramp")
         if cfg.swa and self.dist.enabled:
             raise ValueError("--swa works in one process only (the average is an unsharded copy of the model); "
                              "drop --swa under torchrun")
-        if cfg.gradient_checkpointing:
-            self.model.enable_gradient_checkpointing()
-            self.model.checkpoint_every = cfg.checkpoint_every or 1
+        for note in apply_model_features(self.model, cfg, self.device):
+            self.log.info(note)
 
     def _optimization_switches(self) -> list[Switch]:
         """What the anomaly monitor may switch off while running, most invasive first."""

@@ -1,0 +1,33 @@
+"""The settings that change a built model (gradient checkpointing, float8 layers, FlashAttention-3) and the check of
+the MoE settings against it: one code path for ``hydra-lm train`` and the one-call setup (``optimize``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.hydra import HydraModel
+from .attention_kernels import enable_fa3
+from .fp8 import FP8_FORMATS, convert_to_fp8
+from .moe_training import MOE_SETTINGS, check_moe_options
+from .options import TrainConfig
+
+# What apply_model_features reads (off at their defaults)
+MODEL_SIDE = ("experimental_fa3", "experimental_fp8", "gradient_checkpointing", *MOE_SETTINGS)
+
+
+def apply_model_features(model: HydraModel, cfg: TrainConfig, device: torch.device) -> list[str]:
+    """Apply ``cfg``'s model-side settings to ``model`` (on ``device``; before it is wrapped or compiled, which
+    must see the float8 layers); returns what to log."""
+    check_moe_options(cfg, model.config.arch, model.config.moe)
+    notes = []
+    if cfg.experimental_fa3:
+        notes.append(enable_fa3(device))
+    if cfg.experimental_fp8:
+        n = convert_to_fp8(model, cfg.fp8_format, device, cfg.fp8_min_tokens, cfg.fp8_recipe)
+        notes.append(f"--experimental_fp8: {n} Linear layers of the transformer layers now train in float8 "
+                     f"({FP8_FORMATS[cfg.fp8_format]}, {cfg.fp8_recipe} scaling) on calls of at least "
+                     f"{cfg.fp8_min_tokens} tokens, bf16 below")
+    if cfg.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+        model.checkpoint_every = cfg.checkpoint_every or 1
+    return notes
