@@ -152,6 +152,9 @@ def test_per_optimizer_learning_rate_defaults():
     (["--optimizer", "sophia", "--beta2", "0.99"], "--beta2 0.99: the betas of adamw, adam8bit, muon .*--optimizer "
                                                    "sophia keeps its own"),
     (["--optimizer", "lion", "--beta1", "0.8", "--beta2", "0.9"], "--beta1 0.8 --beta2 0.9: .*--optimizer lion"),
+    # FlexAttention has no CPU backward: the run is refused before it, naming the setting
+    (["--model.doc_mask_backend", "flex"], "doc_mask_backend flex trains on CUDA only .* use --model.doc_mask_backend "
+                                           "auto"),
 ])
 def test_unsupported_combinations_are_one_line_errors(tiny_data, tmp_path, capsys, flags, message):
     import re

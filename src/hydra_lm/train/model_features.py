@@ -19,6 +19,11 @@ def apply_model_features(model: HydraModel, cfg: TrainConfig, device: torch.devi
     """Apply ``cfg``'s model-side settings to ``model`` (on ``device``; before it is wrapped or compiled, which
     must see the float8 layers); returns what to log."""
     check_moe_options(cfg, model.config.arch, model.config.moe)
+    if model.config.doc_mask_backend == "flex" and device.type != "cuda":
+        # torch's FlexAttention has no backward off CUDA: without this, the first backward fails naming no setting
+        raise ValueError(f"--model.doc_mask_backend flex trains on CUDA only (FlexAttention has no backward on "
+                         f"{device.type}): use --model.doc_mask_backend auto here; a model trained with flex still "
+                         "evaluates and generates on the CPU")
     notes = []
     if cfg.experimental_fa3:
         notes.append(enable_fa3(device))
