@@ -114,8 +114,8 @@ def merge_layers(file_values: dict[str, Any], cli: dict[str, Any], saved: dict[s
             for layer, where in ((file_values, "the config file"), (cli, "the command line")):
                 if key in layer and _changes(key, layer[key], base.get(key)):
                     raise ValueError(f"cannot change {key} when resuming (run has {base.get(key)!r}, {where} gives "
-                                     f"{layer[key]!r}): it would not load or not reproduce the run; start a new "
-                                     "--out directory instead")
+                                     f"{layer[key]!r}): it would not load or not reproduce the run; drop it to "
+                                     "resume, or start a new --out directory")
     merged = {**base, **file_values, **cli}
     # Model overrides merge key by key: the run's, then the config file's, then the command line's.
     models = [layer["model"] for layer in (base, file_values, cli) if layer.get("model") is not None]
