@@ -187,6 +187,37 @@ def test_a_step_that_never_finishes_after_a_stop_signal_exits_the_process(monkey
     assert exits == [130]
 
 
+def test_a_signal_during_a_save_lets_the_save_finish(tiny_data, tmp_path, monkeypatch):
+    """A scheduler's SIGTERM that lands while a periodic checkpoint is written does not time the save (the grace
+    period, meant for a step that waits on the compiler's killed helpers, exited mid-save and lost the checkpoint,
+    blaming "the step in progress"); an error of such a save is its own, not the step's."""
+    from hydra_lm.train import stop_signal, trainer
+    from hydra_lm.train.checkpoint import CheckpointManager
+
+    exits = []
+    monkeypatch.setattr(stop_signal.os, "_exit", exits.append)
+    monkeypatch.setattr(trainer, "StopRequest", lambda log: stop_signal.StopRequest(log, grace_s=0.1))
+    save = CheckpointManager.save
+
+    def slow_save(self, step, *args, **kwargs):
+        if step == 2:
+            signal.raise_signal(signal.SIGTERM)
+            time.sleep(0.5)  # longer than the grace period
+        return save(self, step, *args, **kwargs)
+    monkeypatch.setattr(CheckpointManager, "save", slow_save)
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "4", "--save_every", "2", "--no-eval_at_start", "--eval_every", "0",
+                 "--log_every", "1") == 130
+    assert exits == [] and "did not finish" not in (run / "train.log").read_text()
+    assert [p.name for p in (run / "checkpoints").glob("hydra_*")] == ["hydra_debug_step2"]
+    assert [r["step"] for r in records(run, "train")] == [1, 2]
+    stop = stop_signal.StopRequest(type("Log", (), {"info": print, "warning": print})())
+    with pytest.raises(OSError), stop.saving():
+        stop._handler(signal.SIGTERM, None)
+        raise OSError(28, "No space left on device")
+    assert not stop.step_failed(OSError(28, "No space left on device"))
+
+
 # ---------------------------------------------------------------------- bad input
 def err_of(capsys):
     err = capsys.readouterr().err.strip().splitlines()

@@ -42,7 +42,7 @@ def save_checkpoint(t, reason: str = "") -> bool:
         "model_config": t.s.model_cfg.to_dict(),
         "data": t.s.data.to_dict(),
     }
-    with disk_full_in_one_line(t):
+    with t.stop_request.saving(), disk_full_in_one_line(t):
         if t.saver is not None:
             state["loader_ranks"] = gather_objects(t.loader.state_dict(), t.dist)
             path = t.saver.save(t.step, t.model, t.optimizer, rng_tensors, state)
@@ -63,7 +63,7 @@ def finish_save(t) -> None:
     """Commit a pending asynchronous save (collective; nothing without one), a full disk reported as in
     ``save_checkpoint``."""
     if t.saver is not None:
-        with disk_full_in_one_line(t):
+        with t.stop_request.saving(), disk_full_in_one_line(t):
             t.saver.finish()
 
 
