@@ -75,6 +75,43 @@ def test_a_crash_in_the_middle_of_a_resave_loses_no_checkpoint(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["hydra_debug_step5", "latest"]
 
 
+def test_every_rename_is_on_disk_before_an_older_checkpoint_is_deleted(tmp_path, monkeypatch):
+    """A rename is durable only once its directory is synced: otherwise a crash after the rotation deleted the oldest
+    checkpoint could leave neither it nor the new one. Where a directory cannot be opened (Windows) saves go on."""
+    import os
+    import shutil
+    import stat
+
+    events = []
+    replace, fsync, rmtree = os.replace, os.fsync, shutil.rmtree
+
+    def renamed(src, dst):
+        replace(src, dst)
+        events.append(("rename", os.stat(os.path.dirname(dst)).st_ino))
+
+    def synced(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            events.append(("sync", os.fstat(fd).st_ino))
+        fsync(fd)
+    monkeypatch.setattr(os, "replace", renamed)
+    monkeypatch.setattr(os, "fsync", synced)
+    monkeypatch.setattr(shutil, "rmtree", lambda path, **kw: (events.append(("delete", None)), rmtree(path, **kw)))
+    m = CheckpointManager(tmp_path / "ck", "debug", keep=1)
+    model = tiny()
+    for step in (1, 2, 2):  # a rotation, then the same step saved again (set aside, then deleted)
+        save(m, model, step)
+    assert sum(kind == "delete" for kind, _ in events) == 2
+    for i, (kind, directory) in enumerate(events):
+        if kind == "rename":
+            after = [e for e in events[i + 1:] if e[0] == "delete" or e == ("sync", directory)]
+            assert after and after[0] == ("sync", directory), events
+
+    def no_directories(path, flags, *args):
+        raise PermissionError(13, "Permission denied", path)
+    monkeypatch.setattr(os, "open", no_directories)
+    assert verify(save(m, model, 3)).step == 3
+
+
 @pytest.mark.parametrize("damage", ["truncate_model", "flip_trainer", "drop_state", "garble_state",
                                     "retype_state"])
 def test_damage_is_detected_naming_the_file_and_resume_falls_back(tmp_path, damage):

@@ -15,8 +15,9 @@ rank's RNG state; ``state.json`` is the same.
 
 A checkpoint is written into a temporary directory that is renamed into place only once every
 file is on disk, so a crash mid-save leaves the previous checkpoints untouched. Older ones are
-deleted only after a new one is complete. A checkpoint that fails verification on resume is
-renamed ``*.corrupt`` (kept for inspection) and the previous one is used.
+deleted only after a new one is complete and its rename is on disk (the directory synced). A
+checkpoint that fails verification on resume is renamed ``*.corrupt`` (kept for inspection) and the
+previous one is used.
 """
 
 from __future__ import annotations
@@ -124,6 +125,22 @@ def _fsync(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _fsync_dir(directory: Path) -> None:
+    """Put the renames and new entries of ``directory`` on disk: a rename is durable only then (a crash could
+    otherwise undo it after the older checkpoint it replaced was deleted)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a directory cannot be opened on Windows, where a rename is durable by itself
+        return
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno != errno.EINVAL:  # EINVAL: a file system that cannot sync a directory
+            raise
+    finally:
+        os.close(fd)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -131,6 +148,7 @@ def write_text_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
 def verify(path: Path) -> Checkpoint:
@@ -257,18 +275,22 @@ class CheckpointManager:
         final = self.dir / self.name(step)
         try:
             files = {}
-            for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            paths = sorted(p for p in tmp.rglob("*") if p.is_file())
+            for f in paths:
                 _fsync(f)
                 files[f.relative_to(tmp).as_posix()] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+            for d in sorted({f.parent for f in paths} - {tmp}):  # dcp/ (tmp itself: with state.json below)
+                _fsync_dir(d)
             full = {"format": FORMAT_VERSION, "step": step, "files": files, "saved_at": time.time(), **state}
             write_text_atomic(tmp / STATE_FILE, json.dumps(full, indent=1))
+            old = None
             if final.exists():  # same step saved again (e.g. interrupted right after a periodic save)
                 old = self.dir / f".old-{final.name}-{os.getpid()}"
                 os.replace(final, old)
-                os.replace(tmp, final)
+            os.replace(tmp, final)
+            _fsync_dir(self.dir)  # on disk before anything older is deleted
+            if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -319,6 +341,7 @@ class CheckpointManager:
             name = _set_aside(old)
             if name is not None:
                 os.replace(old, self.dir / name)
+                _fsync_dir(self.dir)
             else:  # the swap finished; only its removal was cut short
                 shutil.rmtree(old, ignore_errors=True)
 
