@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hydra_lm.cli import main
-from support import TINY_RUN, prepare, records, train_losses, write_corpus
+from support import TINY_RUN, prepare, records, rewrite_state, train_losses, write_corpus
 
 
 def train(data, run, *extra):
@@ -387,14 +387,18 @@ def test_resume_with_another_tokenizer_is_refused(tiny_data, tmp_path, capsys):
 
 
 def test_a_run_saved_before_the_kernel_fields_resumes_and_loads(tiny_data, tmp_path, capsys):
-    """Runs recorded before HydraConfig had attention_backend / doc_mask_backend take their defaults."""
+    """Runs recorded before HydraConfig had attention_backend / doc_mask_backend take their defaults (and their
+    checkpoints, from before the state's own hash, load without it)."""
     run = tmp_path / "run"
     assert train(tiny_data, run, "--max_steps", "2", "--save_every", "2") == 0
-    states = [(p, "model_config") for p in run.glob("checkpoints/*/state.json")]
-    for path, key in [(run / "config.json", "model"), *states]:
-        record = json.loads(path.read_text())
-        assert record[key].pop("attention_backend") == "auto" and record[key].pop("doc_mask_backend") == "auto"
-        path.write_text(json.dumps(record))
+
+    def older(model_config):
+        assert model_config.pop("attention_backend") == "auto" and model_config.pop("doc_mask_backend") == "auto"
+    config = json.loads((run / "config.json").read_text())
+    older(config["model"])
+    (run / "config.json").write_text(json.dumps(config))
+    for ckpt in run.glob("checkpoints/hydra_*"):
+        rewrite_state(ckpt, lambda state: older(state["model_config"]), hashed=False)
     capsys.readouterr()
     assert main(["eval", "--run", str(run), "--device", "cpu", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == 2

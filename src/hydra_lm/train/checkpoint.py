@@ -6,7 +6,8 @@ Layout of ``RUN_DIR/checkpoints/``::
                               /trainer.pt          optimizer state (keyed by parameter name) + torch RNG
                                                    (torch.load weights_only)
                               /state.json          step, configs, curriculum, loader position, Python/NumPy
-                                                   RNG, and the size + SHA-256 of every other file
+                                                   RNG, the size + SHA-256 of every other file, and the
+                                                   SHA-256 of its own content (``state_digest``)
     latest                                         name of the newest checkpoint (a text file)
 
 A multi-process run writes ``layout: "dcp"`` checkpoints instead (see ``sharded_checkpoint``):
@@ -40,9 +41,11 @@ from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
 from ..model.routing import THRESHOLD_BUFFERS
+from ..version import __version__
 
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # a checkpoint of a newer format is refused (``verify``), not read as this one
+STATE_HASH = "state_sha256"
 MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"
 STATE_FILE = "state.json"
@@ -120,6 +123,13 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def state_digest(state: dict[str, Any]) -> str:
+    """SHA-256 of a checkpoint's state as JSON reads it back, its own hash left out, keys sorted: of the content,
+    whatever the file's formatting."""
+    body = {k: v for k, v in state.items() if k != STATE_HASH}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def _fsync(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -152,7 +162,8 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def verify(path: Path) -> Checkpoint:
-    """Read ``state.json`` and check every file it lists (size and SHA-256)."""
+    """Read ``state.json`` and check it (format version, its own SHA-256, the step against the directory's name) and
+    every file it lists (size and SHA-256)."""
     path = Path(path)
     if path.is_file() and path.suffix == ".safetensors" and not (path.parent / STATE_FILE).is_file():
         return _exported(path)
@@ -171,8 +182,22 @@ def verify(path: Path) -> Checkpoint:
         state = json.loads(state_path.read_text(encoding="utf-8"))
         step = int(state["step"])
         files = state["files"]
+        version = state.get("format", FORMAT_VERSION)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"checkpoint file {state_path} is corrupt: {err}") from None
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CheckpointError(f"checkpoint file {state_path} is corrupt: format {version!r} is not a version number")
+    if version > FORMAT_VERSION:  # not a CheckpointError: it is not corrupt, and must not be set aside as such
+        raise ValueError(f"checkpoint {path} has format {version}, newer than hydra-lm {__version__} reads (up to "
+                         f"{FORMAT_VERSION}): upgrade hydra-lm to load it")
+    # Checkpoints written before the state's hash have none: their state is not checked.
+    digest = state.pop(STATE_HASH, None)
+    if digest is not None and digest != state_digest(state):
+        raise CheckpointError(f"checkpoint file {state_path} is corrupt: its content does not match its SHA-256")
+    named = _NAME.match(_set_aside(path) or path.name)
+    if named and int(named["step"]) != step:
+        raise CheckpointError(f"checkpoint file {state_path} is corrupt: it records step {step}, its directory's "
+                              f"name step {named['step']}")
     if not isinstance(files, dict) or any(".." in Path(n).parts or Path(n).is_absolute() for n in files) or \
             not all(isinstance(i, dict) and isinstance(i.get("bytes"), int) and isinstance(i.get("sha256"), str)
                     for i in files.values()):
@@ -282,6 +307,8 @@ class CheckpointManager:
             for d in sorted({f.parent for f in paths} - {tmp}):  # dcp/ (tmp itself: with state.json below)
                 _fsync_dir(d)
             full = {"format": FORMAT_VERSION, "step": step, "files": files, "saved_at": time.time(), **state}
+            full = json.loads(json.dumps(full))  # as verify reads it back: tuples as lists, keys as strings
+            full[STATE_HASH] = state_digest(full)
             write_text_atomic(tmp / STATE_FILE, json.dumps(full, indent=1))
             old = None
             if final.exists():  # same step saved again (e.g. interrupted right after a periodic save)
