@@ -185,7 +185,7 @@ def verify(path: Path) -> Checkpoint:
         version = state.get("format", FORMAT_VERSION)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"checkpoint file {state_path} is corrupt: {err}") from None
-    if not isinstance(version, int) or isinstance(version, bool):
+    if type(version) is not int:
         raise CheckpointError(f"checkpoint file {state_path} is corrupt: format {version!r} is not a version number")
     if version > FORMAT_VERSION:  # not a CheckpointError: it is not corrupt, and must not be set aside as such
         raise ValueError(f"checkpoint {path} has format {version}, newer than hydra-lm {__version__} reads (up to "
