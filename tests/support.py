@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -84,3 +85,17 @@ def train_losses(run_dir: Path) -> list[tuple[int, float]]:
 def compiled_graphs(fn) -> int:
     """Graphs Dynamo holds compiled for the function ``fn`` (every ``torch.compile`` of it)."""
     return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
+
+
+def rewrite_state(checkpoint: Path, edit: Callable[[dict], None], hashed: bool = True) -> None:
+    """Edit ``checkpoint``'s state.json and hash it again, as a checkpoint written with that state would be
+    (``hashed=False``: leave it without its hash, as checkpoints written before the state had one)."""
+    from hydra_lm.train.checkpoint import STATE_HASH, state_digest
+
+    path = Path(checkpoint) / "state.json"
+    state = json.loads(path.read_text())
+    edit(state)
+    state.pop(STATE_HASH, None)
+    if hashed:
+        state[STATE_HASH] = state_digest(state)
+    path.write_text(json.dumps(state))

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from hydra_lm.cli import main
-from support import TINY_RUN
+from support import TINY_RUN, rewrite_state
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +33,15 @@ def test_sampled_prompts_of_a_batch_get_what_each_gets_alone_with_its_seed(two_s
     (("curriculum", "mor_ramp"), 2.0, r"records a malformed curriculum \(mor_ramp=2.0 must lie in \[0, 1\]"),
 ], ids=["tokenizer", "mor_ramp"])
 def test_a_checkpoint_that_does_not_fit_its_run_is_refused(two_steps, tmp_path, field, value, message):
-    """state.json is not hashed: edited (or taken from another run), its records must still be checked."""
+    """A checkpoint taken from another run (or from before the state's own hash, edited) is whole: its records must
+    still be checked."""
     import shutil
 
     from hydra_lm.infer import load_run
 
     copy = shutil.copytree(two_steps / "checkpoints" / "hydra_debug_step2", tmp_path / "copy")
     assert load_run(two_steps, copy, "cpu").checkpoint.step == 2
-    state = json.loads((copy / "state.json").read_text())
-    state[field[0]][field[1]] = value
-    (copy / "state.json").write_text(json.dumps(state))
+    rewrite_state(copy, lambda state: state[field[0]].update({field[1]: value}))
     with pytest.raises(ValueError, match=message):
         load_run(two_steps, copy, "cpu")
 
@@ -59,11 +58,11 @@ def test_a_kernel_the_run_saved_that_this_device_cannot_run_falls_back_to_auto(t
     from hydra_lm.model.attention import kernels_for_device
 
     run = shutil.copytree(two_steps, tmp_path / "run")
-    states = [(path, "model_config") for path in run.glob("checkpoints/*/state.json")]
-    for path, key in [(run / "config.json", "model"), *states]:
-        record = json.loads(path.read_text())
-        record[key]["decode_kernel"] = "triton"
-        path.write_text(json.dumps(record))
+    config = json.loads((run / "config.json").read_text())
+    config["model"]["decode_kernel"] = "triton"
+    (run / "config.json").write_text(json.dumps(config))
+    for ckpt in run.glob("checkpoints/hydra_*"):
+        rewrite_state(ckpt, lambda state: state["model_config"].update(decode_kernel="triton"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # Triton's kernels then run on CUDA only
     capsys.readouterr()
     assert main(["generate", "--run", str(run), "--prompt", "the", "--max_new_tokens", "4", "--device", "cpu"]) == 0

@@ -20,7 +20,7 @@ from hydra_lm.cli import main
 from hydra_lm.train.checkpoint import verify
 from hydra_lm.train.trainer import Trainer
 from hydra_lm.train.step import TrainStep
-from support import TINY_RUN, records, tiny_model
+from support import TINY_RUN, records, rewrite_state, tiny_model
 
 # Saves every 3 steps, logs every 5: a checkpoint falls between log points.
 FAST = [*TINY_RUN, "--max_steps", "12", "--save_every", "3", "--log_every", "5", "--eval_every", "0",
@@ -370,9 +370,7 @@ def test_malformed_run_metadata_is_one_line_for_eval(finished_run, tmp_path, cap
     assert "config.json is corrupt: not a JSON object" in one_line_error(capsys, "eval")
     (run / "config.json").unlink()  # the checkpoints' own configs then stand in
     for ckpt in checkpoints(run):
-        state = json.loads((ckpt / "state.json").read_text())
-        state["curriculum"] = {"mor_ramp": 1.0}
-        (ckpt / "state.json").write_text(json.dumps(state))
+        rewrite_state(ckpt, lambda state: state.update(curriculum={"mor_ramp": 1.0}))
     assert main(["eval", "--run", str(run), "--device", "cpu", "--eval_batches", "1"]) == 2
     assert "records a malformed curriculum" in one_line_error(capsys, "eval")
 

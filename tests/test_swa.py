@@ -30,6 +30,21 @@ def test_average_covers_weights_and_router_thresholds_from_the_start_step_on():
         torch.testing.assert_close(averaged[key], (snapshots[0][key] + snapshots[1][key]) / 2)
 
 
+def test_a_checkpoint_records_the_averages_count_and_one_that_also_holds_the_start_step_loads(tmp_path):
+    """The start step comes from the run's config: a checkpoint records the count alone (older ones also hold
+    ``start_step``, which loading ignores)."""
+    model = tiny_model()
+    avg = WeightAverage(model, start_step=0)
+    avg.update(model, 1)
+    assert avg.state_dict() == {"steps_averaged": 1}
+    avg.save(tmp_path)
+    restored = WeightAverage(tiny_model(seed=1), start_step=0)
+    restored.load(tmp_path, {"start_step": 0, "steps_averaged": 1})
+    assert restored.steps_averaged == 1
+    assert all(torch.equal(a, b) for a, b in zip(restored.module.state_dict().values(),
+                                                 avg.module.state_dict().values()))
+
+
 def test_swa_run_saves_the_average_resumes_exactly_and_evaluates_it(tiny_data, tmp_path):
     common = ["--data", str(tiny_data), *TINY_RUN, "--log_every", "1", "--no-eval_at_start", "--eval_every", "0",
               "--max_steps", "8", "--save_every", "4", "--swa", "--swa_start_pct", "0.5", "--mod_enable_pct", "0",
@@ -44,7 +59,7 @@ def test_swa_run_saves_the_average_resumes_exactly_and_evaluates_it(tiny_data, t
     assert finals[0]["swa_val_loss_causal"] != finals[0]["val_loss_causal"]
     ckpts = {run: tmp_path / run / "checkpoints" / "hydra_debug_step8" for run in ("straight", "pieces")}
     state = json.loads((ckpts["straight"] / "state.json").read_text())
-    assert SWA_FILE in state["files"] and state["swa"] == {"start_step": 4, "steps_averaged": 4}
+    assert SWA_FILE in state["files"] and state["swa"] == {"steps_averaged": 4}  # the start: the run's config
     a, b = (load_file(str(p / SWA_FILE)) for p in ckpts.values())
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     raw = load_file(str(ckpts["straight"] / "model.safetensors"))

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import hydra_lm
-from hydra_lm.train.checkpoint import (CheckpointError, CheckpointManager, capture_rng, restore_rng,
+from hydra_lm.train.checkpoint import (FORMAT_VERSION, CheckpointError, CheckpointManager, capture_rng, restore_rng,
                                        resolve_checkpoint, verify)
+from support import rewrite_state
 
 
 def tiny():
@@ -75,8 +76,45 @@ def test_a_crash_in_the_middle_of_a_resave_loses_no_checkpoint(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["hydra_debug_step5", "latest"]
 
 
+def test_every_rename_is_on_disk_before_an_older_checkpoint_is_deleted(tmp_path, monkeypatch):
+    """A rename is durable only once its directory is synced: otherwise a crash after the rotation deleted the oldest
+    checkpoint could leave neither it nor the new one. Where a directory cannot be opened (Windows) saves go on."""
+    import os
+    import shutil
+    import stat
+
+    events = []
+    replace, fsync, rmtree = os.replace, os.fsync, shutil.rmtree
+
+    def renamed(src, dst):
+        replace(src, dst)
+        events.append(("rename", os.stat(os.path.dirname(dst)).st_ino))
+
+    def synced(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            events.append(("sync", os.fstat(fd).st_ino))
+        fsync(fd)
+    monkeypatch.setattr(os, "replace", renamed)
+    monkeypatch.setattr(os, "fsync", synced)
+    monkeypatch.setattr(shutil, "rmtree", lambda path, **kw: (events.append(("delete", None)), rmtree(path, **kw)))
+    m = CheckpointManager(tmp_path / "ck", "debug", keep=1)
+    model = tiny()
+    for step in (1, 2, 2):  # a rotation, then the same step saved again (set aside, then deleted)
+        save(m, model, step)
+    assert sum(kind == "delete" for kind, _ in events) == 2
+    for i, (kind, directory) in enumerate(events):
+        if kind == "rename":
+            after = [e for e in events[i + 1:] if e[0] == "delete" or e == ("sync", directory)]
+            assert after and after[0] == ("sync", directory), events
+
+    def no_directories(path, flags, *args):
+        raise PermissionError(13, "Permission denied", path)
+    monkeypatch.setattr(os, "open", no_directories)
+    assert verify(save(m, model, 3)).step == 3
+
+
 @pytest.mark.parametrize("damage", ["truncate_model", "flip_trainer", "drop_state", "garble_state",
-                                    "retype_state"])
+                                    "retype_state", "edit_state"])
 def test_damage_is_detected_naming_the_file_and_resume_falls_back(tmp_path, damage):
     warnings = []
     m = CheckpointManager(tmp_path / "ck", "debug", keep=5, warn=warnings.append)
@@ -94,11 +132,12 @@ def test_damage_is_detected_naming_the_file_and_resume_falls_back(tmp_path, dama
     elif damage == "drop_state":
         f = bad / "state.json"
         f.unlink()
-    elif damage == "retype_state":  # valid JSON of the wrong shape
+    elif damage == "retype_state":  # valid JSON of the wrong shape, hashed
         f = bad / "state.json"
-        state = json.loads(f.read_text())
-        state["files"]["model.safetensors"] = {"size": 1}
-        f.write_text(json.dumps(state))
+        rewrite_state(bad, lambda state: state["files"].update({"model.safetensors": {"size": 1}}))
+    elif damage == "edit_state":  # a value changed (it passed verify before state.json hashed its own content)
+        f = bad / "state.json"
+        f.write_text(f.read_text().replace('"note": "test"', '"note": "edited"'))
     else:
         f = bad / "state.json"
         f.write_text(f.read_text()[:40])
@@ -109,6 +148,26 @@ def test_damage_is_detected_naming_the_file_and_resume_falls_back(tmp_path, dama
     assert warnings and str(f) in warnings[0] and "falling back" in warnings[0]
     assert (tmp_path / "ck" / "hydra_debug_step2.corrupt").is_dir()  # kept for inspection, not deleted
     assert (tmp_path / "ck" / "latest").read_text().strip() == "hydra_debug_step1"
+
+
+def test_an_unhashed_state_must_match_its_name_and_a_newer_format_is_refused_not_set_aside(tmp_path):
+    """Checkpoints from before state.json hashed its own content load unchecked, but their step must be their
+    name's; a checkpoint of a newer format than this code reads is refused with what to do, and left in place."""
+    m = CheckpointManager(tmp_path / "ck", "debug", keep=5)
+    path = save(m, tiny(), 2)
+    f = path / "state.json"
+    f.write_text(f.read_text().replace('"step": 2,', '"step": 3,'))
+    with pytest.raises(CheckpointError, match="corrupt: its content does not match its SHA-256"):
+        verify(path)
+    rewrite_state(path, lambda state: None, hashed=False)
+    with pytest.raises(CheckpointError, match="corrupt: it records step 3, its directory's name step 2"):
+        verify(path)
+    rewrite_state(path, lambda state: state.update(step=2), hashed=False)
+    assert verify(path).step == 2
+    rewrite_state(path, lambda state: state.update(format=FORMAT_VERSION + 1))
+    with pytest.raises(ValueError, match=f"has format {FORMAT_VERSION + 1}, newer than hydra-lm .* reads .*upgrade"):
+        m.latest_good()
+    assert [p.name for p in (tmp_path / "ck").iterdir() if p.is_dir()] == [path.name]  # not set aside as corrupt
 
 
 def test_every_checkpoint_broken_is_an_error_not_a_fresh_start(tmp_path):

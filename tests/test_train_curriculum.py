@@ -109,3 +109,24 @@ def test_mod_off_mor_off_keep_routing_off(tiny_data, tmp_path):
     # The evaluation before the first step runs the model the first step trains: every token through every unit.
     start = records(run, "eval")[0]
     assert start["step"] == 0 and start["val_exec_frac_causal"] == start["val_exec_frac_topk"] == 1.0
+
+
+def test_a_resume_cannot_switch_off_a_router_that_is_on(tiny_data, tmp_path, capsys):
+    """Once on, a router stays on: --mod_off / --mor_off on a resume after its switch are refused (they were ignored
+    while the log header said "MoD off; MoR off"); given before the switch, they keep it off."""
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(tiny_data), "--out", str(run), "--max_steps", "8", "--log_every", "1",
+                 "--eval_every", "0", "--no-eval_at_start", "--mor_enable_pct", "0.5", "--stop_at_step", "2",
+                 *TINY_RUN]) == 0
+    assert main(["train", "--out", str(run), "--mod_off", "--stop_at_step", "3"]) == 2
+    assert "cannot set mod_off when resuming: MoD routing is on in the run's checkpoint hydra_debug_step2" in \
+        capsys.readouterr().err
+    assert main(["train", "--out", str(run), "--mor_off", "--stop_at_step", "6"]) == 0  # MoR would start at step 4
+    assert "MoD on at step 0; MoR off" in capsys.readouterr().out
+    rs = records(run, "train")
+    assert [r["step"] for r in rs] == [1, 2, 3, 4, 5, 6]
+    assert all(r["mod_active"] for r in rs) and not any(r["mor_active"] for r in rs)
+    assert main(["train", "--out", str(run), "--no-mor_off", "--stop_at_step", "7"]) == 0
+    assert records(run, "train")[-1]["mor_active"]
+    assert main(["train", "--out", str(run), "--mor_off"]) == 2
+    assert "cannot set mor_off when resuming: MoR routing is on" in capsys.readouterr().err

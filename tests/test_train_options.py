@@ -10,7 +10,7 @@ from hydra_lm.train.flags import load_config_file, parse_value, split_model_over
 from hydra_lm.train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
 from hydra_lm.train.options import TrainConfig, normalize, resolve
 from hydra_lm.train.run import merge_layers
-from support import TINY_RUN
+from support import TINY_RUN, records
 
 
 def test_per_size_defaults_follow_the_seed_tables():
@@ -296,6 +296,22 @@ def test_bad_settings_fail_with_one_line(tiny_data, tmp_path, capsys, extra, mes
     assert code == 2
     assert message in err and err.startswith("hydra-lm train: error:")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_resume_with_another_optimizer_is_refused_and_the_run_still_resumes(tiny_data, tmp_path, capsys):
+    """The checkpoint holds the run's optimizer's state, which another optimizer cannot load (it crashed inside the
+    first step, after config.json had taken the new optimizer, so that every later resume crashed too)."""
+    run = tmp_path / "run"
+    common = [*TINY_RUN, "--max_steps", "4", "--log_every", "1", "--no-eval_at_start", "--eval_every", "0"]
+    assert main(["train", "--data", str(tiny_data), "--out", str(run), *common, "--stop_at_step", "2"]) == 0
+    config = (run / "config.json").read_text()
+    for flags in (["--optimizer", "muon"], ["--adafactor"]):
+        assert main(["train", "--out", str(run), *flags]) == 2
+        assert "cannot change optimizer when resuming (run has 'adamw', the command line gives" in \
+            capsys.readouterr().err
+    assert (run / "config.json").read_text() == config
+    assert main(["train", "--out", str(run), "--optimizer", "adamw"]) == 0  # the run's own: nothing changes
+    assert [r["step"] for r in records(run, "train")] == [1, 2, 3, 4]
 
 
 def test_unknown_key_in_config_file_via_cli(tiny_data, tmp_path, capsys):

@@ -6,7 +6,8 @@ Layout of ``RUN_DIR/checkpoints/``::
                               /trainer.pt          optimizer state (keyed by parameter name) + torch RNG
                                                    (torch.load weights_only)
                               /state.json          step, configs, curriculum, loader position, Python/NumPy
-                                                   RNG, and the size + SHA-256 of every other file
+                                                   RNG, the size + SHA-256 of every other file, and the
+                                                   SHA-256 of its own content (``state_digest``)
     latest                                         name of the newest checkpoint (a text file)
 
 A multi-process run writes ``layout: "dcp"`` checkpoints instead (see ``sharded_checkpoint``):
@@ -15,8 +16,9 @@ rank's RNG state; ``state.json`` is the same.
 
 A checkpoint is written into a temporary directory that is renamed into place only once every
 file is on disk, so a crash mid-save leaves the previous checkpoints untouched. Older ones are
-deleted only after a new one is complete. A checkpoint that fails verification on resume is
-renamed ``*.corrupt`` (kept for inspection) and the previous one is used.
+deleted only after a new one is complete and its rename is on disk (the directory synced). A
+checkpoint that fails verification on resume is renamed ``*.corrupt`` (kept for inspection) and the
+previous one is used.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
 from ..model.routing import THRESHOLD_BUFFERS
+from ..version import __version__
 
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # a checkpoint of a newer format is refused (``verify``), not read as this one
+STATE_HASH = "state_sha256"
 MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"
 STATE_FILE = "state.json"
@@ -119,9 +123,32 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def state_digest(state: dict[str, Any]) -> str:
+    """SHA-256 of a checkpoint's state as JSON reads it back, its own hash left out, keys sorted: of the content,
+    whatever the file's formatting."""
+    body = {k: v for k, v in state.items() if k != STATE_HASH}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def _fsync(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Put the renames and new entries of ``directory`` on disk: a rename is durable only then (a crash could
+    otherwise undo it after the older checkpoint it replaced was deleted)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a directory cannot be opened on Windows, where a rename is durable by itself
+        return
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno != errno.EINVAL:  # EINVAL: a file system that cannot sync a directory
+            raise
+    finally:
+        os.close(fd)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -131,10 +158,12 @@ def write_text_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
 def verify(path: Path) -> Checkpoint:
-    """Read ``state.json`` and check every file it lists (size and SHA-256)."""
+    """Read ``state.json`` and check it (format version, its own SHA-256, the step against the directory's name) and
+    every file it lists (size and SHA-256)."""
     path = Path(path)
     if path.is_file() and path.suffix == ".safetensors" and not (path.parent / STATE_FILE).is_file():
         return _exported(path)
@@ -153,8 +182,22 @@ def verify(path: Path) -> Checkpoint:
         state = json.loads(state_path.read_text(encoding="utf-8"))
         step = int(state["step"])
         files = state["files"]
+        version = state.get("format", FORMAT_VERSION)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"checkpoint file {state_path} is corrupt: {err}") from None
+    if type(version) is not int:
+        raise CheckpointError(f"checkpoint file {state_path} is corrupt: format {version!r} is not a version number")
+    if version > FORMAT_VERSION:  # not a CheckpointError: it is not corrupt, and must not be set aside as such
+        raise ValueError(f"checkpoint {path} has format {version}, newer than hydra-lm {__version__} reads (up to "
+                         f"{FORMAT_VERSION}): upgrade hydra-lm to load it")
+    # Checkpoints written before the state's hash have none: their state is not checked.
+    digest = state.pop(STATE_HASH, None)
+    if digest is not None and digest != state_digest(state):
+        raise CheckpointError(f"checkpoint file {state_path} is corrupt: its content does not match its SHA-256")
+    named = _NAME.match(_set_aside(path) or path.name)
+    if named and int(named["step"]) != step:
+        raise CheckpointError(f"checkpoint file {state_path} is corrupt: it records step {step}, its directory's "
+                              f"name step {named['step']}")
     if not isinstance(files, dict) or any(".." in Path(n).parts or Path(n).is_absolute() for n in files) or \
             not all(isinstance(i, dict) and isinstance(i.get("bytes"), int) and isinstance(i.get("sha256"), str)
                     for i in files.values()):
@@ -257,18 +300,24 @@ class CheckpointManager:
         final = self.dir / self.name(step)
         try:
             files = {}
-            for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            paths = sorted(p for p in tmp.rglob("*") if p.is_file())
+            for f in paths:
                 _fsync(f)
                 files[f.relative_to(tmp).as_posix()] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+            for d in sorted({f.parent for f in paths} - {tmp}):  # dcp/ (tmp itself: with state.json below)
+                _fsync_dir(d)
             full = {"format": FORMAT_VERSION, "step": step, "files": files, "saved_at": time.time(), **state}
+            full = json.loads(json.dumps(full))  # as verify reads it back: tuples as lists, keys as strings
+            full[STATE_HASH] = state_digest(full)
             write_text_atomic(tmp / STATE_FILE, json.dumps(full, indent=1))
+            old = None
             if final.exists():  # same step saved again (e.g. interrupted right after a periodic save)
                 old = self.dir / f".old-{final.name}-{os.getpid()}"
                 os.replace(final, old)
-                os.replace(tmp, final)
+            os.replace(tmp, final)
+            _fsync_dir(self.dir)  # on disk before anything older is deleted
+            if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -319,6 +368,7 @@ class CheckpointManager:
             name = _set_aside(old)
             if name is not None:
                 os.replace(old, self.dir / name)
+                _fsync_dir(self.dir)
             else:  # the swap finished; only its removal was cut short
                 shutil.rmtree(old, ignore_errors=True)
 

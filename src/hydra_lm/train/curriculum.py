@@ -8,7 +8,8 @@ phases, all measured in optimizer steps of the whole run (``max_steps``):
 * MoD is off until ``mod_enable_pct``. From there it switches on as soon as the CE-loss EMA is
   below ``mod_loss_gate`` (5.0), and at ``mod_force_enable_pct`` whatever the loss.
 * MoR runs every token at full depth until ``mor_enable_pct``, then routes (adaptive depth).
-* Once on, a router stays on; ``--mod_off`` / ``--mor_off`` keep one off for the whole run.
+* Once on, a router stays on; ``--mod_off`` / ``--mor_off`` keep one off for the whole run (a resume that gives
+  one after that router's switch is refused: ``run.check_routing_kept``).
 
 The loss EMA is updated on the device every step and read only at log steps (where the loop
 synchronises anyway), so the gate is checked every ``log_every`` steps.

@@ -151,14 +151,6 @@ def any_rank(flag: bool, info: DistInfo) -> bool:
     return bool(t.item())
 
 
-def gather_objects(obj, info: DistInfo) -> list:
-    if not info.enabled:
-        return [obj]
-    out = [None] * info.world_size
-    dist.all_gather_object(out, obj, group=info.control)
-    return out
-
-
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier(group=info.control)

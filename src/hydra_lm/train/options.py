@@ -231,8 +231,9 @@ REMOVED_KEYS: dict[str, str] = {
 MODEL_ALIASES: dict[str, type] = {"moe": bool, "moe_num_experts": int, "moe_top_k": int, "moe_num_layers": int,
                                   "static_routing_mode": bool}
 
-# Changing these on resume would either not load (model) or not reproduce the data order.
-FROZEN_ON_RESUME = ("model_size", "arch", "model", "seq_len", "batch_size", "seed", "seq_len_schedule")
+# Changing these on resume would either not load (model; optimizer: the checkpoint holds another optimizer's state)
+# or not reproduce the data order.
+FROZEN_ON_RESUME = ("model_size", "arch", "model", "optimizer", "seq_len", "batch_size", "seed", "seq_len_schedule")
 
 
 def check_train_keys(values: dict[str, Any], where: str) -> None:

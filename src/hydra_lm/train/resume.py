@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from .checkpoint import DISK_FULL, CheckpointError, capture_rng, disk_full_error, restore_rng, verify
-from .distributed import broadcast_object, gather_objects
+from .distributed import broadcast_object
 from .optim import load_keeping_lr, portable_optimizer_state
 from .sharded_checkpoint import RANK_FILE, load_dcp, load_optimizer, load_single_into_sharded, os_error
 
@@ -42,9 +42,8 @@ def save_checkpoint(t, reason: str = "") -> bool:
         "model_config": t.s.model_cfg.to_dict(),
         "data": t.s.data.to_dict(),
     }
-    with disk_full_in_one_line(t):
+    with t.stop_request.saving(), disk_full_in_one_line(t):
         if t.saver is not None:
-            state["loader_ranks"] = gather_objects(t.loader.state_dict(), t.dist)
             path = t.saver.save(t.step, t.model, t.optimizer, rng_tensors, state)
         else:
             # Optimizer state keyed by parameter name, so any number of ranks can load it.
@@ -63,7 +62,7 @@ def finish_save(t) -> None:
     """Commit a pending asynchronous save (collective; nothing without one), a full disk reported as in
     ``save_checkpoint``."""
     if t.saver is not None:
-        with disk_full_in_one_line(t):
+        with t.stop_request.saving(), disk_full_in_one_line(t):
             t.saver.finish()
 
 

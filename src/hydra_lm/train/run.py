@@ -114,8 +114,8 @@ def merge_layers(file_values: dict[str, Any], cli: dict[str, Any], saved: dict[s
             for layer, where in ((file_values, "the config file"), (cli, "the command line")):
                 if key in layer and _changes(key, layer[key], base.get(key)):
                     raise ValueError(f"cannot change {key} when resuming (run has {base.get(key)!r}, {where} gives "
-                                     f"{layer[key]!r}): it would not load or not reproduce the run; start a new "
-                                     "--out directory instead")
+                                     f"{layer[key]!r}): it would not load or not reproduce the run; drop it to "
+                                     "resume, or start a new --out directory")
     merged = {**base, **file_values, **cli}
     # Model overrides merge key by key: the run's, then the config file's, then the command line's.
     models = [layer["model"] for layer in (base, file_values, cli) if layer.get("model") is not None]
@@ -222,6 +222,8 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
             resume_from = None if chosen is None else verify(Path(chosen))
         if resuming and resume_from is None and not cfg.restart:
             raise ValueError(f"{run_dir} has no usable checkpoint")
+        if resume_from is not None:
+            check_routing_kept(cfg, resume_from)
         return RunSetup(cfg, model_cfg, run_dir, data, device, manager, resume_from, log, info, lock)
     except BaseException:
         log.close()
@@ -292,6 +294,17 @@ def check_same_run(saved: dict[str, Any], data: DataInfo, model_cfg: HydraConfig
         diff = sorted(k for k, v in model_cfg.to_dict().items() if was_model.get(k) != v)
         raise ValueError(f"the model config differs from the one {run_dir} was trained with (fields {diff}); "
                          "resume with the same settings or start a new --out directory")
+
+
+def check_routing_kept(cfg: TrainConfig, ckpt: Checkpoint) -> None:
+    """A router the run switched on stays on (curriculum.py): --mod_off / --mor_off on a resume cannot take it back,
+    where before the switch they keep it off."""
+    state = ckpt.state.get("curriculum") or {}
+    for flag, key, name in (("mod_off", "mod_active", "MoD"), ("mor_off", "mor_active", "MoR")):
+        if getattr(cfg, flag) and state.get(key):
+            raise ValueError(f"cannot set {flag} when resuming: {name} routing is on in the run's checkpoint "
+                             f"{ckpt.path.name}, and a router once on stays on; drop --{flag} to resume, or start a "
+                             "new --out directory")
 
 
 def write_run_files(s: RunSetup, argv: list[str]) -> None:

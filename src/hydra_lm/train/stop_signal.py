@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -17,7 +18,8 @@ EXIT_INTERRUPTED = 130
 
 class StopRequest:
     """``reason`` is the first signal's name once one arrived; a second one stops at once, and so does
-    a step in progress that has not finished ``grace_s`` after the first."""
+    work in progress (a step, the pretest, an evaluation batch) that has not ended ``grace_s`` after the
+    first. A checkpoint being written (``saving``) is not timed: cut short, it would lose the checkpoint."""
 
     def __init__(self, log, grace_s: float = STEP_GRACE_S):
         self.log = log
@@ -26,7 +28,8 @@ class StopRequest:
         self._at: float | None = None
         self._previous: dict = {}
         self._watchdog: threading.Timer | None = None
-        self._step_ended = False  # the step in progress at the signal ended (``acknowledge``)
+        self._saving = False
+        self._step_ended = False  # the step in progress at the signal ended (``acknowledge``), or a save failed
 
     def _handler(self, signum, frame) -> None:
         now = time.monotonic()
@@ -40,18 +43,45 @@ class StopRequest:
         self.reason = signal.Signals(signum).name
         # Logged by ``acknowledge``, not here: a print inside the handler, landing while the main thread prints,
         # raises "reentrant call" into the step.
-        self._watchdog = threading.Timer(self.grace_s, self._give_up)
-        self._watchdog.daemon = True
-        self._watchdog.start()
+        if not self._saving:
+            self._arm()
+
+    def _arm(self) -> None:
+        if self._watchdog is None:  # the handler may have armed it between a caller's check and its call
+            self._watchdog = threading.Timer(self.grace_s, self._give_up)
+            self._watchdog.daemon = True
+            self._watchdog.start()
+
+    def _disarm(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
 
     def acknowledge(self) -> None:
         """The step in progress ended and the run stops: say so (once) and end the grace period, which bounds the
         step alone, not the checkpoint and the final evaluation that follow (a second signal still stops them)."""
-        if self._watchdog is None:
+        if self._at is None or self._step_ended:
             return
-        self._watchdog.cancel()
-        self._watchdog, self._step_ended = None, True
+        self._disarm()
+        self._step_ended = True
         self.log.info(f"{self.reason} received: saving a checkpoint after the step in progress")
+
+    @contextlib.contextmanager
+    def saving(self):
+        """Writing a checkpoint: a first signal before or during it waits for it (a second one still stops at once),
+        and what runs after it until the stop is acknowledged gets a grace period of its own. An error of the save is
+        its own, not the interrupted step's."""
+        self._saving = True
+        self._disarm()
+        try:
+            yield
+        except BaseException:
+            self._step_ended = True  # the run ends on this error
+            raise
+        finally:
+            self._saving = False
+            if self._at is not None and not self._step_ended:
+                self._arm()
 
     def _give_up(self) -> None:
         self.log.warning(f"the step in progress did not finish within {self.grace_s:.0f} s of {self.reason} (a "
@@ -79,8 +109,7 @@ class StopRequest:
                 pass
 
     def uninstall(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        self._disarm()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}

@@ -40,10 +40,11 @@ class WeightAverage:
         save_model(self.module, str(directory / SWA_FILE), metadata={"format": "hydra-lm-swa"})
 
     def state_dict(self) -> dict:
-        return {"start_step": self.start_step, "steps_averaged": self.steps_averaged}
+        return {"steps_averaged": self.steps_averaged}
 
     def load(self, directory: Path, state: dict) -> None:
-        """Restore the average a checkpoint holds (a checkpoint from before the start holds none)."""
+        """Restore the average a checkpoint holds (a checkpoint from before the start holds none; older ones also
+        hold a ``start_step``, which the run's config gives)."""
         n = int(state.get("steps_averaged", 0)) if state else 0
         if n:
             load_model(self.module, str(directory / SWA_FILE), strict=False)
