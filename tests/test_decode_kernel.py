@@ -68,15 +68,16 @@ def test_kernel_matches_the_reference_one_token_at_a_time(layout):
     assert not torch.equal(got.conv, attn.new_cache(batch, length, DEVICE, dtype).conv)
 
 
+@pytest.mark.parametrize("capacity", [0.25, 1.0])  # 1: a MoR ramp's first level, where every candidate enters
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_route_kernel_matches_the_routers_decision(dtype):
+def test_route_kernel_matches_the_routers_decision(dtype, capacity):
     """Gate, admission and the decode state's write of an expert-choice router's causal decision, step after step
     over a state that fills up: rows with no earlier candidate, rows past one 1,024-slot tile, candidates and
     non-candidates, a calibrated threshold. The admissions are exact; the logits as the precision allows."""
     from hydra_lm.kernels.route_decode import route_decode
 
     torch.manual_seed(0)
-    batch, dim, length, capacity = 5, 48, 1300, 0.25
+    batch, dim, length = 5, 48, 1300
     router = ExpertChoiceRouter(dim, 1, gate_scale=0.1).to(DEVICE, dtype)
     with torch.no_grad():
         router.proj.weight.normal_()
@@ -103,7 +104,7 @@ def test_route_kernel_matches_the_routers_decision(dtype):
         torch.testing.assert_close(got, want, **tol, msg=f"step {step}")
         masks.append(mask)
     masks = torch.cat(masks)
-    assert masks.any() and not masks.all()  # decisions both ways
+    assert masks.any() and not masks.all()  # decisions both ways (at capacity 1: the non-candidates only)
 
 
 def _teacher_forced_logits(model, ids: torch.Tensor, prefill: int, compiled: bool) -> list[torch.Tensor]:

@@ -424,6 +424,14 @@ def test_forward_names_token_ids_the_embedding_cannot_look_up():
     for dtype in (torch.float32, torch.uint8):
         with pytest.raises(ValueError, match=f"integer tensor \\(int64 or int32\\), got {dtype}"):
             model(torch.zeros(1, 4, dtype=dtype))
+    # Targets: the fused loss scored one just past the vocabulary (inside its padded width) as inf
+    ids = torch.tensor([[1, 2, 3]])
+    for targets in (torch.tensor([[2, 3, TINY["vocab_size"]]]), torch.tensor([[2, -1, 4]])):
+        with pytest.raises(ValueError, match=r"targets must lie in \[0, 97\) \(or -100: ignored\)"):
+            model(ids, targets=targets)
+    assert torch.isfinite(model(ids, targets=torch.tensor([[2, -100, 4]]))["loss"])
+    with pytest.raises(ValueError, match=r"targets must have input_ids' shape \[1, 3\], got \[1, 2\]"):
+        model(ids, targets=torch.tensor([[2, 3]]))
     with pytest.raises(ValueError, match="batch>0, length>0"):
         model.generate(torch.zeros(0, 4, dtype=torch.long), 2)
     for ids in (torch.arange(8), torch.zeros(1, 2, 3, dtype=torch.long), torch.zeros(0, 4, dtype=torch.long)):

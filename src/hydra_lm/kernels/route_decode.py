@@ -20,7 +20,7 @@ import triton.language as tl
 def _route_decode_kernel(x_ptr, w_ptr, b_ptr, scale_ptr, tsum_ptr, tweight_ptr, valid_ptr, pos_ptr, state_ptr,
                          gate_ptr, mask_ptr, L, capacity,
                          E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_L: tl.constexpr, HAS_VALID: tl.constexpr,
-                         PRIOR: tl.constexpr, ACC: tl.constexpr):
+                         PRIOR: tl.constexpr, ACC: tl.constexpr, EVERY: tl.constexpr):
     row = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     # The logit r = w . x + b, in ACC (the residual stream's precision, at least fp32), as Router.logits.
@@ -54,6 +54,8 @@ def _route_decode_kernel(x_ptr, w_ptr, b_ptr, scale_ptr, tsum_ptr, tweight_ptr, 
     threshold = tl.where(tw > 0, tl.load(tsum_ptr).to(ACC) / tl.maximum(tw, 1e-12), 0.0)
     share_above = tl.where(r <= threshold, (1 + capacity) / 2, capacity / 2)
     admitted = (above_all + PRIOR * share_above) < capacity * (count_all + PRIOR)
+    if EVERY:  # capacity 1: every candidate enters, whatever the threshold (routing.rank_decision)
+        admitted = v
     tl.store(mask_ptr + row, (admitted & v).to(mask_ptr.dtype.element_ty))
     # The token's own slot last: no read above looks at it.
     tl.store(state_row + pos, r_state)
@@ -71,7 +73,7 @@ def _route_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gat
         x, weight, bias, gate_scale, threshold_sum, threshold_weight, x if valid is None else valid, pos, state,
         gate, mask, state.shape[2], capacity,
         E=e, BLOCK_E=min(1024, triton.next_power_of_2(e)), BLOCK_L=1024, HAS_VALID=valid is not None,
-        PRIOR=prior, ACC=acc, num_warps=4)
+        PRIOR=prior, ACC=acc, EVERY=capacity >= 1, num_warps=4)
 
 
 @_route_decode.register_fake

@@ -39,18 +39,24 @@ def moe_positions(n_blocks: int, n_moe: int) -> list[int]:
     return [(i + 1) * n_blocks // (n_moe + 1) - 1 for i in range(n_moe)]
 
 
-def check_token_ids(ids: torch.Tensor, vocab_size: int, sync: bool = False) -> None:
-    """A clear error for token ids the embedding cannot look up (out of range, or not integers), where the
-    check is free: on the CPU, or with ``sync`` (generate reads the prompt once). A training step on CUDA
-    skips it: its value check would be a host sync inside a captured step (the data loader checks its
-    tokens instead, ``data.loader``)."""
+def check_token_ids(ids: torch.Tensor, vocab_size: int, sync: bool = False, what: str = "token ids",
+                    ignore_index: int | None = None) -> None:
+    """A clear error for token ids the embedding cannot look up (out of range, or not integers), or targets the
+    loss cannot score (``ignore_index`` allowed), where the check is free: on the CPU, or with ``sync`` (generate
+    reads the prompt once). A training step on CUDA skips it: its value check would be a host sync inside a
+    captured step (the data loader checks its tokens instead, ``data.loader``; the fused loss's kernel gives NaN
+    for a target out of range)."""
     if ids.dtype not in (torch.int64, torch.int32):  # what the embedding's lookup takes
-        raise ValueError(f"token ids must be an integer tensor (int64 or int32), got {ids.dtype}")
+        raise ValueError(f"{what} must be an integer tensor (int64 or int32), got {ids.dtype}")
     # Fake tensors (memory estimates trace the model without data) have no values to read.
     if (ids.device.type == "cpu" or sync) and ids.numel() and not torch.compiler.is_compiling() and not is_fake(ids):
-        lo, hi = int(ids.min()), int(ids.max())
+        scored = ids if ignore_index is None else ids[ids != ignore_index]
+        if not scored.numel():
+            return
+        lo, hi = int(scored.min()), int(scored.max())
         if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{lo}, {hi}]")
+            also = "" if ignore_index is None else f" (or {ignore_index}: ignored)"
+            raise ValueError(f"{what} must lie in [0, {vocab_size}){also}, got [{lo}, {hi}]")
 
 
 def _through_eos(tokens: torch.Tensor, eos_token_id: int | None) -> torch.Tensor:
@@ -208,6 +214,11 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.config.max_seq_len}; "
                              "raise HydraConfig.max_seq_len or feed shorter sequences")
         check_token_ids(input_ids, self.config.vocab_size)
+        if targets is not None:
+            if targets.shape != input_ids.shape:
+                raise ValueError(f"targets must have input_ids' shape {list(input_ids.shape)}, got "
+                                 f"{list(targets.shape)}")
+            check_token_ids(targets, self.config.vocab_size, what="targets", ignore_index=-100)
         # A tensor of its own, not a view: routed units pass gathered positions (not views) to the
         # same compiled unit, and a view would make its guards differ (compile_policy.compile_units).
         pos = torch.arange(t, device=input_ids.device).repeat(b, 1)
