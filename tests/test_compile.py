@@ -171,3 +171,25 @@ def test_compiled_moe_blocks_run_off_the_grouped_gemm():
     ref["loss"].backward()
     torch.testing.assert_close(out["loss"], ref["loss"])
     _assert_same_gradients(model, reference)
+
+
+def test_the_compile_trace_summary_counts_each_compiled_frame_and_its_phases(tmp_path):
+    """benchmarks/compile_trace_summary.py reads what a run under TORCH_TRACE wrote: its frames forward and backward,
+    and the time in each named phase (here without inductor, whose C++ builds take minutes on a CPU)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import torch\nlin = torch.nn.Linear(8, 8)\nf = torch.compile(lambda x: lin(x).relu().sum(), "
+            "backend='aot_eager')\nf(torch.randn(4, 8)).backward()\n")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TORCH_TRACE": str(tmp_path)})
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_trace_summary.py"
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, capture_output=True,
+                         text=True).stdout
+    lines = out.splitlines()
+    assert lines[0].startswith("forward: 1 compiled frames; entire_frame_compile ")
+    phases = {line.split()[0]: int(line.split()[-1]) for line in lines[3:]}
+    assert phases["entire_frame_compile"] == 1 and phases["backend_compile"] == 1
+    empty = subprocess.run([sys.executable, str(script), str(tmp_path / "none")], capture_output=True, text=True)
+    assert empty.returncode != 0 and "run with TORCH_TRACE=" in empty.stderr
