@@ -66,6 +66,7 @@ def test_a_crash_in_the_middle_of_a_resave_loses_no_checkpoint(tmp_path):
     aside = path.with_name(f".old-{path.name}-4242")
     path.rename(aside)
     (tmp_path / "ck" / ".tmp-hydra_debug_step5-4242").mkdir()  # the new copy, half written
+    (tmp_path / "ck" / ".latest.tmp-4242").write_text("hydra_debug_step5")  # and the latest pointer's, not renamed
     assert m.list() == [(5, aside)] and verify(aside).step == 5  # seen (a resume is decided on it), and usable
     m.cleanup_temp()
     assert [s for s, _ in m.list()] == [5] and verify(path).step == 5
@@ -148,6 +149,26 @@ def test_damage_is_detected_naming_the_file_and_resume_falls_back(tmp_path, dama
     assert warnings and str(f) in warnings[0] and "falling back" in warnings[0]
     assert (tmp_path / "ck" / "hydra_debug_step2.corrupt").is_dir()  # kept for inspection, not deleted
     assert (tmp_path / "ck" / "latest").read_text().strip() == "hydra_debug_step1"
+
+
+def test_a_file_where_the_checkpoints_go_is_refused_before_training(tmp_path):
+    (tmp_path / "ck").write_text("not a directory")
+    with pytest.raises(ValueError, match=r"ck is not a directory, so checkpoints cannot be saved there"):
+        CheckpointManager(tmp_path / "ck", "debug")
+
+
+def test_a_step_corrupt_again_is_set_aside_beside_the_first(tmp_path):
+    """A checkpoint of a step that was set aside before (the run went back past it and saved it again) gets a name
+    of its own: left in place, it stayed among the checkpoints, warned about at every resume."""
+    m = CheckpointManager(tmp_path / "ck", "debug", keep=5)
+    model = tiny()
+    save(m, model, 1)
+    for _ in range(2):
+        path = save(m, model, 2)
+        (path / "model.safetensors").write_bytes(b"damaged")
+        assert m.latest_good().step == 1
+        assert [step for step, _ in m.list()] == [1]
+    assert [p.name for p in m.quarantined()] == ["hydra_debug_step2.corrupt", "hydra_debug_step2.corrupt2"]
 
 
 def test_an_unhashed_state_must_match_its_name_and_a_newer_format_is_refused_not_set_aside(tmp_path):

@@ -252,6 +252,9 @@ class CheckpointManager:
     def __init__(self, directory: str | Path, model_size: str, keep: int = 3,
                  warn: Callable[[str], None] | None = None):
         self.dir = Path(directory)
+        if self.dir.exists() and not self.dir.is_dir():  # else the run would fail at its first save
+            raise ValueError(f"{self.dir} is not a directory, so checkpoints cannot be saved there: move it away or "
+                             "use another run directory (--out)")
         self.model_size = model_size
         self.keep = keep
         self.warn = warn or (lambda msg: None)
@@ -340,9 +343,12 @@ class CheckpointManager:
             except CheckpointError as err:
                 errors.append(str(err))
                 self.warn(f"{err}; falling back to the previous checkpoint")
-                bad = path.with_name(f"{path.name}.corrupt")
-                if not bad.exists():
-                    os.replace(path, bad)
+                # A name of its own: left in place beside an earlier one of its step, it would stay in list(),
+                # counted by the rotation and warned about at every resume.
+                bad, n = path.with_name(f"{path.name}.corrupt"), 2
+                while bad.exists():
+                    bad, n = path.with_name(f"{path.name}.corrupt{n}"), n + 1
+                os.replace(path, bad)
                 continue
             if errors:
                 write_text_atomic(self.dir / LATEST, path.name + "\n")
@@ -355,7 +361,7 @@ class CheckpointManager:
         """Checkpoints ``latest_good`` set aside as ``*.corrupt``."""
         if not self.dir.is_dir():
             return []
-        return sorted(p for p in self.dir.glob("hydra_*.corrupt") if p.is_dir())
+        return sorted(p for p in self.dir.glob("hydra_*.corrupt*") if p.is_dir())
 
     def cleanup_temp(self) -> None:
         """Remove half-written checkpoints left by a crash (never complete ones), and put back a complete one
@@ -364,6 +370,8 @@ class CheckpointManager:
             return
         for p in self.dir.glob(".tmp-hydra_*"):
             shutil.rmtree(p, ignore_errors=True)
+        for p in self.dir.glob(f".{LATEST}.tmp-*"):  # write_text_atomic's, cut short before its rename
+            p.unlink(missing_ok=True)
         for old in self.dir.glob(".old-hydra_*"):
             name = _set_aside(old)
             if name is not None:
