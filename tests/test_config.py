@@ -75,8 +75,7 @@ def test_layout_errors_name_the_field_to_change_and_a_value_that_works(overrides
 @pytest.mark.parametrize("dim, heads", [(512, 8), (256, 4), (1000, 20)])
 def test_the_dense_presets_heads_follow_a_dim_override(dim, heads):
     cfg = preset_config("debug", arch="dense", dim=dim)
-    assert (cfg.n_heads, cfg.n_heads * cfg.head_dim, cfg.head_dim % 2) == (heads, dim, 0)
-    assert cfg.n_heads % cfg.n_kv_heads == 0 and cfg.n_kv_heads == max(1, heads // 4)
+    assert (cfg.n_heads, cfg.n_kv_heads) == (heads, max(1, heads // 4))  # the rest validate() enforces
 
 
 def test_a_copy_with_other_sizes_derives_its_heads_mlp_and_depth_again_unless_they_were_set():

@@ -119,8 +119,9 @@ def lr_sweep(runs: list[VariantRun], variants: dict[str, Any]) -> dict[str, Any]
             continue
         entry = variants[run.name]
         at_lr = losses.setdefault(run.variant.swept_from, {}).setdefault(run.values["lr"], [])
-        if _final_causal(entry) is not None and not entry.get("rollbacks"):
-            at_lr.append(entry["final"]["val_loss_causal"])
+        loss = _final_causal(entry)
+        if loss is not None and not entry.get("rollbacks"):
+            at_lr.append(loss)
     out = {}
     for family, by_lr in losses.items():
         grid = sorted(by_lr)
@@ -154,9 +155,10 @@ def across_seeds(runs: list[VariantRun], variants: dict[str, Any]) -> dict[str, 
     for run in runs:
         entry = variants[run.name]
         summary = out.setdefault(run.variant.name, {"arch": run.variant.arch, "seeds": [], "causal": []})
-        if _final_causal(entry) is not None:
+        loss = _final_causal(entry)
+        if loss is not None:
             summary["seeds"].append(run.seed)
-            summary["causal"].append(entry["final"]["val_loss_causal"])
+            summary["causal"].append(loss)
     for summary in out.values():
         losses = np.asarray(summary["causal"], dtype=np.float64)
         n = len(losses)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..config import HydraConfig
-from ..model.accounting import curriculum_flops_per_token
+from ..model.accounting import flops_per_token_in_phase
 from ..train.checkpoint import write_text_atomic
 from ..train.curriculum import CurriculumPlan
 from ..train.data_io import DataInfo
@@ -81,19 +81,6 @@ class ComparePlan:
 
 
 # ---------------------------------------------------------------------------- FLOPs accounting
-def flops_per_token_in_phase(model_cfg: HydraConfig, seq_len: int, mod_active: bool, mor_active: bool,
-                             mor_ramp: float = 1.0, cache: dict | None = None) -> float:
-    """Executed training FLOPs/token while the curriculum has MoD / MoR switched on or off and the MoR
-    capacities at ``mor_ramp`` (``curriculum_flops_per_token``), memoised in ``cache``."""
-    key = (mod_active, mor_active, mor_ramp if mor_active else 1.0)
-    if cache is not None and key in cache:
-        return cache[key]
-    value = curriculum_flops_per_token(model_cfg, seq_len, *key)
-    if cache is not None:
-        cache[key] = value
-    return value
-
-
 def planned_flops(model_cfg: HydraConfig, cfg: TrainConfig, steps: int, tokens_per_step: int) -> float:
     """Executed FLOPs of a run of ``steps`` steps: routing starts off and switches on as the
     curriculum plans it (MoD at the latest step the plan allows: its loss gate may open earlier), and

@@ -38,25 +38,26 @@ def _route_decode_kernel(x_ptr, w_ptr, b_ptr, scale_ptr, tsum_ptr, tweight_ptr, 
     pos = tl.load(pos_ptr + row)
     state_row = state_ptr + row * 2 * L
     r_state = r.to(state_ptr.dtype.element_ty)
-    # The earlier candidates (slots before the token's own position flagged as one) and those above it.
-    count = tl.zeros((BLOCK_L,), dtype=tl.int32)
-    above = tl.zeros((BLOCK_L,), dtype=tl.int32)
-    for s0 in range(0, pos, BLOCK_L):
-        s = s0 + tl.arange(0, BLOCK_L)
-        earlier = (s < pos) & (tl.load(state_row + L + s, mask=s < pos, other=0.0) > 0)
-        logits = tl.load(state_row + s, mask=earlier, other=0.0)
-        count += earlier.to(tl.int32)
-        above += (earlier & (logits > r_state)).to(tl.int32)
-    count_all = tl.sum(count, axis=0).to(ACC)
-    above_all = tl.sum(above, axis=0).to(ACC)
-    # routing.rank_decision: the calibrated threshold as PRIOR pseudo-candidates.
-    tw = tl.load(tweight_ptr).to(ACC)
-    threshold = tl.where(tw > 0, tl.load(tsum_ptr).to(ACC) / tl.maximum(tw, 1e-12), 0.0)
-    share_above = tl.where(r <= threshold, (1 + capacity) / 2, capacity / 2)
-    admitted = (above_all + PRIOR * share_above) < capacity * (count_all + PRIOR)
     if EVERY:  # capacity 1: every candidate enters, whatever the threshold (routing.rank_decision)
         admitted = v
-    tl.store(mask_ptr + row, (admitted & v).to(mask_ptr.dtype.element_ty))
+    else:
+        # The earlier candidates (slots before the token's own position flagged as one) and those above it.
+        count = tl.zeros((BLOCK_L,), dtype=tl.int32)
+        above = tl.zeros((BLOCK_L,), dtype=tl.int32)
+        for s0 in range(0, pos, BLOCK_L):
+            s = s0 + tl.arange(0, BLOCK_L)
+            earlier = (s < pos) & (tl.load(state_row + L + s, mask=s < pos, other=0.0) > 0)
+            logits = tl.load(state_row + s, mask=earlier, other=0.0)
+            count += earlier.to(tl.int32)
+            above += (earlier & (logits > r_state)).to(tl.int32)
+        count_all = tl.sum(count, axis=0).to(ACC)
+        above_all = tl.sum(above, axis=0).to(ACC)
+        # routing.rank_decision: the calibrated threshold as PRIOR pseudo-candidates.
+        tw = tl.load(tweight_ptr).to(ACC)
+        threshold = tl.where(tw > 0, tl.load(tsum_ptr).to(ACC) / tl.maximum(tw, 1e-12), 0.0)
+        share_above = tl.where(r <= threshold, (1 + capacity) / 2, capacity / 2)
+        admitted = ((above_all + PRIOR * share_above) < capacity * (count_all + PRIOR)) & v
+    tl.store(mask_ptr + row, admitted.to(mask_ptr.dtype.element_ty))
     # The token's own slot last: no read above looks at it.
     tl.store(state_row + pos, r_state)
     tl.store(state_row + L + pos, v.to(state_ptr.dtype.element_ty))

@@ -84,6 +84,19 @@ def curriculum_flops_per_token(cfg: HydraConfig, seq_len: int, mod_active: bool,
     return executed_flops_per_token(live, seq_len, training=True, mor_ramp=mor_ramp)  # MoR off: the ramp moves nothing
 
 
+def flops_per_token_in_phase(cfg: HydraConfig, seq_len: int, mod_active: bool, mor_active: bool,
+                             mor_ramp: float = 1.0, cache: dict | None = None) -> float:
+    """``curriculum_flops_per_token``, memoised in ``cache`` by routing state (it lays out the model's blocks, ~25 ms
+    for the 100M preset): the trainer's MFU at every log step and compare's FLOP budgets ask for few states often."""
+    key = (mod_active, mor_active, mor_ramp if mor_active else 1.0)
+    if cache is not None and key in cache:
+        return cache[key]
+    value = curriculum_flops_per_token(cfg, seq_len, *key)
+    if cache is not None:
+        cache[key] = value
+    return value
+
+
 def dense_flops_per_token(cfg: HydraConfig, seq_len: int, training: bool = True) -> float:
     """What the same units would cost if every token ran every unit (no routing)."""
     full = cfg.replace(mod_enabled=False, mor_enabled=False)

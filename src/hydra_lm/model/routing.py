@@ -205,6 +205,8 @@ class ExpertChoiceRouter(Router):
         at = (torch.arange(r.shape[0], device=r.device)[:, None, None], torch.arange(2, device=r.device)[None, :, None],
               pos[:, None, :])
         state.index_put_(at, torch.stack((r, v), 1).to(state.dtype))
+        if capacity >= 1:  # every candidate (rank_decision): no history to read
+            return torch.ones_like(r, dtype=torch.bool)
         slots = torch.arange(state.shape[2], device=r.device)
         earlier = (slots[None, None, :] < pos[..., None]) & (state[:, 1, None, :] > 0)  # [B, n, L]
         count = earlier.sum(-1).to(r.dtype)
@@ -342,6 +344,8 @@ def rank_admits(s: torch.Tensor, valid: torch.Tensor | None, capacity: float, th
     """Causal admission [B, N] of candidates with logits ``s`` [B, N] in causal order (a full
     forward; decoding: ``ExpertChoiceRouter.decode_admits``): ``rank_decision`` over each candidate's
     earlier candidates in the row (of the same document, with ``doc`` [B, N])."""
+    if capacity >= 1:  # every candidate (rank_decision): no [B, N, N] comparison to build
+        return torch.ones_like(s, dtype=torch.bool)
     v = torch.ones_like(s, dtype=torch.bool) if valid is None else valid
     n = s.shape[1]
     earlier = torch.ones(n, n, dtype=torch.bool, device=s.device).tril(-1)  # [i, j]: j before i

@@ -51,24 +51,20 @@ class SeqLenSchedule:
     def longest(self) -> int:
         return max(length for length, _ in self.stages)
 
-    def refusal(self, batch_size: int, seq_len: int, topk_groups: int = 1) -> str | None:
-        """Why micro-batches of ``batch_size`` x ``seq_len`` tokens cannot run every stage; None when they can. A
-        top-k over the batch pools a stage's rows in ``topk_groups`` equal groups (HydraConfig.topk_groups)."""
+    def check(self, batch_size: int, seq_len: int, topk_groups: int = 1) -> None:
+        """A ValueError where micro-batches of ``batch_size`` x ``seq_len`` tokens cannot run every stage. A top-k
+        over the batch pools a stage's rows in ``topk_groups`` equal groups (HydraConfig.topk_groups)."""
         tokens = batch_size * seq_len
         for length, start in self.stages:
             if length > seq_len or tokens % length:
-                return (f"seq_len_schedule length {length} must be at most --seq_len {seq_len} and divide the tokens "
-                        f"per micro-batch (batch_size x seq_len = {tokens}): change the length or --batch_size")
+                raise ValueError(f"seq_len_schedule length {length} must be at most --seq_len {seq_len} and divide "
+                                 f"the tokens per micro-batch (batch_size x seq_len = {tokens}): change the length or "
+                                 "--batch_size")
             if (tokens // length) % topk_groups:
-                return (f"seq_len_schedule stage {length}:{start:g} runs micro-batches of {tokens // length} rows "
-                        f"(batch_size x seq_len / {length}), which model topk_groups={topk_groups} does not split "
-                        "into equal groups: change that stage's length, --batch_size or --model.topk_groups")
-        return None
-
-    def check(self, batch_size: int, seq_len: int, topk_groups: int = 1) -> None:
-        reason = self.refusal(batch_size, seq_len, topk_groups)
-        if reason is not None:
-            raise ValueError(reason)
+                raise ValueError(f"seq_len_schedule stage {length}:{start:g} runs micro-batches of {tokens // length} "
+                                 f"rows (batch_size x seq_len / {length}), which model topk_groups={topk_groups} does "
+                                 "not split into equal groups: change that stage's length, --batch_size or "
+                                 "--model.topk_groups")
 
     def stage_at(self, clock: int, max_steps: int) -> int:
         """Index of the stage for the step with 0-based index ``clock``."""

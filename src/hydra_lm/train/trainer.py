@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from ..model.accounting import curriculum_flops_per_token
+from ..model.accounting import flops_per_token_in_phase
 from ..model.factory import create_model
 
 from .batch_filter import BatchFilter
@@ -82,7 +82,7 @@ class Trainer:
             if self.dist.enabled else None
         self.step = 0
         self.tokens_seen = 0
-        self._flops: dict[tuple, float] = {}  # training FLOPs/token by (seq_len, routing state): MFU's numerator
+        self._flops: dict[int, dict] = {}  # training FLOPs/token by seq_len, then routing state: MFU's numerator
         self.clock = TrainClock(self.device, cfg.max_steps, cfg.time_budget_s)
         self.finite = FiniteFlag(self.device)
         self.rollback = RollbackPolicy(cfg.max_rollbacks, cfg.rollback_lr_factor)
@@ -442,10 +442,8 @@ class Trainer:
     def _flops_per_token(self) -> float:
         c = self.curriculum
         # the rows of the sequence-length schedule's stage (attention's FLOPs grow with them)
-        key = (self.loader.seq_len, c.mod_active, c.mor_active, c.mor_ramp)
-        if key not in self._flops:  # lays out the model's blocks (~25 ms): once per routing state, not per log step
-            self._flops[key] = curriculum_flops_per_token(self.s.model_cfg, *key)
-        return self._flops[key]
+        return flops_per_token_in_phase(self.s.model_cfg, self.loader.seq_len, c.mod_active, c.mor_active, c.mor_ramp,
+                                        cache=self._flops.setdefault(self.loader.seq_len, {}))
 
     def _eval(self) -> dict | None:
         if not self.s.data.token_counts.get("val"):
