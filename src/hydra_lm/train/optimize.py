@@ -161,7 +161,7 @@ class TrainingSetup:
     train_step: TrainStep
     grad_accum: int
     lr: float  # the scheduled LR (each group takes it times its LR ratio)
-    hessian_generator: torch.Generator | None = None  # Sophia-G: draws the labels of its Hessian estimates
+    seed: int = 0  # Sophia-G: with the step, seeds the labels of its Hessian estimates
     moe_warmup_steps: int = 0  # the first updates, whose MoE router LR is 0
     steps: int = 0  # updates taken
 
@@ -200,10 +200,8 @@ class TrainingSetup:
             parts = p.clone() if parts is None else parts + p  # CUDA graphs reuse their output memory
             stats = s.clone()
         grad_norm = self.train_step.update().detach().clone()
+        self.train_step.sample_hessian_if_due(micro[-1], self.seed, self.steps)  # as the trainer: the last micro-batch
         self.steps += 1
-        hessian_due = getattr(self.optimizer, "hessian_due", None)
-        if hessian_due is not None and hessian_due():  # Sophia-G, as the trainer: estimated on the last micro-batch
-            self.train_step.sample_hessian(micro[-1], self.hessian_generator)
         parts = parts / self.grad_accum
         out = dict(zip(("loss", "ce_loss", "aux_loss", "ponder_loss", "moe_loss"), parts.unbind()))
         return {**out, "grad_norm": grad_norm, "routing_stats": stats}
@@ -241,8 +239,7 @@ def create_optimized_training_setup(model: nn.Module, lr: float = SETUP_DEFAULTS
     train_step = TrainStep(model, optimized.module, opt, optimized.device, optimized.plan, cfg.grad_accum,
                            cfg.grad_clip, cfg.cuda_graphs_warmup)
     model.train()
-    generator = torch.Generator(optimized.device).manual_seed(cfg.seed) if hasattr(opt, "hessian_due") else None
-    return TrainingSetup(optimized, opt, train_step, cfg.grad_accum, cfg.lr, generator, cfg.moe_warmup_steps)
+    return TrainingSetup(optimized, opt, train_step, cfg.grad_accum, cfg.lr, cfg.seed, cfg.moe_warmup_steps)
 
 
 __all__ = ["DeviceCapabilities", "OptimizedModel", "TrainingSetup", "create_optimized_training_setup",

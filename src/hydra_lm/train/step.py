@@ -74,11 +74,17 @@ class TrainStep:
                                                                 "moe_loss")])
         return parts, out["routing_stats"].detach().float()
 
-    def sample_hessian(self, inputs: dict[str, torch.Tensor], generator: torch.Generator) -> None:
-        """Sophia-G's curvature estimate, after an update: the gradients of the loss on labels drawn from
-        the model's own predictions for ``inputs`` (one micro-batch; padding excluded), folded into the
-        optimizer's running Hessian (``update_hessian``), then cleared. Eager, between graph replays. Its
-        forward, in training mode, also folds that batch into the routers' calibration once more."""
+    def sample_hessian_if_due(self, inputs: dict[str, torch.Tensor], seed: int, step: int) -> None:
+        """Sophia-G's curvature estimate, after an update, when its schedule asks for one (other optimizers:
+        nothing): the gradients of the loss on labels drawn from the model's own predictions for ``inputs``
+        (one micro-batch; padding excluded) by a generator seeded with the run's ``seed`` and the ``step`` (a
+        resumed run draws the same labels), folded into the optimizer's running Hessian
+        (``update_hessian``), then cleared. Eager, between graph replays. Its forward, in training mode, also
+        folds that batch into the routers' calibration once more."""
+        due = getattr(self.optimizer, "hessian_due", None)
+        if due is None or not due():
+            return
+        generator = torch.Generator(self.device).manual_seed(seed * 1_000_003 + step)
         input_ids, targets = self._to_device(inputs["input_ids"]), self._to_device(inputs["targets"])
         kwargs = {"doc_ids": self._to_device(inputs["doc_ids"])} if "doc_ids" in inputs else {}
         with self.autocast():

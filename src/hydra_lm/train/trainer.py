@@ -379,11 +379,7 @@ class Trainer:
             keep = self.batch_filter.keep(mean_across_ranks(parts[0] / cfg.grad_accum, self.dist))
             self.batch_filter.mask(self.params, keep)
         grad_norm = full_tensor(self.train_step.update())
-        hessian_due = getattr(self.optimizer, "hessian_due", None)  # Sophia-G: estimate on this step's last batch
-        if hessian_due is not None and hessian_due():
-            # Seeded by the step: a resumed run draws the same labels.
-            generator = torch.Generator(self.device).manual_seed(cfg.seed * 1_000_003 + self.step)
-            self.train_step.sample_hessian(inputs, generator)
+        self.train_step.sample_hessian_if_due(inputs, cfg.seed, self.step)  # Sophia-G: on this step's last batch
         moe_load = self.train_step.moe_load
         graphs = self.train_step.graphs
         if graphs is not None and graphs.captured and not self._graphs_announced:
