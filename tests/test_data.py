@@ -561,7 +561,7 @@ def test_loader_errors(tmp_path, text_data):
     with pytest.raises(ValueError, match="seq_len"):
         other.load_state_dict({**other.state_dict(), "seq_len": 9})
     with pytest.raises(ValueError, match="other data"):
-        other.load_state_dict({**other.state_dict(), "data_fingerprint": "x"})
+        other.load_state_dict({**other.state_dict(), "data_fingerprint": "x", "data_content": "x"})
 
 
 def test_a_partial_evaluation_samples_the_whole_validation_split(tmp_path):

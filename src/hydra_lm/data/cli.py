@@ -27,7 +27,8 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 def run_prepare(args: argparse.Namespace) -> int:
     from .prepare import prepare_data
 
-    prepare_data(args.inputs or None, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
+    # An empty --input (an unset shell variable) is refused by prepare_data; only no --input is the built-in corpus.
+    prepare_data(args.inputs, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
                  val_fraction=args.val_fraction, seed=args.seed, text_field=args.text_field,
                  max_bytes=args.max_bytes, progress=not args.no_progress, force=args.force)
     return 0

@@ -212,7 +212,8 @@ class PackedLoader:
         return {"version": STATE_VERSION, "split": self.split, "seed": self.seed, "epoch": self._epoch,
                 "position": self._position, "step": self._step, "rank": self.rank, "world_size": self.world_size,
                 "batch_size": self.batch_size, "seq_len": self.seq_len, "shuffle": self.shuffle, "loop": self.loop,
-                "random_offset": self.random_offset, "data_fingerprint": self.meta.get("fingerprint")}
+                "random_offset": self.random_offset, "data_fingerprint": self.meta.get("fingerprint"),
+                "data_content": self.meta.get("content_sha256")}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where the loader that saved ``state`` stopped.
@@ -223,9 +224,11 @@ class PackedLoader:
         missing = {"epoch", "position", "seed", "seq_len"} - set(state)
         if missing:
             raise ValueError(f"not a PackedLoader state: missing {sorted(missing)}")
-        if state.get("data_fingerprint") not in (None, self.meta.get("fingerprint")):
-            raise ValueError(f"the loader state was saved for other data than {self.data_dir} (fingerprints "
-                             f"differ): resume with the data directory the run started with")
+        if not same_data(state, self.meta):
+            raise ValueError(f"the loader state was saved for other data than {self.data_dir}: the data there changed "
+                             f"since the run started (prepared again from a changed corpus or with other options), "
+                             f"or the run started on another directory. Resume with the data the run started with "
+                             f"(prepare it again from the same corpus and options), or start a new run on this data")
         for name in ("split", "seq_len", "shuffle", "loop", "random_offset"):
             if name in state and state[name] != getattr(self, name):
                 raise ValueError(f"the loader state has {name}={state[name]!r}, this loader {getattr(self, name)!r}: "
@@ -247,6 +250,16 @@ class PackedLoader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def same_data(state: dict, meta: dict) -> bool:
+    """Whether a loader ``state`` was saved on the data ``meta`` describes: by content where both record it (a
+    corpus touched and prepared again is the same data), else, for states and directories from before, by the
+    preparation's fingerprint; a state that records neither matches."""
+    saved, now = state.get("data_content"), meta.get("content_sha256")
+    if saved is not None and now is not None:
+        return saved == now
+    return state.get("data_fingerprint") in (None, meta.get("fingerprint"))
 
 
 def _cursors(loader: PackedLoader, cursor: tuple[int, int]):

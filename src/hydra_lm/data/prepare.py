@@ -20,6 +20,7 @@ from .shards import (
     SPLITS,
     SplitWriter,
     bin_path,
+    content_digest,
     exclusive_lock,
     idx_path,
     read_meta,
@@ -60,7 +61,7 @@ def _documents(corpus: Corpus, text_field: str, max_bytes: int | None) -> Iterat
     used = 0
     for si, source in enumerate(corpus.sources):
         try:
-            for key, payload in source.documents(text_field, corpus.strict_text):
+            for key, payload in source.documents(text_field, corpus.strict_text, corpus.not_utf8):
                 if max_bytes is not None:
                     size = len(payload.encode("utf-8")) if isinstance(payload, str) else 4 * len(payload)
                     if used and used + size > max_bytes:
@@ -257,6 +258,10 @@ def _build(out: Path, corpus: Corpus, tok: HydraTokenizer | None, options: dict,
     if corpus.skipped:
         print(f"[hydra-lm prepare] warning: skipped {len(corpus.skipped)} file(s) that look binary or UTF-16, e.g. "
               f"{min(corpus.skipped)}: convert them to UTF-8 to include them", file=sys.stderr, flush=True)
+    if corpus.not_utf8:
+        print(f"[hydra-lm prepare] warning: {len(corpus.not_utf8)} file(s) are not valid UTF-8, e.g. "
+              f"{min(corpus.not_utf8)}: their undecodable bytes became U+FFFD replacement characters; convert them "
+              f"to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8) to keep their text exact", file=sys.stderr, flush=True)
     for stale in (TOKENIZER_FILE, TIKTOKEN_FILE):
         (out / stale).unlink(missing_ok=True)
     if tok is not None:
@@ -265,6 +270,7 @@ def _build(out: Path, corpus: Corpus, tok: HydraTokenizer | None, options: dict,
 
     meta = {
         "format_version": FORMAT_VERSION, "hydra_lm_version": __version__, "fingerprint": fingerprint,
+        "content_sha256": content_digest(out, tok.fingerprint() if tok is not None else None, vocab, eos_id),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "vocab_size": vocab,
         "vocab_size_requested": options["vocab_size"] if tok is not None and tok.kind == "bpe" else None,

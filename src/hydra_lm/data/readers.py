@@ -81,18 +81,45 @@ class NotText(ValueError):
     """A text input holding NUL bytes: binary data, or text in UTF-16 or UTF-32."""
 
 
-def read_text(path: Path, strict: bool = False) -> str | None:
-    """The file's text; None with ``strict`` for files that are not UTF-8; ``NotText`` for binary files."""
-    data = _read_bytes(path)
-    if b"\0" in data[:8192]:
+class TextFieldError(ValueError):
+    """Records without a usable text field; ``problem`` is the message without the advice, for callers whose
+    users name the field another way."""
+
+    def __init__(self, problem: str):
+        super().__init__(f"{problem}; pass text_field=NAME (--text_field NAME) to name the field that holds the text")
+        self.problem = problem
+
+
+def _check_not_binary(path: Path, head: bytes) -> None:
+    if b"\0" in head[:8192]:
         raise NotText(f"{path} looks binary or UTF-16: convert it to UTF-8 (e.g. iconv -f UTF-16 -t UTF-8), or "
                       f"leave it out of the inputs")
+
+
+def _decode(data: bytes, path: Path, not_utf8: set[Path] | None) -> str:
+    """UTF-8 without a byte order mark; bytes that are not UTF-8 become U+FFFD, and ``path`` is noted in
+    ``not_utf8`` so that the loss is reported."""
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
-        # Most "text" that fails UTF-8 is mostly ASCII: keeping it with replacement characters
-        # loses less than dropping the file, unless the caller asked for clean input.
-        return None if strict else data.decode("utf-8", errors="replace")
+        text = data.decode("utf-8", errors="replace")
+        if not_utf8 is not None:
+            not_utf8.add(path)
+    return text.removeprefix("\ufeff")
+
+
+def read_text(path: Path, strict: bool = False, not_utf8: set[Path] | None = None) -> str | None:
+    """The file's text; None with ``strict`` for files that are not UTF-8; ``NotText`` for binary files."""
+    data = _read_bytes(path)
+    _check_not_binary(path, data)
+    if strict:
+        try:
+            return data.decode("utf-8").removeprefix("\ufeff")
+        except UnicodeDecodeError:
+            return None
+    # Most "text" that fails UTF-8 is mostly ASCII: keeping it with replacement characters
+    # loses less than dropping the file, unless the caller asked for clean input.
+    return _decode(data, path, not_utf8)
 
 
 def _record_text(rec: object, field: str, where: str) -> str:
@@ -100,23 +127,32 @@ def _record_text(rec: object, field: str, where: str) -> str:
         return rec
     if isinstance(rec, dict):
         if field not in rec:
-            raise ValueError(f"{where}: record has no field {field!r} (it has {sorted(rec)[:12]}); pass "
-                             f"text_field=NAME (--text_field NAME) to name the field that holds the text")
-        value = rec[field]
-        if value is None:
-            return ""
-        if not isinstance(value, str):
-            raise ValueError(f"{where}: field {field!r} holds {type(value).__name__}, not text; pass "
-                             f"text_field=NAME to name a text field")
+            raise TextFieldError(f"{where}: record has no field {field!r} (it has {sorted(rec)[:12]})")
+        return _field_text(rec[field], f"field {field!r}", where)
+    raise TextFieldError(f"{where}: expected a JSON object with a {field!r} field (or a string), "
+                         f"got {type(rec).__name__}")
+
+
+def _field_text(value: object, name: str, where: str, not_utf8: set[Path] | None = None,
+                path: Path | None = None) -> str:
+    """The text of one record's ``name`` (its field or column): None is empty, bytes (from ``path``) are UTF-8,
+    anything else is refused."""
+    if isinstance(value, str):
         return value
-    raise ValueError(f"{where}: expected a JSON object with a {field!r} field (or a string), "
-                     f"got {type(rec).__name__}")
+    if value is None:
+        return ""
+    if isinstance(value, bytes) and path is not None:
+        return _decode(value, path, not_utf8)
+    raise TextFieldError(f"{where}: {name} holds {type(value).__name__}, not text")
 
 
-def iter_jsonl(path: Path, key: str, text_field: str) -> Iterator[Doc]:
+def iter_jsonl(path: Path, key: str, text_field: str, not_utf8: set[Path] | None = None) -> Iterator[Doc]:
     opener = gzip.open if _gzipped(path) else open
-    with _gzip_errors(path), opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
+    with _gzip_errors(path), opener(path, "rb") as f:
+        _check_not_binary(path, f.read(8192))  # UTF-16 records would otherwise read as "not valid JSON"
+        f.seek(0)
+        for lineno, raw in enumerate(f, 1):
+            line = _decode(raw, path, not_utf8)
             if not line.strip():
                 continue
             try:
@@ -127,17 +163,45 @@ def iter_jsonl(path: Path, key: str, text_field: str) -> Iterator[Doc]:
             yield f"{key}#{lineno}", _record_text(rec, text_field, f"{path}:{lineno}")
 
 
-def iter_json(path: Path, key: str, text_field: str, explicit: bool = False) -> Iterator[Doc]:
-    """A list of records (or strings) gives one document each; any other JSON is one text document.
+def _json_lines(raw: str) -> tuple[list[tuple[int, dict | str]], int | None]:
+    """``(line number, record)`` of every non-empty line, each a JSON object or string, and None; or the number
+    of the first line that is not one."""
+    records = []
+    for lineno, line in enumerate(raw.split("\n"), 1):  # not splitlines: JSON strings may hold U+2028 as is
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                return [], lineno
+            if not isinstance(rec, (dict, str)):
+                return [], lineno
+            records.append((lineno, rec))
+    return records, None
+
+
+def iter_json(path: Path, key: str, text_field: str, explicit: bool = False,
+              not_utf8: set[Path] | None = None) -> Iterator[Doc]:
+    """A list of records (or strings), or JSON Lines (what ``datasets``' ``to_json`` writes under a ``.json``
+    name), gives one document each; any other JSON is one text document.
 
     The fallback keeps directories of code or docs usable: their ``.json`` files are configs and
     data that read best as text. A file named explicitly is meant as data, so records without
-    the text field are an error there rather than text.
+    the text field, or content that is not JSON at all, are an error there rather than text.
     """
-    raw = read_text(path)
+    raw = read_text(path, not_utf8=not_utf8)
     try:
         obj = json.loads(raw)
-    except json.JSONDecodeError:
+    except json.JSONDecodeError as err:
+        lines, bad = _json_lines(raw)
+        if bad is None:  # JSON Lines (or nothing but blank lines)
+            if explicit or all(isinstance(r, str) or text_field in r for _, r in lines):
+                for lineno, rec in lines:
+                    yield f"{key}#{lineno}", _record_text(rec, text_field, f"{path}:{lineno}")
+                return
+        elif explicit:
+            raise ValueError(f"{path} is neither JSON ({err.msg}: line {err.lineno} column {err.colno}) nor JSON Lines "
+                             f"(line {bad} is not a JSON object): fix the file, or give it a text suffix such as .txt "
+                             f"to read it as plain text") from None
         obj = None
     if isinstance(obj, list) and obj and all(isinstance(r, (dict, str)) for r in obj):
         if all(isinstance(r, str) or text_field in r for r in obj):
@@ -153,20 +217,38 @@ def iter_json(path: Path, key: str, text_field: str, explicit: bool = False) -> 
     yield key, raw
 
 
-def iter_parquet(path: Path, key: str, text_field: str) -> Iterator[Doc]:
+@contextlib.contextmanager
+def _parquet_errors(path: Path):
+    """A damaged or foreign file is bad input: one line naming it instead of pyarrow's traceback."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (pa.ArrowException, OSError) as err:
+        raise ValueError(f"could not read {path} as Parquet ({type(err).__name__}: {err}); it is damaged or not "
+                         f"Parquet: write or download it again") from None
+
+
+def iter_parquet(path: Path, key: str, text_field: str, not_utf8: set[Path] | None = None) -> Iterator[Doc]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise ValueError(f"reading {path} needs the optional package pyarrow: pip install pyarrow (or "
                          f"pip install 'hydra-lm[data]'), or convert the file to JSONL") from None
-    pf = pq.ParquetFile(_binary_source(path))
-    names = pf.schema_arrow.names
+    with _parquet_errors(path):
+        pf = pq.ParquetFile(_binary_source(path))
+        names = pf.schema_arrow.names
     if text_field not in names:
-        raise ValueError(f"{path}: no column {text_field!r} (columns: {names[:12]}); pass text_field=NAME")
+        raise TextFieldError(f"{path}: no column {text_field!r} (columns: {names[:12]})")
     n = 0
-    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+    batches = pf.iter_batches(columns=[text_field], batch_size=1024)
+    while True:
+        with _parquet_errors(path):
+            batch = next(batches, None)
+        if batch is None:
+            return
         for value in batch.column(0).to_pylist():
-            yield f"{key}#{n}", value if isinstance(value, str) else ""
+            yield f"{key}#{n}", _field_text(value, f"column {text_field!r}", f"{path} row {n}", not_utf8, path)
             n += 1
 
 
@@ -218,7 +300,12 @@ def load_token_docs(path: Path, fmt: str) -> tuple[list[np.ndarray], int | None]
             raise ValueError(f"{path}: the dict has no token entry (keys: {sorted(map(str, obj))[:12]}); expected "
                              f"one of {TOKEN_KEYS}")
         obj = obj[found]
-    return _as_token_docs(obj, str(path)), declared
+    docs = _as_token_docs(obj, str(path))
+    top = max((int(d.max()) for d in docs if len(d)), default=-1)
+    if declared is not None and top >= declared:
+        raise ValueError(f"{path} declares vocab_size {declared} but holds token id {top}: the shard is damaged or "
+                         f"its vocab_size is wrong; correct its vocab_size (at least {top + 1}) or its ids")
+    return docs, declared
 
 
 def iter_token_docs(path: Path, key: str, fmt: str) -> Iterator[Doc]:
@@ -306,7 +393,7 @@ def iter_saved_dataset(directory: Path, key: str, text_field: str) -> Iterator[D
 def _dataset_docs(ds, key: str, text_field: str) -> Iterator[Doc]:
     columns = list(ds.column_names or [])
     if columns and text_field not in columns:
-        raise ValueError(f"{key}: no column {text_field!r} (columns: {columns[:12]}); pass text_field=NAME")
+        raise TextFieldError(f"{key}: no column {text_field!r} (columns: {columns[:12]})")
     n = 0
     for batch in ds.select_columns([text_field]).iter(batch_size=1024):
         for value in batch[text_field]:

@@ -11,12 +11,17 @@ A prepared directory holds, per split (``train``, ``val``):
 
 plus ``tokenizer.json`` (or ``tokenizer_tiktoken.json``) and ``meta.json``, written last: a
 directory without ``meta.json`` is incomplete. ``.prepare.lock`` lets one process at a time prepare it.
+
+``meta.json`` holds two identities: ``fingerprint`` (the inputs' names, sizes and mtimes and the options:
+what ``prepare`` compares to skip a build) and ``content_sha256`` (the token and index files and the
+tokenizer: what a resumed loader compares, so touching a corpus and preparing it again keeps a run resumable).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -104,6 +109,18 @@ def exclusive_lock(path: Path, on_wait: Callable[[], None]) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def content_digest(data_dir: str | Path, tokenizer_id: str | None, vocab_size: int, eos_id: int) -> str:
+    """sha256 of what a loader reads: every split's token and index files, the tokenizer and the ids around them."""
+    h = hashlib.sha256(json.dumps([tokenizer_id, vocab_size, eos_id]).encode("utf-8"))
+    for split in SPLITS:
+        for path in (bin_path(data_dir, split), idx_path(data_dir, split)):
+            h.update(f"\0{path.name}\0{path.stat().st_size}\0".encode())
+            with open(path, "rb") as f:  # streamed: a split can be many GB
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+    return h.hexdigest()
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:

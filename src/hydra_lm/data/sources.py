@@ -8,6 +8,7 @@ of the running interpreter's standard library, present on every machine without 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import os
@@ -49,21 +50,23 @@ class Source:
     def fingerprint(self) -> list:
         return [self.fmt, self.key, str(self.path) if self.path else None, self.size, self.mtime_ns]
 
-    def documents(self, text_field: str, strict_text: bool = False) -> Iterator[readers.Doc]:
+    def documents(self, text_field: str, strict_text: bool = False,
+                  not_utf8: set[Path] | None = None) -> Iterator[readers.Doc]:
+        """``not_utf8`` collects the files whose bytes that are not UTF-8 were replaced by U+FFFD."""
         if self.fmt == "hf":
             yield from readers.iter_hf(self.key, text_field)
         elif self.fmt == "hf_disk":
             yield from readers.iter_saved_dataset(self.path, self.key, text_field)
         elif self.fmt == "text":
-            text = readers.read_text(self.path, strict=strict_text)
+            text = readers.read_text(self.path, strict=strict_text, not_utf8=not_utf8)
             if text is not None:
                 yield self.key, text
         elif self.fmt == "jsonl":
-            yield from readers.iter_jsonl(self.path, self.key, text_field)
+            yield from readers.iter_jsonl(self.path, self.key, text_field, not_utf8)
         elif self.fmt == "json":
-            yield from readers.iter_json(self.path, self.key, text_field, self.explicit)
+            yield from readers.iter_json(self.path, self.key, text_field, self.explicit, not_utf8)
         elif self.fmt == "parquet":
-            yield from readers.iter_parquet(self.path, self.key, text_field)
+            yield from readers.iter_parquet(self.path, self.key, text_field, not_utf8)
         else:
             yield from readers.iter_token_docs(self.path, self.key, self.fmt)
 
@@ -76,6 +79,7 @@ class Corpus:
     strict_text: bool = False
     notes: dict = field(default_factory=dict)
     skipped: set[Path] = field(default_factory=set)  # files found in directories that turned out binary
+    not_utf8: set[Path] = field(default_factory=set)  # files read with U+FFFD in place of bytes that are not UTF-8
 
     @property
     def has_text(self) -> bool:
@@ -105,11 +109,22 @@ def _file_source(path: Path, root: Path, explicit: bool) -> Source | None:
                              f"{readers.FORMAT_HELP}")
         fmt = "text"
     st = path.stat()
+    return Source(fmt, _source_key(path, root), path, st.st_size, st.st_mtime_ns, explicit)
+
+
+def _source_key(path: Path, root: Path) -> str:
+    """``path`` relative to ``root``, through symlinks; a file linked from outside ``root`` is keyed by its name,
+    one reached through a linked directory by the path it has under ``root`` (same-named files stay apart)."""
+    real_root = root.resolve()
     try:
-        key = path.resolve().relative_to(root.resolve()).as_posix()
+        return path.resolve().relative_to(real_root).as_posix()
     except ValueError:
-        key = path.name
-    return Source(fmt, key, path, st.st_size, st.st_mtime_ns, explicit)
+        pass
+    parent = path.parent.resolve()
+    if real_root != parent and real_root not in parent.parents:
+        with contextlib.suppress(ValueError):
+            return path.absolute().relative_to(root.absolute()).as_posix()
+    return path.name
 
 
 def _is_prepared(directory: Path) -> bool:
@@ -124,12 +139,24 @@ def _is_incomplete(directory: Path) -> bool:
 
 
 def _walk(root: Path, skip_test_data: bool = False) -> Iterator[Path]:
-    for dirpath, dirnames, filenames in os.walk(root):
+    """Files under ``root``, linked directories included; a directory reached twice (a link back up the tree,
+    two links to one place) is read once."""
+    visited = {os.path.realpath(root)}
+
+    def first_visit(directory: Path) -> bool:
+        real = os.path.realpath(directory)
+        if real in visited:
+            return False
+        visited.add(real)
+        return True
+
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         rel_parts = Path(dirpath).relative_to(root).parts
         in_tests = any(p in TEST_DIRS for p in rel_parts)
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")
-                             and not (skip_test_data and in_tests and d.endswith("data"))
-                             and not _is_prepared(Path(dirpath) / d) and not _is_incomplete(Path(dirpath) / d))
+        dirnames[:] = [d for d in sorted(dirnames) if d not in SKIP_DIRS and not d.startswith(".")
+                       and not (skip_test_data and in_tests and d.endswith("data"))
+                       and not _is_prepared(Path(dirpath) / d) and not _is_incomplete(Path(dirpath) / d)
+                       and first_visit(Path(dirpath) / d)]
         for name in sorted(filenames):
             if not name.startswith("."):
                 yield Path(dirpath) / name
@@ -192,16 +219,22 @@ def resolve_inputs(inputs: Sequence[str | Path] | str | Path | None, default_cap
         inputs = [inputs]
     inputs = [str(i) for i in inputs]
     if not inputs:
-        raise ValueError("inputs is an empty list: pass files, directories, globs or hf:NAME, or None for the "
-                         "default corpus (the Python standard library source)")
+        raise ValueError("inputs is an empty list (--input without paths: an unset shell variable?): pass files, "
+                         "directories, globs or hf:NAME, or None (no --input) for the default corpus (the Python "
+                         "standard library source)")
     sources: list[Source] = []
     notes: dict = {}
+    skip = exclude.resolve() if exclude is not None else None
     for spec in inputs:
+        path = Path(spec).expanduser()
+        # Walking an input that holds the output skips the output; an input named inside it is a mistake.
+        if skip is not None and path.exists() and skip in (path.resolve(), *path.resolve().parents):
+            raise ValueError(f"input {spec!r} is inside the output directory {exclude}, which is never read as "
+                             f"input: move it out, or choose an --out outside the inputs")
         if spec.startswith("hf:"):
             readers.parse_hf_spec(spec)
             sources.append(Source("hf", spec))
             continue
-        path = Path(spec).expanduser()
         if glob.has_magic(spec) and not path.exists():
             matches = sorted(glob.glob(str(path), recursive=True))
             if not matches:
@@ -227,7 +260,6 @@ def resolve_inputs(inputs: Sequence[str | Path] | str | Path | None, default_cap
                                     f"hf:NAME[:CONFIG][:SPLIT], or a named set ({', '.join(NAMED_SETS)}) found "
                                     f"through HYDRA_DATA_ROOT")
     unique, seen = [], set()
-    skip = exclude.resolve() if exclude is not None else None
     for s in sources:
         ident = str(s.path.resolve()) if s.path else s.key
         if skip is not None and s.path is not None and skip in s.path.resolve().parents:

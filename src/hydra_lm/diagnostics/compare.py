@@ -249,7 +249,7 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
             raise ValueError("--seed and --seeds: give one of them (--seeds trains every variant once per seed)")
         if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
             raise ValueError(f"--seeds {' '.join(map(str, seeds))}: give distinct seeds >= 0 (e.g. --seeds 0 1 2)")
-    if shared.get("dataset") is not None:  # as train takes it: 'default' or a prepared directory
+    if shared.get("dataset") is not None:  # as train takes it: 'default', a prepared directory or a corpus
         if data:
             raise ValueError("--data and --dataset both name the training data: keep one")
         data = str(dataset_dir(shared["dataset"]))

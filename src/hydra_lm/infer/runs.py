@@ -150,9 +150,10 @@ def eval_run(run_dir: str | Path, checkpoint: str | Path | None = None, data: st
                          "would mean nothing: evaluate on data prepared with the run's tokenizer "
                          "(`hydra-lm prepare --tokenizer RUN_DIR/tokenizer.json ...`)")
     from ..data import read_meta
+    from ..data.loader import same_data
 
-    trained_on = (run.checkpoint.state.get("loader") or {}).get("data_fingerprint")
-    if data is None and trained_on not in (None, read_meta(info.path).get("fingerprint")):
+    trained_on = run.checkpoint.state.get("loader") or {}
+    if data is None and not same_data(trained_on, read_meta(info.path)):
         raise ValueError(f"{data_dir} was prepared again since run {run_dir} trained on it (other inputs or options), "
                          "so its validation split may hold documents the run trained on: pass --data DIR to "
                          "evaluate on it anyway")

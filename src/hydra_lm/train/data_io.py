@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import data as data_pkg
+from ..data.readers import TextFieldError
 
 
 @dataclass
@@ -73,6 +74,9 @@ def dataset_dir(name: str) -> Path:
         return Path(data_pkg.prepare_data(inputs, out))
     except FileNotFoundError as err:
         raise ValueError(str(err)) from None
+    except TextFieldError as err:  # --dataset has no --text_field: its advice is for `prepare`
+        raise ValueError(f"{err.problem}; --dataset reads the field 'text': run `hydra-lm prepare --input {name} "
+                         f"--text_field NAME --out DIR` and train with --data DIR") from None
 
 
 def _resolved_spec(spec: str) -> tuple[str, str]:

@@ -40,8 +40,10 @@ def opt(default: Any, help: str, *, type: Any = None, choices: tuple | None = No
 class TrainConfig:
     # --- what to train on, where to write
     data: str | None = opt(None, "prepared data directory (from `hydra-lm prepare`)", type=str)
-    dataset: str | None = opt(None, "'default' (the embedded corpus, prepared on first use) or a prepared "
-                                    "data directory; hub dataset names are not available offline", type=str)
+    dataset: str | None = opt(None, "'default' (the embedded corpus), a prepared data directory, or a corpus "
+                                    "as `hydra-lm prepare --input` takes it (files, directories, globs, named "
+                                    "sets, hf:NAME; records' text in their 'text' field), prepared once into "
+                                    "a cache", type=str)
     out: str | None = opt(None, "run directory: config, metrics, logs, checkpoints", type=str)
     model_size: str = opt("debug", "model preset (debug, 50M, 100M, 250M, 500M, 750M, 1B, 1.5B)", type=str)
     arch: str = opt("hydra", "hydra (CCGQA + MoD/MoR) or the dense GQA baseline", type=str, choices=ARCHS)
