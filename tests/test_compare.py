@@ -453,6 +453,22 @@ def test_the_report_reads_off_the_time_and_compute_a_routed_variant_took_to_reac
                     ("once", "dense", "1.6000", "<= 120.0", "<= 1.00", "<= 1.2e+03", "<= 1.00")]
 
 
+def test_the_reach_table_bounds_a_loss_reached_at_the_first_evaluation_after_the_start():
+    """The start's evaluation is the untrained model (loss ~9): a line from it to the first evaluation that
+    beats dense would read a time the run never showed, so that evaluation's own time is the bound."""
+    from hydra_lm.diagnostics.report import first_reach, reach_rows
+
+    evals = [{"train_s": t, "flops": 1e9 * t, "val_loss_causal": loss}
+             for t, loss in ((0.0, 9.1376), (7.69, 6.6875), (15.54, 6.033))]
+    assert first_reach(evals, "train_s", 7.0409) == (7.69, True)
+    assert first_reach(evals, "flops", 7.0409) == (pytest.approx(7.69e9), True)
+    dense = {"arch": "dense", "status": "finished", "seed": 0, "evals": [], "train_s": 15.0, "executed_flops": 3e10,
+             "final": {"val_loss_causal": 7.0409}}
+    hydra = {"arch": "hydra", "status": "finished", "seed": 0, "evals": evals}
+    (row,) = reach_rows({"variants": {"hydra": hydra, "dense": dense}})
+    assert row[3:] == ("<= 7.7", "<= 0.51", "<= 7.69e+09", "<= 0.26")
+
+
 def test_a_run_whose_throughput_wavered_is_flagged_as_unfair_to_a_seconds_budget():
     from hydra_lm.diagnostics.compare_results import STEADY_THROUGHPUT, throughput_steadiness, unsteady_warning
 

@@ -138,13 +138,15 @@ def format_lr_table(results: dict[str, Any]) -> str:
 def first_reach(evals: list[dict[str, Any]], key: str, target: float) -> tuple[float, bool] | None:
     """The ``key`` ("train_s" or "flops") at which a run's causal validation loss first reached ``target``,
     linearly interpolated between the two evaluations around the crossing, and whether that is only an upper
-    bound (reached by a first evaluation after the start, e.g. one evaluation per run); None if never."""
+    bound (reached by the first evaluation after the start, e.g. one evaluation per run); None if never."""
     points = sorted((p[key], p["val_loss_causal"]) for p in evals
                     if p.get(key) is not None and p.get("val_loss_causal") is not None)
     before = None
     for x, loss in points:
         if loss <= target:
-            if before is None:
+            # Not interpolated from the start (the untrained model's loss, at 0): the loss falls steeply and
+            # far from linearly after it, so a straight line from there would read a time the run never showed.
+            if before is None or before[0] <= 0:
                 return x, x > 0
             x0, loss0 = before
             return x0 + (loss0 - target) / (loss0 - loss) * (x - x0), False
@@ -246,7 +248,8 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
                   "their ratios to what the dense run spent. The routed run is read before the end of its own "
                   "schedule: a run given only that budget would decay its learning rate sooner and likely get there "
                   "earlier, so the ratios tend to overstate what it needs. \"<=\": reached by its first "
-                  "evaluation, so only bounded (evaluate more often: --evals).", "",
+                  "evaluation after the start (nothing is interpolated from the untrained model's loss), so only "
+                  "bounded (evaluate more often: --evals).", "",
                   *_markdown_table(REACH_COLUMNS, reach), ""]
     if results.get("across_seeds"):
         margin = seed_margin(results)
