@@ -98,12 +98,54 @@ def test_lr_sweep_marks_a_best_inside_the_grid_as_settled():
     loss = {1e-3: 3.0, 3e-3: 2.5, 1e-2: 2.8}
     variants = {r.name: {"status": "finished",
                          "final": {"val_loss_causal": loss[r.values["lr"]] + 0.01 * int(r.name[-1])}} for r in runs}
-    variants["hydra.lr0.01.seed1"] = {"status": "diverged", "final": None}  # left out of the mean
-    variants["hydra.lr0.001.seed1"]["rollbacks"] = 1  # finished at a lower LR than its own: left out too
+    variants["hydra.lr0.01.seed1"] = {"status": "diverged", "final": None}  # the rate failed: no mean
+    variants["hydra.lr0.001.seed1"]["rollbacks"] = 1  # finished at a lower LR than its own: failed too
     sweep = lr_sweep(runs, variants)
-    assert sweep["hydra"] == {"lrs": [1e-3, 3e-3, 1e-2], "causal": pytest.approx([3.0, 2.505, 2.8]),
+    assert sweep["hydra"] == {"lrs": [1e-3, 3e-3, 1e-2], "causal": [None, pytest.approx(2.505), None],
+                              "n_seeds": [1, 2, 1], "planned_seeds": [2, 2, 2], "failed": [True, False, True],
                               "best_lr": 3e-3, "best_causal": pytest.approx(2.505), "best_at_edge": None}
     assert sweep["dense"]["best_at_edge"] is None  # one learning rate: nothing to extend
+
+
+def test_a_learning_rate_where_some_seeds_diverged_is_failed_not_best_and_not_extended_past():
+    """A mean over the seeds that survived ranks an unstable rate by its lucky seed: 3e-3 with one seed at 3.40
+    and two diverged would be best, and --lr_extend would try 9e-3 next."""
+    from hydra_lm.diagnostics.compare_results import across_seeds
+    from hydra_lm.diagnostics.report import lr_rows, seed_rows
+
+    def run(lr, seed):
+        return SimpleNamespace(name=f"hydra.lr{lr:g}.seed{seed}", values={"lr": lr}, seed=seed,
+                               variant=SimpleNamespace(swept_from="hydra", name=f"hydra.lr{lr:g}", arch="hydra"))
+
+    def finished(loss):
+        return {"status": "finished", "rollbacks": 0, "final": {"val_loss_causal": loss}}
+    runs = [run(lr, s) for lr in (1e-3, 3e-3) for s in (0, 1, 2)]
+    variants = {r.name: finished(loss) for r, loss in zip(runs, (3.50, 3.52, 3.48, 3.40, None, None))}
+    variants["hydra.lr0.003.seed1"] = {"status": "diverged", "rollbacks": 2, "final": {"val_loss_causal": 7.9}}
+    sweep = lr_sweep(runs, variants)
+    hydra = sweep["hydra"]
+    assert hydra["best_lr"] == 1e-3 and hydra["best_causal"] == pytest.approx(3.50)
+    assert hydra["causal"] == [pytest.approx(3.50), None] and hydra["failed"] == [False, True]
+    assert hydra["n_seeds"] == [3, 1] and hydra["planned_seeds"] == [3, 3]
+    assert lr_extensions(sweep) == {"hydra": pytest.approx(3.33e-4)}  # below the best, not towards 9e-3
+    results = {"lr_sweep": sweep}
+    assert lr_rows(results) == [("hydra", "3.5000 (n=3)", "failed (2 of 3 unstable)", "0.001 (the smallest tried)")]
+    # A seed not trained yet (or raised): no mean over the others either, and no failure.
+    variants = {r.name: finished(3.5) for r in runs}
+    variants["hydra.lr0.003.seed2"] = {"status": "unfinished", "final": None}
+    sweep = lr_sweep(runs, variants)
+    assert sweep["hydra"]["causal"] == [3.5, None] and sweep["hydra"]["failed"] == [False, False]
+    assert lr_rows({"lr_sweep": sweep})[0][2] == "- (2 of 3 done)"
+    # Across seeds: how many of the planned seeds a mean took, and why the others are left out.
+    variants = {r.name: finished(loss) for r, loss in zip(runs, (3.50, 3.52, 3.48, 3.40, None, 3.6))}
+    variants["hydra.lr0.003.seed2"]["status"] = "diverged"
+    summary = across_seeds(runs, variants)
+    assert summary["hydra.lr0.001"]["complete"] and summary["hydra.lr0.001"]["planned"] == [0, 1, 2]
+    three = summary["hydra.lr0.003"]
+    assert (three["seeds"], three["mean"], three["complete"]) == ([0], 3.40, False)
+    assert three["left_out"] == {"1": "non-finite", "2": "diverged"}
+    rows = seed_rows({"across_seeds": summary})
+    assert rows[0][1] == "0 1 2" and rows[1][1] == "0 (1 of 3; left out: 1 non-finite, 2 diverged)"
 
 
 def test_lr_extensions_step_past_the_end_a_best_sits_at_by_the_grids_ratio_there():

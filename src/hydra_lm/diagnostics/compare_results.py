@@ -64,6 +64,7 @@ def collect_results(plan: ComparePlan) -> dict[str, Any]:
         results["across_seeds"] = across_seeds(plan.runs, variants)
     if any(run.variant.swept_from for run in plan.runs):
         results["lr_sweep"] = lr_sweep(plan.runs, variants)
+        results["warnings"] += lr_failure_warnings(results["lr_sweep"])
         for family, sweep in results["lr_sweep"].items():
             if sweep["best_at_edge"]:
                 results["warnings"].append(
@@ -109,29 +110,55 @@ def _final_causal(entry: dict[str, Any]) -> float | None:
     return entry["final"]["val_loss_causal"]
 
 
+def run_outcome(entry: dict[str, Any]) -> str:
+    """What a run tells a learning rate: "ok" (finished with a finite final loss, no rollback), "unstable"
+    (diverged, rolled back or ended on a non-finite loss: the learning rate's doing) or "missing" (not trained
+    yet, cut short, or raised, e.g. out of memory: the same command trains it again)."""
+    if entry["status"] == "diverged" or entry.get("rollbacks"):
+        return "unstable"
+    if entry["status"] != "finished" or entry["final"] is None:
+        return "missing"
+    return "ok" if _final_causal(entry) is not None else "unstable"
+
+
 def lr_sweep(runs: list[VariantRun], variants: dict[str, Any]) -> dict[str, Any]:
-    """Per variant swept over --lrs: its final causal loss at each learning rate (the mean over seeds, runs that
-    finished with a finite loss and without a rollback only), the best learning rate and whether it is the grid's
-    smallest or largest."""
-    losses: dict[str, dict[float, list[float]]] = {}
+    """Per variant swept over --lrs: its final causal loss at each learning rate, the mean over all of its planned
+    seeds, the best learning rate and whether it is the grid's smallest or largest. A rate has no mean (and cannot
+    be best) unless every planned seed finished with a finite loss and without a rollback: a mean over the seeds
+    that survived would rank an unstable rate by its lucky seeds, and --lr_extend would follow it. One with a seed
+    diverged, rolled back or non-finite is marked failed; ``n_seeds`` counts the seeds each mean could take."""
+    cells: dict[str, dict[float, list[tuple[str, float | None]]]] = {}
     for run in runs:
         if run.variant.swept_from is None:
             continue
         entry = variants[run.name]
-        at_lr = losses.setdefault(run.variant.swept_from, {}).setdefault(run.values["lr"], [])
-        loss = _final_causal(entry)
-        if loss is not None and not entry.get("rollbacks"):
-            at_lr.append(loss)
+        cells.setdefault(run.variant.swept_from, {}).setdefault(run.values["lr"], []).append(
+            (run_outcome(entry), _final_causal(entry)))
     out = {}
-    for family, by_lr in losses.items():
+    for family, by_lr in cells.items():
         grid = sorted(by_lr)
-        means = {lr: float(np.mean(by_lr[lr])) for lr in grid if by_lr[lr]}
+        ok = {lr: [loss for outcome, loss in by_lr[lr] if outcome == "ok"] for lr in grid}
+        failed = [any(outcome == "unstable" for outcome, _ in by_lr[lr]) for lr in grid]
+        means = {lr: float(np.mean(ok[lr])) for lr in grid if len(ok[lr]) == len(by_lr[lr])}
         best = min(means, key=means.get) if means else None
         edge = None
         if best is not None and len(grid) > 1:
             edge = "smallest" if best == grid[0] else "largest" if best == grid[-1] else None
-        out[family] = {"lrs": grid, "causal": [means.get(lr) for lr in grid], "best_lr": best,
+        out[family] = {"lrs": grid, "causal": [means.get(lr) for lr in grid], "n_seeds": [len(ok[lr]) for lr in grid],
+                       "planned_seeds": [len(by_lr[lr]) for lr in grid], "failed": failed, "best_lr": best,
                        "best_causal": means.get(best), "best_at_edge": edge}
+    return out
+
+
+def lr_failure_warnings(sweep: dict[str, Any]) -> list[str]:
+    """A line per learning rate ``lr_sweep`` marked failed."""
+    out = []
+    for family, entry in sweep.items():
+        for lr, failed, n, planned in zip(entry["lrs"], entry["failed"], entry["n_seeds"], entry["planned_seeds"]):
+            if failed:
+                out.append(f"{family}: at learning rate {lr:g} {planned - n} of its {planned} seed(s) diverged, rolled "
+                           "back or ended on a non-finite loss: that rate is marked failed and not ranked (its other "
+                           "seeds' losses are not averaged)")
     return out
 
 
@@ -150,20 +177,27 @@ def lr_extensions(sweep: dict[str, Any]) -> dict[str, float]:
 
 def across_seeds(runs: list[VariantRun], variants: dict[str, Any]) -> dict[str, Any]:
     """Per variant, its final causal losses over the seeds (finished runs with a finite loss only): mean, min, max
-    and the sample standard deviation."""
+    and the sample standard deviation, with the planned seeds (``planned``) and the status of each one left out
+    (``left_out``, by seed: "diverged", "failed", "unfinished" or "non-finite"), so a mean over fewer seeds says so
+    (``complete`` False)."""
     out: dict[str, Any] = {}
     for run in runs:
         entry = variants[run.name]
-        summary = out.setdefault(run.variant.name, {"arch": run.variant.arch, "seeds": [], "causal": []})
+        summary = out.setdefault(run.variant.name, {"arch": run.variant.arch, "seeds": [], "causal": [],
+                                                    "planned": [], "left_out": {}})
+        summary["planned"].append(run.seed)
         loss = _final_causal(entry)
         if loss is not None:
             summary["seeds"].append(run.seed)
             summary["causal"].append(loss)
+        else:
+            summary["left_out"][str(run.seed)] = "non-finite" if entry["status"] == "finished" else entry["status"]
     for summary in out.values():
         losses = np.asarray(summary["causal"], dtype=np.float64)
         n = len(losses)
         summary.update(mean=float(losses.mean()) if n else None, min=float(losses.min()) if n else None,
-                       max=float(losses.max()) if n else None, std=float(losses.std(ddof=1)) if n > 1 else None)
+                       max=float(losses.max()) if n else None, std=float(losses.std(ddof=1)) if n > 1 else None,
+                       complete=not summary["left_out"])
     return out
 
 

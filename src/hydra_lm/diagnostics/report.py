@@ -61,8 +61,18 @@ def format_table(results: dict[str, Any]) -> str:
 SEED_COLUMNS = ("variant", "seeds", "causal mean", "min", "max", "std")
 
 
+def _seeds_cell(v: dict[str, Any]) -> str:
+    """The seeds a summary averaged; with some left out, how many of the planned ones and why the others."""
+    averaged = " ".join(str(x) for x in v["seeds"]) or "-"
+    left = v.get("left_out")  # absent from results.json written before it was recorded
+    if not left:
+        return averaged
+    why = ", ".join(f"{seed} {status}" for seed, status in left.items())
+    return f"{averaged} ({len(v['seeds'])} of {len(v['planned'])}; left out: {why})"
+
+
 def seed_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
-    return [(name, " ".join(str(x) for x in v["seeds"]) or "-", _num(v["mean"], ".4f"), _num(v["min"], ".4f"),
+    return [(name, _seeds_cell(v), _num(v["mean"], ".4f"), _num(v["min"], ".4f"),
              _num(v["max"], ".4f"), _num(v["std"], ".4f")) for name, v in results["across_seeds"].items()]
 
 
@@ -96,14 +106,19 @@ def seed_margin(results: dict[str, Any]) -> str | None:
     stats = margin_statistics(hv["causal"], dv["causal"])
     who = "below" if stats["difference"] > 0 else "above"
     text = (f"Best HYDRA variant {h} (mean {hv['mean']:.4f}, spread {hv['max'] - hv['min']:.4f} over "
-            f"{len(hv['seeds'])} seeds) ends {abs(stats['difference']):.4f} nats {who} the best dense variant {d} "
-            f"(mean {dv['mean']:.4f}, spread {dv['max'] - dv['min']:.4f} over {len(dv['seeds'])} seeds)")
+            f"{_of_planned(hv)} seeds) ends {abs(stats['difference']):.4f} nats {who} the best dense variant {d} "
+            f"(mean {dv['mean']:.4f}, spread {dv['max'] - dv['min']:.4f} over {_of_planned(dv)} seeds)")
     if stats["t"] is not None:
         # Welch's t over a few seeds: the two-sided 5% level is 2.8 at 4 degrees of freedom, 2.3 at 8; a
         # smaller t is a difference the seeds' own spread can make.
         text += (f": {abs(stats['t']):.1f} standard errors of the difference (Welch's t, "
                  f"{stats['df']:.1f} degrees of freedom{'; too few for t to say much' if stats['df'] < 3 else ''})")
     return text + f"; {stats['below_every_dense']} of {stats['n_hydra']} HYDRA seeds end below every dense seed."
+
+
+def _of_planned(v: dict[str, Any]) -> str:
+    n, planned = len(v["seeds"]), len(v.get("planned", v["seeds"]))
+    return str(n) if n == planned else f"{n} of {planned}"
 
 
 def format_seed_table(results: dict[str, Any]) -> str:
@@ -119,14 +134,27 @@ def lr_columns(results: dict[str, Any]) -> tuple[str, ...]:
     return ("variant", *(f"lr {lr:g}" for lr in _lr_grid(results)), "best lr")
 
 
+def _lr_cell(mean: float | None, n: int, planned: int, failed: bool) -> str:
+    """A learning rate's mean over its seeds with how many it took; "failed" where a seed diverged, rolled back
+    or ended non-finite; "-" with how many finished where some are not trained yet (or raised)."""
+    if failed:
+        return f"failed ({planned - n} of {planned} unstable)"
+    return f"{mean:.4f} (n={n})" if mean is not None else f"- ({n} of {planned} done)"
+
+
 def lr_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
     """Per swept variant, its final causal loss (mean over seeds) at each learning rate of the grid."""
     grid = _lr_grid(results)
     rows = []
     for family, sweep in results["lr_sweep"].items():
-        at = dict(zip(sweep["lrs"], sweep["causal"]))
+        n_lrs = len(sweep["lrs"])
+        # results.json written before these were recorded: counts unknown, nothing marked failed
+        cells = zip(sweep["causal"], sweep.get("n_seeds", [None] * n_lrs), sweep.get("planned_seeds", [None] * n_lrs),
+                    sweep.get("failed", [False] * n_lrs))
+        at = {lr: _num(mean, ".4f") if n is None else _lr_cell(mean, n, planned, failed)
+              for lr, (mean, n, planned, failed) in zip(sweep["lrs"], cells)}
         mark = {"smallest": " (the smallest tried)", "largest": " (the largest tried)"}.get(sweep["best_at_edge"], "")
-        rows.append((family, *(_num(at.get(lr), ".4f") for lr in grid),
+        rows.append((family, *(at.get(lr, "-") for lr in grid),
                      "-" if sweep["best_lr"] is None else f"{sweep['best_lr']:g}{mark}"))
     return rows
 
@@ -254,13 +282,17 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
     if results.get("across_seeds"):
         margin = seed_margin(results)
         lines += ["## Across seeds", "",
-                  "Final causal validation loss of each variant over its seeds (finished runs with a finite loss).",
+                  "Final causal validation loss of each variant over its seeds (finished runs with a finite loss; "
+                  "where some of its seeds are left out, the seeds column says how many of them it averaged and "
+                  "why the others are not).",
                   "", *_markdown_table(SEED_COLUMNS, seed_rows(results)), "", *([margin, ""] if margin else [])]
     if results.get("lr_sweep"):
         lines += ["## Learning rate per variant", "",
-                  "Final causal validation loss of each variant at each peak learning rate (the mean over seeds), "
-                  "and its best. Rank the variants by their best; a best at an end of the grid may not be the "
-                  "variant's optimum.", "", *_markdown_table(lr_columns(results), lr_rows(results)), ""]
+                  "Final causal validation loss of each variant at each peak learning rate (the mean over all of its "
+                  "seeds, n of them), and its best. A rate at which any seed diverged, rolled back or ended on a "
+                  "non-finite loss is marked failed and never best; one with seeds not trained yet has no mean. "
+                  "Rank the variants by their best; a best at an end of the grid may not be the variant's optimum.",
+                  "", *_markdown_table(lr_columns(results), lr_rows(results)), ""]
     lines += [
         "## Variants",
         "",
