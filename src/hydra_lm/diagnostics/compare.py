@@ -296,6 +296,7 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
     out_dir = Path(out).expanduser()
     runs = []
     custom_names = {c.name for c in customs}
+    trained_as: dict[str, str] = {}  # a variant's model and trainer settings -> its name (same_as)
     for v in variants:
         label = v.swept_from or v.name
         try:
@@ -330,6 +331,7 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
         # about 30 s a save (twenty-ninth session), device time a study lacks.
         values["save_every"] = shared.get("save_every") or max(1, math.ceil(steps / 2))
         check_on_device(v.name, own, device)
+        same_as(trained_as, label, model_cfg, values, custom_names)
         for seed in seeds or [None]:
             name = v.name if seed is None else f"{v.name}.seed{seed}"
             run_values = {**values, "out": str(out_dir / "runs" / name), **({} if seed is None else {"seed": seed})}
@@ -337,6 +339,23 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
     out_dir.mkdir(parents=True, exist_ok=True)
     return ComparePlan(out_dir, budget, runs, info, base, None if shared.get("eval_every") is not None else evals,
                        tokens_per_step, seeds)
+
+
+def same_as(trained_as: dict[str, str], label: str, model_cfg: HydraConfig, values: dict[str, Any],
+            custom_names: set[str]) -> None:
+    """Refuse a custom variant that would train exactly what another variant trains (its fields change nothing
+    here, e.g. a setting at its default): its run would be the other's again under a new name. Built-in variants
+    may coincide (dense and dense-flops at one depth): each is still what its name promises."""
+    model = {k: v for k, v in model_cfg.to_dict().items() if k != "preset"}
+    key = json.dumps([model, {k: v for k, v in values.items() if k not in ("model", "arch")}], sort_keys=True,
+                     default=str)
+    other = trained_as.setdefault(key, label)
+    if other != label and (label in custom_names or other in custom_names):
+        def named(n: str) -> str:
+            return f"--variant {n}" if n in custom_names else f"variant {n}"
+        raise ValueError(f"{named(label)} trains the same model with the same settings as {named(other)} (its "
+                         "fields only repeat what that one has): drop one of them, or change a field so that they "
+                         "differ")
 
 
 def check_on_device(name: str, cfg: TrainConfig, device: torch.device) -> None:

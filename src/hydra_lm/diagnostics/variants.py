@@ -7,6 +7,7 @@ quantity matches the HYDRA model built from the same shared settings.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import re
@@ -18,7 +19,7 @@ import torch
 from ..config import HydraConfig, check_keys
 from ..model.accounting import executed_flops_per_token
 from ..train.flags import parse_value
-from ..train.options import normalize
+from ..train.options import TrainConfig, normalize
 
 BUILTIN_VARIANTS = {
     "hydra": "the preset as is: CCGQA attention with MoD and MoR routing",
@@ -38,6 +39,16 @@ OPTIMIZER_FIELDS = ("optimizer", "lr", "min_lr", "adamw_lr", "weight_decay")
 # The matmuls' precision likewise (bf16 against float8 at one budget).
 PRECISION_FIELDS = ("experimental_fp8", "fp8_format", "fp8_recipe", "fp8_min_tokens")
 TRAIN_FIELDS = CURRICULUM_FIELDS + OPTIMIZER_FIELDS + PRECISION_FIELDS
+# Model fields the dense baseline never reads (its layers are GQA, unrouted, each applied once): a dense
+# variant giving one trains the model it would without it.
+HYDRA_ONLY_FIELDS = ("recursions", "sharing", "mod_enabled", "mod_capacity", "mod_every", "mod_first_block",
+                     "mor_enabled", "mor_routing", "topk_over", "topk_groups", "mor_capacity_schedule", "mor_capacity",
+                     "mor_gate_scale", "static_routing_mode", "mod_aux_weight", "mor_aux_weight",
+                     "compression_factor", "conv_seq_kernel", "conv_ch_kernel", "qk_mean", "value_shift",
+                     "decode_kernel")
+MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(HydraConfig))
+# Trainer settings compare sets for every variant from its own flags.
+BUDGET_OWNED = ("max_steps", "time_budget_s", "stop_at_step")
 # A variant's share of the shared budget (budget_scale=0.7: 70% of the seconds, tokens or FLOPs), so
 # "reaches the other's loss in 0.7x its time" is one run trained, schedule and all, to that budget.
 BUDGET_SCALE = "budget_scale"
@@ -89,17 +100,58 @@ def parse_custom_variant(spec: str) -> Variant:
         (train if key in TRAIN_FIELDS else overrides)[key] = parse_value(raw.strip())
     if not overrides and not train and scale == 1.0:
         raise ValueError(f"--variant {spec!r}: no field=value given; to train the preset as is use --variants hydra")
+    check_variant_keys(name, overrides)
     try:
-        check_keys(overrides)
+        check_keys(overrides)  # the values' types (every key is known by now)
     except ValueError as err:
-        raise ValueError(f"--variant {name}: {err} (or one of the curriculum settings "
-                         f"{', '.join(CURRICULUM_FIELDS)}, the optimizer settings {', '.join(OPTIMIZER_FIELDS)}, "
-                         f"or the precision settings {', '.join(PRECISION_FIELDS)})"
-                         ) from None
+        raise ValueError(f"--variant {name}: {err}") from None
     train = normalize(train, f"--variant {name}")  # the trainer's types and choices, as for its flags
+    check_fields_apply(name, overrides, train)
     described = {**overrides, **train, **({BUDGET_SCALE: scale} if scale != 1.0 else {})}
     return Variant(name, overrides, "custom: " + ", ".join(f"{k}={v}" for k, v in described.items()), train,
                    budget_scale=float(scale))
+
+
+def check_variant_keys(name: str, overrides: dict[str, Any]) -> None:
+    """Refuse a field a variant cannot set, saying where it goes instead: a trainer setting every variant shares
+    (its compare flag), the preset (--model_size), or a name that is no field at all."""
+    for key in overrides:
+        if key == "preset":
+            raise ValueError(f"--variant {name}: preset={overrides[key]} does not resize a variant (every variant "
+                             "shares the preset): pick the size for the whole compare with --model_size (e.g. "
+                             "--model_size 50M), or give this variant its own dim, n_blocks, recursions, n_heads ...")
+        if key in MODEL_FIELDS:
+            continue
+        if key in BUDGET_OWNED:
+            raise ValueError(f"--variant {name}: {key} is set by compare from --budget for every variant: give this "
+                             "one a share of the budget with budget_scale=F (e.g. budget_scale=0.5)")
+        if key in {f.name for f in dataclasses.fields(TrainConfig)}:
+            flag = "--seed, or --seeds S1 S2 ... for several" if key == "seed" else f"--{key}"
+            raise ValueError(f"--variant {name}: {key} is a trainer setting every variant shares: set it once for "
+                             f"the whole compare with {flag}; a variant sets model fields and, of the trainer's, only "
+                             f"{', '.join(TRAIN_FIELDS)}")
+        try:
+            check_keys({key: overrides[key]})
+        except ValueError as err:
+            raise ValueError(f"--variant {name}: {err} (or one of the curriculum settings "
+                             f"{', '.join(CURRICULUM_FIELDS)}, the optimizer settings {', '.join(OPTIMIZER_FIELDS)}, "
+                             f"or the precision settings {', '.join(PRECISION_FIELDS)})") from None
+
+
+def check_fields_apply(name: str, overrides: dict[str, Any], train: dict[str, Any]) -> None:
+    """Refuse fields the variant's architecture ignores: the run would be a built-in model trained again under a
+    new name."""
+    if overrides.get("arch", "hydra") == "dense":
+        ignored = [k for k in (*overrides, *train) if k in HYDRA_ONLY_FIELDS or k in CURRICULUM_FIELDS]
+        if ignored:
+            them = "it" if len(ignored) == 1 else "them"
+            raise ValueError(f"--variant {name}: the dense baseline has no routing, recursion or CCGQA attention, "
+                             f"so {', '.join(ignored)} would change nothing: drop {them} (dense variants take dim, "
+                             "n_layers, n_heads, n_kv_heads, mlp_hidden ...), or leave arch=dense out to vary the "
+                             "HYDRA model")
+    elif "n_layers" in overrides:
+        raise ValueError(f"--variant {name}: n_layers sets the depth of the dense baseline only (arch=dense); a HYDRA "
+                         "model's depth is n_blocks x recursions: set those, or add arch=dense")
 
 
 def resolve_variants(names: list[str], customs: list[Variant],
