@@ -3,6 +3,7 @@ clear one-line errors for bad requests."""
 
 import json
 import os
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -112,6 +113,27 @@ def test_a_run_cut_short_resumes_only_under_the_settings_it_started_with(tiny_da
     assert "was trained by an earlier compare with other settings (lr" in capsys.readouterr().err
     assert compare(tiny_data, out, "--budget", "tokens=1k", "--variants", "hydra") == 0
     assert json.loads((out / "runs" / "hydra" / "compare.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.parametrize("left", ["metrics", "checkpoint", "unreadable marker"])
+def test_a_run_directory_compare_did_not_start_is_refused_not_resumed(tiny_data, tmp_path, left):
+    """A `hydra-lm train` run left at a variant's path: resumed under compare's settings, its steps would join the
+    study's results."""
+    run_dir = tmp_path / "cmp" / "runs" / "hydra"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"kind": "train", "step": 5, "loss": 7.0}\n')
+    if left == "checkpoint":
+        (run_dir / "metrics.jsonl").unlink()
+        (run_dir / "checkpoints" / "hydra_debug_step5").mkdir(parents=True)
+    elif left == "unreadable marker":
+        (run_dir / "compare.json").write_text('{"status": "fini')
+    shared = {"model_size": "debug", "device": "cpu", "batch_size": 4, "seq_len": 32}
+    with pytest.raises(ValueError, match=f"{run_dir} holds a run .* with (no|an unreadable) compare marker .*use a "
+                                         "new --out directory, or remove that run directory"):
+        plan_compare(str(tiny_data), str(tmp_path / "cmp"), parse_budget("tokens=1k"), ["hydra"], [], 1, shared)
+    shutil.rmtree(run_dir)
+    run_dir.mkdir()  # a directory without a run's checkpoints or metrics is compare's to start
+    plan_compare(str(tiny_data), str(tmp_path / "cmp"), parse_budget("tokens=1k"), ["hydra"], [], 1, shared)
 
 
 def test_evaluations_every_n_steps_are_reported_as_such_and_not_with_evals(tiny_data, tmp_path, capsys):

@@ -39,8 +39,8 @@ from ..train.distributed import launched_world_size
 from ..train.options import TrainConfig, resolve
 from ..train.run import build_model_config, pick_device
 from .compare_results import collect_results, lr_extensions
-from .compare_runs import (Budget, ComparePlan, VariantRun, finished_marker, parse_budget, steps_for_flops,
-                           write_marker)
+from .compare_runs import (Budget, ComparePlan, VariantRun, finished_marker, parse_budget, read_marker,
+                           steps_for_flops, write_marker)
 from .variants import DEFAULT_VARIANTS, parse_custom_variant, resolve_variants, sweep_learning_rates
 
 RESULTS = "results.json"
@@ -336,6 +336,8 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
             name = v.name if seed is None else f"{v.name}.seed{seed}"
             run_values = {**values, "out": str(out_dir / "runs" / name), **({} if seed is None else {"seed": seed})}
             runs.append(VariantRun(v, out_dir / "runs" / name, run_values, model_cfg, name, seed))
+    for run in runs:  # a run directory that is not this study's is refused before any run trains
+        read_marker(run)
     out_dir.mkdir(parents=True, exist_ok=True)
     return ComparePlan(out_dir, budget, runs, info, base, None if shared.get("eval_every") is not None else evals,
                        tokens_per_step, seeds)

@@ -17,6 +17,7 @@ from ..model.accounting import flops_per_token_in_phase
 from ..train.checkpoint import write_text_atomic
 from ..train.curriculum import CurriculumPlan
 from ..train.data_io import DataInfo
+from ..train.metrics import METRICS_FILE
 from ..train.options import TrainConfig
 from .variants import Variant
 
@@ -141,15 +142,27 @@ def _fingerprint(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_marker(run: VariantRun) -> dict[str, Any] | None:
-    """The marker a compare left in a run's directory, whatever its status; None for a run never started (or a
-    marker cut short: the trainer resumes, or finds nothing to do, and it is rewritten). A run started or
-    finished under other settings is an error: resumed or reported, it would mix two studies."""
+    """The marker a compare left in a run's directory, whatever its status; None for a run never started. A run
+    started or finished under other settings is an error: resumed or reported, it would mix two studies. So is a
+    directory that holds a run's checkpoints or metrics without a marker to read (a `hydra-lm train` run left
+    there, say): compare writes its marker before the trainer writes either, so such a run is not one of its own."""
     path = run.run_dir / MARKER
-    if not path.is_file():
-        return None
-    try:
-        marker = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError:
+    marker = None
+    if path.is_file():
+        try:
+            marker = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError:
+            pass
+    if not isinstance(marker, dict):
+        checkpoints = run.run_dir / "checkpoints"
+        held = [what for what, there in (("checkpoints", checkpoints.is_dir() and any(checkpoints.iterdir())),
+                                         (METRICS_FILE, (run.run_dir / METRICS_FILE).is_file())) if there]
+        if held:
+            why = "an unreadable" if path.is_file() else "no"
+            raise ValueError(f"{run.run_dir} holds a run ({' and '.join(held)}) with {why} compare marker ({MARKER}), "
+                             "e.g. one `hydra-lm train` left there: compare would resume it under its own settings and "
+                             "mix its steps into the results; use a new --out directory, or remove that run directory "
+                             "to train it again")
         return None
     was, now = _fingerprint(marker.get("settings", {})), _fingerprint(run.values)
     if was != now:
