@@ -526,6 +526,35 @@ def test_eval_every_0_evaluates_at_the_start_and_the_end_only(tiny_data, tmp_pat
     assert "measured at the start and at the end only (--eval_every 0)" in (tmp_path / "report.md").read_text()
 
 
+def test_the_report_says_when_the_runs_were_evaluated_and_how_many_steps_they_made(tiny_data, tmp_path):
+    """From the recorded settings: no start evaluation under --no-eval_at_start; under a seconds budget
+    --eval_every counts the schedule's thousandths of the time (the trainer's clock), and a run's steps are those
+    it made, not the clock's 1000."""
+    from hydra_lm.diagnostics.compare_results import collect_results
+    from hydra_lm.diagnostics.report import write_report
+
+    def report(budget, evals, **extra):
+        shared = {"model_size": "debug", "device": "cpu", "batch_size": 4, "seq_len": 32, **extra}
+        results = collect_results(plan_compare(str(tiny_data), str(tmp_path / budget), parse_budget(budget),
+                                               ["hydra"], [], evals, shared))
+        results["variants"]["hydra"]["steps"] = 13
+        write_report(results, [], tmp_path / "report.md")
+        text = (tmp_path / "report.md").read_text()
+        return text.split("Validation loss is measured ")[1].split(", with causal routing")[0], text
+
+    spacing, text = report("seconds=60", None, eval_every=50, eval_at_start=False)
+    assert spacing == ("every 50/1000 of the training-time budget (--eval_every 50 counts steps of the schedule, "
+                       "which a seconds budget divides into 1000) and at the end")
+    assert "13 steps in its training-time budget" in text and "1000 scheduled steps" not in text
+    assert report("seconds=60", None, eval_every=20, max_steps=200)[0].startswith(
+        "at the start, every 20/200 of the training-time budget (--eval_every 20 counts")
+    assert report("seconds=60", 4)[0] == "at the start, every 1/4 of the training-time budget, and at the end"
+    spacing, text = report("tokens=1280", 2, eval_at_start=False)
+    assert spacing == "every ceil(steps / 2) steps and at the end" and "13 of 10 scheduled steps" in text
+    assert report("tokens=1280", 1)[0] == "at the start and at the end"
+    assert report("tokens=1280", None, eval_every=0, eval_at_start=False)[0] == "at the end only (--eval_every 0)"
+
+
 def test_a_variant_that_raises_is_reported_failed_and_the_others_train(tiny_data, tmp_path, monkeypatch, capsys):
     import hydra_lm.train as train_module
 

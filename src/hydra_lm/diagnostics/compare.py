@@ -14,7 +14,8 @@ interrupted one resumes from its checkpoints (the trainer does that by itself).
 
 Evaluation points: with a tokens or FLOPs budget, every ``ceil(steps / evals)`` steps plus the
 start and the last step; with a seconds budget, every ``1/evals`` of the budget's training time
-(the trainer's schedule clock), plus the start and the end.
+(the trainer's schedule clock), plus the start and the end. ``--eval_every K`` under a seconds budget
+counts steps of that clock: every K/``SECONDS_CLOCK_STEPS`` (or K/``--max_steps``) of the time.
 """
 
 from __future__ import annotations

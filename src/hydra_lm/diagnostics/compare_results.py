@@ -54,6 +54,10 @@ def collect_results(plan: ComparePlan) -> dict[str, Any]:
                      "min_lr": base.min_lr,
                      "schedule": base.schedule, "seed": base.seed if plan.seeds is None else plan.seeds,
                      "evals": plan.evals, "eval_every": base.eval_every if plan.evals is None else None,
+                     "eval_at_start": base.eval_at_start,
+                     # A seconds budget's schedule clock: --eval_every counts its steps, each 1/N of the time.
+                     "schedule_steps": plan.runs[0].values["max_steps"] if plan.budget.kind == "seconds" and plan.runs
+                     else None,
                      "model_overrides": base.model},
         "variants": variants,
         "warnings": warnings,

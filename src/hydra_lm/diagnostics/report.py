@@ -236,15 +236,43 @@ def _own_budgets(results: dict[str, Any]) -> str:
     return f" A share of the budget of their own: {', '.join(own)}." if own else ""
 
 
+def eval_spacing(settings: dict[str, Any], budget_kind: str) -> str:
+    """When the runs were evaluated, from the recorded settings (results.json from before ``eval_at_start`` and
+    ``schedule_steps`` were recorded: the defaults, at the start and on a 1000-step clock)."""
+    evals, every = settings["evals"], settings["eval_every"]
+    if evals is None and every == 0:
+        between, end = None, "at the end only (--eval_every 0)"
+    elif evals is None and budget_kind == "seconds":
+        # The trainer places --eval_every on the schedule's clock, which splits the time budget into its steps.
+        clock = settings.get("schedule_steps") or 1000
+        between, end = (f"every {every}/{clock} of the training-time budget (--eval_every {every} counts steps of "
+                        f"the schedule, which a seconds budget divides into {clock})"), "at the end"
+    elif evals is None:
+        between, end = f"every {every} steps (--eval_every)", "at the end"
+    elif evals == 1:
+        between, end = None, "at the end"
+    elif budget_kind == "seconds":
+        between, end = f"every 1/{evals} of the training-time budget", "at the end"
+    else:
+        between, end = f"every ceil(steps / {evals}) steps", "at the end"
+    points = [p for p in ("at the start" if settings.get("eval_at_start", True) else None, between) if p]
+    if not points:
+        return end
+    return f"{points[0]} and {end}" if len(points) == 1 else f"{', '.join(points)}, and {end}"
+
+
+def _steps(v: dict[str, Any], budget_kind: str) -> str:
+    """A run's steps: under a seconds budget those it made in its time (its max_steps is the schedule's clock)."""
+    if budget_kind == "seconds":
+        return f"{v['steps']} steps in its training-time budget"
+    if v["steps"] != v["max_steps"]:
+        return f"{v['steps']} of {v['max_steps']} scheduled steps"
+    return f"{v['max_steps']} scheduled steps"
+
+
 def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None:
     s, budget = results["settings"], results["budget"]
-    if s["evals"] is None:
-        spacing = "at the start and at the end only (--eval_every 0)" if s["eval_every"] == 0 else \
-            f"at the start, every {s['eval_every']} steps (--eval_every), and at the end"
-    elif budget["kind"] == "seconds":
-        spacing = f"at the start, every 1/{s['evals']} of the training-time budget, and at the end"
-    else:
-        spacing = f"at the start, every ceil(steps / {s['evals']}) steps, and at the end"
+    spacing = eval_spacing(s, budget["kind"])
     # Under --lrs no run trains at the shared learning rate: each takes one of the grid.
     lr = "peak learning rates from the --lrs grid (below)" if results.get("lr_sweep") else \
         f"learning rate {s['lr']:g} -> {s['min_lr']:g}"
@@ -300,7 +328,7 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
     for name, v in results["variants"].items():
         routed = " with routing on" if v["routing"] else ""
         on = f" on {v['device']}" if v.get("device") else ""
-        lines.append(f"- **{name}** ({v['arch']}{on}, {v['params']:,} parameters, {v['max_steps']} scheduled steps, "
+        lines.append(f"- **{name}** ({v['arch']}{on}, {v['params']:,} parameters, {_steps(v, budget['kind'])}, "
                      f"{v['flops_per_token']:.3g} executed training FLOPs/token{routed}; evaluation "
                      f"{_num(v['eval_s'], '.1f')} s and compilation {_num(v['startup_s'], '.1f')} s not counted as "
                      f"training time): {v['description']}; run directory `{v['run_dir']}`")
