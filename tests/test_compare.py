@@ -475,22 +475,6 @@ def test_the_report_reads_off_the_time_and_compute_a_routed_variant_took_to_reac
                     ("once", "dense", "1.6000", "<= 120.0", "<= 1.00", "<= 1.2e+03", "<= 1.00")]
 
 
-def test_the_reach_table_bounds_a_loss_reached_at_the_first_evaluation_after_the_start():
-    """The start's evaluation is the untrained model (loss ~9): a line from it to the first evaluation that
-    beats dense would read a time the run never showed, so that evaluation's own time is the bound."""
-    from hydra_lm.diagnostics.report import first_reach, reach_rows
-
-    evals = [{"train_s": t, "flops": 1e9 * t, "val_loss_causal": loss}
-             for t, loss in ((0.0, 9.1376), (7.69, 6.6875), (15.54, 6.033))]
-    assert first_reach(evals, "train_s", 7.0409) == (7.69, True)
-    assert first_reach(evals, "flops", 7.0409) == (pytest.approx(7.69e9), True)
-    dense = {"arch": "dense", "status": "finished", "seed": 0, "evals": [], "train_s": 15.0, "executed_flops": 3e10,
-             "final": {"val_loss_causal": 7.0409}}
-    hydra = {"arch": "hydra", "status": "finished", "seed": 0, "evals": evals}
-    (row,) = reach_rows({"variants": {"hydra": hydra, "dense": dense}})
-    assert row[3:] == ("<= 7.7", "<= 0.51", "<= 7.69e+09", "<= 0.26")
-
-
 def test_a_run_whose_throughput_wavered_is_flagged_as_unfair_to_a_seconds_budget():
     from hydra_lm.diagnostics.compare_results import STEADY_THROUGHPUT, throughput_steadiness, unsteady_warning
 
@@ -524,35 +508,6 @@ def test_eval_every_0_evaluates_at_the_start_and_the_end_only(tiny_data, tmp_pat
     assert plan.runs[0].values["eval_every"] == 0 and plan.evals is None
     write_report(collect_results(plan), [], tmp_path / "report.md")
     assert "measured at the start and at the end only (--eval_every 0)" in (tmp_path / "report.md").read_text()
-
-
-def test_the_report_says_when_the_runs_were_evaluated_and_how_many_steps_they_made(tiny_data, tmp_path):
-    """From the recorded settings: no start evaluation under --no-eval_at_start; under a seconds budget
-    --eval_every counts the schedule's thousandths of the time (the trainer's clock), and a run's steps are those
-    it made, not the clock's 1000."""
-    from hydra_lm.diagnostics.compare_results import collect_results
-    from hydra_lm.diagnostics.report import write_report
-
-    def report(budget, evals, **extra):
-        shared = {"model_size": "debug", "device": "cpu", "batch_size": 4, "seq_len": 32, **extra}
-        results = collect_results(plan_compare(str(tiny_data), str(tmp_path / budget), parse_budget(budget),
-                                               ["hydra"], [], evals, shared))
-        results["variants"]["hydra"]["steps"] = 13
-        write_report(results, [], tmp_path / "report.md")
-        text = (tmp_path / "report.md").read_text()
-        return text.split("Validation loss is measured ")[1].split(", with causal routing")[0], text
-
-    spacing, text = report("seconds=60", None, eval_every=50, eval_at_start=False)
-    assert spacing == ("every 50/1000 of the training-time budget (--eval_every 50 counts steps of the schedule, "
-                       "which a seconds budget divides into 1000) and at the end")
-    assert "13 steps in its training-time budget" in text and "1000 scheduled steps" not in text
-    assert report("seconds=60", None, eval_every=20, max_steps=200)[0].startswith(
-        "at the start, every 20/200 of the training-time budget (--eval_every 20 counts")
-    assert report("seconds=60", 4)[0] == "at the start, every 1/4 of the training-time budget, and at the end"
-    spacing, text = report("tokens=1280", 2, eval_at_start=False)
-    assert spacing == "every ceil(steps / 2) steps and at the end" and "13 of 10 scheduled steps" in text
-    assert report("tokens=1280", 1)[0] == "at the start and at the end"
-    assert report("tokens=1280", None, eval_every=0, eval_at_start=False)[0] == "at the end only (--eval_every 0)"
 
 
 def test_a_variant_that_raises_is_reported_failed_and_the_others_train(tiny_data, tmp_path, monkeypatch, capsys):

@@ -119,7 +119,7 @@ def _depth_plot(variants: dict[str, Any], colors: dict[str, Any], path: Path) ->
     ax = fig.add_subplot()
     deep = {name: v["depths"] for name, v in variants.items() if v.get("depths")}
     if not deep:
-        _empty_note(ax, "no variant recurses (recursions = 1 or dense)")
+        _empty_note(ax, "no variant routes with MoR (dense, recursions = 1 or MoR off)")
     else:
         width = 0.8 / len(deep)
         for i, (name, d) in enumerate(deep.items()):
@@ -130,7 +130,7 @@ def _depth_plot(variants: dict[str, Any], colors: dict[str, Any], path: Path) ->
                        label="target" if i == 0 else None)
         ax.set_xticks(range(1, max(len(d["causal"]) for d in deep.values()) + 1))
         ax.set_ylim(0, 1.05)
-        _finish(ax, "recursion depth", "fraction of tokens reaching it",
+        _finish(ax, "recursion depth", "share of a block's entered tokens reaching it",
                 "MoR depth histogram (final checkpoint, mean over blocks)", axis="y")
     return _save(fig, path)
 

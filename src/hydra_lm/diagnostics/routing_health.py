@@ -26,23 +26,31 @@ GAP_TOLERANCE = GAP_WARN  # nats of causal loss above the top-k loss
 
 
 def depth_profile(config: HydraConfig, routers: dict[str, dict[str, float]]) -> dict[str, list[float]] | None:
-    """Fraction of a row's tokens that reach recursion depth 1..R, averaged over the recursive blocks
-    (causal routing, and the trained targets; ``routers`` as an evaluation reports them); None for a model without
-    recursion."""
+    """Share of the tokens entering a recursive block that reach its recursion depth 1..R (depth 1 is 1.0),
+    averaged over the blocks of the deepest recursion (causal routing, and the trained targets; ``routers`` as an
+    evaluation reports them, each a share of the row); None for a model without MoR (no recursion, MoR off, or its
+    MoR routers kept off by the curriculum). Relative to the block's entries, so MoD's entry share (a MoD block
+    enters 0.125 of the row) does not read as MoR sending tokens less deep."""
+    if not config.mor_enabled:
+        return None
     with torch.device("meta"):  # the blocks' layout only: no memory, no initialisation
         model = create_model(config)
     deepest = max(block.recursions for block in model.blocks)
-    if deepest < 2:
+    blocks = [b for b in model.blocks if b.recursions == deepest]
+    mor = [name for b in blocks for name, depth in b.router_depths() if depth > 0]
+    if deepest < 2 or not any(routers[name].get("active", True) for name in mor):
         return None
     rows: dict[str, list[list[float]]] = {"causal": [], "target": []}
-    for block in (b for b in model.blocks if b.recursions == deepest):
+    for block in blocks:
         gated = {depth: name for name, depth in block.router_depths()}
         for kind, key in (("causal", "exec_causal"), ("target", "target")):
-            row, share = [], 1.0
+            entry = routers[gated[0]][key] if 0 in gated else 1.0  # MoD's share of the row, or the whole row
+            row, share = [], entry
             for depth in range(deepest):
                 if depth in gated:
                     share = routers[gated[depth]][key]
-                row.append(share)
+                # A block no token entered (causal MoD admitted none): none of its entries reach any depth.
+                row.append(share / entry if entry > 0 else 0.0)
             rows[kind].append(row)
     mean = lambda rows: [sum(col) / len(col) for col in zip(*rows)]  # noqa: E731
     return {kind: mean(r) for kind, r in rows.items()}
