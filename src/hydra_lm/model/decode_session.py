@@ -10,7 +10,7 @@ settings) and kept while the model's weights, buffers, routing curriculum and co
 (``fingerprint``); anything else builds a new one, as does every call of a model whose weights are inference tensors.
 A model keeps its ``SESSIONS_KEPT`` most recent sessions (``HydraModel.release_decode_state`` frees them).
 
-Only a graphed or compiled step is worth keeping (``KEEP_EAGER``): an eager one (the CPU's default) has no graph to
+Only a graphed or compiled step is worth keeping: an eager one (the CPU's default) has no graph to
 reuse and its cache is exactly as long as its call needs (prompt + new tokens, no power-of-two bucket), so calls of
 other lengths would each keep full-size caches alive after returning (4 x 128 MiB for the 100M preset at 8 x 1,000
 positions). Its construction costs about 1 ms against a call's hundreds (the 100M preset on the CPU; under bf16
@@ -40,7 +40,6 @@ from .cuda_graphs import capture
 from .decode_step import DecodeStep
 
 SESSIONS_KEPT = 4
-KEEP_EAGER = False  # whether a session whose step is neither graphed nor compiled outlives its call (docstring)
 MIN_PREFILL_BUCKET = 16
 GRAPHED_PREFILL_TOKENS = 8192
 
@@ -175,7 +174,7 @@ class DecodeSessions(OrderedDict):
 
     def get_or_build(self, model, batch: int, length: int, device: torch.device, graphed: bool,
                      compiled: bool) -> DecodeSession:
-        if not (graphed or compiled or KEEP_EAGER):  # nothing to reuse: built for this call only, kept nowhere
+        if not (graphed or compiled):  # nothing to reuse: built for this call only, kept nowhere (docstring)
             return DecodeSession(model, batch, length, device, graphed, compiled)
         enabled = torch.is_autocast_enabled(device.type)
         # Inference mode too: caches made under it are inference tensors, which a call outside it cannot zero.
