@@ -27,6 +27,21 @@ def test_sampled_prompts_of_a_batch_get_what_each_gets_alone_with_its_seed(two_s
     assert batch[1] != batch[2]  # the same prompt twice: two samples, seeds 4 and 5
 
 
+def test_seeds_past_64_bits_wrap_as_a_generator_takes_a_negative_one(two_steps, capsys):
+    """Prompt i's seed + i past 2**64 - 1 overflowed the generator ("Overflow when unpacking long long"): seeds are
+    taken modulo 2**64, as torch takes -1 for 2**64 - 1, so each prompt still gets what it gets alone."""
+    from hydra_lm.infer import generate_text
+
+    sample = dict(max_new_tokens=12, temperature=1.0, top_k=None, device="cpu")
+    batch = generate_text(two_steps, ["the quick", "a"], seed=2**64 - 1, **sample)
+    alone = [generate_text(two_steps, "the quick", seed=-1, **sample), generate_text(two_steps, "a", seed=0, **sample)]
+    assert batch == alone
+    assert generate_text(two_steps, "a", seed=2**64, **sample) == batch[1]
+    assert main(["generate", "--run", str(two_steps), "--prompt", "a", "--prompt", "b", "--seed", str(2**64 - 1),
+                 "--max_new_tokens", "4", "--device", "cpu"]) == 0
+    assert "sample 2 of 2" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("field, value, message", [
     (("data", "tokenizer_fingerprint"), "0" * 64, "was trained with another tokenizer than run .*: pass the --run it "
                                                   "came from"),

@@ -1,14 +1,16 @@
 """What ``generate`` keeps between calls (``hydra_lm.model.decode_session``): the caches and the one-token step of a
 (batch, cache length, settings), reused while the weights stay as they were. A reused session must decode exactly
 as a fresh one would, whatever the previous call left in it; a session built from other weights must never be
-reused. (The prefill graph per prompt-length bucket needs CUDA: tests/test_gpu.py.)"""
+reused. (The prefill graph per prompt-length bucket needs CUDA: tests/test_gpu.py.) Only a graphed or compiled
+session is kept; the tests of reuse run the compiled step's sessions on the CPU with its functions left uncompiled
+(``compiled_sessions``): the keeping and reuse are the compiled path's own, the arithmetic eager's."""
 
 import copy
 
 import pytest
 import torch
 
-from hydra_lm.model import decode_session
+from hydra_lm.model import decode_session, decode_step
 from hydra_lm.model import hydra as hydra_module
 
 from support import TINY, tiny_model
@@ -38,6 +40,31 @@ def _sessions(model) -> list:
     return list(model._decode_sessions.values())
 
 
+@pytest.fixture
+def compiled_sessions(monkeypatch):
+    """``generate`` on the compiled step's path (its sessions are kept), its functions run as they are: compiling
+    them would test the compiler, not the keeping and reuse."""
+    monkeypatch.setattr(hydra_module, "decode_compiles", lambda device, compile_step: True)
+    monkeypatch.setattr(decode_step, "_compile_for_decode", lambda fn, device, dynamic=False: fn)
+
+
+def test_an_eager_step_keeps_no_session_past_its_call(monkeypatch):
+    """Neither graphed nor compiled (the CPU's default), a session has no graph to reuse and caches of exactly its
+    call's length: calls of several lengths would each keep one (up to SESSIONS_KEPT: 512 MiB for the 100M preset
+    at 8 x 1,000 positions), so none outlives its call. A graphed or a compiled one is still kept."""
+    model = _model()
+    for t in range(4, 4 + decode_session.SESSIONS_KEPT + 1):
+        prompt = _prompt(2, t, t)
+        assert torch.equal(model.generate(prompt, max_new_tokens=3), _full_forward_tokens(model, prompt, 3))
+        assert not model._decode_sessions
+    monkeypatch.setattr(decode_session, "DecodeSession", lambda *args: object())  # what is kept, not how it is built
+    for graphed, compiled in ((True, False), (False, True)):
+        built = model._decode_sessions.get_or_build(model, 2, 16, torch.device("cpu"), graphed, compiled)
+        assert _sessions(model)[-1] is built
+    assert len(model._decode_sessions) == 2
+
+
+@pytest.mark.usefixtures("compiled_sessions")
 @pytest.mark.parametrize("overrides", [{}, dict(mor_routing="token"), dict(moe=True, moe_num_layers=2)],
                          ids=["hydra", "token_choice", "moe"])
 def test_a_reused_session_decodes_each_prompt_as_a_fresh_one(overrides):
@@ -64,6 +91,7 @@ def _train_steps(model) -> None:
     model.eval()
 
 
+@pytest.mark.usefixtures("compiled_sessions")
 @pytest.mark.parametrize("change", ["optimizer_step", "load_state_dict", "curriculum", "device_copy"])
 def test_a_session_built_from_other_weights_is_never_reused(change):
     """After an optimizer step, a loaded state dict, a routing curriculum change or a copy of the weights to new
@@ -92,6 +120,7 @@ def test_a_session_built_from_other_weights_is_never_reused(change):
     assert _sessions(model) == [new]
 
 
+@pytest.mark.usefixtures("compiled_sessions")
 def test_calls_inside_and_outside_inference_mode_keep_separate_sessions():
     """Caches built under ``torch.inference_mode()`` are inference tensors, which a later call outside it could not
     zero in place: each mode decodes with sessions of its own, and both give the same tokens."""
@@ -102,6 +131,7 @@ def test_calls_inside_and_outside_inference_mode_keep_separate_sessions():
     assert torch.equal(inside, outside) and len(model._decode_sessions) == 2
 
 
+@pytest.mark.usefixtures("compiled_sessions")
 def test_a_model_made_under_inference_mode_decodes_with_a_new_session_each_call():
     """Parameters created or loaded under ``torch.inference_mode()`` are inference tensors: they keep no version, so
     an in-place change (a state dict loaded in inference mode) cannot be seen. Such a model decodes, inside inference
@@ -119,6 +149,7 @@ def test_a_model_made_under_inference_mode_decodes_with_a_new_session_each_call(
     assert torch.equal(inside, want) and torch.equal(twin.generate(prompt, max_new_tokens=4), want)
 
 
+@pytest.mark.usefixtures("compiled_sessions")
 def test_sessions_are_bounded_released_and_never_copied(monkeypatch):
     """At most SESSIONS_KEPT sessions, the least recently used dropped first; release_decode_state frees them; a
     deep copy of the model carries none (it decodes with its own); an error inside a call drops its session."""

@@ -455,3 +455,82 @@ def test_a_cache_longer_than_the_rotary_table_is_refused():
     model = tiny_model().eval()
     with pytest.raises(ValueError, match="cache of 129 positions is longer than the model's max_seq_len"):
         model.init_cache(1, model.config.max_seq_len + 1)
+
+
+def _flags(model) -> dict[str, bool]:
+    return {name: module.training for name, module in model.named_modules()}
+
+
+def test_generate_gives_every_submodule_its_own_train_eval_flag_back():
+    """generate runs in eval mode, then restores each module's flag as it found it, not the top-level one for all:
+    routers frozen with ``.eval()`` (no threshold calibration) in a model that trains must stay frozen."""
+    model = tiny_model(moe=True, moe_num_layers=1).train()
+    for router in (r for block in model.blocks for r in block.all_routers()):
+        router.eval()
+    model.norm.eval()
+    for setup in (lambda: None, lambda: (model.eval(), model.blocks[1].train())):
+        setup()
+        before = _flags(model)
+        assert len(set(before.values())) == 2  # a mix of both
+        model.generate(_ids(2, 5), max_new_tokens=3)
+        assert _flags(model) == before
+
+
+def test_generate_takes_numpy_and_0_dim_tensor_integers():
+    """max_new_tokens, eos_token_id and top_k take any integer, as top_k always took a NumPy one; not a bool, a float
+    or a tensor of more than one value."""
+    model = tiny_model().eval()
+    prompt = _ids(2, 5)
+    eos = int(model.generate(prompt, 1)[0, -1])  # row 0's first new token: it stops there
+    want = model.generate([*prompt], 4, eos_token_id=eos)
+    for steps, stop in ((np.int64(4), np.int64(eos)), (torch.tensor(4), torch.tensor(eos, dtype=torch.int32))):
+        got = model.generate([*prompt], steps, eos_token_id=stop)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)) and len(got[0]) == 6
+    sample = dict(temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model.generate(prompt, 3, top_k=torch.tensor(2), **sample),
+                       model.generate(prompt, 3, top_k=2, **{**sample, "generator": torch.Generator().manual_seed(0)}))
+    for kwargs, message in ((dict(max_new_tokens=np.bool_(True)), "max_new_tokens=np.True_ must be an integer"),
+                            (dict(max_new_tokens=torch.tensor(2.0)), r"max_new_tokens=tensor\(2.\) must be"),
+                            (dict(max_new_tokens=torch.tensor([2])), r"max_new_tokens=tensor\(\[2\]\) must be"),
+                            (dict(max_new_tokens=np.int64(-1)), r"max_new_tokens=np.int64\(-1\) must be"),
+                            (dict(max_new_tokens=2, eos_token_id=torch.tensor(True)), "eos_token_id=tensor"),
+                            (dict(max_new_tokens=2, eos_token_id=np.int64(TINY["vocab_size"])), "eos_token_id=np"),
+                            (dict(max_new_tokens=2, top_k=torch.tensor(0)), r"top_k=tensor\(0\) must be")):
+        with pytest.raises(ValueError, match=message):
+            model.generate(prompt, **kwargs)
+
+
+def test_a_prompt_of_a_list_out_of_the_vocabulary_is_named_before_padding():
+    """Each prompt's ids are checked before the padding: the error names the prompt and its own range, not the
+    padded batch's (whose 0s hid a negative id's row and showed a 0 no prompt held)."""
+    model = tiny_model().eval()
+    vocab = TINY["vocab_size"]
+    for prompts, message in (([[1, 2], [999]], rf"prompt 1: token ids must lie in \[0, {vocab}\), got \[999, 999\]"),
+                             ([[5, 6, 7], [3, -1]], rf"prompt 1: token ids must lie in \[0, {vocab}\), got \[-1, 3\]"),
+                             ([torch.tensor([vocab]), [1]], r"prompt 0: .* got \[97, 97\]")):
+        with pytest.raises(ValueError, match=message):
+            model.generate(prompts, 3)
+
+
+def test_forward_cached_refuses_a_batch_other_than_the_caches():
+    model = tiny_model().eval()
+    for rows, cache_rows in ((2, 1), (1, 3)):
+        with pytest.raises(ValueError, match=rf"a batch of {rows} rows for caches of {cache_rows}; allocate caches "
+                                             rf"for this batch \(init_cache\({rows}, length\)\)"):
+            model.forward_cached(_ids(rows, 4), 0, model.init_cache(cache_rows, 16))
+
+
+def test_forward_cached_in_training_mode_gives_the_eval_forwards_logits():
+    """Cached decoding routes causally whatever the mode; an MoE block's router jitter (training only) would make
+    it drift from the eval forward that generate's tokens are defined by, so the cached path never jitters."""
+    model = tiny_model(moe=True, moe_num_layers=2, moe_router_jitter=0.5).double().eval()
+    ids = _ids(2, 12)
+    with torch.no_grad():
+        full = model(ids)["logits"]
+        model.train()
+        caches = model.init_cache(2, 12)
+        logits = [model.forward_cached(ids[:, :8], 0, caches)]
+        logits += [model.forward_cached(ids[:, t:t + 1], t, caches) for t in range(8, 12)]
+    for t, got in zip(range(7, 12), logits):
+        torch.testing.assert_close(got, full[:, t], rtol=0, atol=1e-9)
+    assert model.training

@@ -8,7 +8,7 @@ import torch
 import hydra_lm
 from hydra_lm.model import routing
 from hydra_lm.train import evaluate
-from hydra_lm.train.evaluate import decisions_per_row, format_eval, routing_warnings
+from hydra_lm.train.evaluate import EVAL_MODES, decisions_per_row, format_eval, routing_warnings
 from support import tokens_per_unit
 
 
@@ -139,3 +139,58 @@ def test_max_batches_stop_and_empty_split():
     assert evaluate(model, batches(), torch.device("cpu"), should_stop=lambda: True) is None
     with pytest.raises(ValueError, match="no batch"):
         evaluate(model, [], torch.device("cpu"))
+
+
+def _passes(rows: torch.Tensor, batch_size: int, pad_id: int = 0) -> list[dict]:
+    """One pass over ``rows`` [R, T + 1] as the validation loader makes it: the last batch filled up with rows of
+    padding only (pad_id inputs, every target -100)."""
+    out = []
+    for start in range(0, len(rows), batch_size):
+        window = rows[start:start + batch_size]
+        pad = batch_size - len(window)
+        ids = torch.cat((window[:, :-1], torch.full((pad, rows.shape[1] - 1), pad_id)))
+        y = torch.cat((window[:, 1:], torch.full((pad, rows.shape[1] - 1), -100)))
+        out.append({"input_ids": ids, "targets": y, "doc_ids": torch.zeros_like(ids, dtype=torch.int32)})
+    return out
+
+
+def test_routing_stats_count_real_rows_only_whatever_the_batch_size():
+    """The loss ignores the padding rows that fill the last batch; the routers' stats counted their routing, and every
+    batch alike (a last batch of one real row weighed as a full one). Now the stats at every batch size are those of
+    one forward on the real rows alone, and the loss is what it was."""
+    model = tiny(n_blocks=2, recursions=2, mor_capacity=0.5)
+    rows = torch.randint(1, 50, (7, 17), generator=torch.Generator().manual_seed(3))
+    results = {b: evaluate(model, _passes(rows, b), torch.device("cpu")) for b in (2, 4, 7)}
+    with torch.no_grad():
+        model.eval()
+        whole = {mode: model(rows[:, :-1], targets=rows[:, 1:], routing=mode) for mode in EVAL_MODES}
+    for result in results.values():
+        assert result["val_tokens"] == 7 * 16
+        for mode in EVAL_MODES:
+            assert result[f"val_loss_{mode}"] == pytest.approx(float(whole[mode]["ce_loss"]), rel=1e-6)
+        for i, r in enumerate(result["routing"].values()):
+            assert r["exec_causal"] == pytest.approx(float(whole["causal"]["routing_stats"][i, 0]), rel=1e-6)
+            assert r["exec_topk"] == pytest.approx(float(whole["topk"]["routing_stats"][i, 0]), rel=1e-6)
+            assert r["agreement"] == pytest.approx(float(whole["topk"]["routing_stats"][i, 2]), rel=1e-6)
+    from hydra_lm.train.evaluate import real_rows
+
+    full = _passes(rows, 7)[0]
+    assert real_rows(full) == (full, 7)  # no padding: the batch itself runs, as before
+    kept, count = real_rows(_passes(rows[:1], 3)[0])
+    assert torch.equal(kept["input_ids"], rows[:1, :-1]) and count == 1
+    padding = {key: value[1:] for key, value in _passes(rows[:1], 3)[0].items()}
+    kept, count = real_rows(padding)  # a rank's share of padding only: one row runs, weighing nothing
+    assert kept["targets"].shape == (1, 16) and count == 0
+
+
+def test_evaluate_gives_every_submodule_its_own_train_eval_flag_back():
+    """The trainer's periodic evaluation must not unfreeze routers a user froze with ``.eval()`` (their threshold
+    calibration stops) by restoring the top-level flag onto every module."""
+    model = tiny().train()
+    for block in model.blocks:
+        for router in block.all_routers():
+            router.eval()
+    before = {name: m.training for name, m in model.named_modules()}
+    assert len(set(before.values())) == 2
+    evaluate(model, batches(), torch.device("cpu"))
+    assert {name: m.training for name, m in model.named_modules()} == before

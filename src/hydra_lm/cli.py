@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     gen.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens; 0: all of them")
     gen.add_argument("--top_p", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="any integer, taken modulo 2**64")
     gen.add_argument("--checkpoint", default=None, help="checkpoint directory (or its name in the run's "
                                                         "checkpoints/) or exported .safetensors file (default: the "
                                                         "run's newest good checkpoint)")

@@ -180,7 +180,8 @@ def generate_text(run_dir: str | Path, prompt: str | list[str], max_new_tokens: 
     A list of prompts (any lengths) is sampled as one batch and gives a list of texts; each continues for at most
     ``max_new_tokens`` and at most what the model's context leaves after the longest prompt. Prompt i samples
     with a generator of its own seeded ``seed + i``, so it gets in the batch what it gets alone with that seed (up
-    to rounding, which the batch's shapes can change)."""
+    to rounding, which the batch's shapes can change). Seeds are taken modulo 2**64, as a generator takes a negative
+    one (-1 seeds it as 2**64 - 1 does): any integer serves, and ``seed + i`` past 2**64 - 1 wraps to 0."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not prompts:
         raise ValueError("no prompt given")
@@ -201,7 +202,8 @@ def generate_text(run_dir: str | Path, prompt: str | list[str], max_new_tokens: 
         print(f"note: max_new_tokens {max_new_tokens} -> {room}: the model's context is {context} tokens"
               + (" and the longest prompt takes the rest" if len(ids) > 1 else ""), file=sys.stderr)
         max_new_tokens = room
-    generators = [torch.Generator(device=run.device).manual_seed(seed + i) for i in range(len(ids))]
+    # Modulo 2**64: manual_seed refuses an int past 64 bits ("Overflow when unpacking long long").
+    generators = [torch.Generator(device=run.device).manual_seed((seed + i) % 2**64) for i in range(len(ids))]
     with _autocast(run.device):  # the precision its validation losses were measured in
         out = run.model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  eos_token_id=tok.eos_id, generator=generators, compile_step=compile_step)

@@ -10,6 +10,12 @@ settings) and kept while the model's weights, buffers, routing curriculum and co
 (``fingerprint``); anything else builds a new one, as does every call of a model whose weights are inference tensors.
 A model keeps its ``SESSIONS_KEPT`` most recent sessions (``HydraModel.release_decode_state`` frees them).
 
+Only a graphed or compiled step is worth keeping: an eager one (the CPU's default) has no graph to
+reuse and its cache is exactly as long as its call needs (prompt + new tokens, no power-of-two bucket), so calls of
+other lengths would each keep full-size caches alive after returning (4 x 128 MiB for the 100M preset at 8 x 1,000
+positions). Its construction costs about 1 ms against a call's hundreds (the 100M preset on the CPU; under bf16
+autocast, casting the Linear weights, about 35 ms), so it is built for each call and dropped after it.
+
 The prefill graph: a prompt of T tokens is padded to its bucket (the next power of two, at least
 ``MIN_PREFILL_BUCKET``, at most the cache) with the padded entries marked invalid, which prefills exactly as the
 prompt alone would (``HydraModel.forward_cached(valid=)``), and the bucket's graph replays the zeroing of the
@@ -168,6 +174,8 @@ class DecodeSessions(OrderedDict):
 
     def get_or_build(self, model, batch: int, length: int, device: torch.device, graphed: bool,
                      compiled: bool) -> DecodeSession:
+        if not (graphed or compiled):  # nothing to reuse: built for this call only, kept nowhere (docstring)
+            return DecodeSession(model, batch, length, device, graphed, compiled)
         enabled = torch.is_autocast_enabled(device.type)
         # Inference mode too: caches made under it are inference tensors, which a call outside it cannot zero.
         key = (batch, length, str(device), graphed, compiled, enabled, torch.get_autocast_dtype(device.type)

@@ -263,7 +263,7 @@ class DecodeStep:
                 ops.append(self._unit_op(block, layers, j, caches[i][j], valid, weight))
             if str(i) in model.moe_blocks:
                 moe = model.moe_blocks[str(i)]
-                ops.append(_Op("moe", lambda moe=moe: x.copy_(moe(x)[0])))
+                ops.append(_Op("moe", lambda moe=moe: x.copy_(moe(x, jitter=False)[0])))
             for route in decisions:
                 route.skip_to = len(ops) - (1 if str(i) in model.moe_blocks else 0)
         ops.append(_Op("head", lambda: self._head(model)))

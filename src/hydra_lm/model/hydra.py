@@ -27,10 +27,11 @@ from .decode_step import compiled_prefill, decode_compiles
 from .doc_attention import documents_for
 from .block import RecursiveBlock, TransformerLayer
 from .loss import linear_cross_entropy, logits_cross_entropy
-from .layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, init_weights_normal, scale_residual_weights
+from .layers import (GradientCheckpointMixin, RMSNorm, RotaryEmbedding, eval_mode, init_weights_normal,
+                     scale_residual_weights)
 from .moe import MoEFeedForward, grouped_mm_dtype
 from .routing import ROUTING_MODES, depth_fractions
-from .sampling import batch_prompts, check_generator, check_sampling, sample_next
+from .sampling import as_integer, batch_prompts, check_generator, check_sampling, sample_next
 from .tied_lookup import HeadGradientSlot, kernel_applies, tied_lookup
 
 
@@ -274,7 +275,8 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             mor += losses["mor"]
             stats += block_stats
             if str(i) in self.moe_blocks:
-                x, loss, load = self.moe_blocks[str(i)](x)
+                # Cached decoding routes as the eval forward does whatever the mode: no training jitter.
+                x, loss, load = self.moe_blocks[str(i)](x, jitter=caches is None)
                 moe.append(loss)
                 loads.append(load)
         zero = x.new_zeros((), dtype=torch.float32)
@@ -317,10 +319,14 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         compiles its decode step. ``valid`` [B, T] bool: the tokens of the prompt, first in every row, the rest
         padding (a prompt padded to a length that a compiled or captured prefill has seen): padded entries are
         computed but leave the caches as if they were not there, and the logits are each row's last valid
-        entry's."""
+        entry's. Train or eval mode gives the same logits, the eval forward's (causal routing; MoE without its
+        training jitter)."""
         check_token_ids(input_ids, self.config.vocab_size)
         b, s = input_ids.shape
-        length = caches[0][0][0].k.shape[2]
+        rows, length = caches[0][0][0].k.shape[0], caches[0][0][0].k.shape[2]
+        if b != rows:
+            raise ValueError(f"forward_cached: a batch of {b} rows for caches of {rows}; allocate caches for this "
+                             f"batch (init_cache({b}, length))")
         first, last = (start, start) if isinstance(start, int) else (int(start.min()), int(start.max()))  # a read-back
         if not 0 <= first <= last <= length - s:  # past the cache, CUDA's decode kernel would write out of bounds
             raise ValueError(f"forward_cached: positions {first}..{last + s - 1} do not fit a cache of {length} "
@@ -369,25 +375,29 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         later ones reuse it. Its cache is then allocated for a power-of-two number of positions (capped at
         ``max_seq_len``), so prompts of similar length share one compilation.
 
-        The caches, the step with its graphs and (graphed, compiled or not) the prefill's CUDA graph per prompt-length
-        bucket are kept for the next call of the same (batch, cache length, settings) while the weights stay as
-        they were (``decode_session``); ``release_decode_state()`` frees them.
+        Where the step is graphed or compiled, the caches, the step with its graphs and (graphed) the prefill's CUDA
+        graph per prompt-length bucket are kept for the next call of the same (batch, cache length, settings) while the
+        weights stay as they were (``decode_session``); ``release_decode_state()`` frees them. An eager step (the
+        CPU's default) keeps nothing past its call.
         """
         ragged = not isinstance(input_ids, torch.Tensor)
         lengths = None
         if ragged:  # padded after each prompt; the prefill leaves the padding out of every cache
-            input_ids, lengths = batch_prompts(input_ids, self.embed.weight.device)
+            input_ids, lengths = batch_prompts(input_ids, self.embed.weight.device, self.config.vocab_size)
         if input_ids.dim() != 2 or 0 in input_ids.shape:
             raise ValueError(f"input_ids must be [batch>0, length>0], got shape {tuple(input_ids.shape)}")
         input_ids = input_ids.to(self.embed.weight.device)  # as a list of prompts is: the caches go with the weights
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        # Python ints from here on (a NumPy integer or a 0-dim integer tensor taken as one, as top_k is)
+        if (steps := as_integer(max_new_tokens)) is None or steps < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
         check_sampling(temperature, top_k, top_p)  # before the prefill, and with no token to sample too
         check_generator(generator, input_ids.shape[0])
-        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
-                                         or not 0 <= eos_token_id < self.config.vocab_size):
+        eos = None if eos_token_id is None else as_integer(eos_token_id)
+        if eos_token_id is not None and (eos is None or not 0 <= eos < self.config.vocab_size):
             raise ValueError(f"eos_token_id={eos_token_id!r} must be an integer in [0, {self.config.vocab_size})")
-        check_token_ids(input_ids, self.config.vocab_size, sync=True)
+        max_new_tokens, eos_token_id, top_k = steps, eos, None if top_k is None else as_integer(top_k)
+        if not ragged:  # batch_prompts checked each prompt's ids, naming the prompt
+            check_token_ids(input_ids, self.config.vocab_size, sync=True)
         b, t = input_ids.shape
         total = t + max_new_tokens
         if total > self.config.max_seq_len:
@@ -404,36 +414,34 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         # Free slots are masked out, so a longer cache gives the same tokens; bucketing its length
         # keeps the compiled step's static shapes (and its compilations) few.
         length = min(self.config.max_seq_len, max(64, 1 << (total - 1).bit_length())) if compiled else total
-        was_training = self.training
-        self.eval()
-        session = None
-        try:
-            session = self._decode_sessions.get_or_build(self, b, length, input_ids.device, graphed, compiled)
-            logits = session.prefill(input_ids, lengths)
-            step = session.step
-            step.set_prompt_lengths(lengths)
-            new = []
-            done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
-            for i in range(max_new_tokens):
-                nxt = sample_next(logits, temperature, top_k, top_p, generator)
-                if eos_token_id is not None:
-                    nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
-                    done = done | (nxt == eos_token_id)
-                new.append(nxt)
-                if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
-                    break
-                logits = step(nxt[:, None], t + i)  # the longest prompt's row's position
-            new = torch.stack(new, dim=1) if new else input_ids.new_zeros(b, 0)
-            if not ragged:
-                return torch.cat((input_ids, new), dim=1)
-            counts = [t] * b if lengths is None else lengths.tolist()
-            return [torch.cat((input_ids[r, :n], _through_eos(new[r], eos_token_id))) for r, n in enumerate(counts)]
-        except BaseException:
-            if session is not None:  # interrupted mid-step or mid-capture: not to be reused
-                self._decode_sessions.drop(session)
-            raise
-        finally:
-            self.train(was_training)
+        # eval for the call, then every submodule's own flag as it was (routers frozen with .eval() stay frozen)
+        with eval_mode(self):
+            session = None
+            try:
+                session = self._decode_sessions.get_or_build(self, b, length, input_ids.device, graphed, compiled)
+                logits = session.prefill(input_ids, lengths)
+                step = session.step
+                step.set_prompt_lengths(lengths)
+                new = []
+                done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+                for i in range(max_new_tokens):
+                    nxt = sample_next(logits, temperature, top_k, top_p, generator)
+                    if eos_token_id is not None:
+                        nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                        done = done | (nxt == eos_token_id)
+                    new.append(nxt)
+                    if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
+                        break
+                    logits = step(nxt[:, None], t + i)  # the longest prompt's row's position
+                new = torch.stack(new, dim=1) if new else input_ids.new_zeros(b, 0)
+                if not ragged:
+                    return torch.cat((input_ids, new), dim=1)
+                counts = [t] * b if lengths is None else lengths.tolist()
+                return [torch.cat((input_ids[r, :n], _through_eos(new[r], eos_token_id))) for r, n in enumerate(counts)]
+            except BaseException:
+                if session is not None:  # interrupted mid-step or mid-capture: not to be reused
+                    self._decode_sessions.drop(session)
+                raise
 
     def release_decode_state(self) -> None:
         """Free what ``generate`` keeps between calls (``decode_session``: caches, CUDA graphs and their memory)."""

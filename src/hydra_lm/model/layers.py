@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    """``module.eval()`` inside the block; after it every submodule's own train/eval flag as it was.
+    ``module.train(was)`` would set them all alike, undoing e.g. routers frozen with ``router.eval()``
+    (which stops their threshold calibration)."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in flags:
+            m.training = training
 
 
 class RMSNorm(nn.Module):

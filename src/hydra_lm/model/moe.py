@@ -50,12 +50,13 @@ class MoEFeedForward(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden))
         self.w_down = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns (x + moe(x), balancing loss, fraction of assignments per expert [E])."""
+    def forward(self, x: torch.Tensor, jitter: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (x + moe(x), balancing loss, fraction of assignments per expert [E]). ``jitter=False``: no
+        router jitter even in training mode (cached decoding, which must route as the eval forward)."""
         b, t, dim = x.shape
         h = self.norm(x).reshape(b * t, dim)
         router_in = h
-        if self.training and self.jitter > 0:
+        if jitter and self.training and self.jitter > 0:
             router_in = h * torch.empty_like(h).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
         # fp32 at least (bf16 router logits), fp64 kept for float64 reference models
         logits = self.router(router_in)

@@ -10,9 +10,10 @@ from collections.abc import Sequence
 import torch
 
 
-def batch_prompts(prompts, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_prompts(prompts, device: torch.device, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts of several lengths (an iterable of 1-D integer tensors or of sequences of ints) -> (ids [B, longest]
-    with each row's prompt first and zeros after it, on ``device``; the lengths [B] on the CPU)."""
+    with each row's prompt first and zeros after it, on ``device``; the lengths [B] on the CPU). ``vocab_size``:
+    each prompt's ids checked to lie in [0, vocab_size) before the padding, and the error names the prompt."""
     if isinstance(prompts, (str, bytes)):
         raise ValueError("prompts must be a [batch, length] tensor of token ids or a list of token id lists, not text")
     prompts = list(prompts)
@@ -27,6 +28,10 @@ def batch_prompts(prompts, device: torch.device) -> tuple[torch.Tensor, torch.Te
                              f"ids{hint}")
         if row.is_floating_point() or row.is_complex() or row.dtype == torch.bool:
             raise ValueError(f"prompt {i} holds {row.dtype} values: token ids must be integers")
+        if vocab_size is not None:
+            lo, hi = int(row.min()), int(row.max())
+            if lo < 0 or hi >= vocab_size:
+                raise ValueError(f"prompt {i}: token ids must lie in [0, {vocab_size}), got [{lo}, {hi}]")
         rows.append(row)
     lengths = torch.tensor([len(r) for r in rows])
     ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long, device=device)
@@ -37,10 +42,10 @@ def batch_prompts(prompts, device: torch.device) -> tuple[torch.Tensor, torch.Te
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """A ValueError naming the first sampling argument ``sample_next`` cannot use. Any real / integral number
-    serves (a NumPy scalar too), never a bool."""
+    serves (a NumPy scalar too; ``top_k`` also a 0-dim integer tensor), never a bool."""
     if not (_real(temperature) and 0 <= temperature < math.inf):
         raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 = greedy)")
-    if top_k is not None and not (_real(top_k) and isinstance(top_k, numbers.Integral) and top_k >= 1):
+    if top_k is not None and not ((k := as_integer(top_k)) is not None and k >= 1):
         raise ValueError(f"top_k={top_k!r} must be an integer >= 1")
     if top_p is not None and not (_real(top_p) and 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p={top_p!r} must lie in (0, 1]")
@@ -57,6 +62,15 @@ def check_generator(generator, rows: int) -> bool:
         raise ValueError(f"generator: a sequence of {len(generator)} generators for {rows} rows: pass one per row, "
                          "or one torch.Generator for the batch")
     return True
+
+
+def as_integer(value) -> int | None:
+    """``value`` as a Python int where it is an integer: any ``numbers.Integral`` (a NumPy integer too) or a 0-dim
+    integer tensor; never a bool. None for anything else."""
+    if isinstance(value, torch.Tensor):
+        integral = not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+        return int(value) if value.dim() == 0 and integral else None
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
 
 
 def _real(value) -> bool:

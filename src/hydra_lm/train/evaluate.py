@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..model.layers import eval_mode
 from ..model.routing import ExpertChoiceRouter
 
 EVAL_MODES = ("causal", "topk")
@@ -37,20 +38,20 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
     Returns None when ``should_stop`` interrupts it (e.g. Ctrl-C), so no partial number is logged.
     ``reduce`` sums the totals over the ranks that evaluated their shares of the data.
     """
-    was_training = model.training
-    model.eval()
     totals = {mode: torch.zeros((), dtype=torch.float64, device=device) for mode in EVAL_MODES}
     names = model.router_names() if model_has_routers(model) else []
-    # Per router and pass: summed stats rows (executed fraction, mean gate, top-k/threshold agreement).
+    # Per router and pass: stats rows (executed fraction, mean gate, top-k/threshold agreement) summed over the
+    # batches, each weighted by its real rows: a last batch that is mostly padding counts for what it holds.
     stats = {mode: torch.zeros((len(names), 3), dtype=torch.float64, device=device) for mode in EVAL_MODES}
     tokens = torch.zeros((), dtype=torch.float64, device=device)
-    n_batches = 0
-    try:
+    n_batches = rows = 0
+    with eval_mode(model):  # every submodule's own flag back after it (a router frozen with .eval() stays so)
         for i, batch in enumerate(batches):
             if max_batches and i >= max_batches:
                 break
             if should_stop():
                 return None
+            batch, real = real_rows(batch)
             x = batch["input_ids"].to(device, non_blocking=True)
             y = batch["targets"].to(device, non_blocking=True)
             kwargs = {"doc_ids": batch["doc_ids"].to(device, non_blocking=True)} if use_doc_ids else {}
@@ -60,17 +61,16 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
                     out = model(x, targets=y, routing=mode, **kwargs)
                 totals[mode] += out["ce_loss"].double() * n
                 if names:
-                    stats[mode] += out["routing_stats"].double()
+                    stats[mode] += out["routing_stats"].double() * real
             tokens += n
             n_batches += 1
-    finally:
-        model.train(was_training)
-    scalars = torch.stack([totals["causal"], totals["topk"], tokens,
-                           torch.tensor(float(n_batches), dtype=torch.float64, device=device)])
-    summed = reduce(torch.cat([scalars, stats["causal"].flatten(), stats["topk"].flatten()]))
+            rows += real
+    scalars = torch.tensor([n_batches, rows], dtype=torch.float64, device=device)
+    summed = reduce(torch.cat([torch.stack([totals["causal"], totals["topk"], tokens]), scalars,
+                               stats["causal"].flatten(), stats["topk"].flatten()]))
     totals = {"causal": summed[0], "topk": summed[1]}
-    tokens, n_batches = summed[2], int(summed[3])
-    per_router = summed[4:].reshape(2, len(names), 3) / max(1, n_batches)
+    tokens, n_batches, rows = summed[2], int(summed[3]), float(summed[4])
+    per_router = summed[5:].reshape(2, len(names), 3) / max(1.0, rows)
     if n_batches == 0:
         raise ValueError("the validation split yielded no batch: it is shorter than one batch of sequences "
                          "(prepare more data, raise the validation fraction, or lower --batch_size/--seq_len)")
@@ -98,6 +98,20 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
                 out["val_agreement_decisions"] = sum(w * a for w, a in deciding) / sum(w for w, _ in deciding)
         out["routing_calibrated"] = all(calibrated[name] for name, on in zip(names, active) if on)
     return out
+
+
+def real_rows(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+    """``batch`` without its rows of padding only (every target -100, as the loader fills the last batch of a pass)
+    and how many rows are left. Their routing would count in the routers' stats (the loss ignores them); left out of
+    the forward they cost nothing. Read off the targets where the loader made them, on the CPU (no device sync);
+    a batch with no padding row is returned as it is, and one of padding only keeps one row (weighing nothing:
+    every rank still runs its forward, as sharded weights need)."""
+    real = (batch["targets"] != -100).any(1)
+    count = int(real.sum())
+    if count == real.numel():
+        return batch, count
+    keep = real if count else torch.arange(real.numel()) == 0
+    return {key: value[keep.to(value.device)] for key, value in batch.items()}, count
 
 
 def router_calibration(model: torch.nn.Module) -> dict[str, bool]:
