@@ -74,8 +74,46 @@ def test_filtered_run_logs_skips_and_resumes_exactly(tiny_data, tmp_path, monkey
     assert main(["train", "--out", str(tmp_path / "pieces")]) == 0
     assert records(tmp_path / "straight", "divergence") == []
     straight = train_losses(tmp_path / "straight")
-    assert straight[6][1] is None  # the NaN loss, logged as null
+    assert straight[6][1] is None  # a window of the skipped NaN step alone: no loss, logged as null
     assert train_losses(tmp_path / "pieces") == straight
     skipped = [r["skipped_batches"] for r in records(tmp_path / "straight", "train")]
     assert skipped == [0, 0, 0, 1, 1, 1, 2, 2]  # a running count: the two outliers alone
     assert skipped == [r["skipped_batches"] for r in records(tmp_path / "pieces", "train")]
+
+
+def _inject_outliers(monkeypatch, outliers: dict) -> None:
+    """Scale the loss the filter sees at the given 0-based steps (by x10 or NaN)."""
+    step_of, micro, train_step = [0], TrainStep.micro_step, Trainer._train_step
+    monkeypatch.setattr(Trainer, "_train_step", lambda self, window: step_of.__setitem__(0, self.step) or
+                        train_step(self, window))
+
+    def outlier_micro_step(self, *args, **kwargs):
+        parts, stats = micro(self, *args, **kwargs)
+        return parts * outliers.get(step_of[0], 1.0), stats
+
+    monkeypatch.setattr(TrainStep, "micro_step", outlier_micro_step)
+
+
+def test_a_skipped_batch_feeds_neither_the_logged_loss_nor_the_adaptive_lr_nor_the_anomaly_monitor(
+        tiny_data, tmp_path, monkeypatch):
+    # Step 3's loss is x10, step 6's NaN: both skipped. Logged every step (no adaptive LR) the run gives each kept
+    # step's loss; logged every 5 steps with the adaptive LR, each window must log the mean of its kept steps and
+    # the LR must stay the schedule's (a skipped batch once made the window NaN or x3, which halved the LR and
+    # recorded an anomaly, and so also changed the training after it).
+    _inject_outliers(monkeypatch, {3: 10.0, 6: float("nan")})
+    common = ["--data", str(tiny_data), *TINY_RUN, "--no-eval_at_start", "--eval_every", "0", "--max_steps", "15",
+              "--save_every", "100", "--batch_filter", "--batch_filter_k", "3", "--batch_filter_warmup", "2",
+              "--mod_off", "--mor_off"]
+    assert main(["train", "--out", str(tmp_path / "each"), *common, "--log_every", "1"]) == 0
+    assert main(["train", "--out", str(tmp_path / "windows"), *common, "--log_every", "5", "--adaptive_lr",
+                 "--adaptive_lr_cooldown", "10"]) == 0
+    each = {r["step"]: r for r in records(tmp_path / "each", "train")}
+    assert each[4]["loss"] is None and each[7]["loss"] is None  # a window of a skipped step alone has no loss
+    windows = records(tmp_path / "windows", "train")
+    assert [r["step"] for r in windows] == [5, 10, 15]
+    for r in windows:
+        kept = [each[s]["loss"] for s in range(r["step"] - 4, r["step"] + 1) if s not in (4, 7)]
+        assert r["loss"] == pytest.approx(sum(kept) / len(kept), rel=1e-4)
+        assert r["lr"] == pytest.approx(each[r["step"]]["lr"])  # no adaptive-LR cut
+    assert [r["skipped_batches"] for r in windows] == [1, 2, 2]
+    assert records(tmp_path / "windows", "anomaly") == []

@@ -11,28 +11,36 @@ from .moe_training import expert_load_record
 
 
 class LogWindow:
-    """Sums of (loss, ce, aux, ponder, moe, grad norm) over the window's steps, the last step's routing
-    statistics and learning rate, and the MoE expert load; read back once per record (``means``)."""
+    """Sums of (loss, ce, aux, ponder, moe, grad norm) over the window's kept steps and their count, the last
+    step's routing statistics and learning rate, and the MoE expert load; read back once per record (``means``).
+    A step the batch filter skipped changed nothing, so it feeds neither the sums nor their count."""
 
     def __init__(self, device: torch.device, saved: dict | None = None):
         self.t0 = self.opened = time.perf_counter()
         self.steps = 0  # with those of the interrupted window a resumed run continues
         self.timed_steps = 0  # steps since t0: throughput counts training steps only
         self.opened_steps = 0  # steps since the window opened (in this process)
-        self.sums = torch.zeros(6, device=device)
+        self.sums = torch.zeros(7, device=device)  # the six sums, then the count of kept steps (a device tensor)
+        self.kept = 0.0  # that count as read by the last ``means``
         self.stats: torch.Tensor | None = None
         self.lr = 0.0
         self.moe_load: torch.Tensor | None = None
         self.moe_steps = 0
         if saved is not None:  # a resumed run continues the interrupted window
-            self.sums = torch.tensor(saved["sums"], device=device)
             self.steps = int(saved["steps"])
+            sums = list(saved["sums"])  # windows saved before the kept count kept every step
+            self.sums = torch.tensor(sums if len(sums) == 7 else [*sums, self.steps], device=device)
             if saved.get("moe_load") is not None:
                 self.moe_load = torch.tensor(saved["moe_load"], device=device)
                 self.moe_steps = int(saved["moe_steps"])
 
-    def add(self, parts: torch.Tensor, grad_norm: torch.Tensor, stats: torch.Tensor, lr: float) -> None:
-        self.sums += torch.cat([parts, grad_norm.detach().float().reshape(1)])
+    def add(self, parts: torch.Tensor, grad_norm: torch.Tensor, stats: torch.Tensor, lr: float,
+            keep: torch.Tensor | None = None) -> None:
+        """``keep``: the batch filter's device flag (0.0: a skipped step, left out without a host sync)."""
+        step = torch.cat([parts, grad_norm.detach().float().reshape(1), parts.new_ones(1)])
+        if keep is not None:  # a where, not a product: a skipped NaN batch times 0 stays NaN
+            step = torch.where(keep > 0, step, 0.0)
+        self.sums += step
         self.stats = stats
         self.steps += 1
         self.timed_steps += 1
@@ -48,7 +56,9 @@ class LogWindow:
         self.t0, self.timed_steps = t0, 0
 
     def means(self) -> list[float]:
-        return (self.sums / max(1, self.steps)).tolist()  # the one host sync per log interval
+        """The six means over the kept steps (NaN, logged as null, when the filter skipped every one)."""
+        *sums, self.kept = self.sums.tolist()  # the one host sync per log interval
+        return [s / self.kept if self.kept else float("nan") for s in sums]
 
     def state(self) -> dict | None:
         """What a checkpoint keeps of the window (None: nothing to continue)."""

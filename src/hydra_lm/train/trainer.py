@@ -397,8 +397,10 @@ class Trainer:
             window.add_moe_load(moe_load)
         # A batch the filter skipped (a non-finite loss among them) changed nothing: not a divergence.
         self.finite.fold(parts[0] if keep is None else torch.where(keep > 0, parts[0], 0.0), grad_norm)
-        self.curriculum.observe(parts[1])
-        window.add(parts, grad_norm, stats, lr)
+        # A skipped batch feeds neither the loss gate (which ignores NaN) nor the window (so neither the adaptive LR
+        # nor the anomaly monitor): it changed nothing.
+        self.curriculum.observe(parts[1] if keep is None else torch.where(keep > 0, parts[1], float("nan")))
+        window.add(parts, grad_norm, stats, lr, keep)
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         if self.swa is not None:
@@ -429,6 +431,8 @@ class Trainer:
         if not regular:
             return False
         self.curriculum.check_gate(self.clock.position(self.step))
+        if not window.kept:  # the filter skipped every step of the window: no loss to judge
+            return False
         if self.adaptive is not None and self.adaptive.observe(self.step, loss):
             self.log.info(f"adaptive LR: loss spike at step {self.step} ({loss:.3f}); LR "
                           f"x{self.cfg.adaptive_lr_factor:g} for {self.cfg.adaptive_lr_cooldown} steps")
