@@ -7,6 +7,7 @@ import io
 import json
 import multiprocessing
 import shutil
+import sys
 
 import pytest
 import torch
@@ -162,6 +163,21 @@ def test_optional_loggers_need_their_package(tiny_data, tmp_path, capsys, flag, 
         pytest.skip(f"{package} is installed")
     assert train(tiny_data, tmp_path / "run", flag) == 2
     assert f"{flag} needs the {package} package" in capsys.readouterr().err
+
+
+def test_a_refused_logger_flag_leaves_the_saved_config_and_a_plain_resume_works(tiny_data, tmp_path, monkeypatch,
+                                                                                capsys):
+    # Once saved into config.json before the check, the flag made every plain resume fail the same way.
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--stop_at_step", "1") == 0
+    saved = (run / "config.json").read_text()
+    with monkeypatch.context() as patch:
+        patch.setitem(sys.modules, "torch.utils.tensorboard", None)  # the import fails
+        assert main(["train", "--out", str(run), "--tensorboard"]) == 2
+    assert "--tensorboard needs the tensorboard package" in capsys.readouterr().err
+    assert (run / "config.json").read_text() == saved
+    assert main(["train", "--out", str(run)]) == 0
+    assert [r["step"] for r in records(run, "train")] == [1, 2, 3]
 
 
 def test_data_without_validation_split_trains_and_warns(tmp_path, capsys):

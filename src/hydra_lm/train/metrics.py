@@ -107,6 +107,21 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16
     return 2 * n**3 * reps / (time.perf_counter() - start)
 
 
+def check_logger_packages(tensorboard: bool, wandb: bool) -> None:
+    """Refuse --tensorboard / --wandb without their package. Called in the run's setup, before the run files are
+    written, so that a refused flag is not saved into config.json (where a plain resume would meet it again)."""
+    if tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError:
+            raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)") from None
+    if wandb:
+        try:
+            import wandb as wandb_mod  # noqa: F401
+        except ImportError:
+            raise ValueError("--wandb needs the wandb package (pip install wandb)") from None
+
+
 class MetricsWriter:
     def __init__(self, run_dir: Path, log: RunLog, tensorboard: bool = False, wandb: bool = False,
                  wandb_project: str = "hydra-lm", config: dict | None = None, resume_step: int = -1):
@@ -116,17 +131,12 @@ class MetricsWriter:
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
         self._wandb = None
+        check_logger_packages(tensorboard, wandb)
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)") from None
+            from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
         if wandb:
-            try:
-                import wandb as wandb_mod
-            except ImportError:
-                raise ValueError("--wandb needs the wandb package (pip install wandb)") from None
+            import wandb as wandb_mod
             # One W&B run per training run: a resume continues the id its start recorded, a fresh start takes a new one.
             id_file = run_dir / WANDB_ID_FILE
             run_id = id_file.read_text().strip() if resume_step >= 0 and id_file.is_file() else uuid.uuid4().hex[:16]

@@ -20,7 +20,7 @@ from .checkpoint import Checkpoint, CheckpointError, CheckpointManager, verify, 
 from .data_io import DataInfo, dataset_dir, open_data, tokenized_alike
 from .distributed import DistInfo, broadcast_object, init_distributed, launched_rank
 from .flags import to_toml
-from .metrics import RunLog, git_revision, versions
+from .metrics import RunLog, check_logger_packages, git_revision, versions
 from .fit_batch import fit_micro_batch
 from .options import (COMPILE_MODES, FIELDS, FROZEN_ON_RESUME, MODE_DEFAULTS, TrainConfig, derived_defaults,
                       normalize, resolve, validate)
@@ -208,6 +208,7 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
         eval_from_table = cfg.eval_batches is None
         cfg = resolve(cfg.replace(model_size=preset), preset, device.type == "cuda")
         model_cfg = build_model_config(cfg, data)
+        check_logger_packages(cfg.tensorboard, cfg.wandb)  # before write_run_files saves the flags
         if batch_from_table and device.type == "cuda" and not info.enabled and not resuming:
             cfg = _fit_batch_to_gpu(cfg, model_cfg, device, log, eval_from_table)
         manager = CheckpointManager(run_dir / "checkpoints", preset, cfg.keep_checkpoints, warn=log.warning)
