@@ -129,6 +129,20 @@ def test_validation_errors_are_clear():
         resolve(TrainConfig(max_steps=10, stop_at_step=11), "debug", False)
 
 
+def test_checkpoint_every_implies_checkpointing_unless_it_is_turned_off_explicitly():
+    on = resolve(TrainConfig(checkpoint_every=2), "debug", False)
+    assert (on.gradient_checkpointing, on.checkpoint_every) == (True, 2)
+    assert resolve(TrainConfig(), "debug", False).gradient_checkpointing is False
+    off = resolve(TrainConfig(checkpoint_every=2, gradient_checkpointing=False), "debug", False)
+    assert (off.gradient_checkpointing, off.checkpoint_every) == (False, None)  # was forced on
+    # A resumed run keeps its saved checkpoint_every, and --no-gradient_checkpointing turns it off all the same.
+    saved = on.to_dict()
+    resumed = resolve(merge_layers({}, {"gradient_checkpointing": False}, saved), "debug", False)
+    assert (resumed.gradient_checkpointing, resumed.checkpoint_every) == (False, None)
+    kept = resolve(merge_layers({}, {}, saved), "debug", False)
+    assert (kept.gradient_checkpointing, kept.checkpoint_every) == (True, 2)
+
+
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 

@@ -169,9 +169,11 @@ class TrainConfig:
                                         "too with adamw and muon, the others step eagerly) as CUDA graphs and "
                                         "replay them (default: on CUDA in one process, without gradient "
                                         "checkpointing)", type=bool)
-    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass", type=bool)
+    gradient_checkpointing: bool | None = opt(None, "recompute activations in the backward pass (default: on with "
+                                                    "--checkpoint_every; --no-gradient_checkpointing clears that)",
+                                              type=bool)
     checkpoint_every: int | None = opt(None, "gradient checkpointing every N blocks (implies "
-                                             "--gradient_checkpointing)", type=int)
+                                             "--gradient_checkpointing unless --no-gradient_checkpointing)", type=int)
     chunked_ce: bool | None = opt(None, "fused head + cross-entropy without [B,T,V] logits (default: on CUDA; "
                                         "Liger if installed and no CUDA graphs, else chunked)", type=bool)
     chunked_ce_size: int = opt(4096, "tokens per chunk of the chunked cross-entropy", type=int)
@@ -357,8 +359,12 @@ def resolve(cfg: TrainConfig, preset: str, on_cuda: bool) -> TrainConfig:
     changes = {k: v for k, v in auto.items() if getattr(cfg, k) is None}
     cfg = cfg.replace(**changes)
     later = {k: v for k, v in derived_defaults(cfg.lr, cfg.max_steps, cfg.mode).items() if getattr(cfg, k) is None}
-    if cfg.checkpoint_every is not None:
-        later["gradient_checkpointing"] = True
+    # --checkpoint_every implies checkpointing unless it was turned off explicitly: an explicit off wins and drops
+    # checkpoint_every (a resumed run keeps its saved value, which would otherwise turn it on again for good).
+    if cfg.gradient_checkpointing is None:
+        later["gradient_checkpointing"] = cfg.checkpoint_every is not None
+    elif not cfg.gradient_checkpointing:
+        later["checkpoint_every"] = None
     cfg = cfg.replace(**later)
     validate(cfg)
     return cfg
