@@ -127,6 +127,16 @@ def test_validation_errors_are_clear():
         resolve(TrainConfig(lr=1e-3, min_lr=1e-2), "debug", False)
     with pytest.raises(ValueError, match="stop_at_step"):
         resolve(TrainConfig(max_steps=10, stop_at_step=11), "debug", False)
+    with pytest.raises(ValueError, match="time_budget_s=inf must be a finite number"):
+        resolve(TrainConfig(time_budget_s=float("inf")), "debug", False)
+    for cooldown in (0, -3):
+        with pytest.raises(ValueError, match=f"adaptive_lr_cooldown={cooldown} must be >= 1"):
+            resolve(TrainConfig(adaptive_lr=True, adaptive_lr_cooldown=cooldown), "debug", False)
+    for warmup in (10, 11):
+        with pytest.raises(ValueError, match=f"warmup_steps={warmup} must be < max_steps=10"):
+            resolve(TrainConfig(max_steps=10, warmup_steps=warmup), "debug", False)
+    assert resolve(TrainConfig(max_steps=10, warmup_steps=9), "debug", False).warmup_steps == 9
+    assert resolve(TrainConfig(max_steps=1), "debug", False).warmup_steps == 1  # the default of a 1-step run
 
 
 def test_checkpoint_every_implies_checkpointing_unless_it_is_turned_off_explicitly():

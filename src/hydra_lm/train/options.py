@@ -389,7 +389,13 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.lr > 0, f"lr={cfg.lr} must be > 0")
     for name in ("beta1", "beta2"):
         need(0 <= getattr(cfg, name) < 1, f"{name}={getattr(cfg, name)} must lie in [0, 1)")
-    need(cfg.time_budget_s is None or cfg.time_budget_s > 0, f"time_budget_s={cfg.time_budget_s} must be > 0")
+    need(cfg.time_budget_s is None or 0 < cfg.time_budget_s < math.inf,
+         f"time_budget_s={cfg.time_budget_s} must be a finite number > 0 (inf never ends the run: leave it out)")
+    # The schedule reaches min_lr on the last step only after its warm-up (a 1-step run's default warm-up of 1
+    # gives the same LR as none).
+    need(cfg.warmup_steps < max(2, cfg.max_steps),
+         f"warmup_steps={cfg.warmup_steps} must be < max_steps={cfg.max_steps}: the warm-up would take the whole run "
+         "and the LR never decay to min_lr (lower --warmup_steps or raise --max_steps)")
     need(0 <= cfg.min_lr <= cfg.lr, f"min_lr={cfg.min_lr} must lie in [0, lr={cfg.lr}]")
     need(cfg.max_rollbacks >= 0, f"max_rollbacks={cfg.max_rollbacks} must be >= 0")
     need(0 < cfg.rollback_lr_factor <= 1, f"rollback_lr_factor={cfg.rollback_lr_factor} must lie in (0, 1]")
@@ -425,6 +431,8 @@ def validate(cfg: TrainConfig) -> None:
     need(0 <= cfg.swa_start_pct < 1, f"swa_start_pct={cfg.swa_start_pct} must lie in [0, 1)")
     need(cfg.batch_filter_k > 0, f"batch_filter_k={cfg.batch_filter_k} must be > 0")
     need(cfg.adaptive_lr_spike > 1, f"adaptive_lr_spike={cfg.adaptive_lr_spike} must be > 1")
+    need(cfg.adaptive_lr_cooldown >= 1,
+         f"adaptive_lr_cooldown={cfg.adaptive_lr_cooldown} must be >= 1 (with fewer steps --adaptive_lr does nothing)")
     need(0 < cfg.adaptive_lr_factor <= 1, f"adaptive_lr_factor={cfg.adaptive_lr_factor} must lie in (0, 1]")
     need(cfg.stall_dump_s >= 0, f"stall_dump_s={cfg.stall_dump_s} must be >= 0 (0: never dump stacks)")
     if cfg.checkpoint_every is not None:
