@@ -5,6 +5,7 @@ import torch
 
 from hydra_lm.cli import main
 from hydra_lm.train import Curriculum, CurriculumPlan, TrainConfig
+from hydra_lm.train.options import resolve
 from support import TINY_RUN, records
 
 
@@ -32,8 +33,8 @@ def test_plan_from_percentages_and_short_run_override():
     assert (default.mod_gate_step, default.mod_force_step, default.mor_step) == (0, 0, 0)  # routing from step 0
     phases = dict(mod_enable_pct=0.1, mod_force_enable_pct=0.15, mor_enable_pct=0.3)
     short = CurriculumPlan.from_config(TrainConfig(max_steps=200, **phases))
-    assert (short.mod_gate_step, short.mod_force_step, short.mor_step) == (20, 30, 60)
-    assert short.loss_gate is None  # short run: no gate by default
+    assert (short.mod_gate_step, short.mod_force_step, short.mor_step) == (30, 30, 60)
+    assert short.loss_gate is None  # short run: no gate by default; MoD on at the force step
     kept = CurriculumPlan.from_config(TrainConfig(max_steps=200, no_short_run_override=True, **phases))
     assert kept.loss_gate == 5.0 and kept.mod_gate_step == 20
     long = CurriculumPlan.from_config(TrainConfig(max_steps=5000, **phases))
@@ -42,6 +43,23 @@ def test_plan_from_percentages_and_short_run_override():
     assert off.mod_gate_step is None and off.mor_step is None
     dense = CurriculumPlan.from_config(TrainConfig(max_steps=5000), routable=(False, False))
     assert dense.mod_gate_step is None and dense.mor_step is None
+
+
+def test_the_force_step_defaults_to_the_enable_step_and_a_short_run_switches_there():
+    def plan(steps, **flags):
+        cfg = resolve(TrainConfig(max_steps=steps, warmup_steps=1, **flags), "debug", False)  # the trainer's checks
+        return CurriculumPlan.from_config(cfg)
+
+    enable = plan(5000, mod_enable_pct=0.5)  # was refused: the force step defaulted to 0.0
+    assert (enable.mod_gate_step, enable.mod_force_step, enable.loss_gate) == (2500, 2500, 5.0)
+    assert plan(200, mod_enable_pct=0.5).describe().startswith("MoD on at step 100;")
+    # --mod_force_enable_pct alone: MoD on there whatever the loss, so not at step 0 in a short run either
+    assert plan(200, mod_force_enable_pct=0.5).describe().startswith("MoD on at step 100;")
+    assert plan(5000, mod_force_enable_pct=0.5).describe().startswith(
+        "MoD on from step 0 once CE EMA < 5, forced at step 2500;")
+    # a saved config's explicit 0.0 keeps its meaning
+    saved = plan(5000, mod_force_enable_pct=0.0)
+    assert (saved.mod_gate_step, saved.mod_force_step) == (0, 0)
 
 
 def test_switches_without_gate_happen_exactly_at_the_planned_steps():

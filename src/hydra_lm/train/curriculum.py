@@ -6,7 +6,7 @@ start dense (routers that start on a random network route on noise) and switch r
 phases, all measured in optimizer steps of the whole run (``max_steps``):
 
 * MoD is off until ``mod_enable_pct``. From there it switches on as soon as the CE-loss EMA is
-  below ``mod_loss_gate`` (5.0), and at ``mod_force_enable_pct`` whatever the loss.
+  below ``mod_loss_gate`` (5.0), and at ``mod_force_enable_pct`` (default: ``mod_enable_pct``) whatever the loss.
 * MoR runs every token at full depth until ``mor_enable_pct``, then routes (adaptive depth).
 * Once on, a router stays on; ``--mod_off`` / ``--mor_off`` keep one off for the whole run (a resume that gives
   one after that router's switch is refused: ``run.check_routing_kept``).
@@ -16,8 +16,9 @@ synchronises anyway), so the gate is checked every ``log_every`` steps.
 
 Short runs (``max_steps`` < SHORT_RUN_STEPS): the EMA of a short run is still dominated by its first
 steps when the gate opens, so whether MoD switches at ``mod_enable_pct`` or at the force step would
-depend on noise. By default such runs skip the gate and switch MoD on exactly at ``mod_enable_pct``;
-``--no_short_run_override`` keeps the gate as in a long run. The phase fractions are never changed.
+depend on noise. By default such runs skip the gate and switch MoD on exactly at the force step
+(``mod_force_enable_pct``, which is ``mod_enable_pct`` unless given: MoD may switch on from the one and does at
+the other); ``--no_short_run_override`` keeps the gate as in a long run. The phase fractions are never changed.
 
 With ``--mor_ramp`` MoR does not jump from full depth to its configured capacities: over the
 next ``mor_ramp_pct`` of the run the capacities move there in MOR_RAMP_LEVELS steps (1/4, 2/4
@@ -36,6 +37,11 @@ from .options import SHORT_RUN_STEPS, TrainConfig
 MOR_RAMP_LEVELS = 4
 
 
+def mod_force_pct(cfg: TrainConfig) -> float:
+    """The fraction at which MoD switches on whatever the loss (None, the default: at ``mod_enable_pct``)."""
+    return cfg.mod_enable_pct if cfg.mod_force_enable_pct is None else cfg.mod_force_enable_pct
+
+
 @dataclass(frozen=True)
 class CurriculumPlan:
     mod_gate_step: int | None  # None: MoD never on
@@ -51,9 +57,11 @@ class CurriculumPlan:
         short = steps < SHORT_RUN_STEPS and not cfg.no_short_run_override
         mod_on = has_mod and not cfg.mod_off
         mor_on = has_mor and not cfg.mor_off
+        force_step = round(mod_force_pct(cfg) * steps)
         return cls(
-            mod_gate_step=round(cfg.mod_enable_pct * steps) if mod_on else None,
-            mod_force_step=round(cfg.mod_force_enable_pct * steps) if mod_on else None,
+            # A short run without the gate switches at the force step: the help promises MoD off until then.
+            mod_gate_step=(force_step if short else round(cfg.mod_enable_pct * steps)) if mod_on else None,
+            mod_force_step=force_step if mod_on else None,
             mor_step=round(cfg.mor_enable_pct * steps) if mor_on else None,
             loss_gate=None if short else cfg.mod_loss_gate,
             mor_ramp_end=round((cfg.mor_enable_pct + cfg.mor_ramp_pct) * steps) if mor_on and cfg.mor_ramp else None,

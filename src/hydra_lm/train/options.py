@@ -145,7 +145,9 @@ class TrainConfig:
     # --- MoD / MoR curriculum. Routing from the first step is the default: at equal training time
     # it ended clearly lower than a late switch-on (benchmarks/BENCHMARKS.md); the phases stay available.
     mod_enable_pct: float = opt(0.0, "MoD may switch on from this fraction of the run (loss gate)", type=float)
-    mod_force_enable_pct: float = opt(0.0, "MoD switches on here whatever the loss", type=float)
+    mod_force_enable_pct: float | None = opt(None, "MoD switches on here whatever the loss (default: "
+                                                   f"mod_enable_pct); runs under {SHORT_RUN_STEPS} steps switch "
+                                                   "MoD on exactly here", type=float)
     mod_loss_gate: float = opt(5.0, "MoD switches on early once the CE loss EMA is below this", type=float)
     mor_enable_pct: float = opt(0.0, "MoR adaptive depth switches on from this fraction of the run", type=float)
     mor_ramp: bool = opt(False, "after mor_enable_pct, move the MoR depth capacities from full depth to the "
@@ -416,11 +418,12 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.weight_decay >= 0, f"weight_decay={cfg.weight_decay} must be >= 0")
     need(0 < cfg.wsd_decay_pct <= 1, f"wsd_decay_pct={cfg.wsd_decay_pct} must lie in (0, 1]")
     for name in ("mod_enable_pct", "mod_force_enable_pct", "mor_enable_pct"):
-        need(0 <= getattr(cfg, name) <= 1, f"{name}={getattr(cfg, name)} must lie in [0, 1]")
+        need(getattr(cfg, name) is None or 0 <= getattr(cfg, name) <= 1, f"{name}={getattr(cfg, name)} must lie in "
+             "[0, 1]")
     need(not cfg.mor_ramp or 0 < cfg.mor_ramp_pct and cfg.mor_enable_pct + cfg.mor_ramp_pct <= 1,
          f"mor_ramp_pct={cfg.mor_ramp_pct} must be > 0 and end the ramp within the run (mor_enable_pct + "
          f"mor_ramp_pct <= 1)")
-    need(cfg.mod_force_enable_pct >= cfg.mod_enable_pct,
+    need(cfg.mod_force_enable_pct is None or cfg.mod_force_enable_pct >= cfg.mod_enable_pct,
          f"mod_force_enable_pct={cfg.mod_force_enable_pct} must be >= mod_enable_pct={cfg.mod_enable_pct}")
     if cfg.seq_len_schedule:
         SeqLenSchedule.parse(cfg.seq_len_schedule).check(cfg.batch_size, cfg.seq_len)
