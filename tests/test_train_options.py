@@ -349,3 +349,14 @@ def test_model_overrides_only_for_train(capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--run", "x", "--model.dim", "64"])
     assert "--model.*" in capsys.readouterr().err
+
+
+def test_no_resume_refuses_a_run_directory_with_checkpoints(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    common = [*TINY_RUN, "--max_steps", "3", "--log_every", "1", "--no-eval_at_start", "--eval_every", "0"]
+    assert main(["train", "--data", str(tiny_data), "--out", str(run), *common, "--no-resume",
+                 "--stop_at_step", "1"]) == 0  # no checkpoint yet: a new run
+    assert main(["train", "--out", str(run), "--no-resume"]) == 2  # it resumed silently
+    assert f"--no-resume: {run} has checkpoints" in capsys.readouterr().err
+    assert main(["train", "--out", str(run), "--resume"]) == 0
+    assert [r["step"] for r in records(run, "train")] == [1, 2, 3]

@@ -204,8 +204,8 @@ class TrainConfig:
     tensorboard: bool = opt(False, "also log to TensorBoard (RUN_DIR/tensorboard)", type=bool)
     wandb: bool = opt(False, "also log to Weights & Biases", type=bool)
     wandb_project: str = opt("hydra-lm", "W&B project name", type=str)
-    resume: bool = opt(False, "continue from RUN_DIR's newest good checkpoint (automatic when it has one)",
-                       type=bool)
+    resume: bool | None = opt(None, "continue from RUN_DIR's newest good checkpoint (automatic when it has one); "
+                                    "--no-resume refuses a RUN_DIR that has checkpoints", type=bool)
     restart: bool = opt(False, "start again from step 0 when every checkpoint of RUN_DIR was found corrupt (they "
                                "stay as *.corrupt)", type=bool)
 

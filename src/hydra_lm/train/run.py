@@ -188,6 +188,9 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
     rank = launched_rank()  # under torchrun only rank 0 writes the log; the others report warnings
     log = RunLog(run_dir / "train.log", echo=echo) if rank == 0 else RunLog(None, echo=False, prefix=f"[rank {rank}] ")
     try:
+        if cfg.resume is False and has_ckpt:  # it resumed all the same: say so rather than ignore the flag
+            raise ValueError(f"--no-resume: {run_dir} has checkpoints, which this run would continue from; use a new "
+                             f"--out, or remove {run_dir / 'checkpoints'} to start over")
         if cfg.resume and not has_ckpt:
             log.warning(f"--resume: {run_dir} has no checkpoint yet; starting a new run")
 
