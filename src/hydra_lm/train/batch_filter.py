@@ -1,4 +1,4 @@
-"""Skip the update of a batch whose loss is an outlier, decided on the device (no host sync).
+"""Zero the gradients of a batch whose loss is an outlier, decided on the device (no host sync).
 
 A running mean and variance (EMAs) of the accepted step losses set the bar: after ``warmup`` steps (at
 least two, for a variance), a loss above mean + k x std, or not finite, masks that step's gradients to zero.

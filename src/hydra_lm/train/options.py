@@ -101,8 +101,10 @@ class TrainConfig:
     experimental_skip_pretest: bool = opt(False, "do not pretest the enabled optimizations (--compile, --chunked_ce) "
                                                  "against the plain path before training", type=bool)
 
-    batch_filter: bool = opt(False, "skip the update of a batch whose loss is an outlier (> mean + k std of the "
-                                    "recent losses; decided on the device, counted in the log)", type=bool)
+    batch_filter: bool = opt(False, "zero the gradients of a batch whose loss is an outlier (> mean + k std of "
+                                    "the recent losses; decided on the device, counted in the log); optimizers "
+                                    "with momentum (AdamW) still step by their momentum and weight decay",
+                             type=bool)
     batch_filter_k: float = opt(4.0, "--batch_filter: outlier threshold in standard deviations", type=float)
     batch_filter_warmup: int = opt(20, "--batch_filter: steps that only gather statistics", type=int)
 
