@@ -25,7 +25,7 @@ def train(data, run, *extra):
     return main(["train", "--data", str(data), "--out", str(run), *RUN, *extra])
 
 
-def test_a_correct_optimization_passes_and_is_recorded(tiny_data, tmp_path, capsys):
+def test_a_correct_optimization_passes_and_is_recorded(tiny_data, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     assert train(tiny_data, run, "--chunked_ce") == 0
     [entry] = get_history(run)
@@ -45,6 +45,10 @@ def test_a_correct_optimization_passes_and_is_recorded(tiny_data, tmp_path, caps
     checked = run_pretests_for_checkpoint(run / "checkpoints" / "hydra_debug_step3")
     assert checked["trigger"] == "checkpoint load" and checked["results"][0]["passed"]
     assert len(get_history(run)) == 2
+    # A relative path (here from inside checkpoints/) still records in the run, not in checkpoints/pretest_logs.
+    monkeypatch.chdir(run / "checkpoints")
+    run_pretests_for_checkpoint("hydra_debug_step3")
+    assert len(get_history(run)) == 3 and not (run / "checkpoints" / "pretest_logs").exists()
 
 
 def wrong(real, monkeypatch):

@@ -272,10 +272,13 @@ class PretestHook:
         return entry
 
 
-def run_pretests_for_checkpoint(path: str | Path, size: str | None = None, device: str = "cpu") -> dict[str, Any]:
+def run_pretests_for_checkpoint(path: str | Path, size: str | None = None, device: str = "cpu",
+                                run_dir: str | Path | None = None) -> dict[str, Any]:
     """Pretest the optimizations a checkpoint's run enabled, on its weights (or, with another model
-    ``size``, on a fresh model of that size), and record the result in its run directory."""
-    ckpt = verify(Path(path))
+    ``size``, on a fresh model of that size), and record the result in ``run_dir``/pretest_logs. ``run_dir``
+    defaults to the checkpoint directory's run (RUN_DIR of RUN_DIR/checkpoints/NAME), or for an exported
+    .safetensors file to the folder that holds it."""
+    ckpt = verify(Path(path).resolve())  # resolved: a relative path's parents are not the run's
     state = ckpt.state
     train_config, dev = state["train_config"], torch.device(device)
     saved_size = state.get("model_size", train_config.get("model_size"))
@@ -296,6 +299,7 @@ def run_pretests_for_checkpoint(path: str | Path, size: str | None = None, devic
                           train_config.get("seed", 0), model_cfg.topk_groups)
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if dev.type == "cuda" else contextlib.nullcontext
     entry = run_pretests(model, keys, train_config, size, batch, autocast, dev.type, trigger, ckpt.step)
-    run_dir = ckpt.path.parent.parent
-    record_pretest(run_dir, entry)
+    if run_dir is None:
+        run_dir = ckpt.path.parent if ckpt.path.is_file() else ckpt.path.parent.parent
+    record_pretest(Path(run_dir), entry)
     return entry
