@@ -395,11 +395,8 @@ def validate(cfg: TrainConfig) -> None:
         need(0 <= getattr(cfg, name) < 1, f"{name}={getattr(cfg, name)} must lie in [0, 1)")
     need(cfg.time_budget_s is None or 0 < cfg.time_budget_s < math.inf,
          f"time_budget_s={cfg.time_budget_s} must be a finite number > 0 (inf never ends the run: leave it out)")
-    # The schedule reaches min_lr on the last step only after its warm-up (a 1-step run's default warm-up of 1
-    # gives the same LR as none).
-    need(cfg.warmup_steps < max(2, cfg.max_steps),
-         f"warmup_steps={cfg.warmup_steps} must be < max_steps={cfg.max_steps}: the warm-up would take the whole run "
-         "and the LR never decay to min_lr (lower --warmup_steps or raise --max_steps)")
+    # A warm-up as long as the run is not refused: a resume that shortens the run (--max_steps) keeps the warm-up
+    # its first start derived from the longer one; the LR then ends inside the warm-up (docs/training.md).
     need(0 <= cfg.min_lr <= cfg.lr, f"min_lr={cfg.min_lr} must lie in [0, lr={cfg.lr}]")
     need(cfg.max_rollbacks >= 0, f"max_rollbacks={cfg.max_rollbacks} must be >= 0")
     need(0 < cfg.rollback_lr_factor <= 1, f"rollback_lr_factor={cfg.rollback_lr_factor} must lie in (0, 1]")
