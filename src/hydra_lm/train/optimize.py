@@ -110,7 +110,9 @@ def _prepare(model: nn.Module, cfg: TrainConfig, device: torch.device | str | No
     hydra = isinstance(model, HydraModel)
     if not hydra:  # the routed units and the fused loss exist in a HydraModel only: compile the whole model
         plan = dataclasses.replace(plan, compile="model" if plan.compile else None, ce_impl="naive")
-        model_side = [name for name in MODEL_SIDE if getattr(cfg, name) != FIELDS[name].default]
+        # A None default resolves to False when left alone (gradient_checkpointing without checkpoint_every).
+        model_side = [name for name in MODEL_SIDE if getattr(cfg, name) != FIELDS[name].default
+                      and not (FIELDS[name].default is None and getattr(cfg, name) is False)]
         if model_side:
             raise ValueError(f"{', '.join(model_side)}: the setup applies these to a HydraModel only, as hydra-lm "
                              f"train does; this model is a {type(model).__name__}: drop them")
