@@ -134,6 +134,39 @@ def test_a_damaged_parquet_file_is_one_clear_error(tmp_path, tokenizer_dir):
         _prepare([tmp_path / "bad.parquet"], tmp_path / "out", tokenizer_dir)
 
 
+class _FakeDataset:
+    """The part of a ``datasets.Dataset`` that prepare reads."""
+
+    def __init__(self, rows: dict[str, list]):
+        self.rows, self.column_names = rows, list(rows)
+
+    def select_columns(self, names):
+        return _FakeDataset({n: self.rows[n] for n in names})
+
+    def iter(self, batch_size):
+        n = len(next(iter(self.rows.values())))
+        for i in range(0, n, batch_size):
+            yield {k: v[i:i + batch_size] for k, v in self.rows.items()}
+
+
+def test_hugging_face_columns_that_are_not_text_are_refused(tmp_path, tokenizer_dir, monkeypatch):
+    import importlib.machinery
+    import sys
+    import types
+
+    fake = types.ModuleType("datasets")
+    fake.__spec__ = importlib.machinery.ModuleSpec("datasets", None)
+    rows = {"text": ["gamma", None, "delta"], "n": [1, 2, 3]}
+    fake.load_dataset = lambda name, config, split: _FakeDataset(rows)
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = _prepare(["hf:some/set"], tmp_path / "text", tokenizer_dir)
+    assert sorted(_documents(out)) == ["delta", "gamma"]
+    # a number column used to become empty documents, silently
+    with pytest.raises(ValueError, match=r"hf:some/set row 0: column 'n' holds int, not text.*--text_field NAME"):
+        _prepare(["hf:some/set"], tmp_path / "n", tokenizer_dir, text_field="n")
+
+
 # token shards -----------------------------------------------------------------------------------------
 def test_a_token_shard_with_ids_beyond_its_declared_vocabulary_is_refused(tmp_path):
     torch.save({"input_ids": [torch.tensor([5, 7]), torch.tensor([2000, 9])], "vocab_size": 1000}, tmp_path / "s.pt")

@@ -397,5 +397,5 @@ def _dataset_docs(ds, key: str, text_field: str) -> Iterator[Doc]:
     n = 0
     for batch in ds.select_columns([text_field]).iter(batch_size=1024):
         for value in batch[text_field]:
-            yield f"{key}#{n}", value if isinstance(value, str) else ""
+            yield f"{key}#{n}", _field_text(value, f"column {text_field!r}", f"{key} row {n}", None, Path(key))
             n += 1
