@@ -11,6 +11,7 @@ import torch
 
 import hydra_lm.model.hydra as hydra_module
 from hydra_lm.cli import main
+from hydra_lm.infer.runs import export_model
 from hydra_lm.train import get_history, get_summary, print_summary, run_pretests_for_checkpoint
 from hydra_lm.train.compile_policy import compile_units
 from hydra_lm.train.step import TrainStep
@@ -49,6 +50,10 @@ def test_a_correct_optimization_passes_and_is_recorded(tiny_data, tmp_path, caps
     monkeypatch.chdir(run / "checkpoints")
     run_pretests_for_checkpoint("hydra_debug_step3")
     assert len(get_history(run)) == 3 and not (run / "checkpoints" / "pretest_logs").exists()
+    # An exported file records beside itself: it has no run directory.
+    exported = export_model(run, tmp_path / "shipped" / "model.safetensors")
+    assert run_pretests_for_checkpoint(exported)["results"][0]["passed"]
+    assert len(get_history(tmp_path / "shipped")) == 1 and len(get_history(run)) == 3
 
 
 def wrong(real, monkeypatch):
