@@ -182,9 +182,10 @@ def _ccgqa_decode(qkv: torch.Tensor, cs_w: torch.Tensor, cs_b: torch.Tensor, cc_
                          "allocates (or .contiguous() copies)")
     y = torch.empty(b, n_heads * d, dtype=k.dtype, device=qkv.device)
     group = n_heads // hk
-    # tl.dot takes no fp64 on GPUs, nor operands under 16 wide (heads of 1,024 get tiles of 16 slots). Tiles of
-    # 8,192 cached values (256 slots of 32-wide heads) in two stages: at the 100M layout's shapes on an H200 the
-    # fastest of 64-256 slots, 1-3 stages and 2 or 4 warps (benchmarks/BENCHMARKS.md, fortieth session).
+    # tl.dot takes no fp64 on GPUs, nor operands under 16 wide: heads are at most 256 wide
+    # (attention.DECODE_KERNEL_MAX_HEAD_DIM), so a tile holds 32 slots or more. Tiles of 8,192 cached values (256
+    # slots of 32-wide heads) in two stages: at the 100M layout's shapes on an H200 the fastest of 64-256 slots, 1-3
+    # stages and 2 or 4 warps (benchmarks/BENCHMARKS.md, fortieth session).
     fp64 = k.dtype == torch.float64
     use_dot = not fp64 and d >= 16
     heads = triton.next_power_of_2(group)
@@ -194,7 +195,7 @@ def _ccgqa_decode(qkv: torch.Tensor, cs_w: torch.Tensor, cs_b: torch.Tensor, cc_
         H=n_heads, HK=hk, G=group, GP=heads, D=d, KS=kernel_seq, KC=kernel_ch,
         # One slot at least: convs of one tap keep no history (P = 0), and tl.arange takes no empty range.
         PP=max(1, triton.next_power_of_2(kernel_seq + kernel_ch - 2)), VP=shift.shape[1], QK_MEAN=qk_mean,
-        USE_DOT=use_dot, QP=max(16, heads), BLOCK_L=max(16, min(256, 8192 // d)) if use_dot else 32,
+        USE_DOT=use_dot, QP=max(16, heads), BLOCK_L=min(256, 8192 // d) if use_dot else 32,
         ACC=tl.float64 if fp64 else tl.float32,
         num_warps=4, num_stages=2)
     return y

@@ -27,6 +27,11 @@ from .layers import RotaryEmbedding, apply_rotary
 
 
 
+# The CCGQA decode kernel keeps a group's query heads and their accumulator in registers ([16, head_dim] fp32 per
+# program): heads of 1,024 did not finish compiling in 8 minutes on an H100. Wider heads take the PyTorch ops.
+DECODE_KERNEL_MAX_HEAD_DIM = 256
+
+
 def decode_kernels_run(setting: str, device: torch.device) -> bool:
     """Whether a decode step on ``device`` runs the Triton decode kernels (``HydraConfig.decode_kernel``: "auto"
     on CUDA with Triton installed, "triton" always, "torch" never); a ValueError for "triton" where they cannot
@@ -249,9 +254,10 @@ class CCGQAttention(nn.Module):
     def _runs_decode_kernel(self, x: torch.Tensor) -> bool:
         """Whether a one-token cached forward on ``x`` runs the Triton decode kernel (``decode_kernel``)."""
         d = self.head_dim
-        if d & (d - 1):
+        if d & (d - 1) or d > DECODE_KERNEL_MAX_HEAD_DIM:
             if self.decode_kernel == "triton":
-                raise ValueError(f"decode_kernel='triton': head_dim {d} is not a power of two; set "
+                why = "is not a power of two" if d & (d - 1) else f"is over the kernel's {DECODE_KERNEL_MAX_HEAD_DIM}"
+                raise ValueError(f"decode_kernel='triton': head_dim {d} {why}; set "
                                  "HydraConfig.decode_kernel='auto' or 'torch' (--model.decode_kernel)")
             return False
         return decode_kernels_run(self.decode_kernel, x.device)

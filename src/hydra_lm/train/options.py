@@ -98,7 +98,7 @@ class TrainConfig:
                                                         "anomaly", type=float)
     experimental_throughput_drop_threshold: float = opt(0.0, "throughput below this fraction of its average is an "
                                                              "anomaly", type=float)
-    experimental_skip_pretest: bool = opt(False, "do not pretest the enabled optimizations (--compile, --chunked_ce) "
+    experimental_skip_pretest: bool = opt(False, "do not pretest the enabled optimizations (--chunked_ce) "
                                                  "against the plain path before training", type=bool)
 
     batch_filter: bool = opt(False, "zero the gradients of a batch whose loss is an outlier (> mean + k std of "
@@ -164,8 +164,9 @@ class TrainConfig:
     # None: automatic, by device and process count (compile_policy.py): on CUDA the routed units are
     # compiled, the step replayed as CUDA graphs and the loss fused; under torchrun the whole model is
     # compiled (no graphs); on the CPU everything runs eager.
-    compile: bool | None = opt(None, "torch.compile the model (default: on CUDA; the routed units in one process, "
-                                     "the whole model under torchrun; --no-compile: eager)", type=bool)
+    compile: bool | None = opt(None, "torch.compile the model (default: on CUDA; each block with its routing, and the "
+                                     "routed units for evaluation, in one process; the whole model under "
+                                     "torchrun; --no-compile: eager)", type=bool)
     compile_mode: str = opt("default", "torch.compile mode (max-autotune-no-cudagraphs: inductor benchmarks "
                                        "GEMM and kernel choices, minutes of cold compile)", type=str,
                             choices=COMPILE_MODES)
