@@ -16,12 +16,15 @@ from .train.options import OPTIMIZERS
 def _cmd_info(args: argparse.Namespace) -> int:
     from .diagnostics.info import print_info
 
-    print_info(args.model_size, seq_len=args.seq_len, arch=args.arch, vocab_size=args.vocab_size)
-    if args.memory:
+    memory = []
+    if args.memory:  # estimated first: a bad --batch_size fails before any of the report is printed
         from .train.memory_estimate import describe_memory
 
-        print("\n".join(describe_memory(args.model_size, args.batch_size, args.seq_len, args.optimizer, args.arch,
-                                        args.vocab_size, args.device)))
+        memory = describe_memory(args.model_size, args.batch_size, args.seq_len, args.optimizer, args.arch,
+                                 args.vocab_size, args.device)
+    print_info(args.model_size, seq_len=args.seq_len, arch=args.arch, vocab_size=args.vocab_size)
+    if memory:
+        print("\n".join(memory))
     return 0
 
 
@@ -119,6 +122,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .infer import generate_text
 
+    if args.top_k < 0:  # before 0 becomes None (all tokens) below, and the sampler's own ">= 1" misleads
+        raise ValueError(f"--top_k {args.top_k} must be 0 (all tokens) or more")
     texts = generate_text(args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p,
                           args.seed, args.checkpoint, args.device, args.compile_step)
     if len(texts) == 1:
@@ -293,6 +298,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _rank() -> str:
+    return f"[rank {os.environ['RANK']}] " if launched_world_size() > 1 else ""
+
+
+# What failed on a path the user named (an --out that is a file, a directory where a file goes, ...), and what to do.
+_OS_ERRORS = {
+    errno.ENOTDIR: ("create or open", "a part of that path is a file, not a directory: choose another path"),
+    errno.EEXIST: ("create the directory", "a file of that name is in the way: choose another path or move the file"),
+    errno.EISDIR: ("write", "a directory of that name is in the way: choose another path"),
+    errno.EACCES: ("access", "choose a path you may write to, or change its permissions"),
+    errno.EPERM: ("access", "choose a path you may write to, or change its permissions"),
+    errno.EROFS: ("write", "the file system is read-only: choose another path"),
+}
+
+
+def _os_error_line(err: OSError) -> str | None:
+    """One line for an OSError on a path; None for one without a path, whose traceback says more."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on the device writing {err.filename or 'a file'}: free some space and run again"
+    if err.filename is None:
+        return None
+    action, hint = _OS_ERRORS.get(err.errno, ("access", "check the path"))
+    # A rename names its temporary source first: the target is the path the user gave.
+    return f"cannot {action}: {err.filename2 or err.filename}: {err.strerror or err}; {hint}"
+
+
 def main(argv: list[str] | None = None) -> int:
     from .train.flags import split_model_overrides
 
@@ -312,14 +343,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as err:  # bad user input: one clear line, no traceback
-        rank = f"[rank {os.environ['RANK']}] " if launched_world_size() > 1 else ""
-        print(f"hydra-lm {args.command}: {rank}error: {err}", file=sys.stderr)
+        print(f"hydra-lm {args.command}: {_rank()}error: {err}", file=sys.stderr)
         return 2
     except OSError as err:
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        line = _os_error_line(err)
+        if line is None:
             raise
-        print(f"hydra-lm {args.command}: error: no space left on the device writing {err.filename or 'a file'}: free "
-              "some space and run again", file=sys.stderr)
+        print(f"hydra-lm {args.command}: {_rank()}error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"hydra-lm {args.command}: interrupted", file=sys.stderr)

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from .infer import generate_text
-from .train.run import setup_run
+from .train.options import check_seed
+from .train.run import pick_device, setup_run
 from .train.trainer import train
 
 # Measured on 2 idle CPU cores: ~25 s for the corpus and tokenizer, ~2 s per step, ~5 s per evaluation.
@@ -43,6 +44,8 @@ def quickstart(out: str | Path = "hydra-quickstart", max_steps: int | None = Non
         raise ValueError(f"--max_new_tokens {max_new_tokens} must be >= 0")
     if max_steps is not None and max_steps < 1:  # before the corpus is prepared, not after
         raise ValueError(f"--max_steps {max_steps} must be >= 1")
+    check_seed(seed)
+    pick_device(device)
     start = time.perf_counter()
     out = Path(out).expanduser()
     data_dir = prepare_data(None, out / "data")

@@ -86,6 +86,16 @@ def _check_options(vocab_size, val_fraction, seed, max_bytes, text_field) -> Non
     check_vocab_size(vocab_size)
 
 
+def _check_not_a_run(out: Path) -> None:
+    """A run directory keeps a copy of its data's tokenizer, which generation decodes with: preparing into it would
+    replace that copy with another tokenizer (names as train/run.py writes them)."""
+    found = [name for name, is_there in (("config.json", (out / "config.json").is_file()),
+                                         ("checkpoints/", (out / "checkpoints").is_dir())) if is_there]
+    if found:
+        raise ValueError(f"{out} holds a training run ({', '.join(found)}): preparing data there would replace the "
+                         "run's tokenizer.json; choose another --out")
+
+
 def _fingerprint(corpus: Corpus, options: dict, tokenizer_id: str) -> str:
     body = {"format": FORMAT_VERSION, "options": options, "tokenizer": tokenizer_id,
             "inputs": [s.fingerprint() for s in corpus.sources], "notes": corpus.notes}
@@ -216,6 +226,7 @@ def prepare_data(inputs: Sequence[str | Path] | str | Path | None, out_dir: str 
 
     if prepared():  # without the lock, which a read-only directory could not hold
         return out
+    _check_not_a_run(out)
     out.mkdir(parents=True, exist_ok=True)
     # Every rank of a torchrun given --dataset prepares the same directory: the first to take the lock prepares
     # it, the others wait, then find it prepared.

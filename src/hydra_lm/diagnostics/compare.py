@@ -37,8 +37,8 @@ from ..train.fp8 import check_fp8_device
 from ..train.optim import check_optimizer_device
 from ..train.data_io import dataset_dir, open_data
 from ..train.distributed import launched_world_size
-from ..train.options import TrainConfig, resolve
-from ..train.run import build_model_config, pick_device
+from ..train.options import TrainConfig, check_seed, resolve
+from ..train.run import build_model_config, check_outside_data, pick_device
 from .compare_results import collect_results, lr_extensions
 from .compare_runs import (Budget, ComparePlan, VariantRun, finished_marker, parse_budget, read_marker,
                            steps_for_flops, write_marker)
@@ -250,6 +250,8 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
             raise ValueError("--seed and --seeds: give one of them (--seeds trains every variant once per seed)")
         if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
             raise ValueError(f"--seeds {' '.join(map(str, seeds))}: give distinct seeds >= 0 (e.g. --seeds 0 1 2)")
+        for seed in seeds:
+            check_seed(seed, "--seeds")
     if shared.get("dataset") is not None:  # as train takes it: 'default', a prepared directory or a corpus
         if data:
             raise ValueError("--data and --dataset both name the training data: keep one")
@@ -258,6 +260,7 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
         raise ValueError("--data DATA_DIR is required (a directory from `hydra-lm prepare`; or --dataset default)")
     if not out:
         raise ValueError("--out DIR is required: the variants' runs, results.json, report.md and plots go there")
+    check_outside_data(Path(out).expanduser(), data)  # once here, not as each variant's run starts
     if evals is not None and shared.get("eval_every") is not None:
         raise ValueError("--evals and --eval_every both set when to evaluate: keep one")
     evals = DEFAULT_EVALS if evals is None else evals

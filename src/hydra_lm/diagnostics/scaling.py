@@ -162,6 +162,8 @@ def run_scaling(dirs: list[str], out: str | None, x: str, group: str, reference:
         raise ValueError(f"--predict {predict}: must be a positive compute value")
     if bootstrap < 0:
         raise ValueError(f"--bootstrap {bootstrap}: must be >= 0")
+    if seed < 0:  # numpy's own words ("expected non-negative integer") name no flag
+        raise ValueError(f"--seed {seed}: must be >= 0")
     groups = load_points(dirs, x, group, points)
     if not groups:
         raise ValueError("the results hold no variants")

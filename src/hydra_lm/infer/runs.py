@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_model
 
 from ..config import HydraConfig
@@ -98,6 +99,8 @@ def export_model(run_dir: str | Path, out: str | Path, checkpoint: str | Path | 
     out = Path(out).expanduser()
     if out.suffix != ".safetensors":
         raise ValueError(f"--out {out}: name the file *.safetensors")
+    if out.is_dir():  # before loading the model, and the rename over it would fail after writing the file
+        raise ValueError(f"--out {out} is a directory: name a file, e.g. --out {out / 'model.safetensors'}")
     run = load_run(run_dir, checkpoint, "cpu", adapt_kernels=False)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -105,24 +108,44 @@ def export_model(run_dir: str | Path, out: str | Path, checkpoint: str | Path | 
             "model_config": json.dumps(run.model.config.to_dict()),
             "train_config": json.dumps(run.config.get("train", {})), "data": json.dumps(run.config.get("data", {})),
             "curriculum": json.dumps(run.checkpoint.state.get("curriculum"))}
-    save_model(run.model, str(tmp), metadata=meta)
+    try:
+        save_model(run.model, str(tmp), metadata=meta)
+    except SafetensorError as err:  # the writer's I/O errors come as this, not as OSError
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"cannot write {out}: {err}; check that its directory is writable and has room") from None
     tmp.replace(out)
     return out
 
 
 def run_tokenizer(run: LoadedRun):
+    """The tokenizer the run trained with: its own copy, else its data directory's; one whose fingerprint differs
+    from the one config.json records (replaced, e.g. by `hydra-lm prepare --out RUN_DIR`) is refused."""
     from ..data import load_tokenizer
 
-    data_path = run.config.get("data", {}).get("path")
+    data = run.config.get("data") or {}
+    data_path, recorded = data.get("path"), data.get("tokenizer_fingerprint")
+    wrong = []
     for candidate in (run.run_dir / "tokenizer.json", run.run_dir / "tokenizer_tiktoken.json",
                       Path(data_path) if data_path else None):
         if candidate is not None and candidate.exists():
             try:
-                return load_tokenizer(candidate)
+                tok = load_tokenizer(candidate)
             except FileNotFoundError:
                 continue
-    raise ValueError(f"run {run.run_dir} has no tokenizer (its data was pre-tokenized without one): "
-                     "text generation needs a tokenizer")
+            if recorded is None or tok.fingerprint() == recorded:
+                return tok
+            wrong.append(str(candidate))
+    if wrong:
+        raise ValueError(f"run {run.run_dir} was not trained with the tokenizer in {' or '.join(wrong)} (its "
+                         "fingerprint differs from the one config.json records): put back the tokenizer.json of "
+                         "the data directory it trained on")
+    if "tokenizer_fingerprint" in data and recorded is None:
+        raise ValueError(f"run {run.run_dir} has no tokenizer (its data was pre-tokenized without one): text "
+                         "generation needs a tokenizer")
+    gone = f"its data directory {data_path} is gone" if data_path and not Path(data_path).exists() else \
+        f"its data directory {data_path} holds none" if data_path else "it records no data directory"
+    raise ValueError(f"run {run.run_dir} has no tokenizer: its tokenizer.json is missing and {gone}; put back the "
+                     "tokenizer.json of the data directory it trained on")
 
 
 def _autocast(device: torch.device):
@@ -144,6 +167,9 @@ def eval_run(run_dir: str | Path, checkpoint: str | Path | None = None, data: st
     data_dir = data or run.config.get("data", {}).get("path") or train_cfg.get("data")
     if not data_dir:
         raise ValueError(f"run {run_dir} does not record its data directory: pass --data")
+    if data is None and not Path(data_dir).expanduser().exists():
+        raise ValueError(f"run {run_dir} was trained on {data_dir}, which is gone; pass --data DIR prepared with the "
+                         "run's tokenizer")
     info = open_data(data_dir)
     if info.vocab_size > run.model.config.vocab_size or not tokenized_alike(run.config.get("data", {}), info):
         raise ValueError(f"{data_dir} was not tokenized like the data run {run_dir} was trained on, so its losses "

@@ -31,7 +31,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{name}", dest=f"model_alias_{name}", default=None,
                             help=f"same as --model.{name}", **extra)
     parser.epilog = ("Model config fields: --model.FIELD VALUE (e.g. --model.mod_capacity 0.5); values are "
-                     "parsed as JSON where possible (numbers, true/false, null, lists), else as text.")
+                     "parsed as JSON where possible (numbers, true/false, null, lists), else as a number (.5, +1, "
+                     "nan), else as text.")
 
 
 def add_field_arguments(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> None:
@@ -98,7 +99,14 @@ def parse_value(raw: str) -> Any:
     try:
         return json.loads(raw)
     except ValueError:
-        return raw
+        pass
+    # Numbers JSON does not write but Python reads, as the typed flags do (--lr .5): .5, +1, 1e3, nan, inf.
+    for number in (int, float):
+        try:
+            return number(raw)
+        except ValueError:
+            pass
+    return raw
 
 
 def cli_values(args: argparse.Namespace, model_overrides: dict[str, Any]) -> dict[str, Any]:

@@ -375,10 +375,18 @@ def resolve(cfg: TrainConfig, preset: str, on_cuda: bool) -> TrainConfig:
     return cfg
 
 
+def check_seed(seed: int, flag: str = "--seed") -> None:
+    """Here rather than in numpy's seeding, which refuses a seed outside [0, 2**32) in its own words, later."""
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"{flag} {seed} must lie in [0, 2**32 - 1 = {2**32 - 1}]")
+
+
 def validate(cfg: TrainConfig) -> None:
     def need(ok: bool, msg: str) -> None:
         if not ok:
             raise ValueError(msg)
+
+    check_seed(cfg.seed)
 
     for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "log_every", "keep_checkpoints", "save_every",
                  "chunked_ce_size", "sophia_update_period"):

@@ -76,6 +76,18 @@ def check_writable(run_dir: Path) -> None:
         raise ValueError(f"run directory {run_dir} is not writable: {err.strerror or err}") from None
 
 
+def check_outside_data(run_dir: Path, data: str | None) -> None:
+    """Before the run directory is made: a run inside its data directory shares it with `hydra-lm prepare`, whose
+    next run there would replace the tokenizer.json the run decodes with."""
+    if data is None:
+        return
+    out, data_dir = run_dir.resolve(), Path(data).expanduser().resolve()
+    if out == data_dir or data_dir in out.parents:
+        where = "is" if out == data_dir else "is inside"
+        raise ValueError(f"--out {run_dir} {where} the data directory {data}: a later `hydra-lm prepare` there "
+                         "would replace the run's tokenizer.json; choose an --out outside it")
+
+
 def read_saved_config(run_dir: Path) -> dict[str, Any] | None:
     path = run_dir / CONFIG_JSON
     if not path.is_file():
@@ -162,6 +174,7 @@ def setup_run(cli: dict[str, Any], file_values: dict[str, Any] | None = None, ec
     if not out:
         raise ValueError("--out RUN_DIR is required")
     run_dir = Path(out).expanduser()
+    check_outside_data(run_dir, cli.get("data") or file_values.get("data"))
     check_writable(run_dir)
     # Before anything reads or cleans the directory: another trainer's temporary files are its own.
     lock = RunLock(run_dir).acquire() if launched_rank() == 0 else None
@@ -202,6 +215,9 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
             cfg = cfg.replace(data=str(dataset_dir(cfg.dataset)))
         if cfg.data is None:
             raise ValueError("no data: pass --data DATA_DIR (from `hydra-lm prepare`) or --dataset default")
+        if same_run and not {"data", "dataset"} & given and not Path(cfg.data).expanduser().exists():
+            raise ValueError(f"run {run_dir} was trained on {Path(cfg.data).expanduser().resolve()}, which is gone; "
+                             "pass --data DIR prepared with the run's tokenizer to resume")
         data = open_data(cfg.data)
         pick_device(cfg.device)  # a bad --device fails here, before any process group forms
         info, device = init_distributed(cfg.device, cfg.parallel)

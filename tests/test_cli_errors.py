@@ -1,0 +1,190 @@
+"""One clear line (exit 2) where a command's input is wrong: paths that are files where directories go (and the
+other way), a data directory and a run directory in one place, a run whose data or tokenizer moved, values out of
+range; each checked before the slow part of the command."""
+
+import errno
+import json
+import shutil
+
+import pytest
+
+from hydra_lm.cli import main
+from support import TINY_RUN, prepare, write_corpus
+
+
+def err_of(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    return err[-1] if err else ""
+
+
+@pytest.fixture(scope="module")
+def run(tiny_data, tmp_path_factory):
+    """A run of two steps, to load; tests that change it change a copy."""
+    run = tmp_path_factory.mktemp("errors") / "run"
+    assert main(["train", "--data", str(tiny_data), "--out", str(run), *TINY_RUN, "--max_steps", "2"]) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer(tmp_path_factory):
+    """A prepared directory of another corpus, so another tokenizer."""
+    root = tmp_path_factory.mktemp("other")
+    return prepare(write_corpus(root / "corpus", n_docs=10, words=100, seed=1), root / "data", vocab_size=280)
+
+
+def test_prepare_refuses_an_out_that_holds_a_training_run(run, tmp_path, capsys):
+    copy = shutil.copytree(run, tmp_path / "run")
+    before = (copy / "tokenizer.json").read_bytes()
+    assert main(["prepare", "--inputs", str(write_corpus(tmp_path / "corpus", n_docs=4)), "--out", str(copy),
+                 "--vocab_size", "280", "--no_progress"]) == 2
+    assert err_of(capsys) == (f"hydra-lm prepare: error: {copy} holds a training run (config.json, checkpoints/): "
+                              "preparing data there would replace the run's tokenizer.json; choose another --out")
+    assert (copy / "tokenizer.json").read_bytes() == before and not (copy / "meta.json").exists()
+
+
+@pytest.mark.parametrize("inside", ["", "runs/r1"])
+def test_train_and_compare_refuse_an_out_that_is_or_lies_inside_their_data(tiny_data, tmp_path, capsys, inside):
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    out = data / inside if inside else data
+    assert main(["train", "--data", str(data), "--out", str(out), *TINY_RUN, "--max_steps", "1"]) == 2
+    where = "is inside" if inside else "is"
+    assert err_of(capsys) == (f"hydra-lm train: error: --out {out} {where} the data directory {data}: a later "
+                              "`hydra-lm prepare` there would replace the run's tokenizer.json; choose an --out "
+                              "outside it")
+    assert main(["compare", "--data", str(data), "--out", str(out), "--budget", "tokens=256", "--variants", "dense",
+                 *TINY_RUN]) == 2  # up front, not as each variant's run starts
+    assert f"--out {out} {where} the data directory {data}:" in err_of(capsys)
+    assert sorted(p.name for p in data.iterdir()) == sorted(p.name for p in tiny_data.iterdir())  # nothing written
+
+
+def test_generate_decodes_with_the_tokenizer_the_run_recorded(run, other_tokenizer, tmp_path, capsys):
+    greedy = ["--prompt", "the quick", "--max_new_tokens", "6", "--temperature", "0", "--device", "cpu"]
+    assert main(["generate", "--run", str(run), *greedy]) == 0
+    expected = capsys.readouterr().out
+    copy = shutil.copytree(run, tmp_path / "run")
+    shutil.copyfile(other_tokenizer / "tokenizer.json", copy / "tokenizer.json")  # a replaced copy
+    assert main(["generate", "--run", str(copy), *greedy]) == 0  # the data directory's is the run's
+    assert capsys.readouterr().out == expected
+    config = json.loads((copy / "config.json").read_text())
+    config["data"]["path"] = str(other_tokenizer)  # its data directory prepared again, with another tokenizer
+    (copy / "config.json").write_text(json.dumps(config))
+    assert main(["generate", "--run", str(copy), *greedy]) == 2
+    assert err_of(capsys) == (f"hydra-lm generate: error: run {copy} was not trained with the tokenizer in "
+                              f"{copy / 'tokenizer.json'} or {other_tokenizer} (its fingerprint differs from the one "
+                              "config.json records): put back the tokenizer.json of the data directory it trained on")
+
+
+def test_a_run_whose_data_directory_is_gone_says_so(tiny_data, tmp_path, capsys):
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(data), "--out", str(run), *TINY_RUN, "--max_steps", "1"]) == 0
+    shutil.rmtree(data)
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run), "--device", "cpu"]) == 2
+    assert err_of(capsys) == (f"hydra-lm eval: error: run {run} was trained on {data}, which is gone; pass --data DIR "
+                              "prepared with the run's tokenizer")
+    assert main(["train", "--out", str(run), "--max_steps", "2"]) == 2
+    assert err_of(capsys) == (f"hydra-lm train: error: run {run} was trained on {data}, which is gone; pass --data "
+                              "DIR prepared with the run's tokenizer to resume")
+    (run / "tokenizer.json").unlink()
+    assert main(["generate", "--run", str(run), "--prompt", "a", "--device", "cpu"]) == 2
+    assert err_of(capsys) == (f"hydra-lm generate: error: run {run} has no tokenizer: its tokenizer.json is missing "
+                              f"and its data directory {data} is gone; put back the tokenizer.json of the data "
+                              "directory it trained on")
+
+
+def test_paths_that_cannot_be_made_are_one_line(run, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("a file")
+    for argv, line in (
+            (["export", "--run", str(run), "--out", str(afile / "x.safetensors")],
+             f"export: error: cannot create the directory: {afile}: File exists; a file of that name is in the way"),
+            (["prepare", "--inputs", str(write_corpus(tmp_path / "corpus", n_docs=4)), "--out", str(afile / "x")],
+             f"prepare: error: cannot create or open: {afile / 'x'}: Not a directory; a part of that path is a file"),
+            (["quickstart", "--out", str(afile)],
+             f"quickstart: error: cannot create or open: {afile / 'data'}: Not a directory; a part of that path")):
+        assert main(argv) == 2
+        assert err_of(capsys).startswith(f"hydra-lm {line}")
+    (tmp_path / "d.safetensors").mkdir()
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "d.safetensors")]) == 2
+    assert err_of(capsys) == (f"hydra-lm export: error: --out {tmp_path / 'd.safetensors'} is a directory: name a "
+                              f"file, e.g. --out {tmp_path / 'd.safetensors' / 'model.safetensors'}")
+    assert list(tmp_path.glob(".*")) == []  # no temporary file left behind
+
+
+def test_a_failed_export_write_is_one_line_and_leaves_no_temporary_file(run, tmp_path, monkeypatch, capsys):
+    from safetensors import SafetensorError
+
+    import hydra_lm.infer.runs as runs
+
+    def save_model(model, path, metadata):
+        open(path, "wb").close()
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(runs, "save_model", save_model)
+    out = tmp_path / "m.safetensors"
+    assert main(["export", "--run", str(run), "--out", str(out)]) == 2
+    assert err_of(capsys).startswith(f"hydra-lm export: error: cannot write {out}: Error while serializing")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_os_error_without_a_path_keeps_its_traceback(monkeypatch):
+    import hydra_lm.cli as cli
+
+    def fail(args):
+        raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+
+    monkeypatch.setattr(cli, "_cmd_info", fail)
+    with pytest.raises(ConnectionResetError):
+        main(["info"])
+
+
+def test_model_values_take_the_numbers_flags_take(tiny_data, tmp_path, capsys):
+    from hydra_lm.diagnostics.variants import parse_custom_variant
+    from hydra_lm.train.flags import split_model_overrides
+
+    _, values = split_model_overrides(["--model.mod_capacity", ".5", "--model.mor_capacity=+0.25",
+                                       "--model.n_blocks", "+3", "--model.mor_routing", "token"])
+    assert values == {"mod_capacity": 0.5, "mor_capacity": 0.25, "n_blocks": 3, "mor_routing": "token"}
+    assert type(values["n_blocks"]) is int
+    assert parse_custom_variant("cap:mod_capacity=.5").overrides == {"mod_capacity": 0.5}
+    assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "r"), *TINY_RUN, "--max_steps", "1",
+                 "--model.mod_capacity", "nan"]) == 2
+    assert "mod_capacity=nan: must lie in (0, 1]" in err_of(capsys)  # the range, not "must be a number"
+
+
+def test_quickstart_checks_device_and_seed_before_preparing_the_corpus(tmp_path, monkeypatch):
+    import hydra_lm.data
+    from hydra_lm import quickstart as module
+
+    def prepare(inputs, out):
+        raise AssertionError("the corpus was prepared before the arguments were checked")
+
+    monkeypatch.setattr(hydra_lm.data, "prepare_data", prepare)
+    with pytest.raises(ValueError, match="--device tpu: not a device"):
+        module.quickstart(tmp_path / "qs", device="tpu")
+    with pytest.raises(ValueError, match=r"--seed -1 must lie in \[0, 2\*\*32 - 1"):
+        module.quickstart(tmp_path / "qs", seed=-1, device="cpu")
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_seeds_numpy_cannot_take_are_refused_naming_the_flag(tiny_data, tmp_path, capsys, seed):
+    assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "r"), *TINY_RUN, "--max_steps", "1",
+                 "--seed", seed]) == 2
+    assert err_of(capsys) == f"hydra-lm train: error: --seed {seed} must lie in [0, 2**32 - 1 = {2**32 - 1}]"
+    assert main(["compare", "--data", str(tiny_data), "--out", str(tmp_path / "c"), "--budget", "tokens=256",
+                 "--variants", "dense", *TINY_RUN, "--seeds", "0", str(2**32)]) == 2
+    assert f"--seeds {2**32} must lie in [0, 2**32 - 1" in err_of(capsys)
+    assert main(["scaling", "--results", str(tmp_path), "--seed", "-1"]) == 2
+    assert err_of(capsys) == "hydra-lm scaling: error: --seed -1: must be >= 0"
+
+
+def test_generate_top_k_takes_zero_for_all_and_refuses_a_negative(run, capsys):
+    assert main(["generate", "--run", str(run), "--prompt", "a", "--top_k", "-1"]) == 2
+    assert err_of(capsys) == "hydra-lm generate: error: --top_k -1 must be 0 (all tokens) or more"
+
+
+def test_info_memory_checks_its_batch_before_printing_anything(capsys):
+    assert main(["info", "--model_size", "debug", "--memory", "--batch_size", "0"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--batch_size 0" in captured.err
