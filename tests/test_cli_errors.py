@@ -93,6 +93,16 @@ def test_a_run_whose_data_directory_is_gone_says_so(tiny_data, tmp_path, capsys)
                               "directory it trained on")
 
 
+def test_a_run_trained_on_a_relative_data_path_resumes_from_another_directory(tiny_data, tmp_path, monkeypatch):
+    shutil.copytree(tiny_data, tmp_path / "data")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--data", "data", "--out", "run", *TINY_RUN, "--max_steps", "1"]) == 0
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["train", "--out", str(tmp_path / "run"), *TINY_RUN, "--max_steps", "2"]) == 0
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["data"] == str(tmp_path / "data")
+
+
 def test_paths_that_cannot_be_made_are_one_line(run, tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("a file")

@@ -219,6 +219,7 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
             raise ValueError(f"run {run_dir} was trained on {Path(cfg.data).expanduser().resolve()}, which is gone; "
                              "pass --data DIR prepared with the run's tokenizer to resume")
         data = open_data(cfg.data)
+        cfg = cfg.replace(data=str(data.path))  # saved absolute: a resume from another directory finds it
         pick_device(cfg.device)  # a bad --device fails here, before any process group forms
         info, device = init_distributed(cfg.device, cfg.parallel)
         device = device or pick_device(cfg.device)
