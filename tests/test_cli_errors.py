@@ -182,6 +182,7 @@ def test_seeds_numpy_cannot_take_are_refused_naming_the_flag(tiny_data, tmp_path
     assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "r"), *TINY_RUN, "--max_steps", "1",
                  "--seed", seed]) == 2
     assert err_of(capsys) == f"hydra-lm train: error: --seed {seed} must lie in [0, 2**32 - 1 = {2**32 - 1}]"
+    assert not (tmp_path / "r").exists()  # a refused start leaves no run directory behind
     assert main(["compare", "--data", str(tiny_data), "--out", str(tmp_path / "c"), "--budget", "tokens=256",
                  "--variants", "dense", *TINY_RUN, "--seeds", "0", str(2**32)]) == 2
     assert f"--seeds {2**32} must lie in [0, 2**32 - 1" in err_of(capsys)

@@ -175,6 +175,7 @@ def setup_run(cli: dict[str, Any], file_values: dict[str, Any] | None = None, ec
         raise ValueError("--out RUN_DIR is required")
     run_dir = Path(out).expanduser()
     check_outside_data(run_dir, cli.get("data") or file_values.get("data"))
+    made_here = not run_dir.exists()
     check_writable(run_dir)
     # Before anything reads or cleans the directory: another trainer's temporary files are its own.
     lock = RunLock(run_dir).acquire() if launched_rank() == 0 else None
@@ -183,6 +184,8 @@ def setup_run(cli: dict[str, Any], file_values: dict[str, Any] | None = None, ec
     except BaseException:
         if lock is not None:
             lock.release()
+            if made_here:  # a refused start leaves no directory of a run that never began (its log, its lock)
+                shutil.rmtree(run_dir, ignore_errors=True)
         raise
 
 
