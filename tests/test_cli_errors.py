@@ -103,6 +103,19 @@ def test_a_run_trained_on_a_relative_data_path_resumes_from_another_directory(ti
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["data"] == str(tmp_path / "data")
 
 
+def test_a_step_larger_than_the_training_split_is_warned_about(tiny_data, tmp_path):
+    from hydra_lm.data import read_meta
+
+    split = read_meta(tiny_data)["token_counts"]["train"]
+    assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "big"), *TINY_RUN, "--max_steps", "1",
+                 "--grad_accum", str(split // (4 * 32) + 1)]) == 0
+    log = (tmp_path / "big" / "train.log").read_text()
+    assert f"the training split's {split:,}: each step repeats data; lower --batch_size or --grad_accum" in log
+    assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "small"), *TINY_RUN, "--max_steps",
+                 "1"]) == 0
+    assert "repeats data" not in (tmp_path / "small" / "train.log").read_text()
+
+
 def test_paths_that_cannot_be_made_are_one_line(run, tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("a file")

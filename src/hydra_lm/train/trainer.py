@@ -224,6 +224,18 @@ class Trainer:
                 self._valset.loader.close()
             self.stop_request.uninstall()
 
+    def _note_repeats(self, end: int) -> None:
+        """How often the run reads its training split: a step larger than the split repeats data within itself."""
+        split, per_step = self.s.data.token_counts.get("train", 0), self.tokens_per_step
+        if not split:
+            return
+        if per_step > split:
+            self.log.warning(f"one step reads {per_step:,} tokens, {per_step / split:.1f}x the training split's "
+                             f"{split:,}: each step repeats data; lower --batch_size or --grad_accum, or prepare more "
+                             "data")
+        elif not self.cfg.time_budget_s and end * per_step > 2 * split:  # a time budget's steps are not known yet
+            self.log.info(f"the run reads its training split about {end * per_step / split:.1f} times")
+
     def _loop(self) -> int:
         cfg, s = self.cfg, self.s
         end = cfg.stop_at_step or cfg.max_steps
@@ -233,6 +245,7 @@ class Trainer:
                       f"{cfg.optimizer}, lr {cfg.lr:g} -> {cfg.min_lr:g} ({cfg.schedule}, warm-up "
                       f"{cfg.warmup_steps}) | {self.curriculum.plan.describe()}")
         self.log.info("active: " + ", ".join(self._active_features()))
+        self._note_repeats(end)
         now = self.clock.position(self.step)
         if now >= end:
             self.log.info(f"nothing to do: the run is at step {self.step}, target {end}")
