@@ -54,6 +54,8 @@ def test_train_and_compare_refuse_an_out_that_is_or_lies_inside_their_data(tiny_
     assert main(["compare", "--data", str(data), "--out", str(out), "--budget", "tokens=256", "--variants", "dense",
                  *TINY_RUN]) == 2  # up front, not as each variant's run starts
     assert f"--out {out} {where} the data directory {data}:" in err_of(capsys)
+    assert main(["train", "--dataset", str(data), "--out", str(out), *TINY_RUN, "--max_steps", "1"]) == 2
+    assert f"--out {out} {where} the data directory {data}:" in err_of(capsys)
     assert sorted(p.name for p in data.iterdir()) == sorted(p.name for p in tiny_data.iterdir())  # nothing written
 
 

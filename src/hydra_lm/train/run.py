@@ -174,7 +174,11 @@ def setup_run(cli: dict[str, Any], file_values: dict[str, Any] | None = None, ec
     if not out:
         raise ValueError("--out RUN_DIR is required")
     run_dir = Path(out).expanduser()
-    check_outside_data(run_dir, cli.get("data") or file_values.get("data"))
+    data = cli.get("data") or file_values.get("data")
+    dataset = cli.get("dataset") or file_values.get("dataset")
+    if data is None and dataset is not None and (Path(dataset).expanduser() / "meta.json").is_file():
+        data = dataset  # --dataset naming a prepared directory; its cache directories are not where runs go
+    check_outside_data(run_dir, data)
     made_here = not run_dir.exists()
     check_writable(run_dir)
     # Before anything reads or cleans the directory: another trainer's temporary files are its own.
