@@ -107,6 +107,41 @@ def test_route_kernel_matches_the_routers_decision(dtype, capacity):
     assert masks.any() and not masks.all()  # decisions both ways (at capacity 1: the non-candidates only)
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """How often each Triton decode kernel ran. A model left on the PyTorch ops (a setting that stops reaching the
+    code) would otherwise pass as its own reference."""
+    import hydra_lm.kernels.ccgqa_decode as attention_kernel
+    import hydra_lm.kernels.route_decode as route_kernel
+
+    calls = {"attention": 0, "route": 0}
+
+    def counted(real, key):
+        def kernel(*args, **kwargs):
+            calls[key] += 1
+            return real(*args, **kwargs)
+        return kernel
+
+    monkeypatch.setattr(attention_kernel, "ccgqa_decode", counted(attention_kernel.ccgqa_decode, "attention"))
+    monkeypatch.setattr(route_kernel, "route_decode", counted(route_kernel.route_decode, "route"))
+    return calls
+
+
+# Variants whose decode has no expert-choice router for the route kernel (token choice keeps MoD's).
+NO_ROUTE_KERNEL = ("static", "no_routing")
+
+
+def _kernel_and_reference(models, ids, prefill: int, compiled: bool, calls: dict, routed: bool = True):
+    """Teacher-forced logits of ``models`` ("triton", "torch"), checking that the first ran the kernels (the route
+    kernel where ``routed``) and the second none."""
+    fused = _teacher_forced_logits(models[0], ids, prefill, compiled)
+    assert calls["attention"] > 0 and (calls["route"] > 0) == routed, calls
+    ran = dict(calls)
+    reference = _teacher_forced_logits(models[1], ids, prefill, compiled)
+    assert calls == ran, "the PyTorch reference ran a kernel"
+    return fused, reference
+
+
 def _teacher_forced_logits(model, ids: torch.Tensor, prefill: int, compiled: bool) -> list[torch.Tensor]:
     with torch.no_grad():
         caches = model.init_cache(ids.shape[0], ids.shape[1])
@@ -116,32 +151,32 @@ def _teacher_forced_logits(model, ids: torch.Tensor, prefill: int, compiled: boo
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_decode_step_with_the_kernel_gives_the_full_forwards_logits(compiled):
+def test_decode_step_with_the_kernel_gives_the_full_forwards_logits(compiled, kernel_calls):
     """The whole decode step (every routed unit's attention through the kernel, eager or compiled as an opaque
     op that mutates the caches in place) against the full forward and the PyTorch decode path, in float64."""
     torch._dynamo.reset()
     ids = torch.randint(0, TINY["vocab_size"], (2, 14), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     models = [tiny_model(decode_kernel=kernel).double().to(DEVICE).eval() for kernel in ("triton", "torch")]
     full = models[0](ids)["logits"]
-    fused, reference = (_teacher_forced_logits(m, ids, 6, compiled) for m in models)
+    fused, reference = _kernel_and_reference(models, ids, 6, compiled, kernel_calls)
     for t, (a, b) in enumerate(zip(fused, reference)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"position {6 + t}")
         torch.testing.assert_close(a, full[:, 6 + t], rtol=0, atol=1e-9, msg=f"position {6 + t}")
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in ("hydra", "dense")])
-def test_decode_step_with_the_kernels_in_every_routing_configuration(variant):
+def test_decode_step_with_the_kernels_in_every_routing_configuration(variant, kernel_calls):
     """Both kernels (where the configuration has expert-choice routers, the route kernel; token choice and static
     routing keep the compiled decision) give the PyTorch path's logits in float64, step after step."""
     ids = torch.randint(0, TINY["vocab_size"], (3, 12), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     models = [tiny_model(decode_kernel=kernel, **VARIANTS[variant]).double().to(DEVICE).eval()
               for kernel in ("triton", "torch")]
-    fused, reference = (_teacher_forced_logits(m, ids, 6, False) for m in models)
+    fused, reference = _kernel_and_reference(models, ids, 6, False, kernel_calls, variant not in NO_ROUTE_KERNEL)
     for t, (a, b) in enumerate(zip(fused, reference)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"position {6 + t}")
 
 
-def test_prompts_of_several_lengths_decode_through_the_kernels_as_alone():
+def test_prompts_of_several_lengths_decode_through_the_kernels_as_alone(kernel_calls):
     """Each row's own position reaches both kernels (the attention's cache slots, the route kernel's state): a batch
     of prompts of different lengths decodes with them as each prompt does alone, and as the PyTorch path does."""
     from test_causal_routing import _calibrate, _drift
@@ -157,29 +192,30 @@ def test_prompts_of_several_lengths_decode_through_the_kernels_as_alone():
         outs.append(model.generate(prompts, 6))
         if kernel == "triton":
             alone = [model.generate(p[None], 6)[0] for p in prompts]
+            assert kernel_calls["attention"] > 0 and kernel_calls["route"] > 0
+            ran = dict(kernel_calls)
+    assert kernel_calls == ran  # the PyTorch path ran no kernel
     for fused, reference, single in zip(*outs, alone):
         assert torch.equal(fused, reference) and torch.equal(fused, single)
 
 
-def test_decode_step_with_the_kernels_tensor_core_path_follows_the_reference():
+def test_decode_step_with_the_kernels_tensor_core_path_follows_the_reference(kernel_calls):
     """Heads 16 wide in float32: the kernel's tl.dot path through a model's decode step, teacher-forced."""
     overrides = dict(dim=128, n_heads=2, n_kv_heads=1)  # head_dim 128 / 4 / 2 = 16
     ids = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    fused, reference = (_teacher_forced_logits(tiny_model(decode_kernel=k, **overrides).to(DEVICE).eval(), ids, 5,
-                                               False)
-                        for k in ("triton", "torch"))
+    models = [tiny_model(decode_kernel=k, **overrides).to(DEVICE).eval() for k in ("triton", "torch")]
+    fused, reference = _kernel_and_reference(models, ids, 5, False, kernel_calls)
     for a, b in zip(fused, reference):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_decode_step_with_the_kernel_and_one_tap_convs_follows_the_reference():
+def test_decode_step_with_the_kernel_and_one_tap_convs_follows_the_reference(kernel_calls):
     """Convs of one tap each (a valid configuration) keep no conv history: the kernel's history update pads it to one
     masked slot and writes nothing, and the model decodes as on the PyTorch path."""
     overrides = dict(conv_seq_kernel=1, conv_ch_kernel=1)
     ids = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    fused, reference = (_teacher_forced_logits(tiny_model(decode_kernel=k, **overrides).double().to(DEVICE).eval(),
-                                               ids, 5, False)
-                        for k in ("triton", "torch"))
+    models = [tiny_model(decode_kernel=k, **overrides).double().to(DEVICE).eval() for k in ("triton", "torch")]
+    fused, reference = _kernel_and_reference(models, ids, 5, False, kernel_calls)
     for t, (a, b) in enumerate(zip(fused, reference)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"position {5 + t}")
 
