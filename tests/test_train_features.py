@@ -42,11 +42,27 @@ def test_feature_runs_and_is_recorded(tiny_data, tmp_path, extra):
         assert saved["train"]["grad_clip"] == 0
 
 
-def test_gradient_checkpointing_and_chunked_ce_do_not_change_the_numbers(tiny_data, tmp_path):
+def test_gradient_checkpointing_and_chunked_ce_do_not_change_the_numbers(tiny_data, tmp_path, monkeypatch):
+    import hydra_lm.model.hydra as hydra_module
+
+    calls = {"checkpoint": 0, "fused loss": 0}  # that each run used what it asked for (the numbers cannot show it)
+
+    def counted(real, key):
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(hydra_module, "checkpoint", counted(hydra_module.checkpoint, "checkpoint"))
+    monkeypatch.setattr(hydra_module, "linear_cross_entropy", counted(hydra_module.linear_cross_entropy,
+                                                                      "fused loss"))
     evals = ["--eval_every", "3", "--eval_batches", "2"]  # causal evaluation reads the calibrated thresholds
     assert train(tiny_data, tmp_path / "a", *evals) == 0
+    assert calls == {"checkpoint": 0, "fused loss": 0}
     assert train(tiny_data, tmp_path / "b", "--gradient_checkpointing", *evals) == 0
+    assert calls["checkpoint"] > 0 and calls["fused loss"] == 0
     assert train(tiny_data, tmp_path / "c", "--chunked_ce", "--chunked_ce_size", "100", *evals) == 0
+    assert calls["fused loss"] > 0
     a = [r["loss"] for r in records(tmp_path / "a", "train")]
     a_eval = [(r["val_loss_causal"], r["val_loss_topk"]) for r in records(tmp_path / "a", "eval")]
     assert len(a_eval) == 1
