@@ -438,3 +438,22 @@ def test_the_peak_flops_probe_leaves_the_random_streams_alone():
     before = torch.cuda.get_rng_state(device)
     assert measure_peak_flops(device) > 0
     assert torch.equal(torch.cuda.get_rng_state(device), before)
+
+
+@pytest.mark.parametrize("backend,package", [("flash", "flash_attn"), ("xformers", "xformers")])
+def test_attention_packages_give_sdpas_causal_grouped_attention(backend, package):
+    """Each optional package's path (its layout, its causal mask, the grouped heads' pairing) against SDPA. Runs only
+    where the package is installed: the device image has neither (sixty-fifth session), so this is still unrun."""
+    pytest.importorskip(package)
+    from hydra_lm.model.attention_backend import flexible_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
+                                                            is_causal=True)
+    got = flexible_attention(q, k, v, backend)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    non_causal = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(4, 1),
+                                                                  v.repeat_interleave(4, 1))
+    assert (got.float() - non_causal.float()).abs().max() > 0.1
