@@ -82,6 +82,18 @@ def train_losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in records(run_dir, "train")]
 
 
+def count_calls(monkeypatch, module, name: str, calls: dict, key: str) -> None:
+    """Replace ``module.name`` by a wrapper that counts its calls in ``calls[key]``: that a path ran, which equal
+    numbers alone cannot show."""
+    real = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls[key] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+
+
 def compiled_graphs(fn) -> int:
     """Graphs Dynamo holds compiled for the function ``fn`` (every ``torch.compile`` of it)."""
     return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))

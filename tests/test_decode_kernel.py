@@ -17,7 +17,7 @@ from hydra_lm.model.decode_step import DecodeStep
 from hydra_lm.model.layers import RotaryEmbedding
 from hydra_lm.model.routing import RANK_PRIOR, ExpertChoiceRouter
 
-from support import TINY, VARIANTS, tiny_model
+from support import TINY, VARIANTS, count_calls, tiny_model
 
 pytest.importorskip("triton")
 
@@ -115,15 +115,8 @@ def kernel_calls(monkeypatch):
     import hydra_lm.kernels.route_decode as route_kernel
 
     calls = {"attention": 0, "route": 0}
-
-    def counted(real, key):
-        def kernel(*args, **kwargs):
-            calls[key] += 1
-            return real(*args, **kwargs)
-        return kernel
-
-    monkeypatch.setattr(attention_kernel, "ccgqa_decode", counted(attention_kernel.ccgqa_decode, "attention"))
-    monkeypatch.setattr(route_kernel, "route_decode", counted(route_kernel.route_decode, "route"))
+    count_calls(monkeypatch, attention_kernel, "ccgqa_decode", calls, "attention")
+    count_calls(monkeypatch, route_kernel, "route_decode", calls, "route")
     return calls
 
 

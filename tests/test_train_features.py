@@ -17,7 +17,7 @@ from hydra_lm.data import prepare_data
 from hydra_lm.train import optim
 from hydra_lm.train.data_io import dataset_dir, open_data
 from hydra_lm.train.options import TrainConfig
-from support import TINY_RUN, prepare, records, write_corpus
+from support import TINY_RUN, count_calls, prepare, records, write_corpus
 
 
 def train(data, run, *extra):
@@ -46,16 +46,8 @@ def test_gradient_checkpointing_and_chunked_ce_do_not_change_the_numbers(tiny_da
     import hydra_lm.model.hydra as hydra_module
 
     calls = {"checkpoint": 0, "fused loss": 0}  # that each run used what it asked for (the numbers cannot show it)
-
-    def counted(real, key):
-        def wrapper(*args, **kwargs):
-            calls[key] += 1
-            return real(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(hydra_module, "checkpoint", counted(hydra_module.checkpoint, "checkpoint"))
-    monkeypatch.setattr(hydra_module, "linear_cross_entropy", counted(hydra_module.linear_cross_entropy,
-                                                                      "fused loss"))
+    count_calls(monkeypatch, hydra_module, "checkpoint", calls, "checkpoint")
+    count_calls(monkeypatch, hydra_module, "linear_cross_entropy", calls, "fused loss")
     evals = ["--eval_every", "3", "--eval_batches", "2"]  # causal evaluation reads the calibrated thresholds
     assert train(tiny_data, tmp_path / "a", *evals) == 0
     assert calls == {"checkpoint": 0, "fused loss": 0}
