@@ -214,3 +214,30 @@ def test_info_memory_checks_its_batch_before_printing_anything(capsys):
     assert main(["info", "--model_size", "debug", "--memory", "--batch_size", "0"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "--batch_size 0" in captured.err
+
+
+def test_cpu_runs_that_cannot_fit_the_hosts_memory_are_refused_before_anything_is_built(tiny_data, tmp_path,
+                                                                                        monkeypatch, capsys):
+    """Linux's out-of-memory killer ends such a run without a word: the estimate refuses it up front instead."""
+    from hydra_lm.diagnostics import bench
+    from hydra_lm.train import memory_estimate
+
+    monkeypatch.setattr(memory_estimate, "available_host_mb", lambda: 1.0)
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(tiny_data), "--out", str(out), *TINY_RUN, "--max_steps", "1"]) == 2
+    err = err_of(capsys)
+    assert err.startswith("hydra-lm train: error: training debug on batches of ") and "1 MB available" in err
+    assert "lower --batch_size (--grad_accum keeps the tokens per step)" in err and not out.exists()
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built before the memory check")
+
+    monkeypatch.setattr(bench, "create_model", never)
+    assert main(["bench", "--device", "cpu", "--model_size", "debug", "--arch", "dense", "--seq_len", "64"]) == 2
+    assert err_of(capsys).startswith("hydra-lm bench: error: bench of debug (dense) on batches of 16 x 64: its "
+                                     "estimated training peak is ")
+
+    monkeypatch.setattr(memory_estimate, "available_host_mb", lambda: 1000.0)
+    memory_estimate.check_fits_host(400.0, "run", "advice", processes=2)  # 800 of 1,000 MB: fits
+    with pytest.raises(ValueError, match=r"1,200 MB \(2 processes of 600 MB\), but this machine has 1,000 MB"):
+        memory_estimate.check_fits_host(600.0, "run", "advice", processes=2)

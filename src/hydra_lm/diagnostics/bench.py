@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import HydraConfig
+from ..config import HydraConfig, preset_config
 from ..model.factory import create_model
 from .bench_options import BenchConfig
 from ..model.accounting import dense_flops_per_token, executed_flops_per_token, kv_cache_bytes_per_token
@@ -35,6 +35,7 @@ from .step_profile import format_profile, profile_steps
 from ..train.checkpoint import write_text_atomic
 from ..train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
 from ..train.optim import build_optimizer, check_optimizer_device
+from ..train.memory_estimate import check_fits_host, measure_training_memory
 from ..train.options import TrainConfig
 from ..train.run import pick_device
 from ..train.step import TrainStep
@@ -287,8 +288,13 @@ def run_bench(cfg: BenchConfig, on_row: Callable[[dict[str, Any]], None] | None 
     max_len = max(cfg.seq_len, 2 * cfg.new_tokens if cfg.inference else 0, 64)
     for arch in cfg.archs:
         torch.manual_seed(0)
-        model = create_model(cfg.model_size, **{"arch": arch, "vocab_size": cfg.vocab_size, "max_seq_len": max_len,
-                                                **cfg.model})
+        model_cfg = preset_config(cfg.model_size, **{"arch": arch, "vocab_size": cfg.vocab_size,
+                                                     "max_seq_len": max_len, **cfg.model})
+        if dev.type == "cpu":  # before the weights exist: a model too large for the host is refused too
+            check_fits_host(measure_training_memory(model_cfg, cfg.batch_size, cfg.seq_len, cfg.optimizer)["peak_mb"],
+                            f"bench of {cfg.model_size} ({arch}) on batches of {cfg.batch_size} x {cfg.seq_len}",
+                            "lower --batch_size or --seq_len, or use a smaller --model_size")
+        model = create_model(model_cfg)
         row: dict[str, Any] = {"arch": arch, "params_m": model.num_parameters() / 1e6}
         row.update(bench_training(model, cfg, plan, dev))
         row["ce_impl"] = model.ce_impl

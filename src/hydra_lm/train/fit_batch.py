@@ -1,4 +1,5 @@
-"""The micro-batch of a CUDA run whose batch the user left to the per-size table.
+"""The micro-batch of a CUDA run whose batch the user left to the per-size table (and the peak estimate a CPU run
+is checked against, run.py).
 
 The table (``options.SIZE_DEFAULTS``) gives sequences per optimizer step as batch x accumulation for a
 32 GB GPU, e.g. 2 x 30 for 1B. A routed model pays a fixed cost per routed unit and micro-batch
@@ -26,22 +27,26 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def first_step_peak_mb(cfg: TrainConfig, model_cfg: HydraConfig, batch: int, device: str) -> float:
+    """Estimated peak MB of a micro-batch of ``batch`` sequences of ``cfg``'s run on ``device`` ("cuda" or "cpu"),
+    in the routing of its first step: its most expensive, as routers only switch on and the MoR ramp only moves away
+    from full depth (``--mod_off``, a later ``mod_enable_pct``: every token through every block for a while). Sized
+    for the configured loss: the anomaly monitor switching the fused loss off mid-run is not budgeted for."""
+    routing = Curriculum(CurriculumPlan.from_config(cfg)).decide(0)
+    return measure_training_memory(model_cfg, batch, cfg.seq_len, cfg.optimizer, cfg.gradient_checkpointing,
+                                   cfg.checkpoint_every or 1, device=device, fused_loss=cfg.chunked_ce is not False,
+                                   ce_chunk_size=cfg.chunked_ce_size, curriculum=routing)["peak_mb"]
+
+
 def fit_micro_batch(cfg: TrainConfig, model_cfg: HydraConfig, gpu_bytes: int) -> tuple[int, int, float]:
     """(batch, accumulation, estimated peak MB) for ``cfg``'s sequences per step on a GPU of ``gpu_bytes``:
     the largest micro-batch that fits (1 when none does), by the memory estimate of ``model_cfg`` with
-    ``cfg``'s sequence length, optimizer, gradient checkpointing and loss (fused or not, its chunk size), in the
-    routing of the run's first step: its most expensive, as routers only switch on and the MoR ramp only moves away
-    from full depth (``--mod_off``, a later ``mod_enable_pct``: every token through every block for a while). Sized
-    for the configured loss: the anomaly monitor switching the fused loss off mid-run is not budgeted for."""
+    ``cfg``'s sequence length, optimizer, gradient checkpointing and loss (``first_step_peak_mb``)."""
     estimated: dict[int, float] = {}
-    routing = Curriculum(CurriculumPlan.from_config(cfg)).decide(0)
 
     def peak(batch: int) -> float:
         if batch not in estimated:
-            estimated[batch] = measure_training_memory(model_cfg, batch, cfg.seq_len, cfg.optimizer,
-                                                       cfg.gradient_checkpointing, cfg.checkpoint_every or 1,
-                                                       device="cuda", fused_loss=cfg.chunked_ce is not False,
-                                                       ce_chunk_size=cfg.chunked_ce_size, curriculum=routing)["peak_mb"]
+            estimated[batch] = first_step_peak_mb(cfg, model_cfg, batch, "cuda")
         return estimated[batch]
 
     sequences = cfg.batch_size * cfg.grad_accum

@@ -173,6 +173,32 @@ def _experts_by_shape(cuda: bool):
         moe.expert_matmul = real
 
 
+def available_host_mb() -> float | None:
+    """Memory the kernel can hand out without swapping (``MemAvailable``, Linux); None where it is not known."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits_host(peak_mb: float, what: str, advice: str, processes: int = 1) -> None:
+    """Refuse a CPU run whose estimated peak (per process, ``processes`` of them on this host) exceeds the host's
+    available memory: Linux's out-of-memory killer would end it with no message, and on a GPU the allocator's own
+    error says as much already."""
+    available = available_host_mb()
+    need = peak_mb * processes
+    if available is None or need <= available:
+        return
+    each = f" ({processes} processes of {peak_mb:,.0f} MB)" if processes > 1 else ""
+    raise ValueError(f"{what}: its estimated training peak is {need:,.0f} MB{each}, but this machine has "
+                     f"{available:,.0f} MB available, so the kernel would kill it; {advice} "
+                     "(`hydra-lm info --memory` shows the estimate by part)")
+
+
 def describe_memory(model_size: str, batch_size: int, seq_len: int, optimizer: str = "adamw", arch: str = "hydra",
                     vocab_size: int | None = None, device: str = "cuda") -> list[str]:
     m = estimate_training_memory(model_size, batch_size, seq_len, optimizer, arch, vocab_size, device)

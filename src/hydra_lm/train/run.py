@@ -21,7 +21,8 @@ from .data_io import DataInfo, dataset_dir, open_data, tokenized_alike
 from .distributed import DistInfo, broadcast_object, init_distributed, launched_rank
 from .flags import to_toml
 from .metrics import RunLog, check_logger_packages, git_revision, versions
-from .fit_batch import fit_micro_batch
+from .fit_batch import first_step_peak_mb, fit_micro_batch
+from .memory_estimate import check_fits_host
 from .options import (COMPILE_MODES, FIELDS, FROZEN_ON_RESUME, MODE_DEFAULTS, TrainConfig, derived_defaults,
                       normalize, resolve, validate)
 from .run_lock import RunLock
@@ -238,6 +239,11 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
         check_logger_packages(cfg.tensorboard, cfg.wandb)  # before write_run_files saves the flags
         if batch_from_table and device.type == "cuda" and not info.enabled and not resuming:
             cfg = _fit_batch_to_gpu(cfg, model_cfg, device, log, eval_from_table)
+        if device.type == "cpu":
+            check_fits_host(first_step_peak_mb(cfg, model_cfg, cfg.batch_size, "cpu"),
+                            f"training {cfg.model_size} on batches of {cfg.batch_size} x {cfg.seq_len}",
+                            "lower --batch_size (--grad_accum keeps the tokens per step) or --seq_len, turn on "
+                            "--gradient_checkpointing, or use a smaller --model_size", processes=info.world_size)
         manager = CheckpointManager(run_dir / "checkpoints", preset, cfg.keep_checkpoints, warn=log.warning)
         resume_from = None
         if same_run:
