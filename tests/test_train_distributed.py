@@ -160,6 +160,7 @@ RNG_RECORDER = """
 import hashlib, os, sys
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from hydra_lm.cli import main
 from hydra_lm.model.moe import MoEFeedForward
@@ -168,7 +169,7 @@ forward = MoEFeedForward.forward
 
 
 def recording(self, *args, **kwargs):
-    if self.training:
+    if self.training and not isinstance(args[0], FakeTensor):  # not the start-up memory estimate's forward
         with open(os.path.join(os.environ["RNG_DIR"], f"rng{os.environ['RANK']}.txt"), "a") as f:
             f.write(hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest() + "\\n")
     return forward(self, *args, **kwargs)
