@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from hydra_lm.cli import main
 from support import TINY_RUN, prepare, write_corpus
@@ -241,3 +242,36 @@ def test_cpu_runs_that_cannot_fit_the_hosts_memory_are_refused_before_anything_i
     memory_estimate.check_fits_host(400.0, "run", "advice", processes=2)  # 800 of 1,000 MB: fits
     with pytest.raises(ValueError, match=r"1,200 MB \(2 processes of 600 MB\), but this machine has 1,000 MB"):
         memory_estimate.check_fits_host(600.0, "run", "advice", processes=2)
+
+
+OOM = ("CUDA out of memory. Tried to allocate 24.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.50 GiB is "
+       "free. Including non-PyTorch memory, this process has 77.68 GiB memory in use. Of the allocated memory 70.1 GiB "
+       "is allocated by PyTorch")
+
+
+def test_running_out_of_gpu_memory_is_one_line_that_says_what_to_change_and_the_run_resumes(tiny_data, tmp_path,
+                                                                                             monkeypatch, capsys):
+    from hydra_lm.train.step import TrainStep
+
+    micro, calls = TrainStep.micro, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the third step, after the second step's checkpoint
+            raise torch.OutOfMemoryError(OOM)
+        return micro(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainStep, "micro", failing)
+    out = tmp_path / "run"
+    command = ["train", "--data", str(tiny_data), "--out", str(out), *TINY_RUN, "--grad_accum", "1", "--max_steps", "4",
+               "--save_every", "2", "--eval_every", "0", "--no-eval_at_start"]
+    assert main(command) == 1
+    assert err_of(capsys) == (
+        "hydra-lm train: error: out of GPU memory: CUDA out of memory. Tried to allocate 24.00 GiB. GPU 0 has a total "
+        "capacity of 79.19 GiB of which 1.50 GiB is free; lower --batch_size (--grad_accum keeps the tokens per step) "
+        "or --seq_len, or turn on --gradient_checkpointing (`hydra-lm info --memory` estimates the peak); checkpoints "
+        "already written are kept, and the same command resumes from the last")
+    monkeypatch.setattr(TrainStep, "micro", micro)
+    assert main(command) == 0
+    assert f"resumed from {out / 'checkpoints' / 'hydra_debug_step2'} at step 2" in (out / "train.log").read_text()
+    assert (out / "checkpoints" / "hydra_debug_step4").is_dir()

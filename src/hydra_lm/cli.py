@@ -8,6 +8,8 @@ import json
 import os
 import sys
 
+import torch
+
 from .config import ARCHS
 from .train.distributed import launched_world_size
 from .train.options import OPTIMIZERS
@@ -324,6 +326,28 @@ def _os_error_line(err: OSError) -> str | None:
     return f"cannot {action}: {err.filename2 or err.filename}: {err.strerror or err}; {hint}"
 
 
+# What to change when a command runs out of GPU memory, by command.
+_OOM_HINTS = {
+    "train": "lower --batch_size (--grad_accum keeps the tokens per step) or --seq_len, or turn on "
+             "--gradient_checkpointing (`hydra-lm info --memory` estimates the peak); checkpoints already written are "
+             "kept, and the same command resumes from the last",
+    "compare": "lower --batch_size (--grad_accum keeps the tokens per step) or --seq_len, or turn on "
+               "--gradient_checkpointing (`hydra-lm info --memory` estimates the peak)",
+    "bench": "lower --batch_size or --seq_len (with --inference: --decode_batches or --new_tokens)",
+    "eval": "lower --batch_size or --seq_len",
+    "generate": "give fewer --prompt at once or a smaller --max_new_tokens",
+}
+
+
+def _oom_line(command: str, err: BaseException) -> str:
+    # torch's message: the failed allocation and the GPU's capacity and free memory first, then allocator details.
+    text = " ".join(str(err).split())
+    for tail in (" Including non-PyTorch memory", " Of the allocated memory"):
+        text = text.split(tail)[0]
+    hint = _OOM_HINTS.get(command, "free the GPU's memory (another process may hold it) or use --device cpu")
+    return f"out of GPU memory: {text.strip().rstrip('.')}; {hint}"
+
+
 def main(argv: list[str] | None = None) -> int:
     from .train.flags import split_model_overrides
 
@@ -351,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"hydra-lm {args.command}: {_rank()}error: {line}", file=sys.stderr)
         return 2
+    except torch.OutOfMemoryError as err:  # a step too large for the GPU: what to change, not a traceback
+        print(f"hydra-lm {args.command}: {_rank()}error: {_oom_line(args.command, err)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"hydra-lm {args.command}: interrupted", file=sys.stderr)
         return 130
