@@ -269,8 +269,8 @@ def test_running_out_of_gpu_memory_is_one_line_that_says_what_to_change_and_the_
     assert err_of(capsys) == (
         "hydra-lm train: error: out of GPU memory: CUDA out of memory. Tried to allocate 24.00 GiB. GPU 0 has a total "
         "capacity of 79.19 GiB of which 1.50 GiB is free; lower --batch_size (--grad_accum keeps the tokens per step) "
-        "or --seq_len, or turn on --gradient_checkpointing (`hydra-lm info --memory` estimates the peak); checkpoints "
-        "already written are kept, and the same command resumes from the last")
+        "or --seq_len, turn on --gradient_checkpointing, or use a smaller --model_size (`hydra-lm info --memory` "
+        "estimates the peak); checkpoints already written are kept, and the same command resumes from the last")
     monkeypatch.setattr(TrainStep, "micro", micro)
     assert main(command) == 0
     assert f"resumed from {out / 'checkpoints' / 'hydra_debug_step2'} at step 2" in (out / "train.log").read_text()

@@ -326,25 +326,22 @@ def _os_error_line(err: OSError) -> str | None:
     return f"cannot {action}: {err.filename2 or err.filename}: {err.strerror or err}; {hint}"
 
 
-# What to change when a command runs out of GPU memory, by command.
-_OOM_HINTS = {
-    "train": "lower --batch_size (--grad_accum keeps the tokens per step) or --seq_len, or turn on "
-             "--gradient_checkpointing (`hydra-lm info --memory` estimates the peak); checkpoints already written are "
-             "kept, and the same command resumes from the last",
-    "compare": "lower --batch_size (--grad_accum keeps the tokens per step) or --seq_len, or turn on "
-               "--gradient_checkpointing (`hydra-lm info --memory` estimates the peak)",
-    "bench": "lower --batch_size or --seq_len (with --inference: --decode_batches or --new_tokens)",
-    "eval": "lower --batch_size or --seq_len",
-    "generate": "give fewer --prompt at once or a smaller --max_new_tokens",
-}
-
-
 def _oom_line(command: str, err: BaseException) -> str:
-    # torch's message: the failed allocation and the GPU's capacity and free memory first, then allocator details.
+    """One line for a command that ran out of GPU memory: the start of torch's message (the failed allocation, the
+    GPU's capacity and free memory; the allocator's details after it left out) and what to change."""
+    from .train.memory_estimate import FIT_ADVICE
+
+    estimate = "(`hydra-lm info --memory` estimates the peak)"
+    hint = {"train": f"{FIT_ADVICE['train']} {estimate}; checkpoints already written are kept, and the same command "
+                     "resumes from the last",
+            "compare": f"{FIT_ADVICE['train']} {estimate}",
+            "bench": f"{FIT_ADVICE['bench']} (with --inference: --decode_batches or --new_tokens)",
+            "eval": "lower --batch_size or --seq_len",
+            "generate": "give fewer --prompt at once or a smaller --max_new_tokens",
+            }.get(command, "free the GPU's memory (another process may hold it) or use --device cpu")
     text = " ".join(str(err).split())
     for tail in (" Including non-PyTorch memory", " Of the allocated memory"):
         text = text.split(tail)[0]
-    hint = _OOM_HINTS.get(command, "free the GPU's memory (another process may hold it) or use --device cpu")
     return f"out of GPU memory: {text.strip().rstrip('.')}; {hint}"
 
 

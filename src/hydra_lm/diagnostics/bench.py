@@ -35,7 +35,7 @@ from .step_profile import format_profile, profile_steps
 from ..train.checkpoint import write_text_atomic
 from ..train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
 from ..train.optim import build_optimizer, check_optimizer_device
-from ..train.memory_estimate import check_fits_host, measure_training_memory
+from ..train.memory_estimate import FIT_ADVICE, check_fits_host, measure_training_memory
 from ..train.options import TrainConfig
 from ..train.run import pick_device
 from ..train.step import TrainStep
@@ -293,7 +293,7 @@ def run_bench(cfg: BenchConfig, on_row: Callable[[dict[str, Any]], None] | None 
         if dev.type == "cpu":  # before the weights exist: a model too large for the host is refused too
             check_fits_host(measure_training_memory(model_cfg, cfg.batch_size, cfg.seq_len, cfg.optimizer)["peak_mb"],
                             f"bench of {cfg.model_size} ({arch}) on batches of {cfg.batch_size} x {cfg.seq_len}",
-                            "lower --batch_size or --seq_len, or use a smaller --model_size")
+                            FIT_ADVICE["bench"])
         model = create_model(model_cfg)
         row: dict[str, Any] = {"arch": arch, "params_m": model.num_parameters() / 1e6}
         row.update(bench_training(model, cfg, plan, dev))

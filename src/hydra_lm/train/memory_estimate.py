@@ -185,6 +185,15 @@ def available_host_mb() -> float | None:
     return None
 
 
+# What to change when a step does not fit the memory, by command: the host check below and the CLI's line for a GPU that
+# ran out of memory.
+FIT_ADVICE = {
+    "train": "lower --batch_size (--grad_accum keeps the tokens per step) or --seq_len, turn on "
+             "--gradient_checkpointing, or use a smaller --model_size",
+    "bench": "lower --batch_size or --seq_len, or use a smaller --model_size",
+}
+
+
 def check_fits_host(peak_mb: float, what: str, advice: str, processes: int = 1) -> None:
     """Refuse a CPU run whose estimated peak (per process, ``processes`` of them on this host) exceeds the host's
     available memory: Linux's out-of-memory killer would end it with no message, and on a GPU the allocator's own

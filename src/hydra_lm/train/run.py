@@ -22,7 +22,7 @@ from .distributed import DistInfo, broadcast_object, init_distributed, launched_
 from .flags import to_toml
 from .metrics import RunLog, check_logger_packages, git_revision, versions
 from .fit_batch import first_step_peak_mb, fit_micro_batch
-from .memory_estimate import check_fits_host
+from .memory_estimate import FIT_ADVICE, check_fits_host
 from .options import (COMPILE_MODES, FIELDS, FROZEN_ON_RESUME, MODE_DEFAULTS, TrainConfig, derived_defaults,
                       normalize, resolve, validate)
 from .run_lock import RunLock
@@ -242,8 +242,7 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
         if device.type == "cpu":
             check_fits_host(first_step_peak_mb(cfg, model_cfg, cfg.batch_size, "cpu"),
                             f"training {cfg.model_size} on batches of {cfg.batch_size} x {cfg.seq_len}",
-                            "lower --batch_size (--grad_accum keeps the tokens per step) or --seq_len, turn on "
-                            "--gradient_checkpointing, or use a smaller --model_size", processes=info.world_size)
+                            FIT_ADVICE["train"], processes=info.world_size)
         manager = CheckpointManager(run_dir / "checkpoints", preset, cfg.keep_checkpoints, warn=log.warning)
         resume_from = None
         if same_run:
