@@ -1,11 +1,13 @@
 """Document-masked attention alone, forward + backward at the 100M models' attention shapes (bf16, CUDA):
 what the dense SDPA mask costs built inside the compiled call, passed in (boolean or additive), against
-causal attention without documents, FlexAttention's block mask and torch's varlen flash attention.
+causal attention without documents, FlexAttention's block mask (built in the call, or once beforehand), torch's
+varlen flash attention (sequences read on the host, or a fixed count of slots), and the fused kernels that take
+the causal flag and the mask as a bias together (the efficient kernel's, cuDNN's).
 
     python benchmarks/doc_mask_attention.py [--batch_size 64 --seq_len 1024]
 
 Documents: 0-4 boundaries at random places in each row (packed documents, as the loader gives them).
-Each SDPA variant is compiled alone at static shapes; flex and varlen run as called.
+Each SDPA variant is compiled alone at static shapes; the others run as called.
 """
 
 from __future__ import annotations
@@ -47,6 +49,57 @@ def varlen(q, k, v, doc):
     return out.view(b, n, h, d).transpose(1, 2)
 
 
+def varlen_slots(q, k, v, doc, slots: int):
+    """varlen_attn with a fixed number of sequences (``slots``, empty ones padding; extra documents would merge
+    into the last), built on the GPU: the static shapes a captured step needs."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    b, h, n, d = q.shape
+    start = torch.ones_like(doc, dtype=torch.int32)
+    start[:, 1:] = (doc[:, 1:] != doc[:, :-1]).to(torch.int32)
+    seq = (start.reshape(-1).cumsum(0) - 1).clamp(max=slots - 1)
+    counts = torch.zeros(slots, dtype=torch.int32, device=doc.device)
+    counts.index_add_(0, seq, torch.ones_like(start).view(-1))
+    cu = F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
+    rows = [t.transpose(1, 2).reshape(b * n, t.shape[1], d) for t in (q, k, v)]
+    return varlen_attn(*rows, cu, cu, n, n, window_size=(-1, 0)).view(b, n, h, d).transpose(1, 2)
+
+
+def repeated(q, k, v):
+    """k and v with their grouped heads repeated to q's count (kernels without grouped-query attention)."""
+    return [t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v)]
+
+
+def efficient_causal_bias(q, k, v, bias):
+    """The efficient kernel with its causal mask type (it skips the tiles above the diagonal) and the mask as a bias."""
+    k, v = repeated(q, k, v)
+    out = torch.ops.aten._efficient_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                      bias.expand(-1, q.shape[1], -1, -1), None, None, None, None,
+                                                      0.0, 1, True)[0]
+    return out.transpose(1, 2)
+
+
+def cudnn_causal_bias(q, k, v, bias):
+    """The op SDPA's cuDNN path calls, with the causal flag and the mask as a bias (SDPA takes one or the other)."""
+    k, v = repeated(q, k, v)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, True, False)[0]
+
+
+def flex_prebuilt(doc):
+    """Compiled flex over the rows laid end to end, its block mask built once before the calls."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from hydra_lm.model.doc_attention import _end_to_end, doc_block_mask, documents_end_to_end
+
+    kernel, block_mask = torch.compile(flex_attention, dynamic=False), doc_block_mask(documents_end_to_end(doc))
+
+    def call(q, k, v):
+        b, h, n, d = q.shape
+        out = kernel(_end_to_end(q), _end_to_end(k), _end_to_end(v), block_mask=block_mask, enable_gqa=True)
+        return out[0].reshape(h, b, n, d).transpose(0, 1)
+    return call
+
+
 def time_variant(fn, q, k, v, grad) -> float:
     """Mean milliseconds of forward + backward after three warm-up calls."""
     def step():
@@ -73,7 +126,11 @@ def main() -> None:
         "bf16 additive mask passed in": sdpa(attn_mask=additive),
         "causal, no documents": sdpa(is_causal=True),
         "flex block mask": lambda q, k, v: _flex_doc_attention(q, k, v, doc),
+        "flex, block mask built once": flex_prebuilt(doc),
         "varlen flash (eager)": lambda q, k, v: varlen(q, k, v, doc),
+        "varlen flash, 4 slots a row": lambda q, k, v: varlen_slots(q, k, v, doc, 4 * args.batch_size),
+        "efficient, causal + bias": lambda q, k, v: efficient_causal_bias(q, k, v, additive),
+        "cuDNN op, causal + bias": lambda q, k, v: cudnn_causal_bias(q, k, v, additive),
     }
     shapes = (("CCGQA latent (6 / 2 heads, 32 dims)", 6, 2, 32), ("dense (12 / 3 heads, 64 dims)", 12, 3, 64))
     for name, h, hk, d in shapes:
