@@ -3,15 +3,21 @@
 If no training step and no evaluation batch finishes for ``stall_dump_s`` seconds, every thread's
 stack is appended to RUN_DIR/train.log (other ranks: their stderr), and again every ``stall_dump_s``
 while the stall lasts; the run itself goes on. A stall inside a compile, a collective or a data thread
-then says where it waits, which a killed run would otherwise take with it. The standard library's
-``faulthandler`` does the dumping from its own thread, so it works while the main thread is blocked.
+then says where it waits, which a killed run would otherwise take with it.
+
+A Python watchdog thread reads the stacks (``sys._current_frames``) while it holds the GIL. The standard
+library's ``faulthandler`` watchdog, used before, reads them without the GIL while other threads run and
+change them, which can crash the process; one unexplained segmentation fault in CI followed the test that
+exercises it. The cost: a thread that holds the GIL without end (a C call that never releases it) delays the dump
+until it does. Waits on the GPU, a collective, a lock or I/O release the GIL.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 
@@ -19,26 +25,49 @@ class StallDump:
     def __init__(self, log_path: Path | None, after_s: float):
         self.after_s = after_s
         self._file = None
-        self._armed_at = -float("inf")
+        self._last_beat = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = None
         if after_s > 0:
             self._file = open(log_path, "a") if log_path is not None else sys.stderr  # closed by close()
-            self.beat()
+            self._thread = threading.Thread(target=self._watch, name="stall-dump", daemon=True)
+            self._thread.start()
 
     def beat(self) -> None:
-        """Progress: the dump fires ``after_s`` after the last call. Re-arming starts a thread, so it is
-        done at most ten times per ``after_s`` (a stall is still reported within 1.1 x ``after_s``)."""
-        if self._file is None:
-            return
-        now = time.monotonic()
-        if now - self._armed_at >= self.after_s / 10:
-            self._armed_at = now
+        """Progress: the next dump comes ``after_s`` after the last call."""
+        self._last_beat = time.monotonic()
+
+    def _watch(self) -> None:
+        dumped_at = -float("inf")
+        while True:
+            # The next moment a dump may be due: after_s past the last beat, and after_s past the last dump.
+            due = max(self._last_beat, dumped_at) + self.after_s
+            if self._stop.wait(max(0.0, due - time.monotonic())):
+                return
+            now = time.monotonic()
+            if now - self._last_beat >= self.after_s and now - dumped_at >= self.after_s:
+                self._dump(now - self._last_beat)
+                dumped_at = now
+
+    def _dump(self, stalled_s: float) -> None:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        lines = [f"Stall: no training step or evaluation batch finished for {stalled_s:.1f} s "
+                 f"(--stall_dump_s {self.after_s:g}); every thread's stack, most recent call last:\n"]
+        for ident, frame in sys._current_frames().items():
+            if ident != threading.get_ident():  # not this watchdog's own
+                lines.append(f"Thread {names.get(ident, '?')} ({ident}):\n")
+                lines.extend(traceback.format_stack(frame))
+        try:
+            self._file.write("".join(lines))
             self._file.flush()
-            faulthandler.dump_traceback_later(self.after_s, repeat=True, file=self._file)
+        except OSError:  # the log cannot be written (a full disk): the run goes on without the dump
+            pass
 
     def close(self) -> None:
         if self._file is None:
             return
-        faulthandler.cancel_dump_traceback_later()
+        self._stop.set()
+        self._thread.join()
         if self._file is not sys.stderr:
             self._file.close()
         self._file = None
