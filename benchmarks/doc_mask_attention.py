@@ -43,7 +43,7 @@ def varlen(q, k, v, doc):
     start[1:] = (flat[1:] != flat[:-1]) | (torch.arange(1, b * n, device=doc.device) % n == 0)
     cu = torch.cat([start.nonzero().flatten(), torch.tensor([b * n], device=doc.device)]).to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
-    k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
+    k, v = repeated(q, k, v)
     rows = [t.transpose(1, 2).reshape(b * n, h, d) for t in (q, k, v)]
     out = varlen_attn(*rows, cu, cu, longest, longest, window_size=(-1, 0))
     return out.view(b, n, h, d).transpose(1, 2)

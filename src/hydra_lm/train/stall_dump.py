@@ -5,11 +5,10 @@ stack is appended to RUN_DIR/train.log (other ranks: their stderr), and again ev
 while the stall lasts; the run itself goes on. A stall inside a compile, a collective or a data thread
 then says where it waits, which a killed run would otherwise take with it.
 
-A Python watchdog thread reads the stacks (``sys._current_frames``) while it holds the GIL. The standard
-library's ``faulthandler`` watchdog, used before, reads them without the GIL while other threads run and
-change them, which can crash the process; one unexplained segmentation fault in CI followed the test that
-exercises it. The cost: a thread that holds the GIL without end (a C call that never releases it) delays the dump
-until it does. Waits on the GPU, a collective, a lock or I/O release the GIL.
+A Python watchdog thread reads the stacks (``sys._current_frames``) while it holds the GIL; ``faulthandler``'s
+watchdog reads them without it while other threads change them, which can crash the process. The cost: a thread
+that holds the GIL without end (a C call that never releases it) delays the dump until it does. Waits on the GPU,
+a collective, a lock or I/O release the GIL.
 """
 
 from __future__ import annotations
