@@ -2,9 +2,9 @@
 what the dense SDPA mask costs built inside the compiled call, passed in (boolean or additive), against
 causal attention without documents, FlexAttention's block mask (built in the call, or once beforehand), torch's
 varlen flash attention (sequences read on the host, or a fixed count of slots), and the fused kernels that take
-the causal flag and the mask as a bias together (the efficient kernel's, cuDNN's).
+the causal flag and the mask as a bias together (the efficient kernel's, cuDNN's), and the model's own path.
 
-    python benchmarks/doc_mask_attention.py [--batch_size 64 --seq_len 1024]
+    python benchmarks/doc_mask_attention.py [--batch_size 64 --seq_len 1024] [--only cuDNN "model's"]
 
 Documents: 0-4 boundaries at random places in each row (packed documents, as the loader gives them).
 Each SDPA variant is compiled alone at static shapes; the others run as called.
@@ -17,7 +17,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from hydra_lm.model.doc_attention import _flex_doc_attention, dense_doc_mask, documents
+from hydra_lm.model.doc_attention import Documents, _flex_doc_attention, dense_doc_mask, doc_causal_attention, documents
 from muon_step_time import timed  # benchmarks/: the script's own directory is on the path
 
 
@@ -112,6 +112,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--seq_len", type=int, default=1024)
+    p.add_argument("--only", nargs="*", default=[], help="run the variants whose label holds one of these words")
     args = p.parse_args()
     dev = torch.device("cuda")
     doc = packed_documents(args.batch_size, args.seq_len, dev)
@@ -131,7 +132,9 @@ def main() -> None:
         "varlen flash, 4 slots a row": lambda q, k, v: varlen_slots(q, k, v, doc, 4 * args.batch_size),
         "efficient, causal + bias": lambda q, k, v: efficient_causal_bias(q, k, v, additive),
         "cuDNN op, causal + bias": lambda q, k, v: cudnn_causal_bias(q, k, v, additive),
+        "the model's path": lambda q, k, v: doc_causal_attention(q, k, v, Documents(doc, additive)),
     }
+    variants = {label: fn for label, fn in variants.items() if not args.only or any(w in label for w in args.only)}
     shapes = (("CCGQA latent (6 / 2 heads, 32 dims)", 6, 2, 32), ("dense (12 / 3 heads, 64 dims)", 12, 3, 64))
     for name, h, hk, d in shapes:
         g = torch.Generator(device=dev).manual_seed(0)

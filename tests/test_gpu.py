@@ -343,6 +343,35 @@ def test_flex_document_attention_matches_the_dense_mask_on_gpu():
         torch.testing.assert_close(a, b, rtol=5e-3, atol=5e-3)
 
 
+@pytest.mark.parametrize("n, autocast, fused", [(1000, True, True), (252, True, False), (1000, False, False)])
+def test_cudnns_causal_op_with_the_document_bias_matches_sdpas_mask_on_gpu(n, autocast, fused):
+    """The dense mask's CUDA path (cuDNN with the causal flag and the mask as a bias, grouped heads passed as they
+    are; SDPA where cuDNN cannot serve the call: a row length off its stride, fp32) against SDPA with the
+    boolean mask, eager and compiled."""
+    from hydra_lm.diagnostics.bench import random_doc_ids
+    from hydra_lm.model import doc_attention as da
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the path is taken on Hopper or later")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(3, h, n, 32, device="cuda", generator=g, requires_grad=True) for h in (6, 2, 2))
+    ids = random_doc_ids(3, n, mean_len=120, device="cuda")
+    grad = torch.randn(3, 6, n, 32, device="cuda", generator=g)
+    with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        doc = da.documents_for(ids, "auto", 32, torch.float32)
+        assert da._cudnn_skips_the_future(q, doc.mask) == fused
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=da.dense_doc_mask(ids),
+                                                               enable_gqa=True)
+        outs = [da.doc_causal_attention(q, k, v, doc),
+                torch.compile(da.doc_causal_attention, fullgraph=True)(q, k, v, doc)]
+    ref_grads = torch.autograd.grad(ref.float(), (q, k, v), grad)
+    tol = 3e-2 if autocast else 1e-4
+    for out in outs:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+        for a, b in zip(torch.autograd.grad(out.float(), (q, k, v), grad), ref_grads):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
 def test_a_model_with_flex_document_masks_gives_the_dense_masks_loss_and_gradients_on_gpu():
     """Eager (flex compiled on its own) and with compiled units (flex traced inside them), routed units
     attending over compacted rows: the dense-mask model's loss and gradients."""

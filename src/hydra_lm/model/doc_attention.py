@@ -3,10 +3,12 @@
 Two ways to compute the same function, chosen per model by ``HydraConfig.doc_mask_backend``
 (``--model.doc_mask_backend`` on the command line):
 
-* ``"sdpa"``: a dense [B, 1, N, N] additive mask for SDPA, built once per set of entries (``Documents``)
-  and shared by the layers and units that attend over them. Runs anywhere, but a mask rules out SDPA's
-  flash kernel for cuDNN's masked one (2.4x the causal kernel's time on an H100) and costs O(N^2) memory
-  per row;
+* ``"sdpa"``: a dense [B, 1, N, N] additive mask, built once per set of entries (``Documents``) and shared
+  by the layers and units that attend over them. Runs anywhere at O(N^2) memory per row. SDPA takes a mask
+  or its causal flag, not both, and with a mask it computes every tile of the scores (2.2x the causal
+  kernel's time on an H100); on Hopper cuDNN's op is called directly with both, so the tiles above the
+  diagonal are skipped: 0.69x the time of SDPA's masked call, +1.3-1.5% for the HYDRA bench step and
+  +5.3-5.8% for dense (benchmarks/BENCHMARKS.md, sixty-eighth session);
 * ``"flex"``: FlexAttention with a block-sparse mask derived from the document ids: blocks above
   the diagonal or between different documents are skipped, blocks inside one document run without
   a mask. The batch's rows are laid end to end as one sequence (batch 1) with document ids that
@@ -178,10 +180,31 @@ def _flex(q: torch.Tensor):
 _compiled_flex = None
 
 
+def _cudnn_skips_the_future(q: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether cuDNN's attention op can take the causal flag and ``mask`` together: SDPA accepts one or the
+    other, and with the mask alone cuDNN computes every tile of the N x N scores. Hopper or later (where SDPA
+    itself prefers cuDNN), a half-precision mask (cuDNN runs no fp32; given fp32 it returned NaN, so fp32
+    stays with SDPA), heads of 8 to 128 dimensions in steps of 8, rows of 16 entries or more in steps of 8
+    (the bias's row stride)."""
+    n, d = q.shape[2], q.shape[3]
+    return (q.is_cuda and mask.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 128
+            and n >= 16 and n % 8 == 0 and torch.cuda.get_device_capability(q.device)[0] >= 9)
+
+
+def _cudnn_causal_with_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """cuDNN's attention with its causal mask (tiles above the diagonal skipped) and the documents' additive
+    ``mask`` as a bias. The op sits below SDPA's autocast, so q, k, v are cast to the mask's dtype here."""
+    q, k, v = (t.to(mask.dtype) for t in (q, k, v))
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, mask, torch.is_grad_enabled(), 0.0, True,
+                                                               False)[0]
+
+
 def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: Documents) -> torch.Tensor:
     """Causal attention within documents. q [B, h_q, N, d]; k, v [B, h_k, N, d]; ``doc``: the entries'
     documents, with the dense mask (SDPA) or without (flex; ``documents_for`` chose)."""
     if doc.mask is not None:
+        if _cudnn_skips_the_future(q, doc.mask):
+            return _cudnn_causal_with_bias(q, k, v, doc.mask)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=doc.mask, enable_gqa=q.shape[1] != k.shape[1])
     device = q.device.type
     if torch.is_autocast_enabled(device):
