@@ -2,7 +2,8 @@
 what the dense SDPA mask costs built inside the compiled call, passed in (boolean or additive), against
 causal attention without documents, FlexAttention's block mask (built in the call, or once beforehand), torch's
 varlen flash attention (sequences read on the host, or a fixed count of slots), and the fused kernels that take
-the causal flag and the mask as a bias together (the efficient kernel's, cuDNN's), and the model's own path.
+the causal flag and the mask as a bias together (the efficient kernel's, cuDNN's), the model's own path, and
+cuDNN's ragged attention (documents as sequences, a fixed count of slots, no mask read).
 
     python benchmarks/doc_mask_attention.py [--batch_size 64 --seq_len 1024] [--only cuDNN "model's"]
 
@@ -55,14 +56,32 @@ def varlen_slots(q, k, v, doc, slots: int):
     from torch.nn.attention.varlen import varlen_attn
 
     b, h, n, d = q.shape
+    cu = slot_offsets(doc, slots)
+    rows = [t.transpose(1, 2).reshape(b * n, t.shape[1], d) for t in (q, k, v)]
+    return varlen_attn(*rows, cu, cu, n, n, window_size=(-1, 0)).view(b, n, h, d).transpose(1, 2)
+
+
+def slot_offsets(doc: torch.Tensor, slots: int) -> torch.Tensor:
+    """Cumulative offsets [slots + 1] of the batch's documents (rows end to end, each row's first entry starting a
+    document), built on the GPU: a fixed count of sequences, empty ones padding; extra documents merge into the last."""
     start = torch.ones_like(doc, dtype=torch.int32)
     start[:, 1:] = (doc[:, 1:] != doc[:, :-1]).to(torch.int32)
     seq = (start.reshape(-1).cumsum(0) - 1).clamp(max=slots - 1)
     counts = torch.zeros(slots, dtype=torch.int32, device=doc.device)
     counts.index_add_(0, seq, torch.ones_like(start).view(-1))
-    cu = F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
+    return F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def cudnn_ragged(q, k, v, doc, slots: int, grouped: bool):
+    """cuDNN's ragged attention (the op under SDPA's nested-tensor path): each document one causal sequence of the
+    [B * N, h, d] entries, at ``slots`` sequences; no mask is read. ``grouped``: key/value heads passed as they are."""
+    b, h, n, d = q.shape
+    if not grouped:
+        k, v = repeated(q, k, v)
+    cu = slot_offsets(doc, slots)
     rows = [t.transpose(1, 2).reshape(b * n, t.shape[1], d) for t in (q, k, v)]
-    return varlen_attn(*rows, cu, cu, n, n, window_size=(-1, 0)).view(b, n, h, d).transpose(1, 2)
+    out = torch.ops.aten._cudnn_attention_forward(*rows, None, cu, cu, n, n, True, 0.0, True, False)[0]
+    return out.view(b, n, h, d).transpose(1, 2)
 
 
 def repeated(q, k, v):
@@ -133,6 +152,8 @@ def main() -> None:
         "efficient, causal + bias": lambda q, k, v: efficient_causal_bias(q, k, v, additive),
         "cuDNN op, causal + bias": lambda q, k, v: cudnn_causal_bias(q, k, v, additive),
         "the model's path": lambda q, k, v: doc_causal_attention(q, k, v, Documents(doc, additive)),
+        "cuDNN ragged, 4 slots a row": lambda q, k, v: cudnn_ragged(q, k, v, doc, 4 * args.batch_size, False),
+        "cuDNN ragged, grouped heads": lambda q, k, v: cudnn_ragged(q, k, v, doc, 4 * args.batch_size, True),
     }
     variants = {label: fn for label, fn in variants.items() if not args.only or any(w in label for w in args.only)}
     shapes = (("CCGQA latent (6 / 2 heads, 32 dims)", 6, 2, 32), ("dense (12 / 3 heads, 64 dims)", 12, 3, 64))
@@ -141,10 +162,12 @@ def main() -> None:
         q, k, v = (torch.randn(args.batch_size, n_h, args.seq_len, d, device=dev, dtype=torch.bfloat16, generator=g)
                    for n_h in (h, hk, hk))
         grad = torch.randn_like(q)
-        print(name)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask, enable_gqa=True).float()
+        print(f"{name}: forward + backward ms, and the output's largest error against SDPA with the boolean mask")
         for label, fn in variants.items():
             try:
-                print(f"  {label:<30} {time_variant(fn, q, k, v, grad):7.3f} ms", flush=True)
+                err = (fn(q, k, v).float() - ref).abs().max().item()
+                print(f"  {label:<30} {time_variant(fn, q, k, v, grad):7.3f} ms  {err:.1e}", flush=True)
             except Exception as e:  # e.g. a torch without varlen_attn
                 print(f"  {label:<30} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
 
