@@ -350,6 +350,7 @@ def test_cudnns_causal_op_with_the_document_bias_matches_sdpas_mask_on_gpu(n, au
     boolean mask, eager and compiled."""
     from hydra_lm.diagnostics.bench import random_doc_ids
     from hydra_lm.model import doc_attention as da
+    from hydra_lm.model.attention_backend import sdpa_kernel_only
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the path is taken on Hopper or later")
@@ -366,6 +367,8 @@ def test_cudnns_causal_op_with_the_document_bias_matches_sdpas_mask_on_gpu(n, au
                 torch.compile(da.doc_causal_attention, fullgraph=True)(q, k, v, doc)]
     with torch.no_grad():
         assert not da._cudnn_skips_the_future(q, doc.mask)  # evaluation: SDPA (one unit graph for every count)
+    with sdpa_kernel_only("math"):  # another SDPA kernel forced (bench --sdpa_kernel): SDPA
+        assert not da._cudnn_skips_the_future(q, doc.mask)
     ref_grads = torch.autograd.grad(ref.float(), (q, k, v), grad)
     tol = 3e-2 if autocast else 1e-4
     for out in outs:
