@@ -68,6 +68,23 @@ def test_flexible_attention_expands_gqa_and_validates_backends():
     assert {m.backend for m in model.modules() if isinstance(m, GQAttention)} == {"sdpa"}
 
 
+def test_forcing_an_sdpa_kernel_also_keeps_document_masks_off_the_direct_cudnn_call():
+    """bench --sdpa_kernel: the dense document mask's direct cuDNN call (CUDA, doc_attention) obeys the forced
+    kernel, inside nested restrictions, and the setting comes back after an error."""
+    from hydra_lm.model import doc_attention
+
+    assert doc_attention.cudnn_causal_bias_allowed
+    with attention_backend.sdpa_kernel_only("math"):
+        assert not doc_attention.cudnn_causal_bias_allowed and not torch.backends.cuda.cudnn_sdp_enabled()
+        with attention_backend.sdpa_kernel_only("cudnn"):
+            assert doc_attention.cudnn_causal_bias_allowed
+        assert not doc_attention.cudnn_causal_bias_allowed
+    with pytest.raises(RuntimeError), attention_backend.sdpa_kernel_only("flash"):
+        raise RuntimeError
+    with attention_backend.sdpa_kernel_only("auto"):
+        assert doc_attention.cudnn_causal_bias_allowed
+
+
 def test_set_attention_backend_switches_a_built_model_and_its_config_together():
     model = tiny_model()
     ids = torch.randint(0, model.config.vocab_size, (2, 16))

@@ -59,8 +59,9 @@ SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
 
 
 def sdpa_kernel_only(name: str):
-    """A context in which SDPA may use only one kernel ("auto": SDPA's own choice), to compare them.
-    Wrap the first (compiling) call too: a compiled graph keeps the kernel chosen at trace time."""
+    """A context in which SDPA may use only one kernel ("auto": SDPA's own choice), to compare them; the document
+    mask's direct cuDNN call (doc_attention) runs only where that kernel is cuDNN's. Wrap the first (compiling)
+    call too: a compiled graph keeps the kernel chosen at trace time."""
     if name not in SDPA_KERNELS:
         raise ValueError(f"SDPA kernel {name!r}: choose one of {list(SDPA_KERNELS)}")
     if name == "auto":
@@ -69,4 +70,18 @@ def sdpa_kernel_only(name: str):
 
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
-    return sdpa_kernel([backend])
+    return _only(sdpa_kernel([backend]), name == "cudnn")
+
+
+@contextlib.contextmanager
+def _only(restriction, cudnn: bool):
+    """SDPA's kernel restriction, and the document mask's direct cuDNN call (doc_attention) allowed with cuDNN only."""
+    from . import doc_attention
+
+    allowed = doc_attention.cudnn_causal_bias_allowed
+    doc_attention.cudnn_causal_bias_allowed = cudnn  # as SDPA's, an inner restriction replaces an outer one
+    try:
+        with restriction:
+            yield
+    finally:
+        doc_attention.cudnn_causal_bias_allowed = allowed

@@ -179,27 +179,24 @@ def _flex(q: torch.Tensor):
 
 _compiled_flex = None
 
+# Off while ``attention_backend.sdpa_kernel_only`` forces an SDPA kernel other than cuDNN (``bench --sdpa_kernel``),
+# so that the direct cuDNN call below obeys it too. A module global, not SDPA's own switch: Dynamo cannot trace
+# that query, and a compiled graph guards on this value.
+cudnn_causal_bias_allowed = True
+
 
 def _cudnn_skips_the_future(q: torch.Tensor, mask: torch.Tensor) -> bool:
     """Whether cuDNN's attention op can take the causal flag and ``mask`` together: SDPA accepts one or the
     other, and with the mask alone cuDNN computes every tile of the N x N scores. Hopper or later (where SDPA
     itself prefers cuDNN), a half-precision mask (cuDNN runs no fp32; given fp32 it returned NaN, so fp32
     stays with SDPA), heads of 8 to 128 dimensions in steps of 8, rows of 16 entries or more in steps of 8
-    (the bias's row stride), with gradients on and SDPA's cuDNN kernel allowed. Evaluation keeps SDPA: its
+    (the bias's row stride), with gradients on and ``cudnn_causal_bias_allowed``. Evaluation keeps SDPA: its
     units are compiled once for every token count (2 to the row length), and the test of the count would
     split that graph in two."""
     n, d = q.shape[2], q.shape[3]
     return (q.is_cuda and torch.is_grad_enabled() and mask.dtype in (torch.float16, torch.bfloat16)
             and d % 8 == 0 and d <= 128 and n >= 16 and n % 8 == 0
-            and torch.cuda.get_device_capability(q.device)[0] >= 9 and _cudnn_sdpa_enabled())
-
-
-@torch.compiler.assume_constant_result
-def _cudnn_sdpa_enabled() -> bool:
-    """SDPA's switch for cuDNN, off where ``torch.nn.attention.sdpa_kernel`` forces another kernel (``bench
-    --sdpa_kernel``), so that the call above obeys it too. Dynamo cannot trace the query: a compiled graph reads
-    it once, when traced."""
-    return torch.backends.cuda.cudnn_sdp_enabled()
+            and torch.cuda.get_device_capability(q.device)[0] >= 9 and cudnn_causal_bias_allowed)
 
 
 def _cudnn_causal_with_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
