@@ -2,10 +2,10 @@
 what the dense SDPA mask costs built inside the compiled call, passed in (boolean or additive), against
 causal attention without documents, FlexAttention's block mask (built in the call, or once beforehand), torch's
 varlen flash attention (sequences read on the host, or a fixed count of slots), and the fused kernels that take
-the causal flag and the mask as a bias together (the efficient kernel's, cuDNN's), the model's own path, and
+the causal flag and the mask as a bias together (the efficient kernel's; cuDNN's is the model's own path), and
 cuDNN's ragged attention (documents as sequences, a fixed count of slots, no mask read).
 
-    python benchmarks/doc_mask_attention.py [--batch_size 64 --seq_len 1024] [--only cuDNN "model's"]
+    python benchmarks/doc_mask_attention.py [--batch_size 64 --seq_len 1024] [--only "model's" ragged]
 
 Documents: 0-4 boundaries at random places in each row (packed documents, as the loader gives them).
 Each SDPA variant is compiled alone at static shapes; the others run as called.
@@ -98,12 +98,6 @@ def efficient_causal_bias(q, k, v, bias):
     return out.transpose(1, 2)
 
 
-def cudnn_causal_bias(q, k, v, bias):
-    """The op SDPA's cuDNN path calls, with the causal flag and the mask as a bias (SDPA takes one or the other)."""
-    k, v = repeated(q, k, v)
-    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, True, False)[0]
-
-
 def flex_prebuilt(doc):
     """Compiled flex over the rows laid end to end, its block mask built once before the calls."""
     from torch.nn.attention.flex_attention import flex_attention
@@ -150,8 +144,7 @@ def main() -> None:
         "varlen flash (eager)": lambda q, k, v: varlen(q, k, v, doc),
         "varlen flash, 4 slots a row": lambda q, k, v: varlen_slots(q, k, v, doc, 4 * args.batch_size),
         "efficient, causal + bias": lambda q, k, v: efficient_causal_bias(q, k, v, additive),
-        "cuDNN op, causal + bias": lambda q, k, v: cudnn_causal_bias(q, k, v, additive),
-        "the model's path": lambda q, k, v: doc_causal_attention(q, k, v, Documents(doc, additive)),
+        "the model's path (cuDNN)": lambda q, k, v: doc_causal_attention(q, k, v, Documents(doc, additive)),
         "cuDNN ragged, 4 slots a row": lambda q, k, v: cudnn_ragged(q, k, v, doc, 4 * args.batch_size, False),
         "cuDNN ragged, grouped heads": lambda q, k, v: cudnn_ragged(q, k, v, doc, 4 * args.batch_size, True),
     }

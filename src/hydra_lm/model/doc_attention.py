@@ -201,10 +201,10 @@ def _cudnn_skips_the_future(q: torch.Tensor, mask: torch.Tensor) -> bool:
 
 def _cudnn_causal_with_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """cuDNN's attention with its causal mask (tiles above the diagonal skipped) and the documents' additive
-    ``mask`` as a bias. The op sits below SDPA's autocast, so q, k, v are cast to the mask's dtype here."""
+    ``mask`` as a bias, keeping the log-sum-exp for backward (the call is made with gradients on). The op sits below
+    SDPA's autocast, so q, k, v are cast to the mask's dtype here."""
     q, k, v = (t.to(mask.dtype) for t in (q, k, v))
-    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, mask, torch.is_grad_enabled(), 0.0, True,
-                                                               False)[0]
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, mask, True, 0.0, True, False)[0]
 
 
 def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: Documents) -> torch.Tensor:
