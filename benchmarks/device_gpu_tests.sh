@@ -7,6 +7,8 @@
 # PART=i/n runs only the i-th of n shares of the tests (every n-th from the i-th, i from 1): on one GPU the whole
 # set takes over 20 minutes (fifty-third session), so PART=1/3, 2/3, 3/3 in three device calls run it all.
 # Logs to $OUT/gpu_tests_gG.log (when set, else ./gpu_test_logs); prints each GPU's summary line last.
+# The device image lacks pytorch-optimizer (an install dependency: the Lion test fails without it), torchao and
+# liger-kernel (their tests skip): carry them as wheels in .whl and install them first (the device tool's README).
 set -uo pipefail
 n=${1:-$(nvidia-smi -L | wc -l)}
 shift || true

@@ -3,7 +3,8 @@ what the dense SDPA mask costs built inside the compiled call, passed in (boolea
 causal attention without documents, FlexAttention's block mask (built in the call, or once beforehand), torch's
 varlen flash attention (sequences read on the host, or a fixed count of slots), and the fused kernels that take
 the causal flag and the mask as a bias together (the efficient kernel's; cuDNN's is the model's own path), and
-cuDNN's ragged attention (documents as sequences, a fixed count of slots, no mask read).
+cuDNN's ragged attention (documents as sequences, a fixed count of slots, no mask read; 100-150x slower than the
+model's path as called here, benchmarks/BENCHMARKS.md, sixty-ninth session).
 
     python benchmarks/doc_mask_attention.py [--batch_size 64 --seq_len 1024] [--only "model's" ragged]
 
