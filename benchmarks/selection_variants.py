@@ -7,7 +7,8 @@
 - the routers' top-k boundary (``model/routing.topk_boundary``, the batch's (b*k)-th and (b*k+1)-th logits) as a
   sorted top-k of b*k+1 (the form before the forty-first session), an unsorted top-k, a full sort (the form
   since), two ``kthvalue`` calls, and the per-row selection's order (a top-k, then a sort of the indices) against
-  one from the chosen mask's running count or from its nonzeros (``torch.nonzero_static``).
+  one from the chosen mask's running count or from its nonzeros (``torch.nonzero_static``), or from a sort of the
+  whole row, also at the few long rows of ``topk_groups`` (4 x 4,096 for 16 rows in groups of 4).
 
 Each variant's result is checked against the first one's: a ``(!)`` marks a mismatch.
 
@@ -72,6 +73,12 @@ def order_by_sort(r, k):
     return torch.sort(torch.topk(r, k, dim=1, sorted=False).indices, dim=1).values
 
 
+def order_by_full_sort(r, k):
+    """The k highest of each row from a sort of the whole row (segmented, several blocks a row), not a top-k (one
+    block a row on CUDA): the pooled rows of ``topk_groups`` are few and long ([4, 4,096] at the 100M preset)."""
+    return torch.sort(torch.sort(r, dim=1, descending=True).indices[:, :k], dim=1).values
+
+
 def order_by_count(r, k):
     chosen = torch.zeros_like(r, dtype=torch.bool).scatter_(1, torch.topk(r, k, dim=1, sorted=False).indices, True)
     c = chosen.long()
@@ -108,8 +115,10 @@ def main() -> None:
           f"us (loss difference {loss_diff:.1e}, largest gradient difference {kernel_diff:.1e})")
     boundaries = {"sorted top-k": boundary_sorted_topk, "unsorted top-k": boundary_unsorted_topk,
                   "sort": boundary_sort, "kthvalue": boundary_kthvalue}
-    orders = {"order: sort": order_by_sort, "order: count": order_by_count, "order: nonzero": order_by_nonzero}
-    for b, n in ((16, 1024), (16, 512), (16, 256), (16, 128), (64, 1024)):
+    orders = {"order: sort": order_by_sort, "order: full sort": order_by_full_sort, "order: count": order_by_count,
+              "order: nonzero": order_by_nonzero}
+    # The last two: a batch of 16 rows pooled in 4 groups (topk_groups 4), at the full rows' and the 128-entry units'.
+    for b, n in ((16, 1024), (16, 512), (16, 256), (16, 128), (64, 1024), (4, 4096), (4, 512)):
         r = torch.randn(b, n, device=dev)
         for k in (n // 8, n // 2):
             cells = []
