@@ -36,7 +36,8 @@ FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
 PREPARE_LOCK = ".prepare.lock"
-PREPARE_HINT = "run `hydra-lm prepare --inputs PATH... --out DIR` (or hydra_lm.data.prepare_data) first"
+PREPARE_HINT = ("run `hydra-lm prepare --input PATH... --out DIR` (no --input: the built-in corpus), or "
+                "hydra_lm.data.prepare_data, first")
 
 # Tokens are buffered before writing so a corpus of many tiny documents is not one syscall each.
 _FLUSH_TOKENS = 1 << 20
