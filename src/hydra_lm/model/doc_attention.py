@@ -19,11 +19,13 @@ Two ways to compute the same function, chosen per model by ``HydraConfig.doc_mas
   own on CUDA); eager CPU code runs flex unfused, which materialises the scores.
 * ``"auto"`` (default): the dense mask. Flex is exact and faster: 3-6% for a whole training step of the
   100M models on an H100 (benchmarks/BENCHMARKS.md, seventeenth session), 4.1-4.5% of the bench's and the
-  trainer's tokens/s at 100M on an H200 and an H100 (sixty-first to sixty-third). torch 2.11 failed to lower it
-  inside units compiled with dynamic token counts (evaluation's, a MoR ramp's), so those take the dense mask
-  (``block._run_compiled_unit``); with that the trainer's flex GPU test passes (sixty-second). Flex stays opt-in
-  for its cold compile: 200 s and more against 115-120 s for the preset on an H100 (sixty-third), also when
-  only rows of 512 entries or more took flex, so the extra time is not the routed rows' kernels.
+  trainer's tokens/s at 100M on an H200 and an H100 (sixty-first to sixty-third), all against SDPA's masked call:
+  the cuDNN call with the causal flag has since won 1.3-1.5% of it back for HYDRA (sixty-eighth; flex not
+  re-measured against it). torch 2.11 failed to lower flex inside units compiled with dynamic token counts
+  (evaluation's, a MoR ramp's), so those take the dense mask (``block._run_compiled_unit``); with that the
+  trainer's flex GPU test passes (sixty-second). Flex stays opt-in for its cold compile: 200 s and more against
+  115-120 s for the preset on an H100 (sixty-third), also when only rows of 512 entries or more took flex, so the
+  extra time is not the routed rows' kernels.
 
 A routed unit (MoD/MoR) attends over a compacted subset of the row; its ``doc`` is the documents of
 the entries present, in their order, so "causal" is over the compacted index.
