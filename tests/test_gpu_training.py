@@ -5,6 +5,8 @@ evaluation, a curriculum switch (re-capture) and a resume that continues the uni
 a relative 1e-5: some of cuBLAS's and inductor's kernels are not bitwise deterministic; the CPU tests require
 equality)."""
 
+import gc
+
 import pytest
 import torch
 
@@ -142,15 +144,18 @@ def test_each_run_reports_its_own_peak_memory_when_one_process_trains_several(ti
     what it reports alone, not the large one's peak (nor the MFU probe's matrices)."""
     big = ["--batch_size", "64", "--model.dim", "256"]
     # What earlier tests of this process still hold counts in every run's peak (about 0.9 GB after the
-    # decode tests; a tiny run alone peaks at about 70 MB): compare what the runs add to it.
-    base = torch.cuda.memory_allocated() / 2**20
-    assert train(tiny_data, tmp_path / "alone", *EAGER) == 0
-    assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "big"), *COMMON, *EAGER, *big]) == 0
-    assert train(tiny_data, tmp_path / "after", *EAGER) == 0
-    peak = {name: max(r["memory_mb"] for r in records(tmp_path / name, "train")) - base
-            for name in ("alone", "big", "after")}
+    # decode tests; a tiny run alone peaks at about 70 MB), and the first run of a process keeps allocations
+    # that later runs find made (24 MB on an H100, seventieth session): a first run takes them, and each run's
+    # peak is counted from what was allocated just before it.
+    assert train(tiny_data, tmp_path / "first", *EAGER) == 0
+    peak = {}
+    for name, extra in (("alone", ()), ("big", big), ("after", ())):
+        gc.collect()
+        base = torch.cuda.memory_allocated() / 2**20
+        assert train(tiny_data, tmp_path / name, *EAGER, *extra) == 0
+        peak[name] = max(r["memory_mb"] for r in records(tmp_path / name, "train")) - base
     assert peak["big"] > 1.3 * peak["alone"], peak
-    assert peak["after"] == pytest.approx(peak["alone"], abs=16), peak  # MB; the big run added ~40
+    assert peak["after"] == pytest.approx(peak["alone"], abs=0.2 * (peak["big"] - peak["alone"])), peak
 
 
 def test_compare_compiles_many_routed_variants_in_one_process(tiny_data, tmp_path):
