@@ -2,6 +2,9 @@
 
 import contextlib
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,6 +237,18 @@ def test_every_kernel_goes_to_a_table_small_enough_to_bring_back(tmp_path):
     assert [r["kernel"] for r in rows] == ["nvjet_sm90_tst_192x192", "triton_poi_fused_add_0", long_name]
     assert [float(r["ms_per_step"]) for r in rows] == pytest.approx([0.3, 0.05, 0.008])
     assert rows[2]["launches_per_step"] == "1" and rows[2]["category"] == "other"
+    # benchmarks/kernel_table_diff.py matches inductor's kernels across two runs' tables whatever their suffixes.
+    write_kernel_table(str(tmp_path / "k2.csv"), summarize_kernels(
+        [("nvjet_sm90_tst_192x192", 300.0), ("triton_poi_fused_add_7", 80.0), ("gatherTopK", 9.0)] * 2, steps=2,
+        top=None))
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_table_diff.py"
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "k.csv"), str(tmp_path / "k2.csv")],
+                         check=True, capture_output=True, text=True).stdout.splitlines()
+    kernels = {line.split()[-1]: float(line.split()[0]) for line in out if line.startswith((" ", "-"))}
+    assert kernels == pytest.approx({"triton_poi_fused_add": 0.03, "gatherTopK": 0.009, "nvjet_sm90_tst_192x192": 0.0,
+                                     long_name[:120].split()[-1]: -0.008})
+    total = next(line for line in out if line.startswith("total")).split()
+    assert [float(v) for v in total[1:]] == pytest.approx([0.358, 0.389])
 
 
 def test_decode_rate_counts_only_the_steady_one_token_steps(monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from hydra_lm.cli import build_parser
 from hydra_lm.data import HydraTokenizer, PackedLoader, load_tokenizer, prepare_data, read_meta
 from hydra_lm.data.prepare import in_val
 from hydra_lm.data.sources import default_corpus
@@ -527,8 +529,11 @@ def test_eval_pass_covers_every_token_once(text_data):
 
 
 def test_loader_errors(tmp_path, text_data):
-    with pytest.raises(FileNotFoundError, match="hydra-lm prepare"):
+    with pytest.raises(FileNotFoundError, match="hydra-lm prepare") as missing:
         PackedLoader(tmp_path / "nope", "train", batch_size=1, seq_len=8)
+    hinted = re.search(r"`hydra-lm (prepare [^`]*)`", str(missing.value)).group(1).replace("PATH...", "corpus.txt")
+    args = build_parser().parse_args(hinted.replace("DIR", "out").split())
+    assert args.inputs == ["corpus.txt"] and args.out == "out"  # the hint's command is one the CLI accepts
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="hydra-lm prepare"):
         PackedLoader(tmp_path / "empty", "train", batch_size=1, seq_len=8)
@@ -566,7 +571,6 @@ def test_loader_errors(tmp_path, text_data):
 
 def test_a_partial_evaluation_samples_the_whole_validation_split(tmp_path):
     from hydra_lm.train.data_io import ValSet, open_data
-
     # Token ids grow along the corpus, so a row's ids say where in the split it lies. The split keeps
     # the corpus order: the first batches of an unshuffled pass would all come from its first files.
     rng = np.random.default_rng(2)
