@@ -214,22 +214,21 @@ class ExpertChoiceRouter(Router):
         return rank_decision(r, above, count, capacity, self.threshold())
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        # One fp32 (or wider) column outside autocast: autocast would first copy the whole [B, N, E]
-        # fp32 residual stream to bf16 for it, more memory traffic than the product itself. A product
-        # and a sum, not a one-column GEMM: compiled, it is one reduction kernel that fuses with its
-        # neighbours, where cuBLASLt ran a split-K GEMM and its reduction (11 us against 1.2 us per
-        # decode step's router on an H200, benchmarks/BENCHMARKS.md, thirty-eighth session).
+        # One fp32 (or wider) column as a product and a sum, not a one-column GEMM: autocast casts neither (a
+        # GEMM would first copy the whole [B, N, E] fp32 residual stream to bf16, more memory traffic than the
+        # product itself), and compiled it is one reduction kernel that fuses with its neighbours, where
+        # cuBLASLt ran a split-K GEMM and its reduction (11 us against 1.2 us per decode step's router on an
+        # H200, benchmarks/BENCHMARKS.md, thirty-eighth session). No autocast context is needed, and none is
+        # entered: one inside a compiled graph keeps AOTAutograd from caching the graph
+        # (train/parallel_compile.py).
         dtype = torch.promote_types(x.dtype, torch.float32)
-        with torch.autocast(x.device.type, enabled=False):
-            return (x.to(dtype) * self.proj.weight[0].to(dtype)).sum(-1) + self.proj.bias[0].to(dtype)
+        return (x.to(dtype) * self.proj.weight[0].to(dtype)).sum(-1) + self.proj.bias[0].to(dtype)
 
     def logits_of_parameters(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         """``self.logits(x.detach())`` (the logits as a function of the router's weight and bias only)
         from ``r = self.logits(x)``: the same values and gradients without a second matmul over ``x``."""
         dtype = torch.promote_types(x.dtype, torch.float32)
-        with torch.autocast(x.device.type, enabled=False):
-            return _LogitsOfParameters.apply(r, x.detach().to(dtype), self.proj.weight.to(dtype),
-                                             self.proj.bias.to(dtype))
+        return _LogitsOfParameters.apply(r, x.detach().to(dtype), self.proj.weight.to(dtype), self.proj.bias.to(dtype))
 
     def gate(self, r: torch.Tensor) -> torch.Tensor:
         return self.gate_scale.to(r.dtype) * torch.sigmoid(r)

@@ -52,6 +52,9 @@ class SpeedPlan:
     # With cuda_graph: the update (clipping, optimizer step) as a second graph, for a capturable optimizer
     # (CAPTURABLE_OPTIMIZERS, the learning rate in a device tensor); the others step eagerly between replays.
     update_graphed: bool = False
+    # With compile "units": each block layout's graphs compiled in a helper process of its own before a step with
+    # new shapes, all at once (train/parallel_compile.py).
+    parallel_compile: bool = False
 
     def describe(self) -> list[str]:
         names = {"units": "blocks for training, routed units for evaluation", "model": "whole model"}
@@ -59,6 +62,8 @@ class SpeedPlan:
         if self.cuda_graph:
             parts.append("whole-step CUDA graphs" if self.update_graphed else
                          "CUDA graphs of forward + backward (the optimizer steps eagerly)")
+        if self.parallel_compile:
+            parts.append("block layouts compiled in parallel processes")
         if self.ce_impl != "naive":
             parts.append(f"fused chunked loss ({self.ce_chunk_size} tokens per chunk)")
         return parts
@@ -99,6 +104,10 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
         scope = None
     else:  # the units' compilation works in one process only; torchrun compiles the whole model
         scope = "model" if distributed else "units"
+    parallel = getattr(cfg, "parallel_compile", None)
+    refuse(not parallel or scope == "units", "--parallel_compile compiles the block graphs of --compile in one "
+           "process, and this run compiles none: drop --parallel_compile, or add --compile (not under torchrun)")
+    parallel = scope == "units" and (cuda if parallel is None else parallel)
     refuse(chunked or cfg.ce_impl == "auto", "--ce_impl picks the fused loss of --chunked_ce, which is off: add "
            "--chunked_ce")
     refuse(not (graphs and cfg.ce_impl == "liger"), "CUDA graphs cannot capture Liger's loss (it reads a token "
@@ -108,7 +117,7 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
     # A CUDA graph cannot hold Liger's kernel (it reads a token count on the host): the chunked fallback.
     ce_impl = ("chunked" if graphs and cfg.ce_impl == "auto" else cfg.ce_impl) if chunked else "naive"
     return SpeedPlan(scope, cfg.compile_mode, graphs, ce_impl, cfg.chunked_ce_size,
-                     update_graphed=graphs and optimizer in CAPTURABLE_OPTIMIZERS)
+                     update_graphed=graphs and optimizer in CAPTURABLE_OPTIMIZERS, parallel_compile=parallel)
 
 
 def enable_tf32(device: torch.device) -> bool:
