@@ -154,8 +154,7 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 
 @pytest.mark.parametrize("device, distributed, expected", [
-    (CUDA, False, SpeedPlan("units", "default", True, "chunked", 4096, update_graphed=True,  # the fast path
-                            parallel_compile=True)),
+    (CUDA, False, SpeedPlan("units", "default", True, "chunked", 4096, update_graphed=True)),  # the fast path
     (CUDA, True, SpeedPlan("model", "default", False, "auto", 4096)),  # torchrun: whole model, no graphs
     (CPU, False, SpeedPlan(None, "default", False, "naive", 4096)),  # the CPU stays eager
 ], ids=["cuda", "torchrun", "cpu"])
@@ -166,19 +165,17 @@ def test_speed_defaults_follow_the_device_and_process_count(device, distributed,
 @pytest.mark.parametrize("settings, expected", [
     (dict(compile=False, cuda_graph=False, chunked_ce=False), SpeedPlan(None, "default", False, "naive", 4096)),
     (dict(compile_mode="max-autotune-no-cudagraphs"),  # inductor's tuning, inside the whole-step graphs
-     SpeedPlan("units", "max-autotune-no-cudagraphs", True, "chunked", 4096, update_graphed=True,
-               parallel_compile=True)),
+     SpeedPlan("units", "max-autotune-no-cudagraphs", True, "chunked", 4096, update_graphed=True)),
     # not capturable: forward + backward graphed, the update eager
-    (dict(optimizer="lion"), SpeedPlan("units", "default", True, "chunked", 4096, parallel_compile=True)),
+    (dict(optimizer="lion"), SpeedPlan("units", "default", True, "chunked", 4096)),
     # Muon's step (train/muon.py) is captured like fused AdamW's
-    (dict(optimizer="muon"), SpeedPlan("units", "default", True, "chunked", 4096, update_graphed=True,
-                                       parallel_compile=True)),
-    (dict(gradient_checkpointing=True, chunked_ce_size=512), SpeedPlan("units", "default", False, "auto", 512,
-                                                                       parallel_compile=True)),
+    (dict(optimizer="muon"), SpeedPlan("units", "default", True, "chunked", 4096, update_graphed=True)),
+    (dict(gradient_checkpointing=True, chunked_ce_size=512), SpeedPlan("units", "default", False, "auto", 512)),
     # Sophia-G's Hessian estimate is an ordinary backward: compiled and graphed like Lion
-    (dict(optimizer="sophia"), SpeedPlan("units", "default", True, "chunked", 4096, parallel_compile=True)),
-    # the block layouts compiled one after the other, in the step
-    (dict(parallel_compile=False), SpeedPlan("units", "default", True, "chunked", 4096, update_graphed=True)),
+    (dict(optimizer="sophia"), SpeedPlan("units", "default", True, "chunked", 4096)),
+    # the block layouts compiled in helper processes before the step (opt-in)
+    (dict(parallel_compile=True), SpeedPlan("units", "default", True, "chunked", 4096, update_graphed=True,
+                                            parallel_compile=True)),
 ])
 def test_speed_opt_outs_and_automatic_fallbacks_on_cuda(settings, expected):
     assert resolve_speed_options(TrainConfig(**settings), CUDA, False) == expected

@@ -5,7 +5,8 @@ The settings ``compile``, ``cuda_graph`` and ``chunked_ce`` are None for "automa
 
 - CUDA, one process: compile each block's training forward, routing and recursions included, as one
   static graph per block layout (``compile_units``; evaluation runs one dynamic graph for every routed
-  unit), capture the whole step as CUDA graphs, fuse head and loss in chunks. On an H100
+  unit), capture the whole step as CUDA graphs, fuse head and loss in chunks. Opt-in: the block layouts
+  compiled in parallel processes before the step (``parallel_compile``). On an H100
   (100M preset) this trains 1.15x faster than compiled units with the routing between them eager, and
   its first step takes about two minutes with cold caches against 70 s (benchmarks/BENCHMARKS.md,
   thirty-fourth session).
@@ -107,7 +108,9 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
     parallel = getattr(cfg, "parallel_compile", None)
     refuse(not parallel or scope == "units", "--parallel_compile compiles the block graphs of --compile in one "
            "process, and this run compiles none: drop --parallel_compile, or add --compile (not under torchrun)")
-    parallel = scope == "units" and (cuda if parallel is None else parallel)
+    # Opt-in until a GPU measurement shows that it shortens the cold first step there (on the 2-core CPU it does
+    # not: benchmarks/BENCHMARKS.md, seventy-first session).
+    parallel = scope == "units" and bool(parallel)
     refuse(chunked or cfg.ce_impl == "auto", "--ce_impl picks the fused loss of --chunked_ce, which is off: add "
            "--chunked_ce")
     refuse(not (graphs and cfg.ce_impl == "liger"), "CUDA graphs cannot capture Liger's loss (it reads a token "
