@@ -11,7 +11,8 @@ forward and backward, and exits; the step then loads every layout's graphs. PyTo
 compile of separate graphs (its compile threads share out one graph's Triton kernels), hence this module.
 
 Opt-in (``--parallel_compile``): it has not yet been timed on a GPU, and on a 2-core CPU it does not pay
-(benchmarks/BENCHMARKS.md, seventy-first session). The helpers are skipped where they cannot pay or would compile the wrong graphs:
+(benchmarks/BENCHMARKS.md, seventy-first session). The helpers are skipped where they cannot pay or would
+compile the wrong graphs:
 
 - fewer than two layouts, or a model that its config does not rebuild (e.g. layers converted to float8): the
   helpers' graphs would not be the step's;
