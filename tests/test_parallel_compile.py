@@ -101,3 +101,26 @@ def test_the_step_loads_every_block_graph_the_helpers_compiled(tmp_path):
     assert (hit, miss) == (4, 0)  # two layouts, forward and backward: all compiled by the helpers
     note, (hit, miss) = _run_step(tmp_path)  # the same step again: the caches are warm, no helper starts
     assert "skipped (the caches hold this step's graphs)" in note and (hit, miss) == (4, 0)
+
+
+def test_helpers_are_told_the_steps_own_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # a bare "cuda" means this process's device
+    assert parallel_compile._indexed(torch.device("cuda")) == torch.device("cuda", 3)
+    assert parallel_compile._indexed(torch.device("cuda:1")) == torch.device("cuda", 1)
+    assert parallel_compile._indexed(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_the_bench_reports_what_the_helpers_did_once_per_step_shape(monkeypatch):
+    from hydra_lm.diagnostics import bench
+    from hydra_lm.diagnostics.bench_options import BenchConfig
+    from hydra_lm.train import step
+
+    calls = []
+    monkeypatch.setattr(step, "warm_compile_caches",
+                        lambda *args: calls.append(args) or "2 block layouts compiled in parallel processes (1 s)")
+    cfg = BenchConfig(model_size="debug", arch="hydra", batch_size=1, seq_len=32, steps=2, warmup=1, vocab_size=256,
+                      device="cpu")
+    eager = SpeedPlan(None, "default", False, "naive", 4096, parallel_compile=True)  # the helpers stubbed: no compile
+    row = bench.bench_training(create_model("debug", dim=64, vocab_size=256), cfg, eager, torch.device("cpu"))
+    assert row["parallel_compile"] == "parallel compile: 2 block layouts compiled in parallel processes (1 s)"
+    assert len(calls) == 1  # before the first step only: the later steps have its shapes

@@ -126,6 +126,13 @@ def _marker(spec: dict) -> Path:
     return Path(cache_dir()) / "hydra_lm_parallel_compile" / key
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: a helper's "cuda" would be its own current device, not necessarily this one's."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def warm_compile_caches(model, plan, inputs: dict[str, torch.Tensor], device: torch.device,
                         autocast_dtype: torch.dtype | None) -> str:
     """Compile ``model``'s block layouts for a step on ``inputs`` in one helper process each, waiting for them.
@@ -140,7 +147,7 @@ def warm_compile_caches(model, plan, inputs: dict[str, torch.Tensor], device: to
         return f"skipped ({len(layouts)} block layout{'s' if len(layouts) != 1 else ''} to compile)"
     if not _rebuilds(model):
         return "skipped (the model is not what its config builds, e.g. converted layers)"
-    spec = {"config": model.config.to_dict(), "plan": dataclasses.asdict(plan), "device": str(device),
+    spec = {"config": model.config.to_dict(), "plan": dataclasses.asdict(plan), "device": str(_indexed(device)),
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "autocast": None if autocast_dtype is None else str(autocast_dtype).removeprefix("torch."),
             "switches": [(b.mod_active, b.mor_active, b.mor_ramp) for b in model.blocks], "flags": _global_flags(),
