@@ -218,9 +218,8 @@ class ExpertChoiceRouter(Router):
         # GEMM would first copy the whole [B, N, E] fp32 residual stream to bf16, more memory traffic than the
         # product itself), and compiled it is one reduction kernel that fuses with its neighbours, where
         # cuBLASLt ran a split-K GEMM and its reduction (11 us against 1.2 us per decode step's router on an
-        # H200, benchmarks/BENCHMARKS.md, thirty-eighth session). No autocast context is needed, and none is
-        # entered: one inside a compiled graph keeps AOTAutograd from caching the graph
-        # (train/parallel_compile.py).
+        # H200, benchmarks/BENCHMARKS.md, thirty-eighth session). No autocast context: none is needed, and one
+        # inside a compiled graph is a reason for AOTAutograd not to cache it (seventy-first session).
         dtype = torch.promote_types(x.dtype, torch.float32)
         return (x.to(dtype) * self.proj.weight[0].to(dtype)).sum(-1) + self.proj.bias[0].to(dtype)
 
