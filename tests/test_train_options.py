@@ -173,9 +173,6 @@ def test_speed_defaults_follow_the_device_and_process_count(device, distributed,
     (dict(gradient_checkpointing=True, chunked_ce_size=512), SpeedPlan("units", "default", False, "auto", 512)),
     # Sophia-G's Hessian estimate is an ordinary backward: compiled and graphed like Lion
     (dict(optimizer="sophia"), SpeedPlan("units", "default", True, "chunked", 4096)),
-    # the block layouts compiled in helper processes before the step (opt-in)
-    (dict(parallel_compile=True), SpeedPlan("units", "default", True, "chunked", 4096, update_graphed=True,
-                                            parallel_compile=True)),
 ])
 def test_speed_opt_outs_and_automatic_fallbacks_on_cuda(settings, expected):
     assert resolve_speed_options(TrainConfig(**settings), CUDA, False) == expected
@@ -185,8 +182,6 @@ def test_speed_opt_outs_and_automatic_fallbacks_on_cuda(settings, expected):
     (dict(compile=True, compile_mode="reduce-overhead"), CUDA, False, "cannot run inside the whole-step graphs"),
     (dict(cuda_graph=True, gradient_checkpointing=True), CUDA, False, "drop one of them"),
     (dict(cuda_graph=True), CPU, False, "needs a CUDA device"),
-    (dict(parallel_compile=True), CPU, False, "add --compile"),  # the CPU runs eagerly by default
-    (dict(parallel_compile=True), CUDA, True, "not under torchrun"),
     (dict(cuda_graph=True), CUDA, True, "one process only"),
     (dict(ce_impl="chunked"), CPU, False, "add --chunked_ce"),
     (dict(chunked_ce=True, ce_impl="liger", cuda_graph=True), CUDA, False, "cannot capture Liger"),
