@@ -183,6 +183,8 @@ def test_optimize_for_gpu_on_cpu_is_eager_for_any_module():
     plain = torch.nn.Sequential(torch.nn.Linear(8, 8))
     with pytest.warns(UserWarning):
         assert hydra_lm.optimize_for_gpu(plain).module is plain
+    with pytest.warns(UserWarning):  # compiled whole: no block layouts for helper processes to compile
+        assert not hydra_lm.optimize_for_gpu(plain, compile=True, parallel_compile=True).plan.parallel_compile
     with pytest.raises(ValueError, match="unknown training key"):
         hydra_lm.optimize_for_gpu(model, compiel=True)
 

@@ -154,7 +154,8 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 
 @pytest.mark.parametrize("device, distributed, expected", [
-    (CUDA, False, SpeedPlan("units", "default", True, "chunked", 4096, update_graphed=True)),  # the fast path
+    (CUDA, False, SpeedPlan("units", "default", True, "chunked", 4096, update_graphed=True,  # the fast path
+                            parallel_compile=True)),
     (CUDA, True, SpeedPlan("model", "default", False, "auto", 4096)),  # torchrun: whole model, no graphs
     (CPU, False, SpeedPlan(None, "default", False, "naive", 4096)),  # the CPU stays eager
 ], ids=["cuda", "torchrun", "cpu"])
@@ -165,23 +166,36 @@ def test_speed_defaults_follow_the_device_and_process_count(device, distributed,
 @pytest.mark.parametrize("settings, expected", [
     (dict(compile=False, cuda_graph=False, chunked_ce=False), SpeedPlan(None, "default", False, "naive", 4096)),
     (dict(compile_mode="max-autotune-no-cudagraphs"),  # inductor's tuning, inside the whole-step graphs
-     SpeedPlan("units", "max-autotune-no-cudagraphs", True, "chunked", 4096, update_graphed=True)),
+     SpeedPlan("units", "max-autotune-no-cudagraphs", True, "chunked", 4096, update_graphed=True,
+               parallel_compile=True)),
     # not capturable: forward + backward graphed, the update eager
-    (dict(optimizer="lion"), SpeedPlan("units", "default", True, "chunked", 4096)),
+    (dict(optimizer="lion"), SpeedPlan("units", "default", True, "chunked", 4096, parallel_compile=True)),
     # Muon's step (train/muon.py) is captured like fused AdamW's
-    (dict(optimizer="muon"), SpeedPlan("units", "default", True, "chunked", 4096, update_graphed=True)),
-    (dict(gradient_checkpointing=True, chunked_ce_size=512), SpeedPlan("units", "default", False, "auto", 512)),
+    (dict(optimizer="muon"), SpeedPlan("units", "default", True, "chunked", 4096, update_graphed=True,
+                                       parallel_compile=True)),
+    (dict(gradient_checkpointing=True, chunked_ce_size=512),
+     SpeedPlan("units", "default", False, "auto", 512, parallel_compile=True)),
     # Sophia-G's Hessian estimate is an ordinary backward: compiled and graphed like Lion
-    (dict(optimizer="sophia"), SpeedPlan("units", "default", True, "chunked", 4096)),
+    (dict(optimizer="sophia"), SpeedPlan("units", "default", True, "chunked", 4096, parallel_compile=True)),
+    # the block layouts compiled one after the other in the step
+    (dict(parallel_compile=False), SpeedPlan("units", "default", True, "chunked", 4096, update_graphed=True)),
 ])
 def test_speed_opt_outs_and_automatic_fallbacks_on_cuda(settings, expected):
     assert resolve_speed_options(TrainConfig(**settings), CUDA, False) == expected
+
+
+def test_the_parallel_compile_is_automatic_on_cuda_only():
+    # on a CPU of few cores the helpers compete with the step's own compile for the cores
+    assert resolve_speed_options(TrainConfig(compile=True), CPU, False).parallel_compile is False
+    assert resolve_speed_options(TrainConfig(compile=True, parallel_compile=True), CPU, False).parallel_compile
 
 
 @pytest.mark.parametrize("settings, device, distributed, message", [
     (dict(compile=True, compile_mode="reduce-overhead"), CUDA, False, "cannot run inside the whole-step graphs"),
     (dict(cuda_graph=True, gradient_checkpointing=True), CUDA, False, "drop one of them"),
     (dict(cuda_graph=True), CPU, False, "needs a CUDA device"),
+    (dict(parallel_compile=True), CPU, False, "add --compile"),  # the CPU runs eagerly by default
+    (dict(parallel_compile=True), CUDA, True, "not under torchrun"),
     (dict(cuda_graph=True), CUDA, True, "one process only"),
     (dict(ce_impl="chunked"), CPU, False, "add --chunked_ce"),
     (dict(chunked_ce=True, ce_impl="liger", cuda_graph=True), CUDA, False, "cannot capture Liger"),

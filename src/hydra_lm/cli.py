@@ -38,8 +38,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     def on_row(partial: dict) -> None:  # a run killed later still leaves the rows it finished
         r = partial["rows"][-1]
-        print(f"bench: {r['arch']} done: {r['tokens_per_s']:,.0f} tok/s, first step {r['first_step_s']:.1f} s",
-              file=sys.stderr, flush=True)
+        print(f"bench: {r['arch']} done: {r['tokens_per_s']:,.0f} tok/s, first step {r['first_step_s']:.1f} s"
+              + (f" ({r['parallel_compile']})" if r.get("parallel_compile") else ""), file=sys.stderr, flush=True)
         if cfg.json:
             write_json(partial, cfg.json)
 

@@ -145,6 +145,8 @@ def bench_training(model, cfg: BenchConfig, plan: SpeedPlan, device: torch.devic
         kernels = attention_kernels(model, ids, doc, device)  # before compiling: eager dispatch
     optimizer = build_optimizer(model, TrainConfig(lr=BENCH_LR, optimizer=cfg.optimizer), device)
     train_step = TrainStep(model, apply_speed_plan(model, model, plan), optimizer, device, plan)
+    notes: list[str] = []  # what --parallel_compile did before the first step
+    train_step.report = notes.append
     inputs = {"input_ids": ids, "targets": torch.roll(ids, -1, 1), **({"doc_ids": doc} if doc is not None else {})}
 
     def step() -> None:
@@ -162,7 +164,8 @@ def bench_training(model, cfg: BenchConfig, plan: SpeedPlan, device: torch.devic
     result = {"tokens_per_s": batch * seq / median, "step_ms": median * 1e3, "executed_tflops": flops / median / 1e12,
               "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
               "first_step_s": first, "attention_kernels": kernels, "doc_mask_path": doc_mask_path(model, doc, device),
-              "docs_per_row": None if doc is None else float(doc[:, -1].float().mean() + 1)}
+              "docs_per_row": None if doc is None else float(doc[:, -1].float().mean() + 1),
+              "parallel_compile": "; ".join(notes) or None}
     if cfg.profile is not None:
         result["profile"] = profile_steps(step, 3, device, cfg.profile, tag=model.config.arch)
     return result

@@ -31,6 +31,7 @@ class BenchConfig:
     warmup: int = opt(5, "untimed steps after the first", type=int)
     compile: bool | None = _as_train("compile")
     compile_mode: str = _as_train("compile_mode")
+    parallel_compile: bool | None = _as_train("parallel_compile")
     cuda_graph: bool | None = _as_train("cuda_graph")
     chunked_ce: bool | None = _as_train("chunked_ce")
     chunked_ce_size: int = _as_train("chunked_ce_size")

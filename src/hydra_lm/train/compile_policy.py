@@ -1,14 +1,15 @@
 """Which speed options a training step runs with (``hydra-lm train`` and ``hydra-lm bench``): the
 defaults per device and process count, and the one place that refuses combinations that cannot work.
 
-The settings ``compile``, ``cuda_graph`` and ``chunked_ce`` are None for "automatic":
+The settings ``compile``, ``parallel_compile``, ``cuda_graph`` and ``chunked_ce`` are None for "automatic":
 
 - CUDA, one process: compile each block's training forward, routing and recursions included, as one
   static graph per block layout (``compile_units``; evaluation runs one dynamic graph for every routed
-  unit), capture the whole step as CUDA graphs, fuse head and loss in chunks. On an H100
-  (100M preset) this trains 1.15x faster than compiled units with the routing between them eager, and
-  its first step takes about two minutes with cold caches against 70 s (benchmarks/BENCHMARKS.md,
-  thirty-fourth session).
+  unit), capture the whole step as CUDA graphs, fuse head and loss in chunks, and compile the block
+  layouts in parallel processes before a step with new shapes (``parallel_compile``). On an H100
+  (100M preset) this trains 1.15x faster than compiled units with the routing between them eager
+  (benchmarks/BENCHMARKS.md, thirty-fourth session); its first step with cold caches took 69 s, against
+  88-107 s with the layouts compiled one after the other in the step (seventy-second session).
 - CUDA under torchrun: compile the whole model, fused loss; no CUDA graphs (FSDP2/DDP communication
   cannot be captured) and no unit compilation (one process only).
 - CPU: eager, plain loss.
@@ -53,6 +54,9 @@ class SpeedPlan:
     # With cuda_graph: the update (clipping, optimizer step) as a second graph, for a capturable optimizer
     # (CAPTURABLE_OPTIMIZERS, the learning rate in a device tensor); the others step eagerly between replays.
     update_graphed: bool = False
+    # With compile "units": each block layout's graphs compiled in a helper process of its own before a step with
+    # new shapes, all at once (train/parallel_compile.py).
+    parallel_compile: bool = False
 
     def describe(self) -> list[str]:
         names = {"units": "blocks for training, routed units for evaluation", "model": "whole model"}
@@ -60,6 +64,8 @@ class SpeedPlan:
         if self.cuda_graph:
             parts.append("whole-step CUDA graphs" if self.update_graphed else
                          "CUDA graphs of forward + backward (the optimizer steps eagerly)")
+        if self.parallel_compile:
+            parts.append("block layouts compiled in parallel processes")
         if self.ce_impl != "naive":
             parts.append(f"fused chunked loss ({self.ce_chunk_size} tokens per chunk)")
         return parts
@@ -100,6 +106,12 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
         scope = None
     else:  # the units' compilation works in one process only; torchrun compiles the whole model
         scope = "model" if distributed else "units"
+    parallel = getattr(cfg, "parallel_compile", None)
+    refuse(not parallel or scope == "units", "--parallel_compile compiles the block graphs of --compile in one "
+           "process, and this run compiles none: drop --parallel_compile, or add --compile (not under torchrun)")
+    # Automatic on CUDA: on an H100 the 100M preset's cold first step took 69 s with it against 88-107 s without;
+    # on the 2-core CPU it does not pay (benchmarks/BENCHMARKS.md, seventy-first and seventy-second sessions).
+    parallel = scope == "units" and (cuda if parallel is None else parallel)
     refuse(chunked or cfg.ce_impl == "auto", "--ce_impl picks the fused loss of --chunked_ce, which is off: add "
            "--chunked_ce")
     refuse(not (graphs and cfg.ce_impl == "liger"), "CUDA graphs cannot capture Liger's loss (it reads a token "
@@ -109,7 +121,7 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
     # A CUDA graph cannot hold Liger's kernel (it reads a token count on the host): the chunked fallback.
     ce_impl = ("chunked" if graphs and cfg.ce_impl == "auto" else cfg.ce_impl) if chunked else "naive"
     return SpeedPlan(scope, cfg.compile_mode, graphs, ce_impl, cfg.chunked_ce_size,
-                     update_graphed=graphs and optimizer in CAPTURABLE_OPTIMIZERS)
+                     update_graphed=graphs and optimizer in CAPTURABLE_OPTIMIZERS, parallel_compile=parallel)
 
 
 def enable_tf32(device: torch.device) -> bool:
@@ -168,7 +180,7 @@ def compile_units(model, **kwargs):
     dynamo_patch = torch._dynamo.config.patch(specialize_float=True, recompile_limit=64)
     # AOTAutograd's cache skips a graph holding a custom autograd.Function (the row gathers and scatters,
     # the fused loss) unless told otherwise; without it every new process traces and partitions the block
-    # graphs' joint forward and backward again (CPU: the debug model's warm first step 12.7 s against 6.1 s).
+    # graphs' joint forward and backward again (H100, 100M preset: warm first step 24.5 s against 8.7 s).
     # Such a function's forward and backward are traced into the graph, so they are part of its key.
     aot_patch = torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True)
 

@@ -109,7 +109,9 @@ def _prepare(model: nn.Module, cfg: TrainConfig, device: torch.device | str | No
     plan = resolve_speed_options(cfg, caps.device, distributed=False)
     hydra = isinstance(model, HydraModel)
     if not hydra:  # the routed units and the fused loss exist in a HydraModel only: compile the whole model
-        plan = dataclasses.replace(plan, compile="model" if plan.compile else None, ce_impl="naive")
+        # (nor the block layouts that parallel_compile's helpers compile)
+        plan = dataclasses.replace(plan, compile="model" if plan.compile else None, ce_impl="naive",
+                                   parallel_compile=False)
         # A None default resolves to False when left alone (gradient_checkpointing without checkpoint_every).
         model_side = [name for name in MODEL_SIDE if getattr(cfg, name) != FIELDS[name].default
                       and not (FIELDS[name].default is None and getattr(cfg, name) is False)]

@@ -170,6 +170,11 @@ class TrainConfig:
     compile_mode: str = opt("default", "torch.compile mode (max-autotune-no-cudagraphs: inductor benchmarks "
                                        "GEMM and kernel choices, minutes of cold compile)", type=str,
                             choices=COMPILE_MODES)
+    parallel_compile: bool | None = opt(None, "with --compile, compile each block layout's graphs in a helper "
+                                              "process of its own, all at once, before the first step and after "
+                                              "a shape or curriculum switch, unless the caches hold them already "
+                                              "(default: on CUDA in one process; --no-parallel_compile: one "
+                                              "layout after the other in the step)", type=bool)
     cuda_graph: bool | None = opt(None, "capture the training step (forward, backward; clipping and the update "
                                         "too with adamw and muon, the others step eagerly) as CUDA graphs and "
                                         "replay them (default: on CUDA in one process, without gradient "

@@ -5,6 +5,7 @@ the speed plan says so. The trainer adds what lies around a step (data, schedule
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from ..data.loader import IGNORE_INDEX
 from .compile_policy import SpeedPlan
 from .graphed_train_step import GraphedTrainStep
 from .optim import make_capturable
+from .parallel_compile import warm_compile_caches
 
 
 class TrainStep:
@@ -31,6 +33,8 @@ class TrainStep:
             optimizer.grad_scale = None  # a factor left by an earlier step's clipping would scale every update
         self.moe_load: torch.Tensor | None = None  # the last micro-batch's per-expert token shares (MoE models)
         self.graphs: GraphedTrainStep | None = None
+        self._warmed: set[tuple] = set()  # steps whose block graphs parallel_compile compiled (or found cached)
+        self.report: Callable[[str], None] = lambda note: None  # where parallel_compile's notes go (trainer: its log)
         # With one micro-batch a step the captured backward writes the gradients (GraphedTrainStep's write_grads).
         self.grads_rewritten = plan.cuda_graph and grad_accum == 1
         if plan.cuda_graph:
@@ -39,20 +43,35 @@ class TrainStep:
             self.graphs = GraphedTrainStep(self.micro_step, self.update_step, device, graph_warmup, plan.update_graphed,
                                            write_grads=self.params if self.grads_rewritten else None)
 
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return torch.bfloat16 if self.device.type == "cuda" else None
+
     def autocast(self):
-        if self.device.type == "cuda":
+        if self.autocast_dtype is not None:
             # Autocast's cast cache off in every step, graphed or not. A captured step must not keep casts across
             # the capture's boundary; and with the cache, a weight used several times (the recursions' shared
             # layers) sums its uses' gradients in bf16 before the cast back, without it in fp32, so eager steps'
             # gradients differed from graphed ones (HYDRA debug model, CPU bf16 autocast: up to 0.17% per tensor;
             # benchmarks/BENCHMARKS.md, forty-eighth session).
-            return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
+            return torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=False)
         return contextlib.nullcontext()
 
     def micro(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.plan.parallel_compile:
+            self._warm_compile_caches(inputs)
         if self.graphs is not None:
             return self.graphs.micro(inputs)
         return self.micro_step(**{k: self._to_device(v) for k, v in inputs.items()})
+
+    def _warm_compile_caches(self, inputs: dict[str, torch.Tensor]) -> None:
+        # A step whose graphs are new: its shapes, or the blocks' curriculum switches, differ from every earlier one.
+        key = (tuple((k, v.shape, v.dtype) for k, v in inputs.items()),
+               tuple((b.mod_active, b.mor_active, b.mor_ramp) for b in self.model.blocks))
+        if key not in self._warmed:
+            self._warmed.add(key)
+            self.report("parallel compile: " + warm_compile_caches(self.model, self.plan, inputs, self.device,
+                                                                   self.autocast_dtype))
 
     def update(self) -> torch.Tensor:
         return self.graphs.update() if self.graphs is not None else self.update_step()

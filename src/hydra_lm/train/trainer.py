@@ -93,6 +93,7 @@ class Trainer:
         # After any restore: a captured step needs a capturable optimizer (learning rate on the device).
         self.train_step = TrainStep(self.model, apply_speed_plan(self.model, self.wrapped, self.plan), self.optimizer,
                                     self.device, self.plan, cfg.grad_accum, cfg.grad_clip, cfg.cuda_graphs_warmup)
+        self.train_step.report = self.log.info
         self._graphs_announced = False
         self.use_doc_ids = cfg.document_masking
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world_size

@@ -1,0 +1,236 @@
+"""Compiling a training step's block layouts in parallel processes before the step runs.
+
+A compiled training step (``compile_policy.compile_units``) compiles one graph per block layout, forward and
+backward, one graph after the other in one process; inductor's scheduling and code generation, single-threaded,
+are most of a cold first step (the 100M preset's two layouts: about 70 s on an H100, benchmarks/BENCHMARKS.md,
+sixty-fifth session). Inductor and AOTAutograd keep what they compile in on-disk caches (the FX graph cache, keyed
+by the graph; AOTAutograd's cache of the traced and partitioned forward and backward; Triton's kernels and their
+autotuned launch settings), so a graph another process compiled is loaded, not traced and compiled again. So
+before a step with new shapes, one helper process per block layout builds the same model from its config, compiles
+that layout's blocks only (the other blocks run eagerly) on the step's own batch, forward and backward, and exits;
+the step then loads every layout's graphs. PyTorch has no such parallel compile of separate graphs (its compile
+threads share out one graph's Triton kernels), hence this module.
+
+On by default on CUDA (``--no-parallel_compile`` turns it off): on an H100 the 100M preset's cold first step
+took 69 s (60 s of helpers, then 9 s of loading and stepping) against 88-107 s serially. Each helper pays about
+16 s for its own process, so only the AOTAutograd cache (``compile_policy.compile_units`` lets the graphs'
+custom autograd functions in) makes the loading short enough to gain; on a 2-core CPU the helpers compete for
+the cores and it does not pay (benchmarks/BENCHMARKS.md, forty-first, seventy-first and seventy-second
+sessions). The helpers are skipped where they cannot pay or would compile the wrong graphs:
+
+- fewer than two layouts, or a model that its config does not rebuild (e.g. layers converted to float8): the
+  helpers' graphs would not be the step's;
+- caches warmed for this very step before: after the helpers succeed a marker is written into inductor's cache
+  directory under a key of everything the graphs depend on (package sources, torch and Triton versions, device,
+  config, block switches, input shapes, speed plan, global backend flags). Deleting the cache deletes the
+  marker; a marker whose cache entries went stale only costs the step its usual serial compile.
+
+A helper that fails (out of memory, a crash) costs a warning: the step compiles what is missing itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+# A helper taking longer than this is killed; the step then compiles its layout itself.
+HELPER_TIMEOUT_S = 900
+
+
+def block_layouts(model) -> list[list[int]]:
+    """The indices of the blocks whose training forward runs a compiled block graph, grouped by layout: what
+    Dynamo specialises a block's graph on (its routers, depths, shares and curriculum switches). Two groups
+    that compile to one graph only waste a helper; one group that compiles to two only leaves the second to
+    the step."""
+    groups: dict[tuple, list[int]] = {}
+    for i, block in enumerate(model.blocks):
+        if block.compiled_block is None or block.mor_ramp != 1.0:
+            continue  # no block graph: its units compile inside the step, as before
+        key = (block.recursions, tuple(block.depth_fractions), block.mod_active, block.mor_active,
+               tuple((type(r).__name__, r.kind, tuple(r.depths)) for r in block.all_routers()),
+               tuple(type(layer).__name__ for layer in block.layers))
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def _structure(model) -> list[tuple]:
+    return [(name, type(m).__name__) for name, m in model.named_modules()] + \
+           [(name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()]
+
+
+def _rebuilds(model) -> bool:
+    """Whether ``HydraModel(model.config)`` has ``model``'s modules and parameters (checked on the meta device)."""
+    from ..model.hydra import HydraModel
+
+    with torch.device("meta"):
+        replica = HydraModel(model.config)
+    dtype = next(model.parameters()).dtype
+    return _structure(replica.to(dtype)) == _structure(model)
+
+
+# Process-wide settings that a compiled graph depends on (inductor keys its cache by the matmul ones; SDPA's enabled
+# kernels decide which attention op the graph holds), as (module, attribute): the helpers take over the step's.
+_GLOBAL_SETTINGS = {"matmul.fp32_precision": (torch.backends.cuda.matmul, "fp32_precision"),
+                    "matmul.fp16_reduction": (torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction"),
+                    "matmul.bf16_reduction": (torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction"),
+                    "cudnn.conv.fp32_precision": (torch.backends.cudnn.conv, "fp32_precision"),
+                    "cudnn.rnn.fp32_precision": (torch.backends.cudnn.rnn, "fp32_precision")}
+_SDPA_KERNELS = ("flash", "mem_efficient", "math", "cudnn")
+
+
+def _global_flags() -> dict:
+    flags = {key: getattr(module, name) for key, (module, name) in _GLOBAL_SETTINGS.items()}
+    return {**flags, **{f"sdpa.{k}": getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in _SDPA_KERNELS}}
+
+
+def _set_global_flags(flags: dict) -> None:
+    # Only what differs: a precision set explicitly is another cache key than the same one left at its default.
+    for key, (module, name) in _GLOBAL_SETTINGS.items():
+        value = flags[key]
+        if getattr(module, name) != value:
+            setattr(module, name, value)
+    for k in _SDPA_KERNELS:
+        getattr(torch.backends.cuda, f"enable_{k}_sdp")(flags[f"sdpa.{k}"])
+
+
+def _sources_digest() -> str:
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _marker(spec: dict) -> Path:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    try:
+        triton = version("triton")
+    except PackageNotFoundError:
+        triton = None
+    device = torch.device(spec["device"])
+    about = {k: v for k, v in spec.items() if k != "inputs"}
+    about["inputs"] = {k: (tuple(v.shape), str(v.dtype)) for k, v in spec["inputs"].items()}
+    about["versions"] = (torch.__version__, triton, _sources_digest(),
+                         torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+    key = hashlib.sha256(repr(sorted(about.items())).encode()).hexdigest()[:32]
+    return Path(cache_dir()) / "hydra_lm_parallel_compile" / key
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: a helper's "cuda" would be its own current device, not necessarily this one's."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def warm_compile_caches(model, plan, inputs: dict[str, torch.Tensor], device: torch.device,
+                        autocast_dtype: torch.dtype | None) -> str:
+    """Compile ``model``'s block layouts for a step on ``inputs`` in one helper process each, waiting for them.
+    ``plan``: the run's ``SpeedPlan`` (the helpers apply it as the step did); ``autocast_dtype``: the step's
+    autocast (None: none). Returns what happened, for the log."""
+    from torch._inductor import config as inductor_config
+
+    if not inductor_config.fx_graph_cache:
+        return "skipped (inductor's FX graph cache is off: the step could not load what helpers compiled)"
+    layouts = block_layouts(model)
+    if len(layouts) < 2:
+        return f"skipped ({len(layouts)} block layout{'s' if len(layouts) != 1 else ''} to compile)"
+    if not _rebuilds(model):
+        return "skipped (the model is not what its config builds, e.g. converted layers)"
+    spec = {"config": model.config.to_dict(), "plan": dataclasses.asdict(plan), "device": str(_indexed(device)),
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "autocast": None if autocast_dtype is None else str(autocast_dtype).removeprefix("torch."),
+            "switches": [(b.mod_active, b.mor_active, b.mor_ramp) for b in model.blocks], "flags": _global_flags(),
+            "layouts": layouts, "inputs": {k: v.detach().cpu() for k, v in inputs.items()}}
+    marker = _marker(spec)
+    if marker.exists():
+        return "skipped (the caches hold this step's graphs)"
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="hydra_lm_compile_") as tmp:
+        path = os.path.join(tmp, "spec.pt")
+        torch.save(spec, path)
+        # The helpers import this very package, wherever this process found it.
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        # Their errors go to files: a pipe that fills while another helper is awaited would stall its writer.
+        logs = [open(os.path.join(tmp, f"helper{i}.err"), "w+") for i in range(len(layouts))]
+        helpers = [subprocess.Popen(_helper_command(path, i), stdout=subprocess.DEVNULL, stderr=log, env=env)
+                   for i, log in enumerate(logs)]
+        failed = []
+        for i, (helper, log) in enumerate(zip(helpers, logs)):
+            try:
+                helper.wait(timeout=max(1.0, HELPER_TIMEOUT_S - (time.perf_counter() - start)))
+                late = False
+            except subprocess.TimeoutExpired:
+                helper.kill()
+                helper.wait()
+                late = True
+            log.seek(0)
+            err = log.read().strip()
+            log.close()
+            if helper.returncode != 0:
+                last = (f"timed out after {HELPER_TIMEOUT_S} s" if late else
+                        err.splitlines()[-1] if err else f"exit status {helper.returncode}")
+                failed.append(f"layout {i} (blocks {layouts[i]}): {last}")
+    seconds = time.perf_counter() - start
+    if failed:
+        warnings.warn("parallel compile: a helper process failed, so the step compiles its layout itself: "
+                      + "; ".join(failed), stacklevel=2)
+        return f"{len(layouts) - len(failed)} of {len(layouts)} block layouts compiled in parallel ({seconds:.0f} s)"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    return f"{len(layouts)} block layouts compiled in parallel processes ({seconds:.0f} s)"
+
+
+def _helper_command(spec_path: str, layout: int) -> list[str]:
+    return [sys.executable, "-m", __name__, spec_path, str(layout)]
+
+
+def _helper(path: str, layout: int) -> None:
+    """One helper: the step's forward and backward with only the blocks of ``layout`` compiled."""
+    from ..config import HydraConfig
+    from ..model.hydra import HydraModel
+    from .compile_policy import SpeedPlan, apply_speed_plan
+
+    spec = torch.load(path)
+    _set_global_flags(spec["flags"])
+    device = torch.device(spec["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = HydraModel(HydraConfig.from_dict(spec["config"])).to(device=device, dtype=getattr(torch, spec["dtype"]))
+    model.train()
+    for block, (mod_active, mor_active, ramp) in zip(model.blocks, spec["switches"]):
+        block.mod_active, block.mor_active, block.mor_ramp = mod_active, mor_active, ramp
+    apply_speed_plan(model, model, SpeedPlan(**spec["plan"]))
+    mine = set(spec["layouts"][layout])
+    for i, block in enumerate(model.blocks):
+        if i not in mine:
+            block.compiled_block = block.compiled_unit = block.compiled_select = None
+    for moe in model.moe_blocks.values():  # compiled by the step itself
+        moe._compiled_call_impl = None
+    inputs = {k: v.to(device) for k, v in spec["inputs"].items()}
+    dtype = spec["autocast"]
+    with (torch.autocast(device.type, dtype=getattr(torch, dtype), cache_enabled=False) if dtype
+          else contextlib.nullcontext()):
+        out = model(inputs["input_ids"], targets=inputs["targets"], doc_ids=inputs.get("doc_ids"))
+    out["loss"].backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+if __name__ == "__main__":
+    _helper(sys.argv[1], int(sys.argv[2]))

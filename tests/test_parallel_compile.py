@@ -1,0 +1,128 @@
+"""Block layouts compiled in helper processes before a training step (train/parallel_compile.py): the step must load
+every graph the helpers compiled, a warmed step must not start helpers again, and anything the helpers cannot
+reproduce must be left to the step."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from hydra_lm import create_model
+from hydra_lm.train import parallel_compile
+from hydra_lm.train.compile_policy import SpeedPlan, apply_speed_plan
+
+PLAN = SpeedPlan("units", "default", False, "naive", 4096, parallel_compile=True)
+
+
+def _compiled_model(**overrides):
+    model = create_model("debug", dim=64, vocab_size=256, **overrides).train()
+    apply_speed_plan(model, model, PLAN)  # compiles lazily: nothing is compiled until a forward
+    return model
+
+
+def test_block_layouts_group_the_blocks_that_share_a_graph():
+    model = _compiled_model(n_blocks=4, mod_every=2)
+    routed = [i for i, b in enumerate(model.blocks) if b.routers and 0 in next(iter(b.routers.values())).depths]
+    assert sorted(parallel_compile.block_layouts(model)) == sorted([[0, 2], [1, 3]]) and routed == [1, 3]
+    model.blocks[3].mod_active = False  # a curriculum switch gives that block a graph of its own
+    assert sorted(parallel_compile.block_layouts(model)) == [[0, 2], [1], [3]]
+    model.blocks[2].mor_ramp = 0.5  # a ramp in progress runs compiled units, not a block graph
+    assert sorted(parallel_compile.block_layouts(model)) == [[0], [1], [3]]
+    dense = _compiled_model(arch="dense")
+    assert parallel_compile.block_layouts(dense) == []
+
+
+def _inputs():
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "targets": torch.roll(ids, -1, 1)}
+
+
+def test_a_model_its_config_does_not_build_is_left_to_the_step(monkeypatch):
+    model = _compiled_model()
+    model.blocks[0].layers[0].mlp = nn.Identity()  # e.g. layers another library converted
+    monkeypatch.setattr(parallel_compile, "_helper_command", lambda *a: pytest.fail("a helper was started"))
+    note = parallel_compile.warm_compile_caches(model, PLAN, _inputs(), torch.device("cpu"), None)
+    assert note.startswith("skipped (the model is not what its config builds")
+
+
+def test_a_failing_helper_warns_and_marks_nothing_warm(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(parallel_compile, "_helper_command",
+                        lambda path, layout: [sys.executable, "-c", f"import sys; sys.exit('helper {layout} broke')"])
+    model = _compiled_model()
+    for _ in range(2):  # no marker after a failure: the second call tries again
+        with pytest.warns(UserWarning, match="helper 1 broke"):
+            note = parallel_compile.warm_compile_caches(model, PLAN, _inputs(), torch.device("cpu"), None)
+        assert note.startswith("0 of 2 block layouts")
+
+
+# A process of its own (inductor's in-process state is then fresh): the trainer's step with parallel_compile on the
+# CPU, then the counters of inductor's FX graph cache for the step's own compiles.
+_STEP = textwrap.dedent("""
+    import torch
+    from torch._dynamo.utils import counters
+    from hydra_lm import create_model
+    from hydra_lm.train.compile_policy import SpeedPlan, apply_speed_plan
+    from hydra_lm.train.step import TrainStep
+
+    torch.manual_seed(0)
+    model = create_model("debug", dim=64, vocab_size=256).train()
+    plan = SpeedPlan("units", "default", False, "naive", 4096, parallel_compile=True)
+    step = TrainStep(model, apply_speed_plan(model, model, plan), torch.optim.AdamW(model.parameters()),
+                     torch.device("cpu"), plan)
+    step.report = lambda note: print("NOTE", note)
+    ids = torch.randint(0, 256, (2, 32))
+    doc = (torch.arange(32) >= 12).long().expand(2, 32)
+    step.micro({"input_ids": ids, "targets": torch.roll(ids, -1, 1), "doc_ids": doc})
+    c, a = counters["inductor"], counters["aot_autograd"]
+    print("CACHE", c["fxgraph_cache_hit"], c["fxgraph_cache_miss"], a["autograd_cache_hit"], a["autograd_cache_miss"])
+""")
+
+
+def _run_step(cache_dir) -> tuple[str, tuple[int, ...]]:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
+    out = subprocess.run([sys.executable, "-c", _STEP], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    note = next(line for line in lines if line.startswith("NOTE"))
+    counts = next(line for line in lines if line.startswith("CACHE")).split()[1:]
+    return note, tuple(map(int, counts))
+
+
+def test_the_step_loads_every_block_graph_the_helpers_compiled(tmp_path):
+    note, counts = _run_step(tmp_path)
+    assert "2 block layouts compiled in parallel processes" in note
+    # two layouts, forward and backward, all compiled by the helpers: inductor's 4 graphs and AOTAutograd's 2
+    # traced and partitioned pairs are loaded, nothing is compiled (FX hits, FX misses, AOT hits, AOT misses)
+    assert counts == (4, 0, 2, 0)
+    note, counts = _run_step(tmp_path)  # the same step again: the caches are warm, no helper starts
+    assert "skipped (the caches hold this step's graphs)" in note and counts == (4, 0, 2, 0)
+
+
+def test_helpers_are_told_the_steps_own_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # a bare "cuda" means this process's device
+    assert parallel_compile._indexed(torch.device("cuda")) == torch.device("cuda", 3)
+    assert parallel_compile._indexed(torch.device("cuda:1")) == torch.device("cuda", 1)
+    assert parallel_compile._indexed(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_the_bench_reports_what_the_helpers_did_once_per_step_shape(monkeypatch):
+    from hydra_lm.diagnostics import bench
+    from hydra_lm.diagnostics.bench_options import BenchConfig
+    from hydra_lm.train import step
+
+    calls = []
+    monkeypatch.setattr(step, "warm_compile_caches",
+                        lambda *args: calls.append(args) or "2 block layouts compiled in parallel processes (1 s)")
+    cfg = BenchConfig(model_size="debug", arch="hydra", batch_size=1, seq_len=32, steps=2, warmup=1, vocab_size=256,
+                      device="cpu")
+    eager = SpeedPlan(None, "default", False, "naive", 4096, parallel_compile=True)  # the helpers stubbed: no compile
+    row = bench.bench_training(create_model("debug", dim=64, vocab_size=256), cfg, eager, torch.device("cpu"))
+    assert row["parallel_compile"] == "parallel compile: 2 block layouts compiled in parallel processes (1 s)"
+    assert len(calls) == 1  # before the first step only: the later steps have its shapes
