@@ -20,6 +20,7 @@ sessions). The helpers are skipped where they cannot pay or would compile the wr
 
 - fewer than two layouts, or a model that its config does not rebuild (e.g. layers converted to float8): the
   helpers' graphs would not be the step's;
+- on a GPU whose free memory would not hold every helper at once (each holds a model and a step's activations);
 - caches warmed for this very step before: after the helpers succeed a marker is written into inductor's cache
   directory under a key of everything the graphs depend on (package sources, torch and Triton versions, device,
   config, block switches, input shapes, speed plan, global backend flags). Deleting the cache deletes the
@@ -45,6 +46,9 @@ import torch
 
 # A helper taking longer than this is killed; the step then compiles its layout itself.
 HELPER_TIMEOUT_S = 900
+# A helper's GPU memory beyond the step's estimate without the optimizer: its CUDA context, cuBLAS and compile
+# workspaces.
+HELPER_OVERHEAD_MB = 1024
 
 
 def block_layouts(model) -> list[list[int]]:
@@ -159,6 +163,8 @@ def warm_compile_caches(model, plan, inputs: dict[str, torch.Tensor], device: to
     marker = _marker(spec)
     if marker.exists():
         return "skipped (the caches hold this step's graphs)"
+    if device.type == "cuda" and (short := _short_of_gpu_memory(model, inputs, len(layouts), device)):
+        return short
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hydra_lm_compile_") as tmp:
         path = os.path.join(tmp, "spec.pt")
@@ -194,6 +200,22 @@ def warm_compile_caches(model, plan, inputs: dict[str, torch.Tensor], device: to
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
     return f"{len(layouts)} block layouts compiled in parallel processes ({seconds:.0f} s)"
+
+
+def _short_of_gpu_memory(model, inputs: dict[str, torch.Tensor], helpers: int, device: torch.device) -> str | None:
+    """Why ``helpers`` helpers at once would not fit the GPU's free memory (None: they fit). Each holds what the
+    step holds but the optimizer's state (the trainer's memory estimate); out of memory, they would only have
+    cost their time before the step compiles alone."""
+    from .memory_estimate import MB, compute_memory_footprint
+
+    batch, seq = inputs["input_ids"].shape
+    parts = compute_memory_footprint(model, batch, seq, device="cuda")
+    need = helpers * (parts["peak_mb"] - parts["optimizer_mb"] - parts["update_mb"] + HELPER_OVERHEAD_MB) * MB
+    free = torch.cuda.mem_get_info(device)[0]
+    if need <= free:
+        return None
+    return (f"skipped ({helpers} helpers would need about {need / 1e9:.1f} GB of GPU memory at once, "
+            f"{free / 1e9:.1f} GB is free)")
 
 
 def _helper_command(spec_path: str, layout: int) -> list[str]:
