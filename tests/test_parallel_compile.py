@@ -128,16 +128,21 @@ def test_the_bench_reports_what_the_helpers_did_once_per_step_shape(monkeypatch)
     assert len(calls) == 1  # before the first step only: the later steps have its shapes
 
 
-def test_helpers_that_would_not_fit_the_gpus_free_memory_are_not_started(monkeypatch, tmp_path):
+def test_helpers_that_would_not_fit_the_gpus_free_memory_are_stopped_at_once(monkeypatch, tmp_path):
     # A CUDA run stood in for on the CPU: what the check reads of the GPU is its free memory (the estimate is the
-    # trainer's, computed on fake tensors).
+    # trainer's, computed on fake tensors). The helpers start before the estimate, which runs while they start up.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
-    monkeypatch.setattr(parallel_compile, "_helper_command", lambda *a: pytest.fail("a helper was started"))
+    monkeypatch.setattr(parallel_compile, "_helper_command",
+                        lambda path, layout: [sys.executable, "-c", "import time; time.sleep(600)"])
+    started = []
+    popen = subprocess.Popen
+    monkeypatch.setattr(parallel_compile.subprocess, "Popen", lambda *a, **k: started.append(popen(*a, **k))
+                        or started[-1])
     model, cuda = _compiled_model(), torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * 2**20, 80 * 2**30))
     note = parallel_compile.warm_compile_caches(model, PLAN, _inputs(), cuda, torch.bfloat16)
     assert note.startswith("skipped (2 helpers would need about") and "0.0 GB is free" in note
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * 2**30, 80 * 2**30))
-    assert parallel_compile._short_of_gpu_memory(model, _inputs(), 2, cuda) is None
+    assert len(started) == 2 and all(helper.poll() is not None for helper in started)  # killed, not awaited
+    assert parallel_compile._short_of_gpu_memory(model, _inputs(), 2, 80 * 2**30) is None
