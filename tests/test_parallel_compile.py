@@ -43,6 +43,12 @@ def _inputs():
     return {"input_ids": ids, "targets": torch.roll(ids, -1, 1)}
 
 
+def test_a_model_without_block_graphs_starts_no_helper_and_says_nothing(monkeypatch):
+    monkeypatch.setattr(parallel_compile, "_helper_command", lambda *a: pytest.fail("a helper was started"))
+    dense = _compiled_model(arch="dense")  # the default on CUDA for every model: no log line for a dense one
+    assert parallel_compile.warm_compile_caches(dense, PLAN, _inputs(), torch.device("cpu"), None) == ""
+
+
 def test_a_model_its_config_does_not_build_is_left_to_the_step(monkeypatch):
     model = _compiled_model()
     model.blocks[0].layers[0].mlp = nn.Identity()  # e.g. layers another library converted

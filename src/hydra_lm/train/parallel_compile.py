@@ -145,14 +145,16 @@ def warm_compile_caches(model, plan, inputs: dict[str, torch.Tensor], device: to
                         autocast_dtype: torch.dtype | None) -> str:
     """Compile ``model``'s block layouts for a step on ``inputs`` in one helper process each, waiting for them.
     ``plan``: the run's ``SpeedPlan`` (the helpers apply it as the step did); ``autocast_dtype``: the step's
-    autocast (None: none). Returns what happened, for the log."""
+    autocast (None: none). Returns what happened, for the log (empty: no block graphs to compile)."""
     from torch._inductor import config as inductor_config
 
     if not inductor_config.fx_graph_cache:
         return "skipped (inductor's FX graph cache is off: the step could not load what helpers compiled)"
     layouts = block_layouts(model)
-    if len(layouts) < 2:
-        return f"skipped ({len(layouts)} block layout{'s' if len(layouts) != 1 else ''} to compile)"
+    if not layouts:  # no block graphs at all (a dense model, a MoR ramp in progress): nothing worth a log line
+        return ""
+    if len(layouts) == 1:
+        return "skipped (1 block layout to compile)"
     if not _rebuilds(model):
         return "skipped (the model is not what its config builds, e.g. converted layers)"
     spec = {"config": model.config.to_dict(), "plan": dataclasses.asdict(plan), "device": str(_indexed(device)),

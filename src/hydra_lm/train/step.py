@@ -70,8 +70,9 @@ class TrainStep:
                tuple((b.mod_active, b.mor_active, b.mor_ramp) for b in self.model.blocks))
         if key not in self._warmed:
             self._warmed.add(key)
-            self.report("parallel compile: " + warm_compile_caches(self.model, self.plan, inputs, self.device,
-                                                                   self.autocast_dtype))
+            note = warm_compile_caches(self.model, self.plan, inputs, self.device, self.autocast_dtype)
+            if note:
+                self.report("parallel compile: " + note)
 
     def update(self) -> torch.Tensor:
         return self.graphs.update() if self.graphs is not None else self.update_step()
