@@ -152,3 +152,8 @@ def test_helpers_that_would_not_fit_the_gpus_free_memory_are_stopped_at_once(mon
     assert note.startswith("skipped (2 helpers would need about") and "0.0 GB is free" in note
     assert len(started) == 2 and all(helper.poll() is not None for helper in started)  # killed, not awaited
     assert parallel_compile._short_of_gpu_memory(model, _inputs(), 2, 80 * 2**30) is None
+    started.clear()  # an estimate that fails stops the helpers too
+    monkeypatch.setattr(parallel_compile, "_short_of_gpu_memory", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        parallel_compile.warm_compile_caches(model, PLAN, _inputs(), cuda, torch.bfloat16)
+    assert len(started) == 2 and all(helper.poll() is not None for helper in started)

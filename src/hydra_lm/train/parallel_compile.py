@@ -179,12 +179,13 @@ def warm_compile_caches(model, plan, inputs: dict[str, torch.Tensor], device: to
                    for i, log in enumerate(logs)]
         # The memory estimate (1.8 s for the 100M preset on a CPU core) runs while the helpers start up, which takes
         # them longer (about 16 s on an H100 host, most of it before they allocate), so it costs the step nothing.
-        short = None if free is None else _short_of_gpu_memory(model, inputs, len(layouts), free)
+        try:
+            short = None if free is None else _short_of_gpu_memory(model, inputs, len(layouts), free)
+        except BaseException:
+            _stop(helpers, logs)  # no helper outlives a step that does not wait for it
+            raise
         if short:
-            for helper, log in zip(helpers, logs):
-                helper.kill()
-                helper.wait()
-                log.close()
+            _stop(helpers, logs)
             return short
         failed = []
         for i, (helper, log) in enumerate(zip(helpers, logs)):
@@ -210,6 +211,13 @@ def warm_compile_caches(model, plan, inputs: dict[str, torch.Tensor], device: to
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
     return f"{len(layouts)} block layouts compiled in parallel processes ({seconds:.0f} s)"
+
+
+def _stop(helpers: list[subprocess.Popen], logs: list) -> None:
+    for helper, log in zip(helpers, logs):
+        helper.kill()
+        helper.wait()
+        log.close()
 
 
 def _short_of_gpu_memory(model, inputs: dict[str, torch.Tensor], helpers: int, free: int) -> str | None:
