@@ -1,6 +1,7 @@
 """Block layouts compiled in helper processes before a training step (train/parallel_compile.py): the step must load
 every graph the helpers compiled, a warmed step must not start helpers again, and anything the helpers cannot
-reproduce must be left to the step."""
+reproduce must be left to the step. Both rest on the on-disk caches, AOTAutograd's included: a second run loads its
+block graphs without tracing them again (the compile policy lets their custom autograd functions into that cache)."""
 
 from __future__ import annotations
 
@@ -68,8 +69,8 @@ def test_a_failing_helper_warns_and_marks_nothing_warm(monkeypatch, tmp_path):
         assert note.startswith("0 of 2 block layouts")
 
 
-# A process of its own (inductor's in-process state is then fresh): the trainer's step with parallel_compile on the
-# CPU, then the counters of inductor's FX graph cache for the step's own compiles.
+# A process of its own (inductor's and Dynamo's in-process state are then fresh, as in a new run): the trainer's step
+# on the CPU, then the counters of the FX graph cache and AOTAutograd's cache for the step's own compiles.
 _STEP = textwrap.dedent("""
     import torch
     from torch._dynamo.utils import counters
@@ -79,7 +80,7 @@ _STEP = textwrap.dedent("""
 
     torch.manual_seed(0)
     model = create_model("debug", dim=64, vocab_size=256).train()
-    plan = SpeedPlan("units", "default", False, "naive", 4096, parallel_compile=True)
+    plan = SpeedPlan("units", "default", False, "naive", 4096, parallel_compile=PARALLEL)
     step = TrainStep(model, apply_speed_plan(model, model, plan), torch.optim.AdamW(model.parameters()),
                      torch.device("cpu"), plan)
     step.report = lambda note: print("NOTE", note)
@@ -87,28 +88,39 @@ _STEP = textwrap.dedent("""
     doc = (torch.arange(32) >= 12).long().expand(2, 32)
     step.micro({"input_ids": ids, "targets": torch.roll(ids, -1, 1), "doc_ids": doc})
     c, a = counters["inductor"], counters["aot_autograd"]
-    print("CACHE", c["fxgraph_cache_hit"], c["fxgraph_cache_miss"], a["autograd_cache_hit"], a["autograd_cache_miss"])
+    print("CACHE", c["fxgraph_cache_hit"], c["fxgraph_cache_miss"], a["autograd_cache_hit"], a["autograd_cache_miss"],
+          a["autograd_cache_bypass"])
 """)
 
 
-def _run_step(cache_dir) -> tuple[str, tuple[int, ...]]:
+def _run_step(cache_dir, parallel: bool = True) -> tuple[str, tuple[int, ...]]:
+    """What the step reported, and (FX hits, FX misses, AOTAutograd hits, misses, bypasses)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
-    out = subprocess.run([sys.executable, "-c", _STEP], env=env, capture_output=True, text=True, timeout=900)
+    env.pop("TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD", None)  # the policy's own setting, not the shell's
+    code = _STEP.replace("PARALLEL", str(parallel))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    note = next(line for line in lines if line.startswith("NOTE"))
+    note = next((line for line in lines if line.startswith("NOTE")), "")
     counts = next(line for line in lines if line.startswith("CACHE")).split()[1:]
     return note, tuple(map(int, counts))
+
+
+def test_a_second_run_loads_the_block_graphs_without_tracing_them_again(tmp_path):
+    # the debug model's two block layouts (routed at depth 0 or not), forward and backward: 4 graphs, 2 AOTAutograd
+    # entries, none bypassing its cache
+    assert _run_step(tmp_path, parallel=False) == ("", (0, 4, 0, 2, 0))
+    assert _run_step(tmp_path, parallel=False) == ("", (4, 0, 2, 0, 0))
 
 
 def test_the_step_loads_every_block_graph_the_helpers_compiled(tmp_path):
     note, counts = _run_step(tmp_path)
     assert "2 block layouts compiled in parallel processes" in note
     # two layouts, forward and backward, all compiled by the helpers: inductor's 4 graphs and AOTAutograd's 2
-    # traced and partitioned pairs are loaded, nothing is compiled (FX hits, FX misses, AOT hits, AOT misses)
-    assert counts == (4, 0, 2, 0)
+    # traced and partitioned pairs are loaded, nothing is compiled
+    assert counts == (4, 0, 2, 0, 0)
     note, counts = _run_step(tmp_path)  # the same step again: the caches are warm, no helper starts
-    assert "skipped (the caches hold this step's graphs)" in note and counts == (4, 0, 2, 0)
+    assert "skipped (the caches hold this step's graphs)" in note and counts == (4, 0, 2, 0, 0)
 
 
 def test_helpers_are_told_the_steps_own_gpu(monkeypatch):

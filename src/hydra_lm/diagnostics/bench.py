@@ -145,7 +145,7 @@ def bench_training(model, cfg: BenchConfig, plan: SpeedPlan, device: torch.devic
         kernels = attention_kernels(model, ids, doc, device)  # before compiling: eager dispatch
     optimizer = build_optimizer(model, TrainConfig(lr=BENCH_LR, optimizer=cfg.optimizer), device)
     train_step = TrainStep(model, apply_speed_plan(model, model, plan), optimizer, device, plan)
-    notes: list[str] = []  # what --parallel_compile did before the first step
+    notes: list[str] = []  # what the parallel compile did before the first step
     train_step.report = notes.append
     inputs = {"input_ids": ids, "targets": torch.roll(ids, -1, 1), **({"doc_ids": doc} if doc is not None else {})}
 
