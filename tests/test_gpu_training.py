@@ -60,6 +60,8 @@ def test_default_training_on_cuda_is_the_fast_path_with_the_eager_numbers(tiny_d
     assert "torch.compile (default, blocks for training, routed units for evaluation)" in log, log
     assert "whole-step CUDA graphs" in log, log
     assert "fused chunked loss" in log and log.count("captured as CUDA graphs") == 2, log
+    # helper processes compiled the block layouts before the first step, and the new ones after the MoR switch
+    assert log.count("parallel compile: 2 block layouts compiled in parallel processes") == 2, log
     # compiled bf16 kernels (atomic adds in the backward) drift from eager by ~1e-3 over 10 steps
     close(losses(tmp_path / "default"), losses(tmp_path / "eager"), rel=1e-2)
 

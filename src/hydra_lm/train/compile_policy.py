@@ -8,8 +8,9 @@ The settings ``compile``, ``parallel_compile``, ``cuda_graph`` and ``chunked_ce`
   unit), capture the whole step as CUDA graphs, fuse head and loss in chunks, and compile the block
   layouts in parallel processes before a step with new shapes (``parallel_compile``). On an H100
   (100M preset) this trains 1.15x faster than compiled units with the routing between them eager
-  (benchmarks/BENCHMARKS.md, thirty-fourth session); its first step with cold caches took 69 s, against
-  88-107 s with the layouts compiled one after the other in the step (seventy-second session).
+  (benchmarks/BENCHMARKS.md, thirty-fourth session); its first step with cold caches took 55-69 s on two H100
+  hosts, against 68-107 s there with the layouts compiled one after the other in the step (seventy-second and
+  seventy-third sessions).
 - CUDA under torchrun: compile the whole model, fused loss; no CUDA graphs (FSDP2/DDP communication
   cannot be captured) and no unit compilation (one process only).
 - CPU: eager, plain loss.
@@ -109,8 +110,9 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
     parallel = getattr(cfg, "parallel_compile", None)
     refuse(not parallel or scope == "units", "--parallel_compile compiles the block graphs of --compile in one "
            "process, and this run compiles none: drop --parallel_compile, or add --compile (not under torchrun)")
-    # Automatic on CUDA: on an H100 the 100M preset's cold first step took 69 s with it against 88-107 s without;
-    # on the 2-core CPU it does not pay (benchmarks/BENCHMARKS.md, seventy-first and seventy-second sessions).
+    # Automatic on CUDA: on two H100 hosts the 100M preset's cold first step took 55 and 69 s with it against 68 and
+    # 88-107 s without; on the 2-core CPU it does not pay (benchmarks/BENCHMARKS.md, seventy-first to seventy-third
+    # sessions).
     parallel = scope == "units" and (cuda if parallel is None else parallel)
     refuse(chunked or cfg.ce_impl == "auto", "--ce_impl picks the fused loss of --chunked_ce, which is off: add "
            "--chunked_ce")

@@ -12,11 +12,12 @@ the step then loads every layout's graphs. PyTorch has no such parallel compile 
 threads share out one graph's Triton kernels), hence this module.
 
 On by default on CUDA (``--no-parallel_compile`` turns it off): on an H100 the 100M preset's cold first step
-took 69 s (60 s of helpers, then 9 s of loading and stepping) against 88-107 s serially. Each helper pays about
-16 s for its own process, so only the AOTAutograd cache (``compile_policy.compile_units`` lets the graphs'
-custom autograd functions in) makes the loading short enough to gain; on a 2-core CPU the helpers compete for
-the cores and it does not pay (benchmarks/BENCHMARKS.md, forty-first, seventy-first and seventy-second
-sessions). The helpers are skipped where they cannot pay or would compile the wrong graphs:
+took 55 s (48 s of helpers, then 7 s of loading and stepping) against 68 s serially on one host, 69 s against
+88-107 s on another. Each helper pays for its own process (imports, model, Dynamo's start: 8.6 s of its 48 s), so
+only the AOTAutograd cache (``compile_policy.compile_units`` lets the graphs' custom autograd functions in) makes
+the loading short enough to gain; on a 2-core CPU the helpers compete for the cores and it does not pay
+(benchmarks/BENCHMARKS.md, forty-first, seventy-first to seventy-third sessions). The helpers are skipped where
+they cannot pay or would compile the wrong graphs:
 
 - fewer than two layouts, or a model that its config does not rebuild (e.g. layers converted to float8): the
   helpers' graphs would not be the step's;
@@ -178,7 +179,8 @@ def warm_compile_caches(model, plan, inputs: dict[str, torch.Tensor], device: to
         helpers = [subprocess.Popen(_helper_command(path, i), stdout=subprocess.DEVNULL, stderr=log, env=env)
                    for i, log in enumerate(logs)]
         # The memory estimate (1.8 s for the 100M preset on a CPU core) runs while the helpers start up, which takes
-        # them longer (about 16 s on an H100 host, most of it before they allocate), so it costs the step nothing.
+        # them longer (6.5 s on an H100 host before their models exist, about 30 s before they hold activations),
+        # so it costs the step nothing.
         try:
             short = None if free is None else _short_of_gpu_memory(model, inputs, len(layouts), free)
         except BaseException:
@@ -250,7 +252,9 @@ def _helper(path: str, layout: int) -> None:
     device = torch.device(spec["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = HydraModel(HydraConfig.from_dict(spec["config"])).to(device=device, dtype=getattr(torch, spec["dtype"]))
+    with torch.device(device):  # initialised where it runs: no host-side initialisation and copy
+        model = HydraModel(HydraConfig.from_dict(spec["config"]))
+    model.to(device=device, dtype=getattr(torch, spec["dtype"]))
     model.train()
     for block, (mod_active, mor_active, ramp) in zip(model.blocks, spec["switches"]):
         block.mod_active, block.mor_active, block.mor_ramp = mod_active, mor_active, ramp
