@@ -179,7 +179,7 @@ def warm_compile_caches(model, plan, inputs: dict[str, torch.Tensor], device: to
         helpers = [subprocess.Popen(_helper_command(path, i), stdout=subprocess.DEVNULL, stderr=log, env=env)
                    for i, log in enumerate(logs)]
         # The memory estimate (1.8 s for the 100M preset on a CPU core) runs while the helpers start up, which takes
-        # them longer (6.5 s on an H100 host before their models exist, about 30 s before they hold activations),
+        # them longer (over 5 s on an H100 host before their models exist, about 30 s before they hold activations),
         # so it costs the step nothing.
         try:
             short = None if free is None else _short_of_gpu_memory(model, inputs, len(layouts), free)
