@@ -5,6 +5,7 @@ block graphs without tracing them again (the compile policy lets their custom au
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from torch import nn
 from hydra_lm import create_model
 from hydra_lm.train import parallel_compile
 from hydra_lm.train.compile_policy import SpeedPlan, apply_speed_plan
+from hydra_lm.train.memory_estimate import MB, compute_memory_footprint
+from support import TINY_RUN, records
 
 PLAN = SpeedPlan("units", "default", False, "naive", 4096, parallel_compile=True)
 
@@ -47,14 +50,14 @@ def _inputs():
 def test_a_model_without_block_graphs_starts_no_helper_and_says_nothing(monkeypatch):
     monkeypatch.setattr(parallel_compile, "_helper_command", lambda *a: pytest.fail("a helper was started"))
     dense = _compiled_model(arch="dense")  # the default on CUDA for every model: no log line for a dense one
-    assert parallel_compile.warm_compile_caches(dense, PLAN, _inputs(), torch.device("cpu"), None) == ""
+    assert parallel_compile.start_warming(dense, PLAN, _inputs(), torch.device("cpu"), None).wait() == ""
 
 
 def test_a_model_its_config_does_not_build_is_left_to_the_step(monkeypatch):
     model = _compiled_model()
     model.blocks[0].layers[0].mlp = nn.Identity()  # e.g. layers another library converted
     monkeypatch.setattr(parallel_compile, "_helper_command", lambda *a: pytest.fail("a helper was started"))
-    note = parallel_compile.warm_compile_caches(model, PLAN, _inputs(), torch.device("cpu"), None)
+    note = parallel_compile.start_warming(model, PLAN, _inputs(), torch.device("cpu"), None).wait()
     assert note.startswith("skipped (the model is not what its config builds")
 
 
@@ -65,7 +68,7 @@ def test_a_failing_helper_warns_and_marks_nothing_warm(monkeypatch, tmp_path):
     model = _compiled_model()
     for _ in range(2):  # no marker after a failure: the second call tries again
         with pytest.warns(UserWarning, match="helper 1 broke"):
-            note = parallel_compile.warm_compile_caches(model, PLAN, _inputs(), torch.device("cpu"), None)
+            note = parallel_compile.start_warming(model, PLAN, _inputs(), torch.device("cpu"), None).wait()
         assert note.startswith("0 of 2 block layouts")
 
 
@@ -136,8 +139,8 @@ def test_the_bench_reports_what_the_helpers_did_once_per_step_shape(monkeypatch)
     from hydra_lm.train import step
 
     calls = []
-    monkeypatch.setattr(step, "warm_compile_caches",
-                        lambda *args: calls.append(args) or "2 block layouts compiled in parallel processes (1 s)")
+    monkeypatch.setattr(step, "start_warming", lambda *args: calls.append(args) or parallel_compile.Warming(
+        "2 block layouts compiled in parallel processes (1 s)"))
     cfg = BenchConfig(model_size="debug", arch="hydra", batch_size=1, seq_len=32, steps=2, warmup=1, vocab_size=256,
                       device="cpu")
     eager = SpeedPlan(None, "default", False, "naive", 4096, parallel_compile=True)  # the helpers stubbed: no compile
@@ -160,12 +163,96 @@ def test_helpers_that_would_not_fit_the_gpus_free_memory_are_stopped_at_once(mon
                         or started[-1])
     model, cuda = _compiled_model(), torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * 2**20, 80 * 2**30))
-    note = parallel_compile.warm_compile_caches(model, PLAN, _inputs(), cuda, torch.bfloat16)
+    note = parallel_compile.start_warming(model, PLAN, _inputs(), cuda, torch.bfloat16).wait()
     assert note.startswith("skipped (2 helpers would need about") and "0.0 GB is free" in note
     assert len(started) == 2 and all(helper.poll() is not None for helper in started)  # killed, not awaited
     assert parallel_compile._short_of_gpu_memory(model, _inputs(), 2, 80 * 2**30) is None
-    started.clear()  # an estimate that fails stops the helpers too
-    monkeypatch.setattr(parallel_compile, "_short_of_gpu_memory", lambda *a: 1 / 0)
-    with pytest.raises(ZeroDivisionError):
-        parallel_compile.warm_compile_caches(model, PLAN, _inputs(), cuda, torch.bfloat16)
+    # Room for the two helpers but not for the work the caller does beside them (the trainer's first evaluation)
+    parts = compute_memory_footprint(model, 2, 32, device="cuda")
+    one = (parts["peak_mb"] - parts["optimizer_mb"] - parts["update_mb"] + parallel_compile.HELPER_OVERHEAD_MB) * MB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(2.5 * one), 80 * 2**30))
+    started.clear()
+    note = parallel_compile.start_warming(model, PLAN, _inputs(), cuda, torch.bfloat16, alongside=1).wait()
+    assert note.startswith("skipped (2 helpers and the work beside them would need about")
     assert len(started) == 2 and all(helper.poll() is not None for helper in started)
+    assert parallel_compile._short_of_gpu_memory(model, _inputs(), 2, int(2.5 * one)) is None
+    started.clear()  # an estimate that fails stops the helpers too
+    monkeypatch.setattr(parallel_compile, "_short_of_gpu_memory", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        parallel_compile.start_warming(model, PLAN, _inputs(), cuda, torch.bfloat16)
+    assert len(started) == 2 and all(helper.poll() is not None for helper in started)
+
+
+def _trainer_with_stubbed_helpers(monkeypatch, data, run_dir, *extra, events=None, fail_eval=False,
+                                  room_beside_eval=True):
+    """An eager CPU run whose speed plan asks for the parallel compile, the helpers stubbed: what the trainer
+    started, evaluated, waited for and stopped, in order, and what its steps trained on (into ``events``)."""
+    from hydra_lm.cli import main
+    from hydra_lm.train import step, trainer
+
+    events = [] if events is None else events
+
+    class Helpers(parallel_compile.Warming):
+        def wait(self):
+            events.append(("wait", self))
+            return "2 block layouts compiled in parallel processes (1 s)"
+
+        def stop(self):
+            events.append(("stop", self))
+
+    def start(model, plan, inputs, device, autocast_dtype, alongside=0):
+        if alongside and not room_beside_eval:
+            events.append(("no room",))
+            return parallel_compile.Warming("skipped (2 helpers and the work beside them would need ...)")
+        warming = Helpers(helpers=[("a helper", None)])
+        events.append(("start", warming, inputs["input_ids"].clone(), alongside))
+        return warming
+
+    def evaluate(*args, **kwargs):
+        events.append(("eval",))
+        if fail_eval:
+            raise RuntimeError("the evaluation broke")
+        return real_evaluate(*args, **kwargs)
+
+    def micro(self, inputs):
+        events.append(("step", inputs["input_ids"].clone()))
+        return real_micro(self, inputs)
+
+    real_evaluate, real_micro, resolve = trainer.evaluate, step.TrainStep.micro, trainer.resolve_speed_options
+    monkeypatch.setattr(step, "start_warming", start)
+    monkeypatch.setattr(trainer, "evaluate", evaluate)
+    monkeypatch.setattr(step.TrainStep, "micro", micro)
+    monkeypatch.setattr(trainer, "resolve_speed_options",
+                        lambda *a: dataclasses.replace(resolve(*a), parallel_compile=True))
+    main(["train", "--data", str(data), "--out", str(run_dir), *TINY_RUN, "--max_steps", "3", "--eval_every", "2",
+          "--log_every", "1", *extra])
+    return events
+
+
+def test_the_trainer_compiles_its_first_step_beside_its_first_evaluation(monkeypatch, tiny_data, tmp_path):
+    events = _trainer_with_stubbed_helpers(monkeypatch, tiny_data, tmp_path / "ahead")
+    kinds = [e[0] for e in events]
+    # The first step's helpers start before the evaluation at step 0, told that it runs beside them; that step waits
+    # for them (no second start), and the later steps have its shapes and switches (nothing more to compile).
+    assert kinds == ["start", "eval", "step", "wait", "step", "eval", "step", "eval"]
+    start, first, wait = events[0], events[2], events[3]
+    assert start[3] == 1 and wait[1] is start[1] and torch.equal(start[2], first[1])
+    # Taking the first batch ahead changes nothing the run trains on.
+    plain = _trainer_with_stubbed_helpers(monkeypatch, tiny_data, tmp_path / "plain", "--no-eval_at_start")
+    assert [e[0] for e in plain] == ["step", "start", "wait", "step", "eval", "step", "eval"] and plain[1][3] == 0
+    assert all(torch.equal(a[1], b[1]) for a, b in zip([e for e in events if e[0] == "step"],
+                                                        [e for e in plain if e[0] == "step"]))
+    assert [r["loss"] for r in records(tmp_path / "ahead", "train")] == \
+        [r["loss"] for r in records(tmp_path / "plain", "train")]
+
+
+def test_helpers_started_ahead_are_stopped_when_the_run_ends_before_their_step(monkeypatch, tiny_data, tmp_path):
+    events = []
+    with pytest.raises(RuntimeError, match="the evaluation broke"):
+        _trainer_with_stubbed_helpers(monkeypatch, tiny_data, tmp_path / "run", events=events, fail_eval=True)
+    assert [e[0] for e in events] == ["start", "eval", "stop"] and events[2][1] is events[0][1]
+
+
+def test_helpers_without_room_beside_the_first_evaluation_start_after_it(monkeypatch, tiny_data, tmp_path):
+    events = _trainer_with_stubbed_helpers(monkeypatch, tiny_data, tmp_path / "run", room_beside_eval=False)
+    assert [e[0] for e in events][:5] == ["no room", "eval", "step", "start", "wait"] and events[3][3] == 0

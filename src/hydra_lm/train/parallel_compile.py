@@ -16,8 +16,9 @@ took 55 s (48 s of helpers, then 7 s of loading and stepping) against 68 s seria
 88-107 s on another. Each helper pays for its own process (imports, model, Dynamo's start: 8.6 s of its 48 s), so
 only the AOTAutograd cache (``compile_policy.compile_units`` lets the graphs' custom autograd functions in) makes
 the loading short enough to gain; on a 2-core CPU the helpers compete for the cores and it does not pay
-(benchmarks/BENCHMARKS.md, forty-first, seventy-first to seventy-third sessions). The helpers are skipped where
-they cannot pay or would compile the wrong graphs:
+(benchmarks/BENCHMARKS.md, forty-first, seventy-first to seventy-third sessions). The trainer starts the helpers
+of its first step before its first evaluation, whose own compile then runs beside theirs (``TrainStep.prepare``).
+The helpers are skipped where they cannot pay or would compile the wrong graphs:
 
 - fewer than two layouts, or a model that its config does not rebuild (e.g. layers converted to float8): the
   helpers' graphs would not be the step's;
@@ -42,6 +43,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -142,22 +144,24 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
-def warm_compile_caches(model, plan, inputs: dict[str, torch.Tensor], device: torch.device,
-                        autocast_dtype: torch.dtype | None) -> str:
-    """Compile ``model``'s block layouts for a step on ``inputs`` in one helper process each, waiting for them.
-    ``plan``: the run's ``SpeedPlan`` (the helpers apply it as the step did); ``autocast_dtype``: the step's
-    autocast (None: none). Returns what happened, for the log (empty: no block graphs to compile)."""
+def start_warming(model, plan, inputs: dict[str, torch.Tensor], device: torch.device,
+                  autocast_dtype: torch.dtype | None, alongside: int = 0) -> Warming:
+    """Start compiling ``model``'s block layouts for a step on ``inputs``, one helper process each; ``wait`` on the
+    result before the step. ``plan``: the run's ``SpeedPlan`` (the helpers apply it as the step will);
+    ``autocast_dtype``: the step's autocast (None: none). Meanwhile the caller may do other work, e.g. the
+    trainer's first evaluation; ``alongside``: how many processes of a helper's GPU memory that work may take (a
+    bound on it: an evaluation holds no gradients), as the helpers start only if all of them fit."""
     from torch._inductor import config as inductor_config
 
     if not inductor_config.fx_graph_cache:
-        return "skipped (inductor's FX graph cache is off: the step could not load what helpers compiled)"
+        return Warming("skipped (inductor's FX graph cache is off: the step could not load what helpers compiled)")
     layouts = block_layouts(model)
     if not layouts:  # no block graphs at all (a dense model, a MoR ramp in progress): nothing worth a log line
-        return ""
+        return Warming("")
     if len(layouts) == 1:
-        return "skipped (1 block layout to compile)"
+        return Warming("skipped (1 block layout to compile)")
     if not _rebuilds(model):
-        return "skipped (the model is not what its config builds, e.g. converted layers)"
+        return Warming("skipped (the model is not what its config builds, e.g. converted layers)")
     spec = {"config": model.config.to_dict(), "plan": dataclasses.asdict(plan), "device": str(_indexed(device)),
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "autocast": None if autocast_dtype is None else str(autocast_dtype).removeprefix("torch."),
@@ -165,34 +169,54 @@ def warm_compile_caches(model, plan, inputs: dict[str, torch.Tensor], device: to
             "layouts": layouts, "inputs": {k: v.detach().cpu() for k, v in inputs.items()}}
     marker = _marker(spec)
     if marker.exists():
-        return "skipped (the caches hold this step's graphs)"
+        return Warming("skipped (the caches hold this step's graphs)")
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None  # before any helper takes some
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="hydra_lm_compile_") as tmp:
-        path = os.path.join(tmp, "spec.pt")
-        torch.save(spec, path)
-        # The helpers import this very package, wherever this process found it.
-        package_root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    warming = Warming(layouts=layouts, marker=marker, tmp=tempfile.TemporaryDirectory(prefix="hydra_lm_compile_"))
+    path = os.path.join(warming.tmp.name, "spec.pt")
+    torch.save(spec, path)
+    # The helpers import this very package, wherever this process found it.
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    for i in range(len(layouts)):
         # Their errors go to files: a pipe that fills while another helper is awaited would stall its writer.
-        logs = [open(os.path.join(tmp, f"helper{i}.err"), "w+") for i in range(len(layouts))]
-        helpers = [subprocess.Popen(_helper_command(path, i), stdout=subprocess.DEVNULL, stderr=log, env=env)
-                   for i, log in enumerate(logs)]
-        # The memory estimate (1.8 s for the 100M preset on a CPU core) runs while the helpers start up, which takes
-        # them longer (over 5 s on an H100 host before their models exist, about 30 s before they hold activations),
-        # so it costs the step nothing.
-        try:
-            short = None if free is None else _short_of_gpu_memory(model, inputs, len(layouts), free)
-        except BaseException:
-            _stop(helpers, logs)  # no helper outlives a step that does not wait for it
-            raise
-        if short:
-            _stop(helpers, logs)
-            return short
+        log = open(os.path.join(warming.tmp.name, f"helper{i}.err"), "w+")
+        warming.helpers.append((subprocess.Popen(_helper_command(path, i), stdout=subprocess.DEVNULL, stderr=log,
+                                                 env=env), log))
+    # The memory estimate (1.8 s for the 100M preset on a CPU core) runs while the helpers start up, which takes
+    # them longer (over 5 s on an H100 host before their models exist, about 30 s before they hold activations),
+    # so it costs the step nothing.
+    try:
+        short = None if free is None else _short_of_gpu_memory(model, inputs, len(layouts) + alongside, free,
+                                                                helpers=len(layouts))
+    except BaseException:
+        warming.stop()  # no helper outlives a step that does not wait for it
+        raise
+    if short:
+        warming.stop()
+        return Warming(short)
+    return warming
+
+
+@dataclasses.dataclass
+class Warming:
+    """Helper processes compiling a step's block layouts (none: ``note`` says why)."""
+
+    note: str = ""
+    layouts: list[list[int]] = dataclasses.field(default_factory=list)
+    helpers: list[tuple[subprocess.Popen, IO[str]]] = dataclasses.field(default_factory=list)
+    marker: Path | None = None  # written once every helper succeeded
+    tmp: tempfile.TemporaryDirectory | None = None  # the spec and the helpers' error logs
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def wait(self) -> str:
+        """Wait for the helpers; returns what happened, for the log."""
+        if not self.helpers:
+            return self.note
+        waited = time.perf_counter()
         failed = []
-        for i, (helper, log) in enumerate(zip(helpers, logs)):
+        for i, (helper, log) in enumerate(self.helpers):
             try:
-                helper.wait(timeout=max(1.0, HELPER_TIMEOUT_S - (time.perf_counter() - start)))
+                helper.wait(timeout=max(1.0, HELPER_TIMEOUT_S - (time.perf_counter() - self.start)))
                 late = False
             except subprocess.TimeoutExpired:
                 helper.kill()
@@ -200,40 +224,54 @@ def warm_compile_caches(model, plan, inputs: dict[str, torch.Tensor], device: to
                 late = True
             log.seek(0)
             err = log.read().strip()
-            log.close()
             if helper.returncode != 0:
                 last = (f"timed out after {HELPER_TIMEOUT_S} s" if late else
                         err.splitlines()[-1] if err else f"exit status {helper.returncode}")
-                failed.append(f"layout {i} (blocks {layouts[i]}): {last}")
-    seconds = time.perf_counter() - start
-    if failed:
-        warnings.warn("parallel compile: a helper process failed, so the step compiles its layout itself: "
-                      + "; ".join(failed), stacklevel=2)
-        return f"{len(layouts) - len(failed)} of {len(layouts)} block layouts compiled in parallel ({seconds:.0f} s)"
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.touch()
-    return f"{len(layouts)} block layouts compiled in parallel processes ({seconds:.0f} s)"
+                failed.append(f"layout {i} (blocks {self.layouts[i]}): {last}")
+        self._close()
+        now = time.perf_counter()
+        seconds = f"{now - self.start:.0f} s" + (f", {now - waited:.0f} s of it waited for"
+                                                 if waited - self.start >= 1 else "")
+        n = len(self.layouts)
+        if failed:
+            warnings.warn("parallel compile: a helper process failed, so the step compiles its layout itself: "
+                          + "; ".join(failed), stacklevel=2)
+            return f"{n - len(failed)} of {n} block layouts compiled in parallel ({seconds})"
+        self.marker.parent.mkdir(parents=True, exist_ok=True)
+        self.marker.touch()
+        return f"{n} block layouts compiled in parallel processes ({seconds})"
+
+    def stop(self) -> None:
+        """Kill the helpers (a run that ends, or a step that will not need their graphs)."""
+        for helper, _ in self.helpers:
+            helper.kill()
+            helper.wait()
+        self._close()
+
+    def _close(self) -> None:
+        for _, log in self.helpers:
+            log.close()
+        self.helpers = []
+        if self.tmp is not None:
+            self.tmp.cleanup()
 
 
-def _stop(helpers: list[subprocess.Popen], logs: list) -> None:
-    for helper, log in zip(helpers, logs):
-        helper.kill()
-        helper.wait()
-        log.close()
-
-
-def _short_of_gpu_memory(model, inputs: dict[str, torch.Tensor], helpers: int, free: int) -> str | None:
-    """Why ``helpers`` helpers at once would not fit the GPU's ``free`` bytes (None: they fit). Each holds what the
-    step holds but the optimizer's state (the trainer's memory estimate); out of memory, they would only have
-    cost their time before the step compiles alone."""
+def _short_of_gpu_memory(model, inputs: dict[str, torch.Tensor], processes: int, free: int,
+                         helpers: int | None = None) -> str | None:
+    """Why ``processes`` of a helper's size at once (``helpers`` of them helpers, the rest work beside them) would
+    not fit the GPU's ``free`` bytes (None: they fit). A helper holds what the step holds but the optimizer's state
+    (the trainer's memory estimate); out of memory, the helpers would only have cost their time before the step
+    compiles alone."""
     from .memory_estimate import MB, compute_memory_footprint
 
     batch, seq = inputs["input_ids"].shape
     parts = compute_memory_footprint(model, batch, seq, device="cuda")
-    need = helpers * (parts["peak_mb"] - parts["optimizer_mb"] - parts["update_mb"] + HELPER_OVERHEAD_MB) * MB
+    need = processes * (parts["peak_mb"] - parts["optimizer_mb"] - parts["update_mb"] + HELPER_OVERHEAD_MB) * MB
     if need <= free:
         return None
-    return (f"skipped ({helpers} helpers would need about {need / 1e9:.1f} GB of GPU memory at once, "
+    helpers = processes if helpers is None else helpers
+    beside = "" if processes == helpers else " and the work beside them"
+    return (f"skipped ({helpers} helpers{beside} would need about {need / 1e9:.1f} GB of GPU memory at once, "
             f"{free / 1e9:.1f} GB is free)")
 
 

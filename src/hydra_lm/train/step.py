@@ -14,7 +14,7 @@ from ..data.loader import IGNORE_INDEX
 from .compile_policy import SpeedPlan
 from .graphed_train_step import GraphedTrainStep
 from .optim import make_capturable
-from .parallel_compile import warm_compile_caches
+from .parallel_compile import Warming, start_warming
 
 
 class TrainStep:
@@ -34,6 +34,7 @@ class TrainStep:
         self.moe_load: torch.Tensor | None = None  # the last micro-batch's per-expert token shares (MoE models)
         self.graphs: GraphedTrainStep | None = None
         self._warmed: set[tuple] = set()  # steps whose block graphs parallel_compile compiled (or found cached)
+        self._warming: dict[tuple, Warming] = {}  # steps prepared ahead (``prepare``): their helpers still running
         self.report: Callable[[str], None] = lambda note: None  # where parallel_compile's notes go (trainer: its log)
         # With one micro-batch a step the captured backward writes the gradients (GraphedTrainStep's write_grads).
         self.grads_rewritten = plan.cuda_graph and grad_accum == 1
@@ -64,13 +65,37 @@ class TrainStep:
             return self.graphs.micro(inputs)
         return self.micro_step(**{k: self._to_device(v) for k, v in inputs.items()})
 
-    def _warm_compile_caches(self, inputs: dict[str, torch.Tensor]) -> None:
+    def prepare(self, inputs: dict[str, torch.Tensor], alongside: int = 1) -> None:
+        """Start compiling the graphs of a coming step on ``inputs`` (the same shapes and routing switches) in
+        parallel processes, to overlap other work before it (the trainer's first evaluation: ``alongside`` is the
+        GPU memory that work may take, in helpers' sizes). Nothing without the parallel compile."""
+        if self.plan.parallel_compile:
+            key = self._graphs_key(inputs)
+            if key not in self._warmed and key not in self._warming:
+                warming = start_warming(self.model, self.plan, inputs, self.device, self.autocast_dtype, alongside)
+                if warming.helpers:  # none started (e.g. no room beside that work): the step decides again, alone
+                    self._warming[key] = warming
+
+    def stop_warming(self) -> None:
+        """Kill the helpers of prepared steps that will not run (the run ends first)."""
+        for warming in self._warming.values():
+            warming.stop()
+        self._warming.clear()
+
+    def _graphs_key(self, inputs: dict[str, torch.Tensor]) -> tuple:
         # A step whose graphs are new: its shapes, or the blocks' curriculum switches, differ from every earlier one.
-        key = (tuple((k, v.shape, v.dtype) for k, v in inputs.items()),
-               tuple((b.mod_active, b.mor_active, b.mor_ramp) for b in self.model.blocks))
+        return (tuple((k, v.shape, v.dtype) for k, v in inputs.items()),
+                tuple((b.mod_active, b.mor_active, b.mor_ramp) for b in self.model.blocks))
+
+    def _warm_compile_caches(self, inputs: dict[str, torch.Tensor]) -> None:
+        key = self._graphs_key(inputs)
         if key not in self._warmed:
             self._warmed.add(key)
-            note = warm_compile_caches(self.model, self.plan, inputs, self.device, self.autocast_dtype)
+            warming = self._warming.pop(key, None)
+            self.stop_warming()  # prepared for other shapes or switches: those graphs would only take memory
+            if warming is None:
+                warming = start_warming(self.model, self.plan, inputs, self.device, self.autocast_dtype)
+            note = warming.wait()
             if note:
                 self.report("parallel compile: " + note)
 

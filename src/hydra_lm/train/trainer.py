@@ -78,6 +78,7 @@ class Trainer:
         self.seq_stage = 0
         self.loader = self._stage_loader(0)
         self.batches = None  # the iterator over self.loader
+        self._peeked: dict[str, torch.Tensor] | None = None  # a batch taken ahead: the next one
         self.saver = ShardedSaver(setup.manager, self.dist, cfg.async_checkpoint, self.log.info) \
             if self.dist.enabled else None
         self.step = 0
@@ -197,9 +198,26 @@ class Trainer:
         return True
 
     def _next_batch(self) -> dict[str, torch.Tensor]:
+        if self._peeked is not None:
+            batch, self._peeked = self._peeked, None
+            return batch
         if self.batches is None:
             self.batches = iter(self.loader)
         return next(self.batches)  # the training loader loops over epochs itself
+
+    def _step_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        inputs = {"input_ids": batch["input_ids"], "targets": batch["targets"]}
+        if self.use_doc_ids:
+            inputs["doc_ids"] = batch["doc_ids"]
+        return inputs
+
+    def _prepare_first_step(self) -> None:
+        """Start compiling the first step's graphs in parallel processes (``TrainStep.prepare``), on its own batch,
+        taken ahead, so that the first evaluation's compile runs beside theirs. Only on a fresh run's step 0: no
+        checkpoint is written before that step, so the batch taken ahead cannot go missing from one."""
+        assert self.step == 0
+        self._peeked = self._next_batch()
+        self.train_step.prepare(self._step_inputs(self._peeked))
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -218,6 +236,7 @@ class Trainer:
             self.log.info(f"resume with: hydra-lm train --out {self.s.run_dir}")
             return EXIT_INTERRUPTED
         finally:
+            self.train_step.stop_warming()
             self.stall.close()
             metrics.close()
             self.loader.close()
@@ -255,6 +274,8 @@ class Trainer:
         if self.step == 0 and cfg.eval_at_start:
             # The curriculum's routing at step 0 (e.g. --mod_off: every block dense), as the first step will train.
             self.curriculum.apply(self.clock.position(self.step), self.model)
+            if self.plan.parallel_compile and self.s.data.token_counts.get("val"):
+                self._prepare_first_step()
             self._eval()
         if self._stop_agreed():  # a signal during the pretest or the first evaluation: not a (compiling) step more
             self.log.info(f"stopped before step {self.step + 1}; resume with: hydra-lm train --out {s.run_dir}")
@@ -380,10 +401,7 @@ class Trainer:
         parts = torch.zeros(5, device=self.device)  # loss, ce, aux, ponder, moe (summed over micro-batches)
         stats = None
         for i in range(cfg.grad_accum):
-            batch = self._next_batch()
-            inputs = {"input_ids": batch["input_ids"], "targets": batch["targets"]}
-            if self.use_doc_ids:
-                inputs["doc_ids"] = batch["doc_ids"]
+            inputs = self._step_inputs(self._next_batch())
             with gradient_sync(self.wrapped, self.dist, sync=i == cfg.grad_accum - 1):
                 micro_parts, micro_stats = self.train_step.micro(inputs)
             parts += micro_parts
