@@ -180,6 +180,7 @@ class Trainer:
         if stage != self.seq_stage:
             self.loader.close()
             self.loader, self.seq_stage, self.batches = self._stage_loader(stage), stage, None
+            self._peeked = None  # taken ahead from the old loader: its row length is not the stage's
 
     def _follow_seq_len_schedule(self, clock: int) -> bool:
         """Switch to the row length of the schedule's stage at ``clock``, continuing the epoch (True)."""
