@@ -186,8 +186,7 @@ def start_warming(model, plan, inputs: dict[str, torch.Tensor], device: torch.de
     # them longer (over 5 s on an H100 host before their models exist, about 30 s before they hold activations),
     # so it costs the step nothing.
     try:
-        short = None if free is None else _short_of_gpu_memory(model, inputs, len(layouts) + alongside, free,
-                                                                helpers=len(layouts))
+        short = None if free is None else _short_of_gpu_memory(model, inputs, len(layouts), free, alongside)
     except BaseException:
         warming.stop()  # no helper outlives a step that does not wait for it
         raise
@@ -256,22 +255,22 @@ class Warming:
             self.tmp.cleanup()
 
 
-def _short_of_gpu_memory(model, inputs: dict[str, torch.Tensor], processes: int, free: int,
-                         helpers: int | None = None) -> str | None:
-    """Why ``processes`` of a helper's size at once (``helpers`` of them helpers, the rest work beside them) would
-    not fit the GPU's ``free`` bytes (None: they fit). A helper holds what the step holds but the optimizer's state
-    (the trainer's memory estimate); out of memory, the helpers would only have cost their time before the step
-    compiles alone."""
+def _short_of_gpu_memory(model, inputs: dict[str, torch.Tensor], helpers: int, free: int,
+                         beside: int = 0) -> str | None:
+    """Why ``helpers`` helpers at once, and ``beside`` more processes of a helper's size (work the caller does
+    meanwhile), would not fit the GPU's ``free`` bytes (None: they fit). A helper holds what the step holds but the
+    optimizer's state (the trainer's memory estimate); out of memory, the helpers would only have cost their time
+    before the step compiles alone."""
     from .memory_estimate import MB, compute_memory_footprint
 
     batch, seq = inputs["input_ids"].shape
     parts = compute_memory_footprint(model, batch, seq, device="cuda")
-    need = processes * (parts["peak_mb"] - parts["optimizer_mb"] - parts["update_mb"] + HELPER_OVERHEAD_MB) * MB
+    one = (parts["peak_mb"] - parts["optimizer_mb"] - parts["update_mb"] + HELPER_OVERHEAD_MB) * MB
+    need = (helpers + beside) * one
     if need <= free:
         return None
-    helpers = processes if helpers is None else helpers
-    beside = "" if processes == helpers else " and the work beside them"
-    return (f"skipped ({helpers} helpers{beside} would need about {need / 1e9:.1f} GB of GPU memory at once, "
+    return (f"skipped ({helpers} helpers{' and the work beside them' if beside else ''} would need about "
+            f"{need / 1e9:.1f} GB of GPU memory at once, "
             f"{free / 1e9:.1f} GB is free)")
 
 
