@@ -250,3 +250,21 @@ def test_helpers_started_ahead_are_stopped_when_the_run_ends_before_their_step(m
 def test_helpers_without_room_beside_the_first_evaluation_start_after_it(monkeypatch, tiny_data, tmp_path):
     events = _trainer_with_stubbed_helpers(monkeypatch, tiny_data, tmp_path / "run", room_beside_eval=False)
     assert [e[0] for e in events][:5] == ["no room", "eval", "step", "start", "wait"] and events[3][3] == 0
+
+
+def test_a_batch_taken_ahead_is_dropped_with_the_loader_it_came_from(monkeypatch, tiny_data, tmp_path):
+    # A loader replaced after the first step's batch was taken ahead (a new row length) must not hand out that
+    # batch, whose rows are the old loader's length: the next batch is the new loader's.
+    from hydra_lm.train import trainer
+
+    prepare, seen = trainer.Trainer._prepare_first_step, []
+
+    def prepare_then_switch(self):
+        prepare(self)
+        seen.append(self._peeked["input_ids"].shape[1])
+        self.replace_loader(1)  # the schedule's second stage: rows of 32
+        seen.append(self._next_batch()["input_ids"].shape[1])
+
+    monkeypatch.setattr(trainer.Trainer, "_prepare_first_step", prepare_then_switch)
+    _trainer_with_stubbed_helpers(monkeypatch, tiny_data, tmp_path / "run", "--seq_len_schedule", "16:0,32:0.9")
+    assert seen == [16, 32]
