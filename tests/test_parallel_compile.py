@@ -63,8 +63,8 @@ def test_a_model_its_config_does_not_build_is_left_to_the_step(monkeypatch):
 
 def test_a_failing_helper_warns_and_marks_nothing_warm(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(parallel_compile, "_helper_command",
-                        lambda path, layout: [sys.executable, "-c", f"import sys; sys.exit('helper {layout} broke')"])
+    broke = "import sys; sys.exit('helper ' + sys.stdin.readline().split()[0] + ' broke')"  # its job: LAYOUT SPEC
+    monkeypatch.setattr(parallel_compile, "_helper_command", lambda: [sys.executable, "-c", broke])
     model = _compiled_model()
     for _ in range(2):  # no marker after a failure: the second call tries again
         with pytest.warns(UserWarning, match="helper 1 broke"):
@@ -81,6 +81,12 @@ _STEP = textwrap.dedent("""
     from hydra_lm.train.compile_policy import SpeedPlan, apply_speed_plan
     from hydra_lm.train.step import TrainStep
 
+    if AHEAD:  # started before the model exists, as the trainer and the bench start them
+        from hydra_lm.train import parallel_compile
+        parallel_compile.start_helpers()
+        def late():
+            raise AssertionError("the step started a helper of its own")
+        parallel_compile._launch = late
     torch.manual_seed(0)
     model = create_model("debug", dim=64, vocab_size=256).train()
     plan = SpeedPlan("units", "default", False, "naive", 4096, parallel_compile=True)
@@ -96,11 +102,13 @@ _STEP = textwrap.dedent("""
 """)
 
 
-def _run_step(cache_dir) -> tuple[str, tuple[int, ...]]:
-    """What the step reported, and (FX hits, FX misses, AOTAutograd hits, misses, bypasses)."""
+def _run_step(cache_dir, ahead: bool = False) -> tuple[str, tuple[int, ...]]:
+    """What the step reported, and (FX hits, FX misses, AOTAutograd hits, misses, bypasses). ``ahead``: the helpers
+    started ahead of the step (``start_helpers``)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
     env.pop("TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD", None)  # the policy's own setting, not the shell's
-    out = subprocess.run([sys.executable, "-c", _STEP], env=env, capture_output=True, text=True, timeout=900)
+    code = _STEP.replace("AHEAD", str(ahead))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     note = next((line for line in lines if line.startswith("NOTE")), "")
@@ -109,7 +117,7 @@ def _run_step(cache_dir) -> tuple[str, tuple[int, ...]]:
 
 
 def test_the_step_loads_every_block_graph_the_helpers_compiled(tmp_path):
-    note, counts = _run_step(tmp_path)
+    note, counts = _run_step(tmp_path, ahead=True)
     assert "2 block layouts compiled in parallel processes" in note
     # two layouts, forward and backward, all compiled by the helpers: inductor's 4 graphs and AOTAutograd's 2
     # traced and partitioned pairs are loaded, nothing is compiled
@@ -118,6 +126,34 @@ def test_the_step_loads_every_block_graph_the_helpers_compiled(tmp_path):
     # autograd functions, none bypasses it), and starts no helper
     note, counts = _run_step(tmp_path)
     assert "skipped (the caches hold this step's graphs)" in note and counts == (4, 0, 2, 0, 0)
+
+
+def _job_echo() -> list[str]:
+    """A helper that fails with its job and the cache directory it was started under (none: it exits cleanly)."""
+    code = ("import os, sys; job = sys.stdin.readline().split(); "
+            "sys.exit(f'helper {job[0]} in {os.environ[\"TORCHINDUCTOR_CACHE_DIR\"]}' if job else 0)")
+    return [sys.executable, "-c", code]
+
+
+def test_helpers_started_ahead_that_the_step_does_not_need_exit(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(parallel_compile, "_helper_command", _job_echo)
+    parallel_compile.start_helpers(2)
+    helpers = [process for process, _ in parallel_compile._ready]
+    dense = _compiled_model(arch="dense")  # no block graphs: no job for them
+    assert parallel_compile.start_warming(dense, PLAN, _inputs(), torch.device("cpu"), None).wait() == ""
+    assert parallel_compile._ready == [] and [h.wait(timeout=60) for h in helpers] == [0, 0]
+
+
+def test_helpers_started_under_another_cache_directory_are_not_given_the_step(monkeypatch, tmp_path):
+    monkeypatch.setattr(parallel_compile, "_helper_command", _job_echo)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "before"))
+    parallel_compile.start_helpers(2)
+    before = [process for process, _ in parallel_compile._ready]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "now"))  # where the step will look for the graphs
+    with pytest.warns(UserWarning, match=f"helper 1 in {tmp_path / 'now'}"):
+        parallel_compile.start_warming(_compiled_model(), PLAN, _inputs(), torch.device("cpu"), None).wait()
+    assert [h.wait(timeout=60) for h in before] == [0, 0]  # let go without a job
 
 
 def test_helpers_are_told_the_steps_own_gpu(monkeypatch):
@@ -149,8 +185,8 @@ def test_helpers_that_would_not_fit_the_gpus_free_memory_are_stopped_at_once(mon
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
-    monkeypatch.setattr(parallel_compile, "_helper_command",
-                        lambda path, layout: [sys.executable, "-c", "import time; time.sleep(600)"])
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    monkeypatch.setattr(parallel_compile, "_helper_command", lambda: sleeper)
     started = []
     popen = subprocess.Popen
     monkeypatch.setattr(parallel_compile.subprocess, "Popen", lambda *a, **k: started.append(popen(*a, **k))
@@ -214,6 +250,7 @@ def _trainer_with_stubbed_helpers(monkeypatch, data, run_dir, *extra, events=Non
 
     real_evaluate, real_micro, resolve = trainer.evaluate, step.TrainStep.micro, trainer.resolve_speed_options
     monkeypatch.setattr(step, "start_warming", start)
+    monkeypatch.setattr(trainer, "start_helpers", lambda: events.append(("ahead",)))
     monkeypatch.setattr(trainer, "evaluate", evaluate)
     monkeypatch.setattr(step.TrainStep, "micro", micro)
     monkeypatch.setattr(trainer, "resolve_speed_options",
@@ -228,12 +265,14 @@ def test_the_trainer_compiles_its_first_step_beside_its_first_evaluation(monkeyp
     kinds = [e[0] for e in events]
     # The first step's helpers start before the evaluation at step 0, told that it runs beside them; that step waits
     # for them (no second start), and the later steps have its shapes and switches (nothing more to compile).
-    assert kinds == ["start", "eval", "step", "wait", "step", "eval", "step", "eval"]
-    start, first, wait = events[0], events[2], events[3]
+    # The helpers' processes start ahead, with the run's set-up.
+    assert kinds == ["ahead", "start", "eval", "step", "wait", "step", "eval", "step", "eval"]
+    start, first, wait = events[1], events[3], events[4]
     assert start[3] == 1 and wait[1] is start[1] and torch.equal(start[2], first[1])
     # Taking the first batch ahead changes nothing the run trains on.
     plain = _trainer_with_stubbed_helpers(monkeypatch, tiny_data, tmp_path / "plain", "--no-eval_at_start")
-    assert [e[0] for e in plain] == ["step", "start", "wait", "step", "eval", "step", "eval"] and plain[1][3] == 0
+    assert [e[0] for e in plain] == ["ahead", "step", "start", "wait", "step", "eval", "step", "eval"]
+    assert plain[2][3] == 0
     assert all(torch.equal(a[1], b[1]) for a, b in zip([e for e in events if e[0] == "step"],
                                                         [e for e in plain if e[0] == "step"]))
     assert [r["loss"] for r in records(tmp_path / "ahead", "train")] == \
@@ -244,12 +283,12 @@ def test_helpers_started_ahead_are_stopped_when_the_run_ends_before_their_step(m
     events = []
     with pytest.raises(RuntimeError, match="the evaluation broke"):
         _trainer_with_stubbed_helpers(monkeypatch, tiny_data, tmp_path / "run", events=events, fail_eval=True)
-    assert [e[0] for e in events] == ["start", "eval", "stop"] and events[2][1] is events[0][1]
+    assert [e[0] for e in events] == ["ahead", "start", "eval", "stop"] and events[3][1] is events[1][1]
 
 
 def test_helpers_without_room_beside_the_first_evaluation_start_after_it(monkeypatch, tiny_data, tmp_path):
     events = _trainer_with_stubbed_helpers(monkeypatch, tiny_data, tmp_path / "run", room_beside_eval=False)
-    assert [e[0] for e in events][:5] == ["no room", "eval", "step", "start", "wait"] and events[3][3] == 0
+    assert [e[0] for e in events][:6] == ["ahead", "no room", "eval", "step", "start", "wait"] and events[4][3] == 0
 
 
 def test_a_batch_taken_ahead_is_dropped_with_the_loader_it_came_from(monkeypatch, tiny_data, tmp_path):

@@ -35,6 +35,7 @@ from .step_profile import format_profile, profile_steps
 from ..train.checkpoint import write_text_atomic
 from ..train.compile_policy import SpeedPlan, apply_speed_plan, resolve_speed_options
 from ..train.optim import build_optimizer, check_optimizer_device
+from ..train.parallel_compile import start_helpers
 from ..train.memory_estimate import FIT_ADVICE, check_fits_host, measure_training_memory
 from ..train.options import TrainConfig
 from ..train.run import pick_device
@@ -273,6 +274,8 @@ def run_bench(cfg: BenchConfig, on_row: Callable[[dict[str, Any]], None] | None 
     dev = pick_device(cfg.device)
     check_optimizer_device(cfg.optimizer, dev)
     plan = resolve_speed_options(cfg, dev, distributed=False)
+    if plan.parallel_compile and cfg.archs[0] == "hydra":
+        start_helpers()  # their imports overlap the set-up below: the peak measurement, model, optimizer
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     peak = measure_peak_tflops(dev)

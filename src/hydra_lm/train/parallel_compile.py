@@ -16,9 +16,13 @@ took 55 s (48 s of helpers, then 7 s of loading and stepping) against 68 s seria
 88-107 s on another. Each helper pays for its own process (imports, model, Dynamo's start: 8.6 s of its 48 s), so
 only the AOTAutograd cache (``compile_policy.compile_units`` lets the graphs' custom autograd functions in) makes
 the loading short enough to gain; on a 2-core CPU the helpers compete for the cores and it does not pay
-(benchmarks/BENCHMARKS.md, forty-first, seventy-first to seventy-third sessions). The trainer starts the helpers
-of its first step before its first evaluation, whose own compile then runs beside theirs (``TrainStep.prepare``).
-The helpers are skipped where they cannot pay or would compile the wrong graphs:
+(benchmarks/BENCHMARKS.md, forty-first, seventy-first to seventy-third sessions). The trainer and the bench start
+two helpers as soon as their speed plan is known (``start_helpers``): what a helper does before its job (imports:
+about 7 s on an H100 host) overlaps the run's own set-up, and the helpers wait on stdin for the step's layouts and
+inputs (on one H100 the bench's cold first step took 5.3 and 5.8 s less than runs without beside them: 54.9 and
+56.4 s; seventy-sixth session). The trainer gives them the first step's job before its first evaluation, whose
+own compile then runs beside theirs (``TrainStep.prepare``). The helpers are skipped where they cannot pay or
+would compile the wrong graphs:
 
 - fewer than two layouts, or a model that its config does not rebuild (e.g. layers converted to float8): the
   helpers' graphs would not be the step's;
@@ -146,11 +150,19 @@ def _indexed(device: torch.device) -> torch.device:
 
 def start_warming(model, plan, inputs: dict[str, torch.Tensor], device: torch.device,
                   autocast_dtype: torch.dtype | None, alongside: int = 0) -> Warming:
-    """Start compiling ``model``'s block layouts for a step on ``inputs``, one helper process each; ``wait`` on the
-    result before the step. ``plan``: the run's ``SpeedPlan`` (the helpers apply it as the step will);
-    ``autocast_dtype``: the step's autocast (None: none). Meanwhile the caller may do other work, e.g. the
-    trainer's first evaluation; ``alongside``: how many processes of a helper's GPU memory that work may take (a
-    bound on it: an evaluation holds no gradients), as the helpers start only if all of them fit."""
+    """Start compiling ``model``'s block layouts for a step on ``inputs``, one helper process each (those started
+    ahead first); ``wait`` on the result before the step. ``plan``: the run's ``SpeedPlan`` (the helpers apply it as
+    the step will); ``autocast_dtype``: the step's autocast (None: none). Meanwhile the caller may do other work,
+    e.g. the trainer's first evaluation; ``alongside``: how many processes of a helper's GPU memory that work may
+    take (a bound on it: an evaluation holds no gradients), as the helpers start only if all of them fit."""
+    try:
+        return _start_warming(model, plan, inputs, device, autocast_dtype, alongside)
+    finally:
+        release_helpers()  # helpers started ahead that got no job: none idles through the run
+
+
+def _start_warming(model, plan, inputs: dict[str, torch.Tensor], device: torch.device,
+                   autocast_dtype: torch.dtype | None, alongside: int) -> Warming:
     from torch._inductor import config as inductor_config
 
     if not inductor_config.fx_graph_cache:
@@ -174,17 +186,14 @@ def start_warming(model, plan, inputs: dict[str, torch.Tensor], device: torch.de
     warming = Warming(layouts=layouts, marker=marker, tmp=tempfile.TemporaryDirectory(prefix="hydra_lm_compile_"))
     path = os.path.join(warming.tmp.name, "spec.pt")
     torch.save(spec, path)
-    # The helpers import this very package, wherever this process found it.
-    package_root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    for i in range(len(layouts)):
-        # Their errors go to files: a pipe that fills while another helper is awaited would stall its writer.
-        log = open(os.path.join(warming.tmp.name, f"helper{i}.err"), "w+")
-        warming.helpers.append((subprocess.Popen(_helper_command(path, i), stdout=subprocess.DEVNULL, stderr=log,
-                                                 env=env), log))
-    # The memory estimate (1.8 s for the 100M preset on a CPU core) runs while the helpers start up, which takes
-    # them longer (over 5 s on an H100 host before their models exist, about 30 s before they hold activations),
-    # so it costs the step nothing.
+    if _ready_env != _helper_env():  # started under other settings (e.g. another cache directory): not these
+        release_helpers()
+    warming.helpers = [_ready.pop(0) if _ready else _launch() for _ in layouts]
+    for i, (helper, _) in enumerate(warming.helpers):
+        _give(helper, f"{i} {path}")
+    # The memory estimate (1.8 s for the 100M preset on a CPU core) runs while the helpers build their models and
+    # trace and compile their graphs, which takes them longer (about 25 s on an H100 before they hold
+    # activations), so it costs the step nothing.
     try:
         short = None if free is None else _short_of_gpu_memory(model, inputs, len(layouts), free, alongside)
     except BaseException:
@@ -204,7 +213,7 @@ class Warming:
     layouts: list[list[int]] = dataclasses.field(default_factory=list)
     helpers: list[tuple[subprocess.Popen, IO[str]]] = dataclasses.field(default_factory=list)
     marker: Path | None = None  # written once every helper succeeded
-    tmp: tempfile.TemporaryDirectory | None = None  # the spec and the helpers' error logs
+    tmp: tempfile.TemporaryDirectory | None = None  # the spec
     start: float = dataclasses.field(default_factory=time.perf_counter)
 
     def wait(self) -> str:
@@ -274,8 +283,67 @@ def _short_of_gpu_memory(model, inputs: dict[str, torch.Tensor], helpers: int, f
             f"{free / 1e9:.1f} GB is free)")
 
 
-def _helper_command(spec_path: str, layout: int) -> list[str]:
-    return [sys.executable, "-m", __name__, spec_path, str(layout)]
+# Helpers started ahead (``start_helpers``), waiting for a job: (process, its stderr); the environment they got.
+_ready: list[tuple[subprocess.Popen, IO[str]]] = []
+_ready_env: dict[str, str] = {}
+
+
+def start_helpers(count: int = 2) -> None:
+    """Start ``count`` helpers ahead of the step that will need them, so that their imports overlap the run's own
+    set-up (model, data, optimizer, evaluation). Two: the presets' block layouts (a first block that runs every
+    token, routed blocks after it). The next ``start_warming`` takes them; any it does not need exit."""
+    if _ready_env != _helper_env():
+        release_helpers()
+    _ready_env.update(_helper_env())
+    _ready.extend(_launch() for _ in range(count - len(_ready)))
+
+
+def release_helpers() -> None:
+    """Let the helpers started ahead that got no job exit (an empty job)."""
+    while _ready:
+        helper, log = _ready.pop()
+        _give(helper, "")
+        log.close()
+    _ready_env.clear()
+
+
+def _helper_env() -> dict[str, str]:
+    # The helpers import this very package, wherever this process found it.
+    package_root = str(Path(__file__).resolve().parents[2])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+
+
+def _launch() -> tuple[subprocess.Popen, IO[str]]:
+    # Errors go to a file: a pipe that fills while another helper is awaited would stall its writer.
+    log = tempfile.TemporaryFile("w+")
+    return subprocess.Popen(_helper_command(), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log,
+                            env=_helper_env(), text=True), log
+
+
+def _give(helper: subprocess.Popen, job: str) -> None:
+    try:
+        helper.stdin.write(job + "\n" if job else "")
+        helper.stdin.close()
+    except OSError:  # it ended before its job (e.g. a failed import): its exit status and log say why
+        pass
+
+
+def _helper_command() -> list[str]:
+    return [sys.executable, "-m", __name__]
+
+
+def _serve() -> None:
+    """A helper process: import what compiling needs, then run the job its parent sends on stdin ("LAYOUT
+    SPEC_PATH"; none, or the parent gone: exit)."""
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+
+    from . import compile_policy  # noqa: F401
+
+    job = sys.stdin.readline().strip()
+    if job:
+        layout, path = job.split(" ", 1)
+        _helper(path, int(layout))
 
 
 def _helper(path: str, layout: int) -> None:
@@ -313,4 +381,4 @@ def _helper(path: str, layout: int) -> None:
 
 
 if __name__ == "__main__":
-    _helper(sys.argv[1], int(sys.argv[2]))
+    _serve()

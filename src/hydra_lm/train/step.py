@@ -14,7 +14,7 @@ from ..data.loader import IGNORE_INDEX
 from .compile_policy import SpeedPlan
 from .graphed_train_step import GraphedTrainStep
 from .optim import make_capturable
-from .parallel_compile import Warming, start_warming
+from .parallel_compile import Warming, release_helpers, start_warming
 
 
 class TrainStep:
@@ -77,7 +77,11 @@ class TrainStep:
                     self._warming[key] = warming
 
     def stop_warming(self) -> None:
-        """Kill the helpers of prepared steps that will not run (the run ends first)."""
+        """Kill the helpers of prepared steps that will not run, and let those started ahead exit (the run ends)."""
+        self._stop_prepared()
+        release_helpers()
+
+    def _stop_prepared(self) -> None:
         for warming in self._warming.values():
             warming.stop()
         self._warming.clear()
@@ -92,7 +96,7 @@ class TrainStep:
         if key not in self._warmed:
             self._warmed.add(key)
             warming = self._warming.pop(key, None)
-            self.stop_warming()  # prepared for other shapes or switches: those graphs would only take memory
+            self._stop_prepared()  # prepared for other shapes or switches: those graphs would only take memory
             if warming is None:
                 warming = start_warming(self.model, self.plan, inputs, self.device, self.autocast_dtype)
             note = warming.wait()

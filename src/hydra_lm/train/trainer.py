@@ -30,6 +30,7 @@ from .divergence import FiniteFlag, RollbackPolicy, parameters_finite
 from .log_window import LogWindow
 from .metrics import LOG_FILE, MetricsWriter, NullMetrics, measure_peak_flops, memory_mb, progress_line
 from .optim import build_optimizer, check_optimizer_features, set_lr
+from .parallel_compile import start_helpers
 from .pretest import PretestHook
 from .run import RunSetup, write_run_files
 from .safe_optimizations import AnomalyMonitor, SafeOptimizations, Switch
@@ -58,6 +59,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         enable_tf32(self.device)
         self.plan = resolve_speed_options(cfg, self.device, self.dist.enabled)
+        if self.plan.parallel_compile and setup.model_cfg.arch == "hydra":
+            start_helpers()  # their imports overlap the set-up below
         self.model = create_model(setup.model_cfg).to(self.device)
         self._check_features()
         mc = setup.model_cfg
