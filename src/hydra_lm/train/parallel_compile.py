@@ -291,7 +291,8 @@ _ready_env: dict[str, str] = {}
 def start_helpers(count: int = 2) -> None:
     """Start ``count`` helpers ahead of the step that will need them, so that their imports overlap the run's own
     set-up (model, data, optimizer, evaluation). Two: the presets' block layouts (a first block that runs every
-    token, routed blocks after it). The next ``start_warming`` takes them; any it does not need exit."""
+    token, routed blocks after it). The next ``start_warming`` takes them; any it does not need exit, as do all of
+    them when this process ends (their stdin closes)."""
     if _ready_env != _helper_env():
         release_helpers()
     _ready_env.update(_helper_env())
