@@ -8,6 +8,9 @@
 # Writes each run's log and JSON to $OUT (when set, else ./ab_runs) and prints a table last (with
 # `--inference`, each run's decode tokens/s per batch too). AB_SHARED_CACHE=1: both trees share one inductor
 # cache, so only the first run compiles cold (where the change leaves the compiled graphs alone: a shorter call).
+# AB_COLD=1: every run gets empty inductor and Triton caches of its own, so every round times the cold first step
+# (a change to the compile's start-up: compare the first steps, whose run-to-run spread on one H100 host was 55-62 s,
+# benchmarks/BENCHMARKS.md, seventy-sixth session).
 set -uo pipefail
 other=$(cd "${1:?usage: device_ab.sh OTHER_TREE ROUNDS [bench flags...]}" && pwd)
 rounds=${2:?ROUNDS}
@@ -20,7 +23,9 @@ for round in $(seq "$rounds"); do
   for side in A B; do
     tree=$here; [ "$side" = B ] && tree=$other
     cache=$caches/$side; [ "${AB_SHARED_CACHE:-0}" = 1 ] && cache=$caches/shared
-    (cd "$tree" && TORCHINDUCTOR_CACHE_DIR=$cache PYTHONPATH="$tree/src${PYTHONPATH:+:$PYTHONPATH}" \
+    [ "${AB_COLD:-0}" = 1 ] && cache=$caches/${side}_$round
+    (cd "$tree" && TORCHINDUCTOR_CACHE_DIR=$cache TRITON_CACHE_DIR=$cache/triton_kernels \
+      PYTHONPATH="$tree/src${PYTHONPATH:+:$PYTHONPATH}" \
       python -m hydra_lm bench "$@" --json "$out/ab_${side}_$round.json" > "$out/ab_${side}_$round.log" 2>&1) \
       || echo "$side round $round failed: $out/ab_${side}_$round.log"
   done
@@ -30,7 +35,7 @@ import json, sys
 from pathlib import Path
 out, rounds = Path(sys.argv[1]), int(sys.argv[2])
 print(f"{'run':<6}{'arch':<7}{'tokens/s':>12}{'ms/step':>9}{'peak GB':>9}{'first step s':>14}")
-means = {}
+means, firsts = {}, {}
 for r in range(1, rounds + 1):
     for side in "AB":
         path = out / f"ab_{side}_{r}.json"
@@ -39,13 +44,18 @@ for r in range(1, rounds + 1):
             continue
         for row in json.loads(path.read_text())["rows"]:
             means.setdefault((side, row["arch"]), []).append(row["tokens_per_s"])
+            firsts.setdefault((side, row["arch"]), []).append(row["first_step_s"])
             peak = row.get("peak_memory_gb")
             decode = [(k.rsplit("batch", 1)[1], v) for k, v in row.items() if k.startswith("decode_tokens_per_s_batch")]
             print(f"{side} {r:<4}{row['arch']:<7}{row['tokens_per_s']:>12,.0f}{row['step_ms']:>9.1f}"
                   f"{'-' if peak is None else f'{peak:.1f}':>9}{row['first_step_s']:>14.1f}"
-                  + ("  decode " + " / ".join(f"b{b} {v:,.0f}" for b, v in decode) if decode else ""))
+                  + ("  decode " + " / ".join(f"b{b} {v:,.0f}" for b, v in decode) if decode else "")
+                  + (f"  ({row['parallel_compile']})" if row.get("parallel_compile") else ""))
 for (side, arch), v in sorted(means.items()):
     if side == "B" and ("A", arch) in means:
         a = sum(means[("A", arch)]) / len(means[("A", arch)])
         print(f"{arch}: B/A {sum(v) / len(v) / a:.4f} (mean tokens/s over {len(v)} rounds)")
+        fa, fb = firsts[("A", arch)], firsts[("B", arch)]
+        print(f"{arch}: first step B - A {sum(fb) / len(fb) - sum(fa) / len(fa):+.1f} s (means; A {min(fa):.1f}-"
+              f"{max(fa):.1f}, B {min(fb):.1f}-{max(fb):.1f})")
 PY
