@@ -145,6 +145,19 @@ def test_helpers_started_ahead_that_the_step_does_not_need_exit(monkeypatch, tmp
     assert parallel_compile._ready == [] and [h.wait(timeout=60) for h in helpers] == [0, 0]
 
 
+def test_a_run_that_ends_lets_its_helpers_started_ahead_go(monkeypatch, tmp_path):
+    from hydra_lm.train.step import TrainStep
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(parallel_compile, "_helper_command", _job_echo)
+    parallel_compile.start_helpers(2)
+    helpers = [process for process, _ in parallel_compile._ready]
+    model = _compiled_model()
+    step = TrainStep(model, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"), PLAN)
+    step.stop_warming()  # the trainer's last act, also when it ends before its first step
+    assert parallel_compile._ready == [] and [h.wait(timeout=60) for h in helpers] == [0, 0]
+
+
 def test_helpers_started_under_another_cache_directory_are_not_given_the_step(monkeypatch, tmp_path):
     monkeypatch.setattr(parallel_compile, "_helper_command", _job_echo)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "before"))
