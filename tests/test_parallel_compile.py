@@ -227,9 +227,9 @@ def test_helpers_that_would_not_fit_the_gpus_free_memory_are_stopped_at_once(mon
 
 
 def _trainer_with_stubbed_helpers(monkeypatch, data, run_dir, *extra, events=None, fail_eval=False,
-                                  room_beside_eval=True):
-    """An eager CPU run whose speed plan asks for the parallel compile, the helpers stubbed: what the trainer
-    started, evaluated, waited for and stopped, in order, and what its steps trained on (into ``events``)."""
+                                  room_beside_eval=True, parallel=True):
+    """An eager CPU run whose speed plan asks for the parallel compile (``parallel``), the helpers stubbed: what the
+    trainer started, evaluated, waited for and stopped, in order, and what its steps trained on (into ``events``)."""
     from hydra_lm.cli import main
     from hydra_lm.train import step, trainer
 
@@ -261,13 +261,19 @@ def _trainer_with_stubbed_helpers(monkeypatch, data, run_dir, *extra, events=Non
         events.append(("step", inputs["input_ids"].clone()))
         return real_micro(self, inputs)
 
+    def pretest(self):
+        events.append(("pretest",))
+        return real_pretest(self)
+
     real_evaluate, real_micro, resolve = trainer.evaluate, step.TrainStep.micro, trainer.resolve_speed_options
+    real_pretest = trainer.PretestHook.before_training
     monkeypatch.setattr(step, "start_warming", start)
     monkeypatch.setattr(trainer, "start_helpers", lambda: events.append(("ahead",)))
     monkeypatch.setattr(trainer, "evaluate", evaluate)
     monkeypatch.setattr(step.TrainStep, "micro", micro)
+    monkeypatch.setattr(trainer.PretestHook, "before_training", pretest)
     monkeypatch.setattr(trainer, "resolve_speed_options",
-                        lambda *a: dataclasses.replace(resolve(*a), parallel_compile=True))
+                        lambda *a: dataclasses.replace(resolve(*a), parallel_compile=parallel))
     main(["train", "--data", str(data), "--out", str(run_dir), *TINY_RUN, "--max_steps", "3", "--eval_every", "2",
           "--log_every", "1", *extra])
     return events
@@ -278,14 +284,17 @@ def test_the_trainer_compiles_its_first_step_beside_its_first_evaluation(monkeyp
     kinds = [e[0] for e in events]
     # The first step's helpers start before the evaluation at step 0, told that it runs beside them; that step waits
     # for them (no second start), and the later steps have its shapes and switches (nothing more to compile).
-    # The helpers' processes start ahead, with the run's set-up.
-    assert kinds == ["ahead", "start", "eval", "step", "wait", "step", "eval", "step", "eval"]
-    start, first, wait = events[1], events[3], events[4]
+    # The helpers' processes start ahead, with the run's set-up; they get their job before the pretests.
+    assert kinds == ["ahead", "start", "pretest", "eval", "step", "wait", "step", "eval", "step", "eval"]
+    start, first, wait = events[1], events[4], events[5]
     assert start[3] == 1 and wait[1] is start[1] and torch.equal(start[2], first[1])
-    # Taking the first batch ahead changes nothing the run trains on.
-    plain = _trainer_with_stubbed_helpers(monkeypatch, tiny_data, tmp_path / "plain", "--no-eval_at_start")
-    assert [e[0] for e in plain] == ["ahead", "step", "start", "wait", "step", "eval", "step", "eval"]
-    assert plain[2][3] == 0
+    # Without the evaluation the helpers still get their job before the pretests, which run beside them.
+    no_eval = _trainer_with_stubbed_helpers(monkeypatch, tiny_data, tmp_path / "no_eval", "--no-eval_at_start")
+    assert [e[0] for e in no_eval] == ["ahead", "start", "pretest", "step", "wait", "step", "eval", "step", "eval"]
+    assert no_eval[1][3] == 1
+    # Taking the first batch ahead changes nothing the run trains on: a run without the parallel compile takes none.
+    plain = _trainer_with_stubbed_helpers(monkeypatch, tiny_data, tmp_path / "plain", parallel=False)
+    assert [e[0] for e in plain] == ["pretest", "eval", "step", "step", "eval", "step", "eval"]
     assert all(torch.equal(a[1], b[1]) for a, b in zip([e for e in events if e[0] == "step"],
                                                         [e for e in plain if e[0] == "step"]))
     assert [r["loss"] for r in records(tmp_path / "ahead", "train")] == \
@@ -296,12 +305,13 @@ def test_helpers_started_ahead_are_stopped_when_the_run_ends_before_their_step(m
     events = []
     with pytest.raises(RuntimeError, match="the evaluation broke"):
         _trainer_with_stubbed_helpers(monkeypatch, tiny_data, tmp_path / "run", events=events, fail_eval=True)
-    assert [e[0] for e in events] == ["ahead", "start", "eval", "stop"] and events[3][1] is events[1][1]
+    assert [e[0] for e in events] == ["ahead", "start", "pretest", "eval", "stop"] and events[4][1] is events[1][1]
 
 
 def test_helpers_without_room_beside_the_first_evaluation_start_after_it(monkeypatch, tiny_data, tmp_path):
     events = _trainer_with_stubbed_helpers(monkeypatch, tiny_data, tmp_path / "run", room_beside_eval=False)
-    assert [e[0] for e in events][:6] == ["ahead", "no room", "eval", "step", "start", "wait"] and events[4][3] == 0
+    kinds = [e[0] for e in events]
+    assert kinds[:7] == ["ahead", "no room", "pretest", "eval", "step", "start", "wait"] and events[5][3] == 0
 
 
 def test_a_batch_taken_ahead_is_dropped_with_the_loader_it_came_from(monkeypatch, tiny_data, tmp_path):

@@ -20,9 +20,9 @@ the loading short enough to gain; on a 2-core CPU the helpers compete for the co
 two helpers as soon as their speed plan is known (``start_helpers``): what a helper does before its job (imports:
 about 7 s on an H100 host) overlaps the run's own set-up, and the helpers wait on stdin for the step's layouts and
 inputs (on one H100 the bench's cold first step took 5.3 and 5.8 s less than runs without beside them: 54.9 and
-56.4 s; seventy-sixth session). The trainer gives them the first step's job before its first evaluation, whose
-own compile then runs beside theirs (``TrainStep.prepare``). The helpers are skipped where they cannot pay or
-would compile the wrong graphs:
+56.4 s; seventy-sixth session). The trainer gives them the first step's job before its pretests and its first
+evaluation, whose own compile then runs beside theirs (``TrainStep.prepare``). The helpers are skipped where
+they cannot pay or would compile the wrong graphs:
 
 - fewer than two layouts, or a model that its config does not rebuild (e.g. layers converted to float8): the
   helpers' graphs would not be the step's;

@@ -67,8 +67,9 @@ class TrainStep:
 
     def prepare(self, inputs: dict[str, torch.Tensor], alongside: int = 1) -> None:
         """Start compiling the graphs of a coming step on ``inputs`` (the same shapes and routing switches) in
-        parallel processes, to overlap other work before it (the trainer's first evaluation: ``alongside`` is the
-        GPU memory that work may take, in helpers' sizes). Nothing without the parallel compile."""
+        parallel processes, to overlap other work before it (the trainer's pretests and first evaluation:
+        ``alongside`` is the GPU memory that work may take, in helpers' sizes). Nothing without the parallel
+        compile."""
         if self.plan.parallel_compile:
             key = self._graphs_key(inputs)
             if key not in self._warmed and key not in self._warming:

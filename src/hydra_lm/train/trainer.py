@@ -217,8 +217,9 @@ class Trainer:
 
     def _prepare_first_step(self) -> None:
         """Start compiling the first step's graphs in parallel processes (``TrainStep.prepare``), on its own batch,
-        taken ahead, so that the first evaluation's compile runs beside theirs. Only on a fresh run's step 0: no
-        checkpoint is written before that step, so the batch taken ahead cannot go missing from one."""
+        taken ahead, so that the pretests and the first evaluation (its compile) run beside them; their memory is
+        counted as one helper's. Only on a fresh run's step 0: no checkpoint is written before that step, so the
+        batch taken ahead cannot go missing from one."""
         assert self.step == 0
         self._peeked = self._next_batch()
         self.train_step.prepare(self._step_inputs(self._peeked))
@@ -274,12 +275,13 @@ class Trainer:
         if now >= end:
             self.log.info(f"nothing to do: the run is at step {self.step}, target {end}")
             return 0
-        PretestHook(self).before_training()
-        if self.step == 0 and cfg.eval_at_start:
+        if self.step == 0:
             # The curriculum's routing at step 0 (e.g. --mod_off: every block dense), as the first step will train.
             self.curriculum.apply(self.clock.position(self.step), self.model)
-            if self.plan.parallel_compile and self.s.data.token_counts.get("val"):
+            if self.plan.parallel_compile:
                 self._prepare_first_step()
+        PretestHook(self).before_training()
+        if self.step == 0 and cfg.eval_at_start:
             self._eval()
         if self._stop_agreed():  # a signal during the pretest or the first evaluation: not a (compiling) step more
             self.log.info(f"stopped before step {self.step + 1}; resume with: hydra-lm train --out {s.run_dir}")
