@@ -153,8 +153,9 @@ def start_warming(model, plan, inputs: dict[str, torch.Tensor], device: torch.de
     """Start compiling ``model``'s block layouts for a step on ``inputs``, one helper process each (those started
     ahead first); ``wait`` on the result before the step. ``plan``: the run's ``SpeedPlan`` (the helpers apply it as
     the step will); ``autocast_dtype``: the step's autocast (None: none). Meanwhile the caller may do other work,
-    e.g. the trainer's first evaluation; ``alongside``: how many processes of a helper's GPU memory that work may
-    take (a bound on it: an evaluation holds no gradients), as the helpers start only if all of them fit."""
+    e.g. the trainer's pretests and first evaluation; ``alongside``: how many processes of a helper's GPU memory
+    that work may take (a bound on it: an evaluation holds no gradients), as the helpers start only if all of them
+    fit."""
     try:
         return _start_warming(model, plan, inputs, device, autocast_dtype, alongside)
     finally:
@@ -186,8 +187,7 @@ def _start_warming(model, plan, inputs: dict[str, torch.Tensor], device: torch.d
     warming = Warming(layouts=layouts, marker=marker, tmp=tempfile.TemporaryDirectory(prefix="hydra_lm_compile_"))
     path = os.path.join(warming.tmp.name, "spec.pt")
     torch.save(spec, path)
-    if _ready_env != _helper_env():  # started under other settings (e.g. another cache directory): not these
-        release_helpers()
+    _release_stale()
     warming.helpers = [_ready.pop(0) if _ready else _launch() for _ in layouts]
     for i, (helper, _) in enumerate(warming.helpers):
         _give(helper, f"{i} {path}")
@@ -293,8 +293,7 @@ def start_helpers(count: int = 2) -> None:
     set-up (model, data, optimizer, evaluation). Two: the presets' block layouts (a first block that runs every
     token, routed blocks after it). The next ``start_warming`` takes them; any it does not need exit, as do all of
     them when this process ends (their stdin closes)."""
-    if _ready_env != _helper_env():
-        release_helpers()
+    _release_stale()
     _ready_env.update(_helper_env())
     _ready.extend(_launch() for _ in range(count - len(_ready)))
 
@@ -306,6 +305,11 @@ def release_helpers() -> None:
         _give(helper, "")
         log.close()
     _ready_env.clear()
+
+
+def _release_stale() -> None:
+    if _ready_env != _helper_env():  # started under other settings (e.g. another cache directory): not these
+        release_helpers()
 
 
 def _helper_env() -> dict[str, str]:
