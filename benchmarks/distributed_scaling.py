@@ -49,7 +49,7 @@ def main() -> None:
     wrapped = wrap_model(model, info, device, find_unused=routed or cfg.moe)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     # The trainer's step (compiled as `hydra-lm train` does under torchrun; materialised logits).
-    plan = SpeedPlan("model" if args.compile else None, "default", cuda_graph=False, ce_impl="naive",
+    plan = SpeedPlan("model" if args.compile else None, cuda_graph=False, ce_impl="naive",
                      ce_chunk_size=4096)
     train_step = TrainStep(model, apply_speed_plan(model, wrapped, plan), opt, device, plan, args.grad_accum)
     gen = torch.Generator(device=device).manual_seed(1 + info.rank)

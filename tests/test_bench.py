@@ -137,8 +137,6 @@ def test_random_doc_ids_look_like_the_loaders():
 def test_bench_without_documents_reports_none_and_refuses_what_cannot_run():
     report = run_bench(tiny(arch="dense", document_masking=False))
     assert report["rows"][0]["doc_mask_path"] == "none" and report["rows"][0]["docs_per_row"] is None
-    with pytest.raises(ValueError, match="cannot run inside the whole-step graphs"):
-        run_bench(tiny(compile=True, compile_mode="reduce-overhead"))
     with pytest.raises(ValueError, match="--decode_batches"):
         run_bench(tiny(inference=True, decode_batches="1,x"))
     with pytest.raises(ValueError, match="--model.arch cannot be given to bench"):

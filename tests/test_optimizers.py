@@ -229,7 +229,7 @@ def test_clipping_inside_the_fused_update_gives_clip_grad_norm_s_step(clip):
     from hydra_lm.train.compile_policy import SpeedPlan
     from hydra_lm.train.step import TrainStep
 
-    plan = SpeedPlan(None, "default", False, "naive", 4096)
+    plan = SpeedPlan(None, False, "naive", 4096)
     results = []
     for fused in (True, False):
         model = tiny_model().double()

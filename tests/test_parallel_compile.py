@@ -21,7 +21,7 @@ from hydra_lm.train.compile_policy import SpeedPlan, apply_speed_plan
 from hydra_lm.train.memory_estimate import MB, compute_memory_footprint
 from support import TINY_RUN, records
 
-PLAN = SpeedPlan("units", "default", False, "naive", 4096, parallel_compile=True)
+PLAN = SpeedPlan("units", False, "naive", 4096, parallel_compile=True)
 
 
 def _compiled_model(**overrides):
@@ -89,7 +89,7 @@ _STEP = textwrap.dedent("""
         parallel_compile._launch = late
     torch.manual_seed(0)
     model = create_model("debug", dim=64, vocab_size=256).train()
-    plan = SpeedPlan("units", "default", False, "naive", 4096, parallel_compile=True)
+    plan = SpeedPlan("units", False, "naive", 4096, parallel_compile=True)
     step = TrainStep(model, apply_speed_plan(model, model, plan), torch.optim.AdamW(model.parameters()),
                      torch.device("cpu"), plan)
     step.report = lambda note: print("NOTE", note)
@@ -186,7 +186,7 @@ def test_the_bench_reports_what_the_helpers_did_once_per_step_shape(monkeypatch)
         "2 block layouts compiled in parallel processes (1 s)"))
     cfg = BenchConfig(model_size="debug", arch="hydra", batch_size=1, seq_len=32, steps=2, warmup=1, vocab_size=256,
                       device="cpu")
-    eager = SpeedPlan(None, "default", False, "naive", 4096, parallel_compile=True)  # the helpers stubbed: no compile
+    eager = SpeedPlan(None, False, "naive", 4096, parallel_compile=True)  # the helpers stubbed: no compile
     row = bench.bench_training(create_model("debug", dim=64, vocab_size=256), cfg, eager, torch.device("cpu"))
     assert row["parallel_compile"] == "parallel compile: 2 block layouts compiled in parallel processes (1 s)"
     assert len(calls) == 1  # before the first step only: the later steps have its shapes

@@ -154,31 +154,28 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 
 @pytest.mark.parametrize("device, distributed, expected", [
-    (CUDA, False, SpeedPlan("units", "default", True, "chunked", 4096, update_graphed=True,  # the fast path
+    (CUDA, False, SpeedPlan("units", True, "chunked", 4096, update_graphed=True,  # the fast path
                             parallel_compile=True)),
-    (CUDA, True, SpeedPlan("model", "default", False, "auto", 4096)),  # torchrun: whole model, no graphs
-    (CPU, False, SpeedPlan(None, "default", False, "naive", 4096)),  # the CPU stays eager
+    (CUDA, True, SpeedPlan("model", False, "auto", 4096)),  # torchrun: whole model, no graphs
+    (CPU, False, SpeedPlan(None, False, "naive", 4096)),  # the CPU stays eager
 ], ids=["cuda", "torchrun", "cpu"])
 def test_speed_defaults_follow_the_device_and_process_count(device, distributed, expected):
     assert resolve_speed_options(TrainConfig(), device, distributed) == expected
 
 
 @pytest.mark.parametrize("settings, expected", [
-    (dict(compile=False, cuda_graph=False, chunked_ce=False), SpeedPlan(None, "default", False, "naive", 4096)),
-    (dict(compile_mode="max-autotune-no-cudagraphs"),  # inductor's tuning, inside the whole-step graphs
-     SpeedPlan("units", "max-autotune-no-cudagraphs", True, "chunked", 4096, update_graphed=True,
-               parallel_compile=True)),
+    (dict(compile=False, cuda_graph=False, chunked_ce=False), SpeedPlan(None, False, "naive", 4096)),
     # not capturable: forward + backward graphed, the update eager
-    (dict(optimizer="lion"), SpeedPlan("units", "default", True, "chunked", 4096, parallel_compile=True)),
+    (dict(optimizer="lion"), SpeedPlan("units", True, "chunked", 4096, parallel_compile=True)),
     # Muon's step (train/muon.py) is captured like fused AdamW's
-    (dict(optimizer="muon"), SpeedPlan("units", "default", True, "chunked", 4096, update_graphed=True,
+    (dict(optimizer="muon"), SpeedPlan("units", True, "chunked", 4096, update_graphed=True,
                                        parallel_compile=True)),
     (dict(gradient_checkpointing=True, chunked_ce_size=512),
-     SpeedPlan("units", "default", False, "auto", 512, parallel_compile=True)),
+     SpeedPlan("units", False, "auto", 512, parallel_compile=True)),
     # Sophia-G's Hessian estimate is an ordinary backward: compiled and graphed like Lion
-    (dict(optimizer="sophia"), SpeedPlan("units", "default", True, "chunked", 4096, parallel_compile=True)),
+    (dict(optimizer="sophia"), SpeedPlan("units", True, "chunked", 4096, parallel_compile=True)),
     # the block layouts compiled one after the other in the step
-    (dict(parallel_compile=False), SpeedPlan("units", "default", True, "chunked", 4096, update_graphed=True)),
+    (dict(parallel_compile=False), SpeedPlan("units", True, "chunked", 4096, update_graphed=True)),
 ])
 def test_speed_opt_outs_and_automatic_fallbacks_on_cuda(settings, expected):
     assert resolve_speed_options(TrainConfig(**settings), CUDA, False) == expected
@@ -191,7 +188,6 @@ def test_the_parallel_compile_is_automatic_on_cuda_only():
 
 
 @pytest.mark.parametrize("settings, device, distributed, message", [
-    (dict(compile=True, compile_mode="reduce-overhead"), CUDA, False, "cannot run inside the whole-step graphs"),
     (dict(cuda_graph=True, gradient_checkpointing=True), CUDA, False, "drop one of them"),
     (dict(cuda_graph=True), CPU, False, "needs a CUDA device"),
     (dict(parallel_compile=True), CPU, False, "add --compile"),  # the CPU runs eagerly by default
@@ -210,16 +206,16 @@ def test_the_speed_plan_is_applied_to_the_model():
     from support import tiny_model
 
     model = tiny_model()
-    units = SpeedPlan("units", "default", False, "chunked", 64)
+    units = SpeedPlan("units", False, "chunked", 64)
     assert apply_speed_plan(model, model, units) is model  # compiled in place, the step calls the model
     assert all(b.compiled_unit is not None for b in model.blocks)
     assert (model.ce_impl, model.ce_chunk_size) == ("chunked", 64)
     whole = tiny_model()
-    compiled = apply_speed_plan(whole, whole, SpeedPlan("model", "default", False, "naive", 4096))
+    compiled = apply_speed_plan(whole, whole, SpeedPlan("model", False, "naive", 4096))
     assert compiled is not whole and compiled._orig_mod is whole  # torchrun's plan: a compiled wrapper
     assert all(b.compiled_unit is None for b in whole.blocks)
     eager = tiny_model()
-    assert apply_speed_plan(eager, eager, SpeedPlan(None, "default", False, "naive", 4096)) is eager
+    assert apply_speed_plan(eager, eager, SpeedPlan(None, False, "naive", 4096)) is eager
     assert all(b.compiled_unit is None for b in eager.blocks)
 
 
@@ -230,14 +226,16 @@ def test_old_runs_saved_with_compile_units_still_load():
 
 def test_removed_options_say_what_replaced_them(capsys):
     for command in ("train", "bench"):
-        with pytest.raises(SystemExit):
-            main([command, "--compile_regions"])
-        assert "--compile_regions was removed" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--compile_regions was removed"):
-        normalize({"compile_regions": True}, "config file c.toml")
-    # a run saved with them resumes on the default path (merge_layers keeps only today's fields and modes)
-    saved = {**TrainConfig().to_dict(), "compile_regions": True, "compile_mode": "reduce-overhead"}
-    assert merge_layers({}, {}, saved).compile_mode == "default"
+        for flag in ("--compile_regions", "--compile_mode"):
+            with pytest.raises(SystemExit):
+                main([command, flag, "default"])
+            assert f"{flag} was removed" in capsys.readouterr().err
+    for key in ("compile_regions", "compile_mode"):
+        with pytest.raises(ValueError, match=f"--{key} was removed"):
+            normalize({key: "default"}, "config file c.toml")
+    # a run saved with them resumes on the default path (merge_layers keeps only today's fields)
+    saved = {**TrainConfig().to_dict(), "compile_regions": True, "compile_mode": "max-autotune-no-cudagraphs"}
+    assert merge_layers({}, {}, saved) == merge_layers({}, {}, TrainConfig().to_dict())
 
 
 def test_a_new_mode_on_resume_brings_its_own_length_logging_and_evaluation_size():

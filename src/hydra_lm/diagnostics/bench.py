@@ -286,7 +286,7 @@ def run_bench(cfg: BenchConfig, on_row: Callable[[dict[str, Any]], None] | None 
         "attention_backend": cfg.model.get("attention_backend", HydraConfig.attention_backend),
         "doc_mask_backend": cfg.model.get("doc_mask_backend", HydraConfig.doc_mask_backend),
         "batch": cfg.batch_size, "seq_len": cfg.seq_len, "optimizer": cfg.optimizer, "compile": plan.compile,
-        "compile_mode": plan.compile_mode if plan.compile else None, "cuda_graph": plan.cuda_graph,
+        "cuda_graph": plan.cuda_graph,
         "document_masking": cfg.document_masking, "ce_impl": plan.ce_impl, "chunked_ce_size": plan.ce_chunk_size,
         "sdpa_kernel": cfg.sdpa_kernel, "model_overrides": dict(cfg.model),
         "speed": plan.describe(), "rows": [],

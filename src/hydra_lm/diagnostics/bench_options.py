@@ -30,7 +30,6 @@ class BenchConfig:
     optimizer: str = _as_train("optimizer")
     warmup: int = opt(5, "untimed steps after the first", type=int)
     compile: bool | None = _as_train("compile")
-    compile_mode: str = _as_train("compile_mode")
     parallel_compile: bool | None = _as_train("parallel_compile")
     cuda_graph: bool | None = _as_train("cuda_graph")
     chunked_ce: bool | None = _as_train("chunked_ce")

@@ -39,7 +39,6 @@ import torch._functorch.config
 from ..model.block import run_block, run_unit
 from ..model.routing import routed_selection
 from ..model.loss import resolve_impl
-from .options import COMPILE_MODES
 
 # Optimizers whose step replays in a CUDA graph: fused AdamW, and Muon (train/muon.py) with AdamW beside it.
 CAPTURABLE_OPTIMIZERS = ("adamw", "muon")
@@ -48,7 +47,6 @@ CAPTURABLE_OPTIMIZERS = ("adamw", "muon")
 @dataclass(frozen=True)
 class SpeedPlan:
     compile: str | None  # "units" (blocks and routed units), "model" (whole model) or None (eager)
-    compile_mode: str  # torch.compile mode
     cuda_graph: bool  # the micro-batch forward + backward as a CUDA graph
     ce_impl: str  # the model's loss path: "naive", "chunked" or "auto" (Liger when installed)
     ce_chunk_size: int
@@ -61,7 +59,7 @@ class SpeedPlan:
 
     def describe(self) -> list[str]:
         names = {"units": "blocks for training, routed units for evaluation", "model": "whole model"}
-        parts = [f"torch.compile ({self.compile_mode}, {names[self.compile]})"] if self.compile else ["eager"]
+        parts = [f"torch.compile ({names[self.compile]})"] if self.compile else ["eager"]
         if self.cuda_graph:
             parts.append("whole-step CUDA graphs" if self.update_graphed else
                          "CUDA graphs of forward + backward (the optimizer steps eagerly)")
@@ -73,7 +71,7 @@ class SpeedPlan:
 
 
 def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> SpeedPlan:
-    """``cfg``: a TrainConfig or BenchConfig (fields compile, compile_mode, cuda_graph,
+    """``cfg``: a TrainConfig or BenchConfig (fields compile, cuda_graph,
     chunked_ce, chunked_ce_size; a bench has no optimizer or gradient_checkpointing field and runs
     fused AdamW without checkpointing). Raises ValueError for what cannot run."""
     cuda = device.type == "cuda"
@@ -85,8 +83,6 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
         if not ok:
             raise ValueError(msg)
 
-    refuse(cfg.compile_mode in COMPILE_MODES, f"--compile_mode {cfg.compile_mode!r}: must be one of "
-           f"{list(COMPILE_MODES)} (modes that capture CUDA graphs themselves cannot run inside the whole-step graphs)")
     if cfg.cuda_graph:  # asked for explicitly
         refuse(not checkpointing, "--cuda_graph with gradient checkpointing is not supported (recomputation saves "
                "and restores RNG states on the host); drop one of them")
@@ -122,7 +118,7 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
         resolve_impl(cfg.ce_impl, device)  # --ce_impl liger without the package or CUDA: refused now
     # A CUDA graph cannot hold Liger's kernel (it reads a token count on the host): the chunked fallback.
     ce_impl = ("chunked" if graphs and cfg.ce_impl == "auto" else cfg.ce_impl) if chunked else "naive"
-    return SpeedPlan(scope, cfg.compile_mode, graphs, ce_impl, cfg.chunked_ce_size,
+    return SpeedPlan(scope, graphs, ce_impl, cfg.chunked_ce_size,
                      update_graphed=graphs and optimizer in CAPTURABLE_OPTIMIZERS, parallel_compile=parallel)
 
 
@@ -141,10 +137,10 @@ def apply_speed_plan(model, wrapped: torch.nn.Module, plan: SpeedPlan):
     (the model, or its FSDP2/DDP wrapper) itself, or a compiled module around it."""
     model.ce_impl, model.ce_chunk_size = plan.ce_impl, plan.ce_chunk_size
     if plan.compile == "units":
-        compile_units(model, mode=plan.compile_mode)  # compiled in place
+        compile_units(model)  # compiled in place
         return wrapped
     if plan.compile is not None:
-        return torch.compile(wrapped, mode=plan.compile_mode)
+        return torch.compile(wrapped)
     return wrapped
 
 
@@ -168,8 +164,6 @@ def compile_units(model, **kwargs):
     CUDA graph (``hydra_lm.model.cuda_graphs.GraphedStep``) so the eager kernels cost no launch time.
     Returns the model; parameter names and the state dict are unchanged."""
     kwargs = {"fullgraph": True, "dynamic": True, **kwargs}
-    if kwargs.get("mode") == "default":
-        del kwargs["mode"]  # torch.compile takes options or a mode, not both
     if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
         # Inductor's mixed-order reduction fusion (norm backward) guards on the unit's token count
         # against a size threshold, which would compile the unit a second time.

@@ -128,7 +128,7 @@ def _prepare(model: nn.Module, cfg: TrainConfig, device: torch.device | str | No
             applied.append(f"gradient checkpointing (every {model.checkpoint_every} blocks)")
         module = apply_speed_plan(model, model, plan)
     else:
-        module = torch.compile(model, mode=plan.compile_mode) if plan.compile else model
+        module = torch.compile(model) if plan.compile else model
     applied += plan.describe()
     if caps.device.type != "cuda":
         off = [name for name, on in (("compile", plan.compile is not None), ("CUDA graphs", plan.cuda_graph),
@@ -146,7 +146,7 @@ def optimize_for_gpu(model: nn.Module, device: torch.device | str | None = None,
     matmuls, the speed plan of ``compile_policy`` (a HydraModel: its routed units compiled, fused chunked
     loss; any other module: compiled whole) and the plan's CUDA graphs, which a training step captures
     (``create_optimized_training_setup``). ``options``: the train flags of the same names (``compile``,
-    ``compile_mode``, ``cuda_graph``, ``chunked_ce``, ``ce_impl``, ``optimizer``...), automatic when left out,
+    ``cuda_graph``, ``chunked_ce``, ``ce_impl``, ``optimizer``...), automatic when left out,
     checked as the trainer checks them; a HydraModel also gets the trainer's ``gradient_checkpointing``,
     ``experimental_fp8`` and ``experimental_fa3``. Without CUDA it warns and leaves the model eager."""
     return _prepare(model, _train_config(options), device)

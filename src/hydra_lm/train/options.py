@@ -23,9 +23,6 @@ SCHEDULES = ("cosine", "wsd")
 OPTIMIZERS = ("adamw", "adam8bit", "adafactor", "lion", "clion", "muon", "sophia")
 # What --beta1/--beta2 set (muon: its AdamW part); Lion and Sophia-G have betas of their own, Adafactor none.
 ADAM_OPTIMIZERS = ("adamw", "adam8bit", "muon")
-# Modes whose CUDA graphs inductor captures itself ("reduce-overhead", "max-autotune") cannot nest inside the
-# whole-step graphs, and their one use, the layer regions, was removed (REMOVED_KEYS).
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 CE_IMPLS = ("auto", "chunked", "liger")
 
 # Runs shorter than this skip the MoD loss gate unless --no_short_run_override (see curriculum.py).
@@ -167,9 +164,6 @@ class TrainConfig:
     compile: bool | None = opt(None, "torch.compile the model (default: on CUDA; each block with its routing, and the "
                                      "routed units for evaluation, in one process; the whole model under "
                                      "torchrun; --no-compile: eager)", type=bool)
-    compile_mode: str = opt("default", "torch.compile mode (max-autotune-no-cudagraphs: inductor benchmarks "
-                                       "GEMM and kernel choices, minutes of cold compile)", type=str,
-                            choices=COMPILE_MODES)
     parallel_compile: bool | None = opt(None, "with --compile, compile each block layout's graphs in a helper "
                                               "process of its own, all at once, before the first step and after "
                                               "a shape or curriculum switch, unless the caches hold them already "
@@ -240,6 +234,10 @@ KEY_ALIASES: dict[str, tuple[str, Any]] = {
 REMOVED_KEYS: dict[str, str] = {
     "compile_regions": "--compile_regions was removed: each block compiled with its routing (the default) trained "
                        "faster than the layer regions and compiles sooner (benchmarks/BENCHMARKS.md); drop the flag",
+    "compile_mode": "--compile_mode was removed: torch.compile's default mode is the one the step uses. "
+                    "max-autotune-no-cudagraphs autotuned the 100M preset's first block graph for over 6 minutes on "
+                    "an H100, whose cuBLAS GEMMs in the step already run at 580-720 TFLOP/s at 2,048 tokens and more "
+                    "(benchmarks/BENCHMARKS.md, seventy-seventh session); drop the flag",
 }
 # Train keys that set a model config field of the same name (as --model.NAME does), with their types.
 MODEL_ALIASES: dict[str, type] = {"moe": bool, "moe_num_experts": int, "moe_top_k": int, "moe_num_layers": int,

@@ -137,7 +137,7 @@ def _grad_difference(got: list, want: list) -> float:
     return math.sqrt(diff) / max(math.sqrt(ref), 1e-12) if math.isfinite(diff + ref) else math.inf
 
 
-def compare(key: str, model: torch.nn.Module, batch, autocast, device_type: str, compile_mode: str = "default",
+def compare(key: str, model: torch.nn.Module, batch, autocast, device_type: str,
             ce_impl: str = "auto") -> dict[str, Any]:
     """Pretest one optimization (``key``: a TrainConfig flag in PRETESTED) against the plain path."""
     work = copy.deepcopy(model)  # both sides share its weights: the run's model and buffers stay untouched
@@ -148,7 +148,7 @@ def compare(key: str, model: torch.nn.Module, batch, autocast, device_type: str,
     if key == "chunked_ce":
         got = _Path(work, work, ce_impl)
     elif key == "compile":
-        got = _Path(work, torch.compile(work, mode=compile_mode), "naive")
+        got = _Path(work, torch.compile(work), "naive")
     else:
         raise ValueError(f"no pretest for --{key} (pretested: {', '.join(PRETESTED)})")
     skipped = None
@@ -207,7 +207,7 @@ def pretested_on(train_config: dict[str, Any], device_type: str) -> list[str]:
 
 def optimization_flags(train_config: dict[str, Any]) -> dict[str, Any]:
     # None: the speed policy decides by device (see compile_policy).
-    flags = {k: train_config.get(k) for k in (*PRETESTED, "compile_mode", "cuda_graph")}
+    flags = {k: train_config.get(k) for k in (*PRETESTED, "cuda_graph")}
     return {k: "auto" if v is None else v for k, v in flags.items()}
 
 
@@ -227,8 +227,7 @@ def run_pretests(model: torch.nn.Module, keys: list[str], train_config: dict[str
                  batch, autocast, device_type: str, trigger: str, step: int = 0) -> dict[str, Any]:
     """Pretest each optimization in ``keys``: the history entry (not yet written)."""
     ce_impl = model.ce_impl if model.ce_impl != "naive" else "auto"
-    results = [compare(key, model, batch, autocast, device_type, train_config.get("compile_mode", "default"), ce_impl)
-               for key in keys]
+    results = [compare(key, model, batch, autocast, device_type, ce_impl) for key in keys]
     return {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "trigger": trigger, "step": step,
             "model_size": model_size, "device": device_type, "flags": optimization_flags(train_config),
             "results": results}

@@ -23,7 +23,7 @@ from .flags import to_toml
 from .metrics import RunLog, check_logger_packages, git_revision, versions
 from .fit_batch import first_step_peak_mb, fit_micro_batch
 from .memory_estimate import FIT_ADVICE, check_fits_host
-from .options import (COMPILE_MODES, FIELDS, FROZEN_ON_RESUME, MODE_DEFAULTS, TrainConfig, derived_defaults,
+from .options import (FIELDS, FROZEN_ON_RESUME, MODE_DEFAULTS, TrainConfig, derived_defaults,
                       normalize, resolve, validate)
 from .run_lock import RunLock
 from .seq_len_schedule import SeqLenSchedule
@@ -105,8 +105,6 @@ def merge_layers(file_values: dict[str, Any], cli: dict[str, Any], saved: dict[s
     base: dict[str, Any] = {}
     if saved is not None:
         kept = {k: v for k, v in saved.items() if k in FIELDS and k not in PER_INVOCATION}
-        if kept.get("compile_mode") not in (None, *COMPILE_MODES):  # a removed mode: the device's default path
-            del kept["compile_mode"]
         base = normalize(kept, "the run's saved config.json")
         # Runs saved before --fp8_recipe existed trained tensorwise (then the only scaling), whatever the default now.
         base.setdefault("fp8_recipe", "tensorwise")
