@@ -19,6 +19,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
+from graph_timing import us_per_call  # this folder's helper (the script's folder is on sys.path)
 from hydra_lm.config import preset_config
 from hydra_lm.model.hydra import HydraModel
 
@@ -32,24 +33,6 @@ def step_gemms(model: HydraModel, batch_size: int, seq_len: int) -> Counter:
             for lin in linears:
                 counts[(batch_size * tokens, lin.in_features, lin.out_features)] += 1
     return counts
-
-
-def graph_time_us(fn, calls: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (5 * calls)
 
 
 def main() -> None:
@@ -80,7 +63,7 @@ def main() -> None:
         for part, fn in parts.items():
             for lib in libraries:
                 torch.backends.cuda.preferred_blas_library(lib)
-                row[(lib, part)] = graph_time_us(fn, args.calls)
+                row[(lib, part)] = us_per_call(fn, calls=args.calls)
                 totals[lib] += runs * row[(lib, part)]
         print(f"{f'{m} x {k} -> {n}':<22}{runs:>5}"
               + "".join(f"{row[(lib, part)]:>16.1f}" for part in parts for lib in libraries))
