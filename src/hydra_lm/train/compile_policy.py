@@ -26,6 +26,9 @@ block graphs, the deep units (at most 16 entries a row) padded to one shape and 
 trained 5.5% slower on an H200 and compiled no faster (forty-seventh session, branch ``shared-small-unit``). Blocks
 cut into depth spans so that the two layouts' common chain of depths compiles once (five unit instances instead of
 eight) took the cold first step from 74 to 64 s but trained 3.6% slower (fiftieth session, branch ``depth-spans``).
+torch.compile runs in its default mode: with ``max-autotune-no-cudagraphs`` inductor had not finished autotuning the
+first block graph's GEMMs after 6 minutes on an H100, where cuBLAS already runs the step's GEMMs of 2,048 tokens and
+more at 580-720 TFLOP/s (seventy-seventh session, ``benchmarks/blas_library_gemms.py``).
 """
 
 from __future__ import annotations
