@@ -181,6 +181,9 @@ def test_the_trigger_names_what_changed_since_the_checkpoint():
     assert trigger_of({"chunked_ce": True, "compile": True}, "debug", saved) == \
         "optimization flags changed (compile: False -> True)"
     assert trigger_of({"chunked_ce": True}, "100M", saved) == "model size changed (debug -> 100M)"
+    # a checkpoint of a run saved with a removed flag (--compile_mode) resumes without a pretest of its own
+    removed = {"model_size": "debug", "train_config": {"chunked_ce": True, "compile": False, "compile_mode": "default"}}
+    assert trigger_of({"chunked_ce": True, "compile": False}, "debug", removed) == "checkpoint load"
 
 
 def test_the_pretest_copy_runs_its_units_eagerly_and_leaves_the_runs_compiled_units(monkeypatch):
