@@ -145,6 +145,14 @@ def test_the_cuda_estimate_counts_bf16_activations_and_the_fused_loss():
     plain = measure_training_memory(cfg, 8, 1024, device="cuda", fused_loss=False)
     assert plain["backward_mb"] >= 8 * 1024 * 8192 * 6 / 2**20
     assert plain["activations_mb"] > big["activations_mb"] + 8 * 1024 * 8192 * 2 / 2**20  # the bf16 logits kept
+    # The fused loss of a tied model keeps its chunks' bf16 logit gradients for the head's gradient
+    # (model/head_gradient_overlap.py): every chunk while they fit in OVERLAP_BYTES, the last ones after that.
+    assert big["head_gradient_mb"] == pytest.approx(8 * 1024 * 8192 * 2 / 2**20)
+    assert plain["head_gradient_mb"] == cpu["head_gradient_mb"] == 0
+    assert measure_training_memory(cfg.replace(tie_embeddings=False), 8, 1024, device="cuda")["head_gradient_mb"] == 0
+    # 2 GiB holds 10,733 rows of 100,032 (the vocabulary padded to 64): the last two whole chunks of 4,096
+    wide = measure_training_memory(preset_config("debug", vocab_size=100000), 32, 1024, device="cuda")
+    assert wide["head_gradient_mb"] == pytest.approx(2 * 4096 * 100032 * 2 / 2**20)
     assert measure_training_memory(cfg, 8, 1024, device="cuda", ce_chunk_size=8192)["backward_mb"] == \
         pytest.approx(8192 * 8192 * 6 / 2**20)
     # Sophia-G's Hessian estimate materialises the batch's logits (fp32, their softmax and gradient).

@@ -152,3 +152,106 @@ def test_the_loss_hands_its_head_gradient_to_the_lookup_which_returns_it():
     expected[2] += 3.0
     expected[7] += 1.5
     torch.testing.assert_close(weight.grad, expected)
+
+
+@pytest.mark.parametrize("budget_chunks", [1, 3, 9])
+def test_the_head_gradients_gemms_left_to_the_backward_give_the_forwards_gradients(monkeypatch, budget_chunks):
+    """The bookkeeping of ``head_gradient_overlap`` on the CPU, its side stream stood in for (the stream itself is the
+    GPU test below): with the last 1, 3 or all chunks' GEMMs left to the backward, a tied model's gradients are the
+    same bits as with every GEMM in the forward, through an upstream factor and two accumulated micro-batches, and the
+    lookup's backward joins the work once per forward."""
+    import contextlib
+
+    from hydra_lm.model import head_gradient_overlap as overlap_module
+    from hydra_lm.model import hydra
+
+    joins = []
+
+    class Stream:
+        def wait_stream(self, other):
+            joins.append(isinstance(other, Stream))
+
+    monkeypatch.setattr(hydra, "kernel_applies", lambda weight: True)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+
+    def grads(budget: int) -> dict:
+        monkeypatch.setattr(overlap_module, "side_stream", lambda device: Stream() if budget else None)
+        monkeypatch.setattr(overlap_module, "OVERLAP_BYTES", budget)
+        model = tiny_model(seed=3).to(DEVICE)
+        model.ce_impl, model.ce_chunk_size = "chunked", 32  # 120 tokens a batch: chunks of 32, 32, 32 and 24 rows
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            ids = torch.randint(0, model.config.vocab_size, (3, 40), generator=g)
+            (model(ids.to(DEVICE), targets=torch.roll(ids, -1, 1).to(DEVICE))["loss"] * 0.5).backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    expected = grads(0)
+    padded_row = -(-tiny_model(seed=3).config.vocab_size // 64) * 64 * 4  # fp32 logit gradients on the CPU
+    got = grads(budget_chunks * 32 * padded_row)
+    # each backward forks the work (the side stream waits on the trunk's) and the lookup joins it (the reverse)
+    assert len(joins) == 4
+    assert got.keys() == expected.keys() and "embed.weight" in got
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", ["every_chunk", "last_chunk"])
+def test_the_head_gradient_run_beside_the_trunks_backward_matches_the_forwards_and_replays_in_a_cuda_graph(
+        monkeypatch, overlap):
+    """The fused loss's head-gradient GEMMs left to its backward (``head_gradient_overlap.HeadGradientWork``: a green
+    context's stream, joined by the tied lookup's backward) give the gradients of the same GEMMs run in the forward,
+    eagerly and replayed from a captured step, and the side stream's work is part of the capture (a replay on other
+    targets gives the eager step's gradients there)."""
+    from hydra_lm.model import head_gradient_overlap as overlap_module
+    from hydra_lm.model import loss
+    from hydra_lm.model.cuda_graphs import GraphedStep
+    from hydra_lm.model.tied_lookup import HeadGradientSlot, tied_lookup
+
+    if overlap_module.side_stream(torch.device("cuda")) is None:
+        pytest.skip("no CUDA green context on this GPU, torch build or driver: the GEMMs stay in the forward")
+    torch.manual_seed(0)
+    vocab, width, chunk = 1000, 64, 256
+    weight = torch.nn.Parameter(torch.randn(vocab, width, device="cuda") * 0.1)
+    trunk = torch.nn.Linear(width, width, device="cuda")
+    ids = torch.randint(0, vocab, (4, chunk), device="cuda")
+    targets = torch.randint(0, vocab, (4, chunk), device="cuda")
+    params = [weight, *trunk.parameters()]
+    launched, launch = [], overlap_module.HeadGradientWork.launch
+    monkeypatch.setattr(overlap_module.HeadGradientWork, "launch",
+                        lambda self, g: launched.append(len(self.chunks)) or launch(self, g))
+
+    def step():
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
+        slot = HeadGradientSlot()
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            h = trunk(tied_lookup(ids, weight, slot))
+            out = loss.chunked_linear_cross_entropy(h, weight, targets, chunk_size=chunk, grad_sink=slot)
+        (out * 0.5).backward()
+        return out
+
+    monkeypatch.setattr(overlap_module, "OVERLAP_BYTES", 0)
+    step()
+    expected = [p.grad.clone() for p in params]
+    assert not launched
+    padded = -(-vocab // 64) * 64
+    monkeypatch.setattr(overlap_module, "OVERLAP_BYTES", 2 << 30 if overlap == "every_chunk" else chunk * padded * 2)
+    step()
+    assert launched == [4 if overlap == "every_chunk" else 1]
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-6, atol=1e-7)
+    graphed = GraphedStep(step, warmup=2)
+    for _ in range(3):  # two eager warm-up steps, then the capture and its replay
+        graphed()
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-6, atol=1e-7)
+    before = weight.grad.clone()
+    targets.copy_(torch.randint(0, vocab, targets.shape, device="cuda"))
+    graphed()
+    replayed = [p.grad.clone() for p in params]
+    monkeypatch.setattr(overlap_module, "OVERLAP_BYTES", 0)
+    step()
+    assert not torch.equal(replayed[0], before)
+    for r, p in zip(replayed, params):
+        torch.testing.assert_close(r, p.grad, rtol=1e-6, atol=1e-7)

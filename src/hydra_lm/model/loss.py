@@ -5,7 +5,8 @@
 keeps at most one chunk of logits alive:
 
 - ``liger``: Liger's fused linear cross-entropy Triton kernel (CUDA only, optional package).
-- ``chunked``: chunk by chunk along the tokens, with the gradients computed during the forward; runs
+- ``chunked``: chunk by chunk along the tokens, with the gradients computed during the forward (on CUDA a tied
+  head's weight gradient in the backward, beside the trunk's: model/head_gradient_overlap.py); runs
   everywhere and traces under ``torch.compile(fullgraph=True)``. On CUDA each chunk's softmax and logit
   gradient is one Triton kernel (kernels/cross_entropy_rows.py), elsewhere PyTorch ops.
 - ``naive``: materialises the logits; the reference the other two are tested against.
@@ -20,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import TRITON_AVAILABLE
+from . import head_gradient_overlap
+from .head_gradient_overlap import HeadGradientWork, add_chunk_gradient
 
 IMPLS = ("auto", "liger", "chunked", "naive")
 LIGER_INSTALLED = importlib.util.find_spec("liger_kernel") is not None
@@ -108,11 +111,14 @@ def _compiled_chunk_fn(backend, mode):
 
 
 def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, need_gh, need_gw,
-                  compile_chunks=None):
+                  compile_chunks=None, overlap_bytes: int = 0):
     """Mean loss over the valid targets, and when asked the gradients of that loss w.r.t. ``hidden`` and ``weight``, one
     [chunk, V] block of logits at a time. ``compile_chunks`` ({"backend", "mode"} for
     ``torch.compile``, or None): run each chunk's logits, loss and logit gradient as one compiled
-    graph (ignored inside an enclosing ``torch.compile``, which compiles them anyway)."""
+    graph (ignored inside an enclosing ``torch.compile``, which compiles them anyway). ``overlap_bytes`` (CUDA, where
+    ``head_gradient_overlap.side_stream`` has a stream): the weight gradient's GEMMs of the last chunks whose logit
+    gradients fit in that many bytes are returned undone, as a ``HeadGradientWork``, in place of the weight's
+    gradient."""
     n, vocab = hidden.shape[0], weight.shape[0]
     mm_dtype, acc_dtype = _compute_dtypes(hidden, weight)
     padded = -(-vocab // _VOCAB_ALIGN) * _VOCAB_ALIGN
@@ -144,6 +150,12 @@ def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, need_gh, ne
     if need_gw:
         grad_w = (torch.empty if gemm_sums else torch.zeros)((padded, weight.shape[1]), dtype=gw_dtype,
                                                               device=weight.device)
+    # The chunks from ``kept`` on leave their weight-gradient GEMMs to the backward (head_gradient_overlap).
+    kept = n
+    if need_gw and overlap_bytes > 0:
+        row_bytes = padded * torch.empty((), dtype=mm_dtype).element_size()
+        kept = head_gradient_overlap.first_kept_row(n, chunk_size, row_bytes, overlap_bytes)
+    deferred = []
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
         h = hidden[start:end].to(mm_dtype)
@@ -158,35 +170,45 @@ def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, need_gh, ne
         total = total + part
         if need_gh:
             grad_h[start:end] = g @ w
-        if need_gw:
-            if gemm_sums and start == 0:
-                torch.mm(g.t(), h, out_dtype=gw_dtype, out=grad_w)
-            elif gemm_sums:
-                torch.addmm(grad_w, g.t(), h, out_dtype=gw_dtype, out=grad_w)
-            elif grad_w.dtype == mm_dtype:
-                grad_w.addmm_(g.t(), h)
-            else:
-                grad_w.add_(g.t() @ h)
+        if need_gw and start >= kept:
+            deferred.append((g, h))
+        elif need_gw:
+            add_chunk_gradient(grad_w, g, h, gemm_sums and start == 0, gemm_sums)
     loss = total * scale
+    if deferred:
+        return loss, grad_h, HeadGradientWork(grad_w, deferred, gemm_sums and kept == 0, gemm_sums, vocab,
+                                              weight.dtype, head_gradient_overlap.side_stream(hidden.device))
     return loss, grad_h, None if grad_w is None else grad_w[:vocab].to(weight.dtype)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """The forward already holds every intermediate the gradient needs, so it computes the gradient
-    there and backward only scales it: no logits are kept or recomputed between the two."""
+    there and backward only scales it: no logits are recomputed between the two. With a ``grad_sink`` the head's
+    weight-gradient GEMMs of the last chunks are the exception where a side stream of SMs of its own exists: the
+    backward runs them beside the trunk's (model/head_gradient_overlap.py)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, need_gh, need_gw, compile_chunks, grad_sink):
+        # Only where the hidden states need a gradient: else no trunk backward to overlap, and no lookup to join.
+        overlap = 0
+        if grad_sink is not None and need_gh and head_gradient_overlap.side_stream(hidden.device) is not None:
+            overlap = head_gradient_overlap.OVERLAP_BYTES
         loss, grad_h, grad_w = _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, need_gh, need_gw,
-                                             compile_chunks)
+                                             compile_chunks, overlap)
         ctx.need_gh, ctx.need_gw, ctx.grad_sink = need_gh, need_gw, grad_sink
-        ctx.save_for_backward(*[g for g in (grad_h, grad_w) if g is not None])
+        ctx.work = grad_w if isinstance(grad_w, HeadGradientWork) else None
+        ctx.save_for_backward(*[g for g in (grad_h, grad_w) if isinstance(g, torch.Tensor)])
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         saved = iter(ctx.saved_tensors)
         grad_h = next(saved) * grad_loss if ctx.need_gh else None
+        if ctx.work is not None:
+            # The tied lookup's backward (model/tied_lookup.py) joins it, adds its rows and returns the gradient.
+            ctx.grad_sink.put(ctx.work.launch(grad_loss))
+            ctx.work = None
+            return grad_h, None, None, None, None, None, None, None, None
         grad_w = next(saved) * grad_loss if ctx.need_gw else None
         if grad_w is not None and ctx.grad_sink is not None and ctx.need_gh:
             # The tied lookup's backward adds its rows into it and returns it as the weight's gradient

@@ -11,7 +11,9 @@ sums it with other forwards' as usual. The lookup returns what the loss handed o
 tensor the lookup later changes: autograd may already have summed that tensor into another forward's gradient by
 then (tested: two forwards, one backward). A slot serves one forward. Without a head gradient in it (another loss
 path) the lookup's backward is ``nn.Embedding``'s. The kernel's part takes about 0.1 ms there: +1.4% tokens/s
-(benchmarks/BENCHMARKS.md, fifty-second session).
+(benchmarks/BENCHMARKS.md, fifty-second session). Where the loss's backward left the head gradient's GEMMs running on
+a side stream (model/head_gradient_overlap.py), the slot holds that work, and taking it joins the stream: the lookup's
+backward, the trunk backward's last op, is where the overlap ends.
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ class HeadGradientSlot:
     def __init__(self) -> None:
         self._grad: torch.Tensor | None = None
 
-    def put(self, grad: torch.Tensor) -> None:
+    def put(self, grad) -> None:
+        """``grad``: the gradient, or work that computes it on a side stream (``loss.HeadGradientWork``)."""
         self._grad = grad
 
     def take(self) -> torch.Tensor | None:
         # Handed over, not kept: a second reference would stop autograd from taking the tensor as ``.grad`` without a
         # copy.
         grad, self._grad = self._grad, None
-        return grad
+        return grad if grad is None or isinstance(grad, torch.Tensor) else grad.result()
 
 
 def kernel_applies(weight: torch.Tensor) -> bool:

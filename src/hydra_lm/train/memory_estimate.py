@@ -5,9 +5,10 @@ Weights, gradients and optimizer state are counted from the parameter shapes. Ac
 measured, not guessed: one forward pass runs on fake tensors (shapes only, no memory) and every
 tensor autograd saves for the backward pass is summed once per storage. The backward pass adds a
 working set of about twice the largest saved tensor (its gradient and the recomputed softmax of
-the loss), or on CUDA the fused loss's chunk of logits if that is larger. With gradient checkpointing a
-checkpointed block holds only its inputs, and backward recomputes its saved tensors and holds them while it
-runs through the block: the largest block's are added to the working set. ``device`` picks the
+the loss), or on CUDA the fused loss's chunk of logits if that is larger; on CUDA a tied model's fused loss also
+keeps the logit gradients of its last chunks into the backward (model/head_gradient_overlap.py). With gradient
+checkpointing a checkpointed block holds only its inputs, and backward recomputes its saved tensors and holds them
+while it runs through the block: the largest block's are added to the working set. ``device`` picks the
 trainer's defaults there: "cpu" counts fp32 activations and the plain loss, "cuda" bf16 autocast (its cast
 cache off, as in the trainer's step) and the fused chunked loss (weights, gradients and optimizer state stay
 fp32 on both). Sophia's Hessian estimate adds a pass over the batch's whole logits. Checked against a CPU run's
@@ -25,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..config import HydraConfig, preset_config
 from ..model import HydraModel, moe
+from ..model.head_gradient_overlap import OVERLAP_BYTES, first_kept_row
 from .optim import takes_muon
 
 DEVICES = ("cuda", "cpu")
@@ -149,11 +151,15 @@ def measure_training_memory(cfg: HydraConfig, batch_size: int, seq_len: int, opt
     if cuda:  # the loss's fp32 logits and their bf16 gradient (the fused loss's one chunk), while activations are held
         rows = min(model.ce_chunk_size, batch_size * seq_len) if fused else batch_size * seq_len
         backward = max(backward, rows * cfg.vocab_size * (4 + 2))
+    kept = 0
+    if cuda and fused and cfg.tie_embeddings:  # the logit gradients the fused loss keeps for the backward
+        rows, row_bytes = batch_size * seq_len, -(-cfg.vocab_size // 64) * 64 * 2
+        kept = (rows - first_kept_row(rows, model.ce_chunk_size, row_bytes, OVERLAP_BYTES)) * row_bytes
     if optimizer == "sophia":  # its Hessian estimate's whole fp32 logits, their softmax and their gradient
         backward = max(backward, batch_size * seq_len * cfg.vocab_size * 4 * 3)
     parts = {"weights_mb": params / MB, "gradients_mb": params / MB, "optimizer_mb": states / MB,
              "activations_mb": sum(saved[s] for s in outside) / MB, "backward_mb": backward / MB,
-             "update_mb": update / MB}
+             "update_mb": update / MB, "head_gradient_mb": kept / MB}
     return {**parts, "peak_mb": sum(parts.values())}
 
 
@@ -217,4 +223,6 @@ def describe_memory(model_size: str, batch_size: int, seq_len: int, optimizer: s
             f"  weights {m['weights_mb']:,.0f} | gradients {m['gradients_mb']:,.0f} | optimizer state "
             f"{m['optimizer_mb']:,.0f} | saved activations {m['activations_mb']:,.0f} | working set (backward "
             f"or loss chunk) {m['backward_mb']:,.0f}" + (f" | the graphed update's own {m['update_mb']:,.0f}"
-                                                         if m["update_mb"] else "") + " MB"]
+                                                         if m["update_mb"] else "")
+            + (f" | logit gradients kept for the head's gradient {m['head_gradient_mb']:,.0f}"
+               if m["head_gradient_mb"] else "") + " MB"]
