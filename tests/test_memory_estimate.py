@@ -153,6 +153,12 @@ def test_the_cuda_estimate_counts_bf16_activations_and_the_fused_loss():
     # 2 GiB holds 10,733 rows of 100,032 (the vocabulary padded to 64): the last two whole chunks of 4,096
     wide = measure_training_memory(preset_config("debug", vocab_size=100000), 32, 1024, device="cuda")
     assert wide["head_gradient_mb"] == pytest.approx(2 * 4096 * 100032 * 2 / 2**20)
+    # 16,000 rows in chunks of 4,096, the last of 3,712: a budget of 1,024 rows keeps nothing (never a negative
+    # count), one of 4,096 rows the last chunk; 120 rows in chunks of 32, the last of 24: 24 rows' worth keeps it
+    from hydra_lm.model.head_gradient_overlap import first_kept_row
+    assert first_kept_row(16000, 4096, 2 << 20, 2 << 30) == 16000
+    assert first_kept_row(16000, 4096, 2 << 20, 4096 * (2 << 20)) == 12288
+    assert first_kept_row(120, 32, 4, 24 * 4) == 96 and first_kept_row(120, 32, 4, 23 * 4) == 120
     assert measure_training_memory(cfg, 8, 1024, device="cuda", ce_chunk_size=8192)["backward_mb"] == \
         pytest.approx(8192 * 8192 * 6 / 2**20)
     # Sophia-G's Hessian estimate materialises the batch's logits (fp32, their softmax and gradient).

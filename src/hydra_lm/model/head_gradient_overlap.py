@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 def first_kept_row(rows: int, chunk_size: int, row_bytes: int, budget: int) -> int:
     """The first of ``rows`` whose chunk keeps its logit gradients (``row_bytes`` each) for the backward: the last
-    whole chunks that fit in ``budget`` bytes (``rows``: none)."""
-    return max(0, -(-(rows - budget // row_bytes) // chunk_size) * chunk_size)
+    whole chunks that fit in ``budget`` bytes (``rows`` where not even the last one fits)."""
+    return min(rows, max(0, -(-(rows - budget // row_bytes) // chunk_size) * chunk_size))
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream | None:
