@@ -255,3 +255,41 @@ def test_the_head_gradient_run_beside_the_trunks_backward_matches_the_forwards_a
     assert not torch.equal(replayed[0], before)
     for r, p in zip(replayed, params):
         torch.testing.assert_close(r, p.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_the_head_gradients_side_stream_is_a_green_context_of_all_but_the_trunks_sms_or_none(monkeypatch):
+    """Where the head's GEMMs may leave the forward (model/head_gradient_overlap.py): never off CUDA; on a GPU a green
+    context of all but ``TRUNK_SMS`` SMs, made once and kept (its stream dies with it); none on a GPU too small to
+    spare them, or where torch or the driver cannot make one (the GEMMs then stay in the forward)."""
+    from types import SimpleNamespace
+
+    from torch.cuda import green_contexts
+
+    from hydra_lm.model import head_gradient_overlap as overlap_module
+
+    assert overlap_module.side_stream(torch.device("cpu")) is None
+    made = []
+
+    class Context:
+        def Stream(self):
+            return ("stream of", self)
+
+    def create(num_sms, device_id):
+        made.append((num_sms, device_id))
+        if gpu.fails:
+            raise RuntimeError("green contexts need CUDA 12.4")
+        return Context()
+
+    gpu = SimpleNamespace(multi_processor_count=132, fails=False)
+    monkeypatch.setattr(green_contexts.GreenContext, "create", staticmethod(create))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: gpu)
+    for gpu.multi_processor_count, gpu.fails, ok in [(132, False, True), (60, False, False), (132, True, False)]:
+        monkeypatch.setattr(overlap_module, "_streams", {})
+        made.clear()
+        stream = overlap_module.side_stream(torch.device("cuda", 1))
+        if not ok:
+            assert stream is None and made == ([(100, 1)] if gpu.fails else [])  # asked only where the SMs suffice
+        else:
+            assert made == [(100, 1)] and stream[0] == "stream of"
+            assert overlap_module._streams[1][0] is stream[1]  # the context is kept beside its stream
+            assert overlap_module.side_stream(torch.device("cuda", 1)) is stream and len(made) == 1  # made once
