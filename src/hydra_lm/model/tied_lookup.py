@@ -31,7 +31,7 @@ class HeadGradientSlot:
         self._grad: torch.Tensor | None = None
 
     def put(self, grad) -> None:
-        """``grad``: the gradient, or work that computes it on a side stream (``loss.HeadGradientWork``)."""
+        """``grad``: the gradient, or the work computing it on a side stream (a ``HeadGradientWork``)."""
         self._grad = grad
 
     def take(self) -> torch.Tensor | None:
