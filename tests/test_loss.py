@@ -193,7 +193,7 @@ class _LargestTensor(TorchDispatchMode):
 def test_never_allocates_full_logits():
     n = 4 * CHUNK
     hidden, weight, targets = _inputs(torch.float32, n=n)
-    padded = -(-V // lce._VOCAB_ALIGN) * lce._VOCAB_ALIGN  # the matmuls see the vocabulary padded for alignment
+    padded = -(-V // lce.VOCAB_ALIGN) * lce.VOCAB_ALIGN  # the matmuls see the vocabulary padded for alignment
     # sizes chosen so only logits can exceed CHUNK * padded
     assert max(padded * E, n * E) < CHUNK * padded < n * V
     with _LargestTensor() as probe:

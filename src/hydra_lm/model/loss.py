@@ -67,7 +67,7 @@ def _compute_dtypes(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.d
 
 # Vocabulary padding of the fused loss's matmuls: with V = 50257 (GPT-2) the [chunk, V] operands are
 # not 16-byte aligned and cuBLAS falls back to kernels several times slower (measured on an H100).
-_VOCAB_ALIGN = 64
+VOCAB_ALIGN = 64
 
 
 def _rows_kernel_applies(hidden: torch.Tensor, acc_dtype: torch.dtype) -> bool:
@@ -111,17 +111,17 @@ def _compiled_chunk_fn(backend, mode):
 
 
 def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, need_gh, need_gw,
-                  compile_chunks=None, overlap_bytes: int = 0):
+                  compile_chunks=None, side_stream: torch.cuda.Stream | None = None):
     """Mean loss over the valid targets, and when asked the gradients of that loss w.r.t. ``hidden`` and ``weight``, one
     [chunk, V] block of logits at a time. ``compile_chunks`` ({"backend", "mode"} for
     ``torch.compile``, or None): run each chunk's logits, loss and logit gradient as one compiled
-    graph (ignored inside an enclosing ``torch.compile``, which compiles them anyway). ``overlap_bytes`` (CUDA, where
-    ``head_gradient_overlap.side_stream`` has a stream): the weight gradient's GEMMs of the last chunks whose logit
-    gradients fit in that many bytes are returned undone, as a ``HeadGradientWork``, in place of the weight's
-    gradient."""
+    graph (ignored inside an enclosing ``torch.compile``, which compiles them anyway). ``side_stream``
+    (``head_gradient_overlap.side_stream``): the weight gradient's GEMMs of the last chunks whose logit gradients fit
+    in ``head_gradient_overlap.OVERLAP_BYTES`` are returned undone, as a ``HeadGradientWork`` to run there, in place of
+    the weight's gradient."""
     n, vocab = hidden.shape[0], weight.shape[0]
     mm_dtype, acc_dtype = _compute_dtypes(hidden, weight)
-    padded = -(-vocab // _VOCAB_ALIGN) * _VOCAB_ALIGN
+    padded = -(-vocab // VOCAB_ALIGN) * VOCAB_ALIGN
     if padded != vocab:  # cast and pad in one copy (a cast, then a cat, moved the weight twice)
         w = weight.new_empty((padded, weight.shape[1]), dtype=mm_dtype)
         w[:vocab].copy_(weight)
@@ -152,9 +152,9 @@ def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, need_gh, ne
                                                               device=weight.device)
     # The chunks from ``kept`` on leave their weight-gradient GEMMs to the backward (head_gradient_overlap).
     kept = n
-    if need_gw and overlap_bytes > 0:
+    if need_gw and side_stream is not None:
         row_bytes = padded * torch.empty((), dtype=mm_dtype).element_size()
-        kept = head_gradient_overlap.first_kept_row(n, chunk_size, row_bytes, overlap_bytes)
+        kept = head_gradient_overlap.first_kept_row(n, chunk_size, row_bytes, head_gradient_overlap.OVERLAP_BYTES)
     deferred = []
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
@@ -177,7 +177,7 @@ def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, need_gh, ne
     loss = total * scale
     if deferred:
         return loss, grad_h, HeadGradientWork(grad_w, deferred, gemm_sums and kept == 0, gemm_sums, vocab,
-                                              weight.dtype, head_gradient_overlap.side_stream(hidden.device))
+                                              weight.dtype, side_stream)
     return loss, grad_h, None if grad_w is None else grad_w[:vocab].to(weight.dtype)
 
 
@@ -190,11 +190,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, need_gh, need_gw, compile_chunks, grad_sink):
         # Only where the hidden states need a gradient: else no trunk backward to overlap, and no lookup to join.
-        overlap = 0
-        if grad_sink is not None and need_gh and head_gradient_overlap.side_stream(hidden.device) is not None:
-            overlap = head_gradient_overlap.OVERLAP_BYTES
+        side = head_gradient_overlap.side_stream(hidden.device) if grad_sink is not None and need_gh else None
         loss, grad_h, grad_w = _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, need_gh, need_gw,
-                                             compile_chunks, overlap)
+                                             compile_chunks, side)
         ctx.need_gh, ctx.need_gw, ctx.grad_sink = need_gh, need_gw, grad_sink
         ctx.work = grad_w if isinstance(grad_w, HeadGradientWork) else None
         ctx.save_for_backward(*[g for g in (grad_h, grad_w) if isinstance(g, torch.Tensor)])
