@@ -12,6 +12,10 @@ group, so it gains only what concurrency gives.
     python benchmarks/decode_row_groups.py --batch 32 --groups 1,2,4,8 [--arch hydra,dense]
     python benchmarks/decode_row_groups.py --check        # CPU: every grouping's tokens equal one step's
 
+``--head once`` (the default): each group's step stops at its rows' hidden states and the norm and LM head run once
+over the whole batch, eagerly after the groups join; ``--head per_group`` leaves the head in every group's graph, so
+each step reads the head's weights (77 MB at vocabulary 50,257, about 35 us at batch 1) once per group.
+
 Timing as ``bench.decode_tokens_per_s``: a seeded prompt of ``--new_tokens`` tokens prefilled once for all rows,
 then as many one-token steps, greedy, timed on their own (median of 3); on CUDA compiled and CUDA-graphed with the
 decisions on the device, as ``generate`` runs them.
@@ -20,6 +24,7 @@ decisions on the device, as ``generate`` runs them.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import statistics
 import time
@@ -28,7 +33,7 @@ import torch
 
 import hydra_lm
 from hydra_lm.model.decode_session import DecodeSession
-from hydra_lm.model.decode_step import DecodeStep
+from hydra_lm.model.decode_step import DecodeStep, decode_weights
 
 
 def row_caches(caches: list, rows: slice) -> list:
@@ -39,46 +44,69 @@ def row_caches(caches: list, rows: slice) -> list:
     return [[[cut(c) for c in depth] for depth in block] for block in caches]
 
 
-class GroupedDecode:
-    """One ``DecodeStep`` per group of rows over ``session``'s caches, each launched on a stream of its own (CUDA)."""
+def trunk_only(model):
+    """``model`` with an identity for its final norm and LM head (every other module shared): a ``DecodeStep`` of it
+    returns the new tokens' hidden states instead of their logits."""
+    trunk = copy.copy(model)
+    trunk._modules = dict(model._modules)  # a shallow copy would share the dict, and the model lose its head
+    trunk.norm, trunk.lm_head = torch.nn.Identity(), torch.nn.Identity()
+    return trunk
 
-    def __init__(self, model, session: DecodeSession, groups: int, device: torch.device, graphed: bool, compiled: bool):
+
+class GroupedDecode:
+    """One ``DecodeStep`` per group of rows over ``session``'s caches, each launched on a stream of its own (CUDA);
+    ``head_once``: the steps stop at the hidden states and the norm and head run once over the joined batch."""
+
+    def __init__(self, model, session: DecodeSession, groups: int, device: torch.device, graphed: bool, compiled: bool,
+                 head_once: bool = True):
         batch = session.batch
         if batch % groups:
             raise SystemExit(f"--groups {groups} does not divide the batch {batch}")
         size = batch // groups
         self.rows = [slice(g * size, (g + 1) * size) for g in range(groups)]
-        self.steps = [DecodeStep(model, row_caches(session.caches, rows), size, device, graphed, compiled)
+        stepped = trunk_only(model) if head_once else model
+        self.steps = [DecodeStep(stepped, row_caches(session.caches, rows), size, device, graphed, compiled)
                       for rows in self.rows]
         cuda = device.type == "cuda"
         self.streams = [torch.cuda.Stream(device) for _ in self.rows] if cuda and groups > 1 else None
         self.autocast = self.steps[0].autocast
+        self.head = None
+        if head_once:  # as the steps would run it: the Linear weight cast once under autocast, no weight cache
+            enabled, dtype = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+            lm_head = decode_weights(model.lm_head, dtype if enabled else None, False)
+            self.head = lambda hidden: lm_head(model.norm(hidden))
 
     def __call__(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
         if self.streams is None:
-            return torch.cat([step(tokens[rows], position) for step, rows in zip(self.steps, self.rows)])
-        main = torch.cuda.current_stream()
-        outs = []
-        for step, rows, stream in zip(self.steps, self.rows, self.streams):
-            stream.wait_stream(main)  # the tokens were chosen on the main stream
-            with torch.cuda.stream(stream):
-                outs.append(step(tokens[rows], position))
-        for stream in self.streams:
-            main.wait_stream(stream)
-        return torch.cat(outs)
+            out = torch.cat([step(tokens[rows], position) for step, rows in zip(self.steps, self.rows)])
+        else:
+            main = torch.cuda.current_stream()
+            outs = []
+            for step, rows, stream in zip(self.steps, self.rows, self.streams):
+                stream.wait_stream(main)  # the tokens were chosen on the main stream
+                with torch.cuda.stream(stream):
+                    outs.append(step(tokens[rows], position))
+            for stream in self.streams:
+                main.wait_stream(stream)
+            out = torch.cat(outs)
+        if self.head is None:
+            return out
+        with self.autocast():
+            return self.head(out)
 
     @property
     def unit_calls(self) -> list[int]:
         return [step.unit_calls for step in self.steps]
 
 
-def decode_rate(model, batch: int, groups: int, length: int, device: torch.device) -> tuple[float, float, float]:
+def decode_rate(model, batch: int, groups: int, length: int, device: torch.device,
+                head_once: bool) -> tuple[float, float, float]:
     """(tokens/s, units a step summed over the groups, the most units a step of one group ran on average)."""
     cuda = device.type == "cuda"
     seeded = torch.Generator().manual_seed(batch)
     prompt = torch.randint(0, model.config.vocab_size, (batch, length), generator=seeded).to(device)
     session = DecodeSession(model, batch, 2 * length, device, model.decode_capturable() and cuda, cuda)
-    step = GroupedDecode(model, session, groups, device, model.decode_capturable() and cuda, cuda)
+    step = GroupedDecode(model, session, groups, device, model.decode_capturable() and cuda, cuda, head_once)
     first = session.prefill(prompt).argmax(-1)
     for position in (length, length + 1):  # eager warm-up (compiles), then the capture
         step(first[:, None], position)
@@ -108,18 +136,20 @@ def check(args) -> None:
     prompt = torch.randint(0, 512, (batch, length), generator=torch.Generator().manual_seed(1))
     runs = {}
     with torch.no_grad():
-        for groups in (1, 2, 4, 8):
+        for groups, head_once in ((1, False), *((g, h) for g in (1, 2, 4, 8) for h in (False, True))):
             session = DecodeSession(model, batch, 2 * length, torch.device("cpu"), False, False)
-            step = GroupedDecode(model, session, groups, torch.device("cpu"), False, False)
+            step = GroupedDecode(model, session, groups, torch.device("cpu"), False, False, head_once)
             token, logits = session.prefill(prompt).argmax(-1), []
             for position in range(length, 2 * length):
                 out = step(token[:, None], position)
                 logits.append(out.clone())
                 token = out.argmax(-1)
-            runs[groups] = torch.stack(logits)
-    for groups, logits in runs.items():
-        torch.testing.assert_close(logits, runs[1], rtol=1e-5, atol=1e-5, msg=f"{groups} groups")
-        print(f"{groups} groups: the same {length} steps' logits as one step over the batch")
+            runs[groups, head_once] = torch.stack(logits)
+    for (groups, head_once), logits in runs.items():
+        torch.testing.assert_close(logits, runs[1, False], rtol=1e-5, atol=1e-5, msg=f"{groups} groups")
+        print(f"{groups} groups, head {'once' if head_once else 'per group'}: the same {length} steps' logits as one "
+              "step over the batch")
+    assert isinstance(model.lm_head, torch.nn.Linear), "the trunk-only copy took the model's head"
 
 
 def main() -> None:
@@ -130,6 +160,8 @@ def main() -> None:
     p.add_argument("--groups", default="1,2,4,8")
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--calibrate", type=int, default=30, help="HYDRA: training-mode forwards of 8 x 1024 first")
+    p.add_argument("--head", choices=("once", "per_group"), default="once",
+                   help="the norm and LM head once over the batch, or in every group's step")
     p.add_argument("--check", action="store_true", help="CPU: the groupings decode the same tokens")
     args = p.parse_args()
     if args.check:
@@ -145,9 +177,10 @@ def main() -> None:
                     model(torch.randint(0, model.config.vocab_size, (8, 1024), device=device))
             model.eval()
             for groups in (int(g) for g in args.groups.split(",")):
-                rate, units, most = decode_rate(model, args.batch, groups, args.new_tokens, device)
-                print(f"{arch:6s} batch {args.batch} in {groups} groups: {rate:10,.0f} tokens/s, {units:5.2f} units a "
-                      f"step in all, {most:5.2f} in the busiest group", flush=True)
+                rate, units, most = decode_rate(model, args.batch, groups, args.new_tokens, device,
+                                                args.head == "once")
+                print(f"{arch:6s} batch {args.batch} in {groups} groups (head {args.head}): {rate:10,.0f} tokens/s, "
+                      f"{units:5.2f} units a step in all, {most:5.2f} in the busiest group", flush=True)
 
 
 if __name__ == "__main__":
