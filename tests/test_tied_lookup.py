@@ -194,6 +194,7 @@ def test_the_head_gradients_gemms_left_to_the_backward_give_the_forwards_gradien
     assert got.keys() == expected.keys() and "embed.weight" in got
     assert all(torch.equal(got[name], expected[name]) for name in expected)
 
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap", ["every_chunk", "last_chunk"])
 def test_the_head_gradient_run_beside_the_trunks_backward_matches_the_forwards_and_replays_in_a_cuda_graph(

@@ -153,7 +153,7 @@ def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, need_gh, ne
     # The chunks from ``kept`` on leave their weight-gradient GEMMs to the backward (head_gradient_overlap).
     kept = n
     if need_gw and side_stream is not None:
-        row_bytes = padded * torch.empty((), dtype=mm_dtype).element_size()
+        row_bytes = padded * mm_dtype.itemsize
         kept = head_gradient_overlap.first_kept_row(n, chunk_size, row_bytes, head_gradient_overlap.OVERLAP_BYTES)
     deferred = []
     for start in range(0, n, chunk_size):
