@@ -9,6 +9,10 @@ the units its own rows enter, and the groups' small kernels can run side by side
 costs about one group's chain of units, fewer than the whole batch's. The dense baseline runs every layer in every
 group, so it gains only what concurrency gives.
 
+Measured (H100, benchmarks/BENCHMARKS.md, eightieth session): they do not. At batch 32 the busiest of 8 groups ran
+10.3 units a step against the whole batch's 16.6, but 4 and 8 groups decoded at 0.85x and 0.63x the single step's
+tokens/s (dense 0.73x and 0.55x): the groups' graphs barely overlap. Not adopted in ``generate``.
+
     python benchmarks/decode_row_groups.py --batch 32 --groups 1,2,4,8 [--arch hydra,dense]
     python benchmarks/decode_row_groups.py --check        # CPU: every grouping's tokens equal one step's
 

@@ -150,6 +150,8 @@ def test_the_cuda_estimate_counts_bf16_activations_and_the_fused_loss():
     assert big["head_gradient_mb"] == pytest.approx(8 * 1024 * 8192 * 2 / 2**20)
     assert plain["head_gradient_mb"] == cpu["head_gradient_mb"] == 0
     assert measure_training_memory(cfg.replace(tie_embeddings=False), 8, 1024, device="cuda")["head_gradient_mb"] == 0
+    assert measure_training_memory(preset_config("debug", vocab_size=8192, arch="dense"), 8, 1024,
+                                   device="cuda")["head_gradient_mb"] == 0  # no routed units: nothing kept
     # 2 GiB holds 10,733 rows of 100,032 (the vocabulary padded to 64): the last two whole chunks of 4,096
     wide = measure_training_memory(preset_config("debug", vocab_size=100000), 32, 1024, device="cuda")
     assert wide["head_gradient_mb"] == pytest.approx(2 * 4096 * 100032 * 2 / 2**20)

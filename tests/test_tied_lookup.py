@@ -175,10 +175,10 @@ def test_the_head_gradients_gemms_left_to_the_backward_give_the_forwards_gradien
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
 
-    def grads(budget: int) -> dict:
+    def grads(budget: int, **overrides) -> dict:
         monkeypatch.setattr(overlap_module, "side_stream", lambda device: Stream() if budget else None)
         monkeypatch.setattr(overlap_module, "OVERLAP_BYTES", budget)
-        model = tiny_model(seed=3).to(DEVICE)
+        model = tiny_model(seed=3, **overrides).to(DEVICE)
         model.ce_impl, model.ce_chunk_size = "chunked", 32  # 120 tokens a batch: chunks of 32, 32, 32 and 24 rows
         g = torch.Generator().manual_seed(1)
         for _ in range(2):
@@ -193,6 +193,11 @@ def test_the_head_gradients_gemms_left_to_the_backward_give_the_forwards_gradien
     assert len(joins) == 4
     assert got.keys() == expected.keys() and "embed.weight" in got
     assert all(torch.equal(got[name], expected[name]) for name in expected)
+    # Without routed units (a dense model's backward keeps the GPU busy) every GEMM stays in the forward.
+    joins.clear()
+    grads(budget_chunks * 32 * padded_row, mod_enabled=False, mor_enabled=False)
+    grads(budget_chunks * 32 * padded_row, arch="dense", n_layers=2, n_heads=4, n_kv_heads=2)
+    assert not joins
 
 
 @pytest.mark.gpu

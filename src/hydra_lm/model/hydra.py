@@ -25,6 +25,7 @@ from .attention import CCGQAttention, GQAttention
 from .decode_session import DecodeSessions
 from .decode_step import compiled_prefill, decode_compiles
 from .doc_attention import documents_for
+from . import head_gradient_overlap
 from .block import RecursiveBlock, TransformerLayer
 from .loss import linear_cross_entropy, logits_cross_entropy
 from .layers import (GradientCheckpointMixin, RMSNorm, RotaryEmbedding, eval_mode, init_weights_normal,
@@ -227,7 +228,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         # for the lookup's backward to add into (tied_lookup).
         fused_tied = (self.config.tie_embeddings and targets is not None and self.ce_impl != "naive"
                       and torch.is_grad_enabled() and kernel_applies(self.embed.weight))
-        slot = HeadGradientSlot() if fused_tied else None
+        slot = HeadGradientSlot(head_gradient_overlap.applies(self.config)) if fused_tied else None
         x = self.embed(input_ids) if slot is None else tied_lookup(input_ids, self.embed.weight, slot)
         # Here, not inside a compiled unit: a bad backend's error is then ours, not Dynamo's, and the
         # row's mask is built once for every unit that sees the whole row.

@@ -190,7 +190,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, need_gh, need_gw, compile_chunks, grad_sink):
         # Only where the hidden states need a gradient: else no trunk backward to overlap, and no lookup to join.
-        side = head_gradient_overlap.side_stream(hidden.device) if grad_sink is not None and need_gh else None
+        overlaps = grad_sink is not None and grad_sink.overlap and need_gh
+        side = head_gradient_overlap.side_stream(hidden.device) if overlaps else None
         loss, grad_h, grad_w = _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, need_gh, need_gw,
                                              compile_chunks, side)
         ctx.need_gh, ctx.need_gw, ctx.grad_sink = need_gh, need_gw, grad_sink

@@ -25,10 +25,12 @@ from ..kernels import TRITON_AVAILABLE
 
 
 class HeadGradientSlot:
-    """Where the fused loss's backward leaves the head's weight gradient for the tied lookup's backward."""
+    """Where the fused loss's backward leaves the head's weight gradient for the tied lookup's backward; ``overlap``:
+    whether the loss may leave the gradient's GEMMs running on a side stream (``head_gradient_overlap.applies``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, overlap: bool = True) -> None:
         self._grad: torch.Tensor | None = None
+        self.overlap = overlap
 
     def put(self, grad) -> None:
         """``grad``: the gradient, or the work computing it on a side stream (a ``HeadGradientWork``)."""

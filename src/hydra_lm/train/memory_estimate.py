@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..config import HydraConfig, preset_config
 from ..model import HydraModel, moe
-from ..model.head_gradient_overlap import OVERLAP_BYTES, first_kept_row
+from ..model.head_gradient_overlap import OVERLAP_BYTES, applies, first_kept_row
 from ..model.loss import VOCAB_ALIGN
 from .optim import takes_muon
 
@@ -153,7 +153,7 @@ def measure_training_memory(cfg: HydraConfig, batch_size: int, seq_len: int, opt
         rows = min(model.ce_chunk_size, batch_size * seq_len) if fused else batch_size * seq_len
         backward = max(backward, rows * cfg.vocab_size * (4 + 2))
     kept = 0
-    if cuda and fused and cfg.tie_embeddings:  # the logit gradients the fused loss keeps for the backward
+    if cuda and fused and cfg.tie_embeddings and applies(cfg):  # the logit gradients the loss keeps for the backward
         rows, row_bytes = batch_size * seq_len, -(-cfg.vocab_size // VOCAB_ALIGN) * VOCAB_ALIGN * 2
         kept = (rows - first_kept_row(rows, model.ce_chunk_size, row_bytes, OVERLAP_BYTES)) * row_bytes
     if optimizer == "sophia":  # its Hessian estimate's whole fp32 logits, their softmax and their gradient
