@@ -50,6 +50,53 @@ def test_incremental_decode_matches_full_forward_where_deep_routers_rank(monkeyp
         torch.testing.assert_close(logits, full["logits"][:, t], rtol=0, atol=1e-9)
 
 
+def _random_routing(rng: random.Random) -> dict:
+    """A routing configuration drawn over what the config accepts (some draws it refuses)."""
+    cfg = dict(sharing=rng.choice(["sequence", "middle_cycle"]), recursions=rng.choice([1, 2, 3, 4]),
+               mod_enabled=rng.random() < 0.85, mor_enabled=rng.random() < 0.85,
+               mod_capacity=rng.choice([0.125, 0.25, 0.5, 0.75, 1.0]), mor_capacity=rng.choice([0.125, 0.25, 0.5]),
+               mor_routing=rng.choice(["expert", "token"]),
+               mor_capacity_schedule=rng.choice(["geometric", "paper", "layer_aware"]),
+               mod_first_block=rng.random() < 0.3, topk_over=rng.choice(["row", "batch", "causal"]),
+               static_routing_mode=rng.random() < 0.1, qk_mean=rng.random() < 0.8, value_shift=rng.random() < 0.8)
+    cfg["n_blocks"] = rng.choice([3, 4]) if cfg["sharing"] == "middle_cycle" else rng.choice([1, 2, 3])
+    cfg["mod_every"] = 1 if cfg["sharing"] == "middle_cycle" else rng.choice([1, 2, 3])
+    if cfg["topk_over"] != "row":
+        cfg["topk_groups"] = rng.choice([1, 2])
+    if rng.random() < 0.3:
+        cfg.update(moe=True, moe_num_layers=rng.choice([1, 2]), moe_num_experts=3, moe_top_k=rng.choice([1, 2]))
+    return cfg
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_decode_step_gives_the_full_forwards_logits_over_random_routing_configs(seed):
+    """Beyond the named variants: eight random routing configurations the config accepts (sharing, depths, MoD
+    placement and capacity, expert- or token-choice MoR and its schedule, training's top-k over rows, the batch or
+    the causal rule's admissions, static routing, MoE), each after training-mode forwards have moved its routers'
+    calibration: a prompt's prefill and then generate's one-token step give the full forward's logits (fp64)."""
+    rng, checked = random.Random(seed), 0
+    while checked < 8:
+        overrides = _random_routing(rng)
+        try:
+            model = tiny_model(seed=checked, **overrides).double()
+        except ValueError:  # a combination the config refuses (test_config.py)
+            continue
+        with torch.no_grad():
+            for _ in range(3):
+                model(_ids(4, 64, seed=checked))
+            model.eval()
+            ids = _ids(4, 40, seed=seed)
+            full = model(ids)["logits"]
+            caches = model.init_cache(4, 40)
+            err = (model.forward_cached(ids[:, :11], 0, caches) - full[:, 10]).abs().max()
+            assert err < 1e-9, f"{overrides}: the prefill's logits differ by {err:.3g}"
+            step = DecodeStep(model, caches, 4, torch.device("cpu"), graphed=False, compiled=False)
+            for t in range(11, 40):
+                err = (step(ids[:, t:t + 1], t) - full[:, t]).abs().max()
+                assert err < 1e-9, f"{overrides}: the step's logits at position {t} differ by {err:.3g}"
+        checked += 1
+
+
 @pytest.mark.parametrize("overrides", [{}, {"mor_routing": "token"}, {"mod_every": 2, "mod_capacity": 0.25},
                                        {"moe": True, "moe_num_layers": 1}, {"static_routing_mode": True}],
                          ids=["expert_choice", "token_choice", "mod_every_2", "moe", "static"])
