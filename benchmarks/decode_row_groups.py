@@ -16,9 +16,9 @@ tokens/s (dense 0.73x and 0.55x): the groups' graphs barely overlap. Not adopted
     python benchmarks/decode_row_groups.py --batch 32 --groups 1,2,4,8 [--arch hydra,dense]
     python benchmarks/decode_row_groups.py --check        # CPU: every grouping's tokens equal one step's
 
-``--head once`` (the default): each group's step stops at its rows' hidden states and the norm and LM head run once
-over the whole batch, eagerly after the groups join; ``--head per_group`` leaves the head in every group's graph, so
-each step reads the head's weights (77 MB at vocabulary 50,257, about 35 us at batch 1) once per group.
+Each group's step stops at its rows' hidden states and the norm and LM head run once over the whole batch, eagerly
+after the groups join: in every group's graph the head would read its weights (77 MB at vocabulary 50,257, about
+35 us at batch 1) once per group.
 
 Timing as ``bench.decode_tokens_per_s``: a seeded prompt of ``--new_tokens`` tokens prefilled once for all rows,
 then as many one-token steps, greedy, timed on their own (median of 3); on CUDA compiled and CUDA-graphed with the
@@ -58,27 +58,25 @@ def trunk_only(model):
 
 
 class GroupedDecode:
-    """One ``DecodeStep`` per group of rows over ``session``'s caches, each launched on a stream of its own (CUDA);
-    ``head_once``: the steps stop at the hidden states and the norm and head run once over the joined batch."""
+    """One ``DecodeStep`` per group of rows over ``session``'s caches, each launched on a stream of its own (CUDA),
+    stopping at the hidden states; the norm and head run once over the joined batch."""
 
-    def __init__(self, model, session: DecodeSession, groups: int, device: torch.device, graphed: bool, compiled: bool,
-                 head_once: bool = True):
+    def __init__(self, model, session: DecodeSession, groups: int, device: torch.device, graphed: bool, compiled: bool):
         batch = session.batch
         if batch % groups:
             raise SystemExit(f"--groups {groups} does not divide the batch {batch}")
         size = batch // groups
         self.rows = [slice(g * size, (g + 1) * size) for g in range(groups)]
-        stepped = trunk_only(model) if head_once else model
-        self.steps = [DecodeStep(stepped, row_caches(session.caches, rows), size, device, graphed, compiled)
+        trunk = trunk_only(model)
+        self.steps = [DecodeStep(trunk, row_caches(session.caches, rows), size, device, graphed, compiled)
                       for rows in self.rows]
         cuda = device.type == "cuda"
         self.streams = [torch.cuda.Stream(device) for _ in self.rows] if cuda and groups > 1 else None
         self.autocast = self.steps[0].autocast
-        self.head = None
-        if head_once:  # as the steps would run it: the Linear weight cast once under autocast, no weight cache
-            enabled, dtype = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
-            lm_head = decode_weights(model.lm_head, dtype if enabled else None, False)
-            self.head = lambda hidden: lm_head(model.norm(hidden))
+        # As the steps would run it: the Linear weight cast once under autocast, no weight cache.
+        enabled, dtype = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+        lm_head = decode_weights(model.lm_head, dtype if enabled else None, False)
+        self.head = lambda hidden: lm_head(model.norm(hidden))
 
     def __call__(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
         if self.streams is None:
@@ -93,8 +91,6 @@ class GroupedDecode:
             for stream in self.streams:
                 main.wait_stream(stream)
             out = torch.cat(outs)
-        if self.head is None:
-            return out
         with self.autocast():
             return self.head(out)
 
@@ -103,14 +99,13 @@ class GroupedDecode:
         return [step.unit_calls for step in self.steps]
 
 
-def decode_rate(model, batch: int, groups: int, length: int, device: torch.device,
-                head_once: bool) -> tuple[float, float, float]:
+def decode_rate(model, batch: int, groups: int, length: int, device: torch.device) -> tuple[float, float, float]:
     """(tokens/s, units a step summed over the groups, the most units a step of one group ran on average)."""
     cuda = device.type == "cuda"
     seeded = torch.Generator().manual_seed(batch)
     prompt = torch.randint(0, model.config.vocab_size, (batch, length), generator=seeded).to(device)
     session = DecodeSession(model, batch, 2 * length, device, model.decode_capturable() and cuda, cuda)
-    step = GroupedDecode(model, session, groups, device, model.decode_capturable() and cuda, cuda, head_once)
+    step = GroupedDecode(model, session, groups, device, model.decode_capturable() and cuda, cuda)
     first = session.prefill(prompt).argmax(-1)
     for position in (length, length + 1):  # eager warm-up (compiles), then the capture
         step(first[:, None], position)
@@ -133,26 +128,26 @@ def decode_rate(model, batch: int, groups: int, length: int, device: torch.devic
 
 
 def check(args) -> None:
-    """Every grouping decodes the tokens one step over the whole batch decodes (CPU, eager, fp32)."""
+    """Every grouping decodes the tokens ``generate``'s one step over the whole batch decodes (CPU, eager, fp32)."""
     torch.manual_seed(0)
     model = hydra_lm.create_model("debug", vocab_size=512, max_seq_len=128).eval()
     batch, length = 8, 12
     prompt = torch.randint(0, 512, (batch, length), generator=torch.Generator().manual_seed(1))
     runs = {}
     with torch.no_grad():
-        for groups, head_once in ((1, False), *((g, h) for g in (1, 2, 4, 8) for h in (False, True))):
+        for groups in (0, 1, 2, 4, 8):  # 0: the model's own DecodeStep, the head in its graph
             session = DecodeSession(model, batch, 2 * length, torch.device("cpu"), False, False)
-            step = GroupedDecode(model, session, groups, torch.device("cpu"), False, False, head_once)
+            step = session.step if groups == 0 else GroupedDecode(model, session, groups, torch.device("cpu"), False,
+                                                                  False)
             token, logits = session.prefill(prompt).argmax(-1), []
             for position in range(length, 2 * length):
                 out = step(token[:, None], position)
                 logits.append(out.clone())
                 token = out.argmax(-1)
-            runs[groups, head_once] = torch.stack(logits)
-    for (groups, head_once), logits in runs.items():
-        torch.testing.assert_close(logits, runs[1, False], rtol=1e-5, atol=1e-5, msg=f"{groups} groups")
-        print(f"{groups} groups, head {'once' if head_once else 'per group'}: the same {length} steps' logits as one "
-              "step over the batch")
+            runs[groups] = torch.stack(logits)
+    for groups, logits in runs.items():
+        torch.testing.assert_close(logits, runs[0], rtol=1e-5, atol=1e-5, msg=f"{groups} groups")
+        print(f"{groups} groups: the same {length} steps' logits as one step over the batch")
     assert isinstance(model.lm_head, torch.nn.Linear), "the trunk-only copy took the model's head"
 
 
@@ -164,8 +159,6 @@ def main() -> None:
     p.add_argument("--groups", default="1,2,4,8")
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--calibrate", type=int, default=30, help="HYDRA: training-mode forwards of 8 x 1024 first")
-    p.add_argument("--head", choices=("once", "per_group"), default="once",
-                   help="the norm and LM head once over the batch, or in every group's step")
     p.add_argument("--check", action="store_true", help="CPU: the groupings decode the same tokens")
     args = p.parse_args()
     if args.check:
@@ -181,9 +174,8 @@ def main() -> None:
                     model(torch.randint(0, model.config.vocab_size, (8, 1024), device=device))
             model.eval()
             for groups in (int(g) for g in args.groups.split(",")):
-                rate, units, most = decode_rate(model, args.batch, groups, args.new_tokens, device,
-                                                args.head == "once")
-                print(f"{arch:6s} batch {args.batch} in {groups} groups (head {args.head}): {rate:10,.0f} tokens/s, "
+                rate, units, most = decode_rate(model, args.batch, groups, args.new_tokens, device)
+                print(f"{arch:6s} batch {args.batch} in {groups} groups: {rate:10,.0f} tokens/s, "
                       f"{units:5.2f} units a step in all, {most:5.2f} in the busiest group", flush=True)
 
 

@@ -112,7 +112,7 @@ def test_without_a_head_gradient_the_lookup_backward_is_the_embeddings(monkeypat
     weight = torch.randn(11, 6, device=DEVICE, requires_grad=True)
     ids = torch.tensor([[1, 3, 3, 10]], device=DEVICE)
     upstream = torch.randn(1, 4, 6, device=DEVICE)
-    slot = HeadGradientSlot()
+    slot = HeadGradientSlot(overlap=False)
     (tied_lookup(ids, weight, slot) * upstream).sum().backward()
     expected = torch.zeros(11, 6, device=DEVICE).index_add_(0, ids[0], upstream[0])
     torch.testing.assert_close(weight.grad, expected)
@@ -131,7 +131,7 @@ def test_the_loss_hands_its_head_gradient_to_the_lookup_which_returns_it():
     targets = torch.randint(0, 13, (5,), device=DEVICE)
     expected = torch.autograd.grad(F.cross_entropy(hidden @ weight.t(), targets), weight)[0]
     # Hidden states that need no gradient: no backward would reach a lookup, so the loss keeps its gradient.
-    slot = HeadGradientSlot()
+    slot = HeadGradientSlot(overlap=True)
     chunked_linear_cross_entropy(hidden, weight, targets, chunk_size=2, grad_sink=slot).backward()
     assert slot.take() is None
     torch.testing.assert_close(weight.grad, expected)
@@ -230,7 +230,7 @@ def test_the_head_gradient_run_beside_the_trunks_backward_matches_the_forwards_a
         for p in params:
             if p.grad is not None:
                 p.grad.zero_()
-        slot = HeadGradientSlot()
+        slot = HeadGradientSlot(overlap=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
             h = trunk(tied_lookup(ids, weight, slot))
             out = loss.chunked_linear_cross_entropy(h, weight, targets, chunk_size=chunk, grad_sink=slot)

@@ -28,7 +28,7 @@ class HeadGradientSlot:
     """Where the fused loss's backward leaves the head's weight gradient for the tied lookup's backward; ``overlap``:
     whether the loss may leave the gradient's GEMMs running on a side stream (``head_gradient_overlap.applies``)."""
 
-    def __init__(self, overlap: bool = True) -> None:
+    def __init__(self, overlap: bool) -> None:
         self._grad: torch.Tensor | None = None
         self.overlap = overlap
 
