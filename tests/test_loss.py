@@ -209,6 +209,40 @@ def test_never_allocates_full_logits():
     assert probe.largest >= n * V  # the probe does see full logits when they exist
 
 
+def test_each_chunks_logit_gradient_is_freed_before_the_next_chunk_runs(monkeypatch):
+    """The loss is the forward's last op, so what it holds adds to the step's peak: one chunk's logits and gradient,
+    not also the previous chunk's gradient."""
+    import weakref
+
+    alive_at_start, earlier = [], []
+    run_chunk = lce._chunk_loss_and_grad
+
+    def tracked(*args):
+        alive_at_start.append(sum(ref() is not None for ref in earlier))
+        part, g = run_chunk(*args)
+        earlier.append(weakref.ref(g))
+        return part, g
+
+    monkeypatch.setattr(lce, "_chunk_loss_and_grad", tracked)
+    hidden, weight, targets = _inputs(torch.float32)
+    chunked_linear_cross_entropy(hidden, weight, targets, chunk_size=CHUNK).backward()
+    assert alive_at_start == [0, 0, 0, 0]
+
+
+def test_a_target_outside_the_vocabulary_gives_a_nan_loss_and_no_gradient_through_the_padding():
+    """V = 37 is padded to 64 columns, whose logits are -inf: a target there must not read as an infinite loss (the
+    Triton kernel and F.cross_entropy's contract: the loss is NaN, not a number that looks like divergence)."""
+    hidden, weight, targets = _inputs(torch.float64)
+    for bad in (V + 3, -7):
+        t = targets.clone()
+        t[5] = bad
+        loss = chunked_linear_cross_entropy(hidden, weight, t, chunk_size=CHUNK)
+        assert torch.isnan(loss)
+        grad_h, grad_w = torch.autograd.grad(loss, (hidden, weight))
+        assert torch.isfinite(grad_h).all() and torch.isfinite(grad_w).all()
+        assert torch.count_nonzero(grad_h[5]) == 0  # the row outside the vocabulary gets no gradient
+
+
 def test_invalid_arguments_are_rejected():
     hidden, weight, targets = _inputs()
     with pytest.raises(ValueError, match="targets"):

@@ -136,33 +136,39 @@ def test_the_cuda_estimate_counts_bf16_activations_and_the_fused_loss():
     assert cuda["weights_mb"] == cpu["weights_mb"] and cuda["optimizer_mb"] == cpu["optimizer_mb"]  # fp32 master
     # bf16 matmul outputs and no full [B, T, V] logits kept: well under the fp32 count, above a quarter of it.
     assert 0.25 * cpu["activations_mb"] < cuda["activations_mb"] < 0.8 * cpu["activations_mb"]
-    # The working set: the fused loss's chunk of fp32 logits and their bf16 gradient, of 4,096 rows or the batch's
-    # fewer; without the fused loss (--no-chunked_ce) the whole batch's, and its logits are kept for the backward.
-    assert 4 * 256 * 8192 * 6 / 2**20 <= cuda["backward_mb"] < 4096 * 8192 * 6 / 2**20
+    # The working set: the fused loss's chunk of bf16 logits and their gradient, of 4,096 rows or the batch's fewer (a
+    # routed, tied model keeps the gradient for the head's GEMMs: head_gradient_mb); without the fused loss
+    # (--no-chunked_ce) the whole batch's fp32 logits and bf16 gradient, and its logits are kept for the backward.
+    assert 4 * 256 * 8192 * 2 / 2**20 <= cuda["backward_mb"] < 4096 * 8192 * 6 / 2**20
     big = estimate_training_memory("debug", 8, 1024, "adamw", vocab_size=8192, device="cuda")
-    assert big["backward_mb"] == pytest.approx(4096 * 8192 * 6 / 2**20)
+    wide_vocab = preset_config("debug", vocab_size=32768)  # the loss's chunk larger than twice any saved tensor
+    assert measure_training_memory(wide_vocab, 8, 1024, device="cuda")["backward_mb"] == pytest.approx(
+        4096 * 32768 * 2 / 2**20)
+    assert measure_training_memory(wide_vocab.replace(arch="dense"), 8, 1024, device="cuda")["backward_mb"] == \
+        pytest.approx(4096 * 32768 * 4 / 2**20)
     cfg = preset_config("debug", vocab_size=8192)
     plain = measure_training_memory(cfg, 8, 1024, device="cuda", fused_loss=False)
     assert plain["backward_mb"] >= 8 * 1024 * 8192 * 6 / 2**20
     assert plain["activations_mb"] > big["activations_mb"] + 8 * 1024 * 8192 * 2 / 2**20  # the bf16 logits kept
-    # The fused loss of a tied model keeps its chunks' bf16 logit gradients for the head's gradient
-    # (model/head_gradient_overlap.py): every chunk while they fit in OVERLAP_BYTES, the last ones after that.
-    assert big["head_gradient_mb"] == pytest.approx(8 * 1024 * 8192 * 2 / 2**20)
+    # The fused loss of a routed, tied model keeps its chunks' bf16 logit gradients and hidden rows (width 512) for
+    # the head's gradient (model/head_gradient_overlap.py): every chunk while the gradients fit in OVERLAP_BYTES, the
+    # last ones after that.
+    assert big["head_gradient_mb"] == pytest.approx(8 * 1024 * (8192 + 512) * 2 / 2**20)
     assert plain["head_gradient_mb"] == cpu["head_gradient_mb"] == 0
     assert measure_training_memory(cfg.replace(tie_embeddings=False), 8, 1024, device="cuda")["head_gradient_mb"] == 0
     assert measure_training_memory(preset_config("debug", vocab_size=8192, arch="dense"), 8, 1024,
                                    device="cuda")["head_gradient_mb"] == 0  # no routed units: nothing kept
     # 2 GiB holds 10,733 rows of 100,032 (the vocabulary padded to 64): the last two whole chunks of 4,096
     wide = measure_training_memory(preset_config("debug", vocab_size=100000), 32, 1024, device="cuda")
-    assert wide["head_gradient_mb"] == pytest.approx(2 * 4096 * 100032 * 2 / 2**20)
+    assert wide["head_gradient_mb"] == pytest.approx(2 * 4096 * (100032 + 512) * 2 / 2**20)
     # 16,000 rows in chunks of 4,096, the last of 3,712: a budget of 1,024 rows keeps nothing (never a negative
     # count), one of 4,096 rows the last chunk; 120 rows in chunks of 32, the last of 24: 24 rows' worth keeps it
     from hydra_lm.model.head_gradient_overlap import first_kept_row
     assert first_kept_row(16000, 4096, 2 << 20, 2 << 30) == 16000
     assert first_kept_row(16000, 4096, 2 << 20, 4096 * (2 << 20)) == 12288
     assert first_kept_row(120, 32, 4, 24 * 4) == 96 and first_kept_row(120, 32, 4, 23 * 4) == 120
-    assert measure_training_memory(cfg, 8, 1024, device="cuda", ce_chunk_size=8192)["backward_mb"] == \
-        pytest.approx(8192 * 8192 * 6 / 2**20)
+    assert measure_training_memory(cfg.replace(arch="dense"), 8, 1024, device="cuda", ce_chunk_size=8192)[
+        "backward_mb"] == pytest.approx(8192 * 8192 * 4 / 2**20)
     # Sophia-G's Hessian estimate materialises the batch's logits (fp32, their softmax and gradient).
     sophia = estimate_training_memory("debug", 4, 256, "sophia", vocab_size=8192, device="cuda")
     assert sophia["activations_mb"] == cuda["activations_mb"]

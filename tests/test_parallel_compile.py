@@ -169,6 +169,90 @@ def test_helpers_started_under_another_cache_directory_are_not_given_the_step(mo
     assert [h.wait(timeout=60) for h in before] == [0, 0]  # let go without a job
 
 
+def test_a_wait_that_is_interrupted_kills_the_helpers_still_running(monkeypatch, tmp_path):
+    """A second stop signal (KeyboardInterrupt) or an error while the step waits: no helper outlives it."""
+    import tempfile
+
+    helpers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(2)]
+    warming = parallel_compile.Warming(layouts=[[0], [1]], marker=tmp_path / "marker",
+                                       helpers=[(h, tempfile.TemporaryFile("w+")) for h in helpers])
+    real_wait = subprocess.Popen.wait
+    calls = []
+
+    def interrupted(self, timeout=None):
+        calls.append(self)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_wait(self, timeout)
+
+    monkeypatch.setattr(subprocess.Popen, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        warming.wait()
+    assert all(h.poll() is not None for h in helpers) and warming.helpers == []
+
+
+def test_a_helper_killed_by_a_signal_is_reported_so_in_the_runs_log(monkeypatch, tmp_path):
+    """The last line a killed helper wrote is not why it failed (here a warning it printed); the step's note, which
+    goes to the run's log, says which layouts the step compiles itself and why."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    killed = ("import os, sys; sys.stderr.write('UserWarning: something harmless\\n'); sys.stderr.flush(); "
+              "os.kill(os.getpid(), 9)")
+    monkeypatch.setattr(parallel_compile, "_helper_command", lambda: [sys.executable, "-c", killed])
+    with pytest.warns(UserWarning, match="killed by SIGKILL"):
+        note = parallel_compile.start_warming(_compiled_model(), PLAN, _inputs(), torch.device("cpu"), None).wait()
+    assert note.startswith("0 of 2 block layouts") and "the step compiles the rest itself" in note
+    assert "killed by SIGKILL" in note and "harmless" not in note
+
+
+def test_helpers_started_ahead_survive_unrelated_changes_to_the_environment(monkeypatch, tmp_path):
+    """A run's set-up sets variables of its own after the helpers started (W&B its service address): they stay the
+    step's; a variable the compile reads (the cache directory, above) does not."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(parallel_compile, "_helper_command", _job_echo)
+    parallel_compile.start_helpers(2)
+    ready = [process for process, _ in parallel_compile._ready]
+    monkeypatch.setenv("WANDB_SERVICE", "2-1234-tcp-localhost-5678")
+    with pytest.warns(UserWarning, match=f"helper 1 in {tmp_path}"):
+        parallel_compile.start_warming(_compiled_model(), PLAN, _inputs(), torch.device("cpu"), None).wait()
+    assert [h.returncode for h in ready] == [1, 1]  # they got the step's jobs (and failed with them, as stubbed)
+
+
+def test_a_helper_whose_parent_dies_exits(tmp_path):
+    """A run killed outright (SIGKILL, or its own exit after a stop signal's grace) cannot stop helpers that have their
+    job: they notice their parent gone and exit instead of compiling for nobody."""
+    helper = ("from hydra_lm.train import parallel_compile as pc; import time; "
+              "pc._helper = lambda path, layout: (print('compiling', flush=True), time.sleep(600)); pc._serve()")
+    parent = textwrap.dedent(f"""
+        import os, subprocess, sys
+        p = subprocess.Popen([sys.executable, "-c", {helper!r}], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        p.stdin.write("0 spec\\n"); p.stdin.flush()
+        print(p.pid, p.stdout.readline().strip(), flush=True)  # once it has its job
+        os._exit(0)
+    """)
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    pid, said = out.stdout.split()
+    pid = int(pid)
+    assert said == "compiling"
+
+    def running() -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    import time
+    deadline = time.monotonic() + 30
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    still = running()
+    if still:
+        os.kill(pid, 9)
+    assert not still
+
+
 def test_helpers_are_told_the_steps_own_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # a bare "cuda" means this process's device
     assert parallel_compile._indexed(torch.device("cuda")) == torch.device("cuda", 3)

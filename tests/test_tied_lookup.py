@@ -200,6 +200,50 @@ def test_the_head_gradients_gemms_left_to_the_backward_give_the_forwards_gradien
     assert not joins
 
 
+def test_a_head_gradient_work_that_no_lookup_joins_joins_when_freed_and_a_second_backward_is_refused(monkeypatch):
+    """A backward that stops short of the tied lookup (here ``autograd.grad`` of the hidden states only) leaves the
+    side stream's GEMMs forked: freeing the work must make the trunk's stream wait for them, or the allocator could hand
+    their operands to later kernels while they still run. A second backward through the loss (``retain_graph``) finds
+    those operands gone and says so."""
+    import contextlib
+    import gc
+
+    from hydra_lm.model import head_gradient_overlap as overlap_module
+    from hydra_lm.model.loss import chunked_linear_cross_entropy
+    from hydra_lm.model.tied_lookup import HeadGradientSlot
+
+    waits = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            waits.append(f"{self.name} waits on {other.name}")
+
+    trunk, side = Stream("trunk"), Stream("side")
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: trunk)
+    monkeypatch.setattr(overlap_module, "side_stream", lambda device: side)
+    torch.manual_seed(0)
+    hidden = torch.randn(40, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (40,))
+
+    slot = HeadGradientSlot(overlap=True)
+    loss = chunked_linear_cross_entropy(hidden, weight, targets, chunk_size=16, grad_sink=slot)
+    torch.autograd.grad(loss, hidden)
+    assert waits == ["side waits on trunk"]  # forked, and nothing took the slot's work
+    del slot, loss
+    gc.collect()
+    assert waits == ["side waits on trunk", "trunk waits on side"]
+
+    loss = chunked_linear_cross_entropy(hidden, weight, targets, chunk_size=16, grad_sink=HeadGradientSlot(True))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap", ["every_chunk", "last_chunk"])
 def test_the_head_gradient_run_beside_the_trunks_backward_matches_the_forwards_and_replays_in_a_cuda_graph(

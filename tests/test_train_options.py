@@ -191,7 +191,8 @@ def test_the_parallel_compile_is_automatic_on_cuda_only():
     (dict(cuda_graph=True, gradient_checkpointing=True), CUDA, False, "drop one of them"),
     (dict(cuda_graph=True), CPU, False, "needs a CUDA device"),
     (dict(parallel_compile=True), CPU, False, "add --compile"),  # the CPU runs eagerly by default
-    (dict(parallel_compile=True), CUDA, True, "not under torchrun"),
+    (dict(parallel_compile=True), CUDA, True, "drop it under torchrun"),
+    (dict(parallel_compile=True, compile=False), CUDA, True, "drop it under torchrun"),
     (dict(cuda_graph=True), CUDA, True, "one process only"),
     (dict(ce_impl="chunked"), CPU, False, "add --chunked_ce"),
     (dict(chunked_ce=True, ce_impl="liger", cuda_graph=True), CUDA, False, "cannot capture Liger"),

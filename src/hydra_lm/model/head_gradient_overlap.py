@@ -93,7 +93,8 @@ class HeadGradientWork:
     stream; ``result`` (the tied lookup's backward, the trunk backward's last op) joins it and returns the gradient.
     Inside a CUDA graph capture too: the stream joins the capture by waiting on the captured one. Every tensor it reads
     or writes was allocated on the trunk's stream and is referenced here until the join, so the allocator cannot hand
-    its memory to other work while the side stream still uses it."""
+    its memory to other work while the side stream still uses it; a work forked but never joined (a backward that
+    failed, or one that stopped short of the lookup) joins when it is freed, before its tensors are."""
 
     def __init__(self, grad_w, chunks, write: bool, gemm_sums: bool, vocab: int, dtype: torch.dtype,
                  stream: torch.cuda.Stream):
@@ -114,3 +115,7 @@ class HeadGradientWork:
         torch.cuda.current_stream(self.grad_w.device).wait_stream(self.stream)
         self.chunks = self.grad_loss = None
         return self.grad_w[:self.vocab].to(self.dtype)
+
+    def __del__(self) -> None:
+        if self.grad_loss is not None:  # launched, never joined: later kernels on the trunk's stream wait for it
+            torch.cuda.current_stream(self.grad_w.device).wait_stream(self.stream)

@@ -5,10 +5,11 @@
 keeps at most one chunk of logits alive:
 
 - ``liger``: Liger's fused linear cross-entropy Triton kernel (CUDA only, optional package).
-- ``chunked``: chunk by chunk along the tokens, with the gradients computed during the forward (on CUDA a tied
-  head's weight gradient in the backward, beside the trunk's: model/head_gradient_overlap.py); runs
-  everywhere and traces under ``torch.compile(fullgraph=True)``. On CUDA each chunk's softmax and logit
-  gradient is one Triton kernel (kernels/cross_entropy_rows.py), elsewhere PyTorch ops.
+- ``chunked``: chunk by chunk along the tokens, with the gradients computed during the forward; runs
+  everywhere and traces under ``torch.compile(fullgraph=True)``. The exception: a routed model's tied head on a GPU
+  with green contexts keeps the last chunks' logit gradients (up to ``head_gradient_overlap.OVERLAP_BYTES``) and runs
+  their weight-gradient GEMMs in the backward, beside the trunk's (model/head_gradient_overlap.py). On CUDA each
+  chunk's softmax and logit gradient is one Triton kernel (kernels/cross_entropy_rows.py), elsewhere PyTorch ops.
 - ``naive``: materialises the logits; the reference the other two are tested against.
 """
 
@@ -78,17 +79,21 @@ def _rows_kernel_applies(hidden: torch.Tensor, acc_dtype: torch.dtype) -> bool:
 
 def _chunk_loss_and_grad(h, w, t, valid, row_scale, vocab: int, need_grad: bool):
     """One block of rows: (summed loss, d loss / d logits in ``h``'s dtype or None). ``w`` may have
-    padding rows past ``vocab``; their logits are masked out, so their gradient is exactly 0."""
+    padding rows past ``vocab``; their logits are masked out, so their gradient is exactly 0. A valid target outside
+    [0, vocab) gives a NaN loss and no gradient, as the Triton kernel does (the padding's -inf logit would give inf)."""
     acc_dtype = row_scale.dtype
-    safe_t = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
+    inside = (t >= 0) & (t < vocab)
+    safe_t = torch.where(valid & inside, t, torch.zeros_like(t)).unsqueeze(1)
     logits = (h @ w.t()).to(acc_dtype)
     if logits.shape[1] != vocab:
         logits[:, vocab:] = float("-inf")
     lse = torch.logsumexp(logits, dim=1)
     picked = logits.gather(1, safe_t).squeeze(1)
-    part = torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
+    part = torch.where(valid, torch.where(inside, lse - picked, torch.full_like(lse, float("nan"))),
+                       torch.zeros_like(lse)).sum()
     if not need_grad:
         return part, None
+    row_scale = row_scale * inside.unsqueeze(1)
     # d loss / d logits = (softmax - onehot) * scale on valid rows, 0 on ignored ones.
     if torch.compiler.is_compiling():
         # Out of place, Inductor fuses the whole chain (cast, exp, one-hot, scale, downcast) into
@@ -174,6 +179,9 @@ def _chunked_pass(hidden, weight, targets, ignore_index, chunk_size, need_gh, ne
             deferred.append((g, h))
         elif need_gw:
             add_chunk_gradient(grad_w, g, h, gemm_sums and start == 0, gemm_sums)
+        # Freed before the next chunk's logits exist: else three [chunk, V] tensors would be alive there, at the
+        # forward's peak (412 MB more at vocabulary 50,257 and 4,096 rows in bf16).
+        del g
     loss = total * scale
     if deferred:
         return loss, grad_h, HeadGradientWork(grad_w, deferred, gemm_sums and kept == 0, gemm_sums, vocab,
@@ -196,11 +204,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                                              compile_chunks, side)
         ctx.need_gh, ctx.need_gw, ctx.grad_sink = need_gh, need_gw, grad_sink
         ctx.work = grad_w if isinstance(grad_w, HeadGradientWork) else None
+        ctx.deferred = ctx.work is not None
         ctx.save_for_backward(*[g for g in (grad_h, grad_w) if isinstance(g, torch.Tensor)])
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.deferred and ctx.work is None:
+            raise RuntimeError("a second backward through the fused loss (retain_graph=True): its head gradient's "
+                               "GEMMs ran in the first one, beside the trunk's backward, and their inputs are gone; "
+                               "for several backwards run a forward for each, or set model.ce_impl = 'naive'")
         saved = iter(ctx.saved_tensors)
         grad_h = next(saved) * grad_loss if ctx.need_gh else None
         if ctx.work is not None:

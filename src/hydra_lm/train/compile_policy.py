@@ -108,7 +108,8 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
         scope = "model" if distributed else "units"
     parallel = getattr(cfg, "parallel_compile", None)
     refuse(not parallel or scope == "units", "--parallel_compile compiles the block graphs of --compile in one "
-           "process, and this run compiles none: drop --parallel_compile, or add --compile (not under torchrun)")
+           "process: " + ("drop it under torchrun, which compiles the whole model" if distributed else
+                          "this run compiles nothing; drop --parallel_compile, or add --compile"))
     # Automatic on CUDA: on two H100 hosts the 100M preset's cold first step took 55 and 69 s with it against 68 and
     # 88-107 s without; on the 2-core CPU it does not pay (benchmarks/BENCHMARKS.md, seventy-first to seventy-third
     # sessions).

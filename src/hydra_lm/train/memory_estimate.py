@@ -5,10 +5,10 @@ Weights, gradients and optimizer state are counted from the parameter shapes. Ac
 measured, not guessed: one forward pass runs on fake tensors (shapes only, no memory) and every
 tensor autograd saves for the backward pass is summed once per storage. The backward pass adds a
 working set of about twice the largest saved tensor (its gradient and the recomputed softmax of
-the loss), or on CUDA the fused loss's chunk of logits if that is larger; on CUDA a tied model's fused loss also
-keeps the logit gradients of its last chunks into the backward (model/head_gradient_overlap.py). With gradient
-checkpointing a checkpointed block holds only its inputs, and backward recomputes its saved tensors and holds them
-while it runs through the block: the largest block's are added to the working set. ``device`` picks the
+the loss), or on CUDA the fused loss's chunk of logits if that is larger; on CUDA a routed, tied model's fused loss
+also keeps the logit gradients and hidden rows of its last chunks into the backward (model/head_gradient_overlap.py).
+With gradient checkpointing a checkpointed block holds only its inputs, and backward recomputes its saved tensors and
+holds them while it runs through the block: the largest block's are added to the working set. ``device`` picks the
 trainer's defaults there: "cpu" counts fp32 activations and the plain loss, "cuda" bf16 autocast (its cast
 cache off, as in the trainer's step) and the fused chunked loss (weights, gradients and optimizer state stay
 fp32 on both). Sophia's Hessian estimate adds a pass over the batch's whole logits. Checked against a CPU run's
@@ -149,13 +149,16 @@ def measure_training_memory(cfg: HydraConfig, batch_size: int, seq_len: int, opt
         update = muon_update_bytes(model) if cuda and optimizer == "muon" else 0
     recomputed = max((sum(saved[s] for s in block - outside - persistent) for block in inside.values()), default=0)
     backward = 2 * max(saved.values(), default=0) + recomputed
-    if cuda:  # the loss's fp32 logits and their bf16 gradient (the fused loss's one chunk), while activations are held
-        rows = min(model.ce_chunk_size, batch_size * seq_len) if fused else batch_size * seq_len
-        backward = max(backward, rows * cfg.vocab_size * (4 + 2))
     kept = 0
+    padded = -(-cfg.vocab_size // VOCAB_ALIGN) * VOCAB_ALIGN
     if cuda and fused and cfg.tie_embeddings and applies(cfg):  # the logit gradients the loss keeps for the backward
-        rows, row_bytes = batch_size * seq_len, -(-cfg.vocab_size // VOCAB_ALIGN) * VOCAB_ALIGN * 2
-        kept = (rows - first_kept_row(rows, model.ce_chunk_size, row_bytes, OVERLAP_BYTES)) * row_bytes
+        rows, row_bytes = batch_size * seq_len, padded * 2
+        kept_rows = rows - first_kept_row(rows, model.ce_chunk_size, row_bytes, OVERLAP_BYTES)
+        kept = kept_rows * (row_bytes + cfg.dim * 2)  # and the chunks' bf16 hidden rows, their GEMMs' other operand
+    if cuda:  # the fused loss's one chunk of bf16 logits and their gradient (a kept gradient is counted above), or the
+        # plain loss's whole fp32 logits and bf16 gradient, while the activations are held
+        rows = min(model.ce_chunk_size, batch_size * seq_len) if fused else batch_size * seq_len
+        backward = max(backward, rows * padded * (2 + (0 if kept else 2)) if fused else rows * cfg.vocab_size * 6)
     if optimizer == "sophia":  # its Hessian estimate's whole fp32 logits, their softmax and their gradient
         backward = max(backward, batch_size * seq_len * cfg.vocab_size * 4 * 3)
     parts = {"weights_mb": params / MB, "gradients_mb": params / MB, "optimizer_mb": states / MB,

@@ -32,7 +32,9 @@ they cannot pay or would compile the wrong graphs:
   config, block switches, input shapes, speed plan, global backend flags). Deleting the cache deletes the
   marker; a marker whose cache entries went stale only costs the step its usual serial compile.
 
-A helper that fails (out of memory, a crash) costs a warning: the step compiles what is missing itself.
+A helper that fails (out of memory, a crash, a signal) costs a warning and a line in the run's log saying why: the step
+compiles what is missing itself. A run that stops (an error, a second stop signal) or dies kills its helpers or, dead,
+leaves them to exit when they see it gone.
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ import contextlib
 import dataclasses
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -183,7 +187,10 @@ def _start_warming(model, plan, inputs: dict[str, torch.Tensor], device: torch.d
     marker = _marker(spec)
     if marker.exists():
         return Warming("skipped (the caches hold this step's graphs)")
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None  # before any helper takes some
+    free = None
+    if device.type == "cuda":  # before any helper takes some; what this process caches unused goes back to the driver
+        torch.cuda.empty_cache()  # for the helpers (at a later step's new shapes, the earlier steps' activations)
+        free = torch.cuda.mem_get_info(device)[0]
     warming = Warming(layouts=layouts, marker=marker, tmp=tempfile.TemporaryDirectory(prefix="hydra_lm_compile_"))
     path = os.path.join(warming.tmp.name, "spec.pt")
     torch.save(spec, path)
@@ -217,34 +224,37 @@ class Warming:
     start: float = dataclasses.field(default_factory=time.perf_counter)
 
     def wait(self) -> str:
-        """Wait for the helpers; returns what happened, for the log."""
+        """Wait for the helpers; returns what happened, for the log. Interrupted (a second stop signal, an error), it
+        kills the helpers still running before it lets go."""
         if not self.helpers:
             return self.note
         waited = time.perf_counter()
         failed = []
-        for i, (helper, log) in enumerate(self.helpers):
-            try:
-                helper.wait(timeout=max(1.0, HELPER_TIMEOUT_S - (time.perf_counter() - self.start)))
-                late = False
-            except subprocess.TimeoutExpired:
-                helper.kill()
-                helper.wait()
-                late = True
-            log.seek(0)
-            err = log.read().strip()
-            if helper.returncode != 0:
-                last = (f"timed out after {HELPER_TIMEOUT_S} s" if late else
-                        err.splitlines()[-1] if err else f"exit status {helper.returncode}")
-                failed.append(f"layout {i} (blocks {self.layouts[i]}): {last}")
+        try:
+            for i, (helper, log) in enumerate(self.helpers):
+                try:
+                    helper.wait(timeout=max(1.0, HELPER_TIMEOUT_S - (time.perf_counter() - self.start)))
+                    late = False
+                except subprocess.TimeoutExpired:
+                    helper.kill()
+                    helper.wait()
+                    late = True
+                if helper.returncode != 0:
+                    failed.append(f"layout {i} (blocks {self.layouts[i]}): {_failure(helper, log, late)}")
+        except BaseException:
+            self.stop()
+            raise
         self._close()
         now = time.perf_counter()
         seconds = f"{now - self.start:.0f} s" + (f", {now - waited:.0f} s of it waited for"
                                                  if waited - self.start >= 1 else "")
         n = len(self.layouts)
         if failed:
-            warnings.warn("parallel compile: a helper process failed, so the step compiles its layout itself: "
-                          + "; ".join(failed), stacklevel=2)
-            return f"{n - len(failed)} of {n} block layouts compiled in parallel ({seconds})"
+            why = "; ".join(failed)
+            warnings.warn("parallel compile: a helper process failed, so the step compiles its layout itself: " + why,
+                          stacklevel=2)
+            return (f"{n - len(failed)} of {n} block layouts compiled in parallel ({seconds}); the step compiles the "
+                    f"rest itself: {why}")
         self.marker.parent.mkdir(parents=True, exist_ok=True)
         self.marker.touch()
         return f"{n} block layouts compiled in parallel processes ({seconds})"
@@ -262,6 +272,18 @@ class Warming:
         self.helpers = []
         if self.tmp is not None:
             self.tmp.cleanup()
+
+
+def _failure(helper: subprocess.Popen, log: IO[str], late: bool) -> str:
+    """Why a helper did not succeed: timed out, killed by a signal (its last words then are not the cause), or the
+    last line it wrote to stderr."""
+    if late:
+        return f"timed out after {HELPER_TIMEOUT_S} s"
+    if helper.returncode < 0:
+        return f"killed by {signal.Signals(-helper.returncode).name}"
+    log.seek(0)
+    err = log.read().strip()
+    return err.splitlines()[-1] if err else f"exit status {helper.returncode}"
 
 
 def _short_of_gpu_memory(model, inputs: dict[str, torch.Tensor], helpers: int, free: int,
@@ -307,9 +329,18 @@ def release_helpers() -> None:
     _ready_env.clear()
 
 
+# The environment a helper's compile depends on: caches, backends, devices, imports. Other variables change during a
+# run's set-up (W&B's service address, say) and must not cost it the helpers started ahead.
+_COMPILE_ENV = ("TORCH", "PYTORCH", "TRITON", "CUDA", "NVIDIA", "PYTHON", "LD_", "XDG_", "HOME", "USER", "TMPDIR")
+
+
+def _compile_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_COMPILE_ENV)}
+
+
 def _release_stale() -> None:
-    if _ready_env != _helper_env():  # started under other settings (e.g. another cache directory): not these
-        release_helpers()
+    if _compile_env(_ready_env) != _compile_env(_helper_env()):  # started under other settings (e.g. another cache
+        release_helpers()                                          # directory): not these
 
 
 def _helper_env() -> dict[str, str]:
@@ -321,8 +352,10 @@ def _helper_env() -> dict[str, str]:
 def _launch() -> tuple[subprocess.Popen, IO[str]]:
     # Errors go to a file: a pipe that fills while another helper is awaited would stall its writer.
     log = tempfile.TemporaryFile("w+")
+    # A session of its own: a terminal's Ctrl-C (or a signal to the run's process group) stops the run, which then
+    # stops its helpers, instead of killing them and compiling every layout itself before it can stop.
     return subprocess.Popen(_helper_command(), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log,
-                            env=_helper_env(), text=True), log
+                            env=_helper_env(), text=True, start_new_session=True), log
 
 
 def _give(helper: subprocess.Popen, job: str) -> None:
@@ -339,7 +372,10 @@ def _helper_command() -> list[str]:
 
 def _serve() -> None:
     """A helper process: import what compiling needs, then run the job its parent sends on stdin ("LAYOUT
-    SPEC_PATH"; none, or the parent gone: exit)."""
+    SPEC_PATH"; none, or the parent gone: exit). With a job, it exits as soon as its parent is gone: a parent killed
+    outright (or one that gave up waiting on a stop signal) cannot stop it, and nothing would load what it
+    compiles."""
+    parent = os.getppid()  # before the imports: it may be gone by their end
     import torch._dynamo  # noqa: F401
     import torch._inductor.compile_fx  # noqa: F401
 
@@ -347,8 +383,15 @@ def _serve() -> None:
 
     job = sys.stdin.readline().strip()
     if job:
+        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
         layout, path = job.split(" ", 1)
         _helper(path, int(layout))
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _helper(path: str, layout: int) -> None:
