@@ -406,6 +406,25 @@ def test_a_run_saved_before_the_kernel_fields_resumes_and_loads(tiny_data, tmp_p
     assert "resumed from" in capsys.readouterr().out
 
 
+def test_a_checkpoint_is_described_by_the_settings_it_was_trained_with_not_a_later_resumes(tiny_data, tmp_path):
+    """config.json holds the latest start's settings: an export or evaluation of a checkpoint saved before a resume
+    that changed the learning rate and document masking must see the checkpoint's own."""
+    from safetensors import safe_open
+
+    from hydra_lm.infer.runs import export_model, load_run
+
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--max_steps", "2", "--save_every", "2", "--lr", "0.002") == 0
+    assert train(tiny_data, run, "--max_steps", "3", "--save_every", "3", "--lr", "0.001",
+                 "--no-document_masking") == 0
+    first = run / "checkpoints" / "hydra_debug_step2"
+    assert load_run(run, first, "cpu").config["train"]["document_masking"] is True
+    assert load_run(run, None, "cpu").config["train"]["document_masking"] is False
+    out = export_model(run, tmp_path / "step2.safetensors", first)
+    with safe_open(str(out), "pt") as f:
+        assert json.loads(f.metadata()["train_config"])["lr"] == 0.002
+
+
 @pytest.mark.slow
 def test_corrupt_checkpoint_errors_for_eval_and_resume_falls_back(tiny_data, tmp_path, capsys):
     run = tmp_path / "run"
@@ -533,7 +552,7 @@ def test_the_grace_period_after_a_signal_bounds_the_step_alone():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert lines == ["in the handler's time: SIGTERM",
-                     "info: SIGTERM received: saving a checkpoint after the step in progress", "checkpoint saved"]
+                     "info: SIGTERM received: the run stops after the step in progress", "checkpoint saved"]
 
 
 def test_the_same_command_resumes_with_model_overrides_split_over_layers_and_a_presets_other_spelling(tiny_data,
@@ -568,3 +587,6 @@ def test_a_signal_before_the_first_step_stops_without_a_step(tiny_data, tmp_path
     run = tmp_path / "run"
     assert train(tiny_data, run, "--max_steps", "4") == 130
     assert records(run, "train") == [] and not list((run / "checkpoints").glob("*step*"))
+    # --out alone would start a new run from the defaults, not this one: the log must not advise it
+    log = (run / "train.log").read_text()
+    assert "nothing to resume: run the same command again" in log and "resume with" not in log

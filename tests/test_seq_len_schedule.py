@@ -47,6 +47,20 @@ def test_resume_across_a_length_switch_is_exact(tiny_data, tmp_path):
     assert "sequence length 16 -> 32, 4 rows" in (tmp_path / "straight" / "train.log").read_text()
 
 
+def test_a_resume_in_a_later_stage_of_a_length_used_before_stays_in_it(tiny_data, tmp_path):
+    """16:0,32:0.3,16:0.6 comes back to rows of 16: a checkpoint from the third stage resumes in the third stage, not
+    the first (which took a spurious switch "16 -> 16" at the next step, reset its graphs and booked it as start-up)."""
+    common = ["--data", str(tiny_data), *TINY_RUN, "--log_every", "1", "--no-eval_at_start", "--eval_every", "0",
+              "--max_steps", "10", "--save_every", "10", "--seq_len_schedule", "16:0,32:0.3,16:0.6", "--mod_off",
+              "--mor_off"]
+    assert main(["train", "--out", str(tmp_path / "straight"), *common]) == 0
+    pieces = tmp_path / "pieces"
+    assert main(["train", "--out", str(pieces), *common, "--stop_at_step", "8"]) == 0
+    assert main(["train", "--out", str(pieces)]) == 0
+    assert train_losses(pieces) == train_losses(tmp_path / "straight")
+    assert "16 -> 16" not in (pieces / "train.log").read_text()
+
+
 def test_mfu_counts_the_stages_own_row_length(tiny_data, tmp_path, monkeypatch):
     """Attention's FLOPs per token grow with the row: the MFU of a step on rows of 16 counts rows of 16, not the
     --seq_len of 32. (A peak rate is set by hand: the trainer measures one on CUDA only.)"""

@@ -157,6 +157,33 @@ def test_a_file_where_the_checkpoints_go_is_refused_before_training(tmp_path):
         CheckpointManager(tmp_path / "ck", "debug")
 
 
+def test_a_stray_file_beside_a_checkpoints_files_does_not_set_it_aside(tmp_path):
+    """Only the files state.json lists are read, so a file manager's .DS_Store or a user's notes in a checkpoint must
+    not cost the run its newest checkpoint (a shard slipped into the sharded layout is still refused:
+    test_safe_loading.py)."""
+    m = CheckpointManager(tmp_path / "ck", "debug", keep=5)
+    model = tiny()
+    save(m, model, 1)
+    path = save(m, model, 2)
+    (path / ".DS_Store").write_bytes(b"x")
+    (path / "notes").mkdir()
+    (path / "notes" / "why.txt").write_text("a good step")
+    assert m.latest_good().step == 2 and m.quarantined() == []
+
+
+def test_a_run_directory_or_a_checkpoints_lost_state_is_named_for_what_it_is(tmp_path):
+    run = tmp_path / "run"
+    m = CheckpointManager(run / "checkpoints", "debug", keep=5)
+    path = save(m, tiny(), 1)
+    for wrong in (run, run / "checkpoints"):
+        with pytest.raises(CheckpointError, match="its checkpoints directory, not a checkpoint"):
+            verify(wrong)
+    (path / "state.json").unlink()
+    for given in (path, path / "model.safetensors"):  # not taken for an exported model
+        with pytest.raises(CheckpointError, match="state.json is missing"):
+            verify(given)
+
+
 def test_a_step_corrupt_again_is_set_aside_beside_the_first(tmp_path):
     """A checkpoint of a step that was set aside before (the run went back past it and saved it again) gets a name
     of its own: left in place, it stayed among the checkpoints, warned about at every resume."""

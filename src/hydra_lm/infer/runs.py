@@ -56,6 +56,10 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
         if None not in (trained_with, run_with) and trained_with != run_with:
             raise ValueError(f"checkpoint {ckpt.path} was trained with another tokenizer than run {run_dir}: pass "
                              "the --run it came from")
+        # config.json holds the latest start's settings; a checkpoint saved before a resume that changed some (its
+        # document masking, say) was trained with those it records itself.
+        config = {**config, "train": ckpt.state.get("train_config") or config.get("train", {}),
+                  "data": ckpt.state.get("data") or config.get("data", {})}
     else:  # a checkpoint copied out of its run carries its own config
         config = {"train": ckpt.state.get("train_config", {}), "model": ckpt.state.get("model_config"),
                   "data": ckpt.state.get("data", {})}

@@ -165,7 +165,9 @@ def verify(path: Path) -> Checkpoint:
     """Read ``state.json`` and check it (format version, its own SHA-256, the step against the directory's name) and
     every file it lists (size and SHA-256)."""
     path = Path(path)
-    if path.is_file() and path.suffix == ".safetensors" and not (path.parent / STATE_FILE).is_file():
+    in_checkpoint = path.name == MODEL_FILE and _NAME.match(path.parent.name)  # its state.json lost, not an export
+    if path.is_file() and path.suffix == ".safetensors" and not (path.parent / STATE_FILE).is_file() \
+            and not in_checkpoint:
         return _exported(path)
     if path.is_file() and path.name in (MODEL_FILE, STATE_FILE, TRAINER_FILE):
         path = path.parent
@@ -177,6 +179,9 @@ def verify(path: Path) -> Checkpoint:
         raise CheckpointError(f"checkpoint {path} does not exist")
     state_path = path / STATE_FILE
     if not state_path.is_file():
+        if (path / "checkpoints").is_dir() or any(p.is_dir() and _NAME.match(p.name) for p in path.iterdir()):
+            raise CheckpointError(f"{path} is a run's directory or its checkpoints directory, not a checkpoint: pass "
+                                  "one of its checkpoints (checkpoints/hydra_<size>_step<N>)")
         raise CheckpointError(f"checkpoint file {state_path} is missing (incomplete checkpoint)")
     try:
         state = json.loads(state_path.read_text(encoding="utf-8"))
@@ -202,9 +207,11 @@ def verify(path: Path) -> Checkpoint:
             not all(isinstance(i, dict) and isinstance(i.get("bytes"), int) and isinstance(i.get("sha256"), str)
                     for i in files.values()):
         raise CheckpointError(f"checkpoint file {state_path} is corrupt: its file list is malformed")
-    # Only listed (hashed) files are ever read: a file slipped in later is refused, not loaded.
-    unlisted = sorted(p.relative_to(path).as_posix() for p in path.rglob("*")
-                      if not p.is_dir() and p != state_path and p.relative_to(path).as_posix() not in files)
+    # Only listed (hashed) files are read, by name, so anything else beside them (a file manager's .DS_Store, a
+    # user's notes) is left alone: refusing it would set a good checkpoint aside. The sharded layout's directory is
+    # the exception: its reader takes shards by the names its metadata gives, so a shard slipped in is refused.
+    unlisted = sorted(p.relative_to(path).as_posix() for p in (path / DCP_DIR).rglob("*")
+                      if not p.is_dir() and p.relative_to(path).as_posix() not in files)
     if unlisted:
         raise CheckpointError(f"checkpoint {path} holds files that {STATE_FILE} does not list: {unlisted[:5]}")
     if state.get("layout") == "dcp" and f"{DCP_DIR}/.metadata" not in files:

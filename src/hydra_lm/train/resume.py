@@ -124,7 +124,8 @@ def restore(t, ckpt) -> None:
     if t.batch_filter is not None and st.get("batch_filter"):
         t.batch_filter.load_state_dict(st["batch_filter"])
     if t.seq_schedule is not None:  # the loader of the stage the checkpoint was in
-        t.replace_loader(t.seq_schedule.stage_of_length(st["loader"]["seq_len"]))
+        near = t.seq_schedule.stage_at(t.clock.position(t.step), t.cfg.max_steps)
+        t.replace_loader(t.seq_schedule.stage_of_length(st["loader"]["seq_len"], near))
     t.loader.load_state_dict(st["loader"])
     t.saved_window = st.get("log_window")
     t.starving = set(st.get("starving_experts", ()))

@@ -70,10 +70,12 @@ class SeqLenSchedule:
         """Index of the stage for the step with 0-based index ``clock``."""
         return max(i for i, (_, start) in enumerate(self.stages) if clock >= round(start * max_steps))
 
-    def stage_of_length(self, length: int) -> int:
-        for i, (stage_len, _) in enumerate(self.stages):
-            if stage_len == length:
-                return i
+    def stage_of_length(self, length: int, near: int) -> int:
+        """The stage a checkpoint's loader of ``length``-token rows was in: of the stages of that length (a schedule
+        may come back to one), the latest at or before stage ``near``, where the run's next step falls."""
+        matching = [i for i, (stage_len, _) in enumerate(self.stages) if stage_len == length]
+        if matching:
+            return max((i for i in matching if i <= near), default=matching[0])
         raise ValueError(f"the checkpoint's loader uses seq_len {length}, which --seq_len_schedule does not list: "
                          "resume with the schedule the run started with")
 

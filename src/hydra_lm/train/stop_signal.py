@@ -64,7 +64,7 @@ class StopRequest:
             return
         self._disarm()
         self._step_ended = True
-        self.log.info(f"{self.reason} received: saving a checkpoint after the step in progress")
+        self.log.info(f"{self.reason} received: the run stops after the step in progress")
 
     @contextlib.contextmanager
     def saving(self):

@@ -165,6 +165,12 @@ class Trainer:
         """Write a checkpoint unless anything since the last check (loss, gradients, weights) is non-finite."""
         return save_checkpoint(self, reason)
 
+    def _resume_hint(self) -> str:
+        if self.s.manager.list():
+            return f"resume with: hydra-lm train --out {self.s.run_dir}"
+        # --out alone would not resume a run with no checkpoint: it would start a new one from the defaults
+        return "no checkpoint was saved, so there is nothing to resume: run the same command again to start over"
+
     def healthy(self, check_params: bool = False) -> bool:
         """Host sync (log, eval and save points only): every loss and grad norm since the last
         rollback finite, and with ``check_params`` every weight too (on every rank)."""
@@ -238,7 +244,7 @@ class Trainer:
         except Exception as error:
             if not self.stop_request.step_failed(error):
                 raise
-            self.log.info(f"resume with: hydra-lm train --out {self.s.run_dir}")
+            self.log.info(self._resume_hint())
             return EXIT_INTERRUPTED
         finally:
             self.train_step.stop_warming()
@@ -284,7 +290,7 @@ class Trainer:
         if self.step == 0 and cfg.eval_at_start:
             self._eval()
         if self._stop_agreed():  # a signal during the pretest or the first evaluation: not a (compiling) step more
-            self.log.info(f"stopped before step {self.step + 1}; resume with: hydra-lm train --out {s.run_dir}")
+            self.log.info(f"stopped before step {self.step + 1}; {self._resume_hint()}")
             return EXIT_INTERRUPTED
         self.window = self.new_window()
         stopping, saved_step = False, None
@@ -342,7 +348,7 @@ class Trainer:
             self.save(f"interrupted by {self.stop_request.reason}")
         finish_save(self)
         if interrupted:
-            self.log.info(f"stopped at step {self.step}; resume with: hydra-lm train --out {s.run_dir}")
+            self.log.info(f"stopped at step {self.step}; {self._resume_hint()}")
             return EXIT_INTERRUPTED
         return 0
 
