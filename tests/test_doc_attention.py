@@ -190,3 +190,16 @@ def test_a_cached_forward_takes_no_documents(kind):
     with pytest.raises(ValueError, match="takes no documents"):
         attn(x, pos, RotaryEmbedding(32, 16), cache, None, doc)
     assert not cache.slot_valid.any()
+
+
+def test_rows_laid_end_to_end_never_share_a_document_whatever_the_ids_dtype():
+    """The offsets grow with the rows times the ids' range: computed in the ids' own int32 they wrapped for large
+    ids and let two rows share a document (flex, and a top-k over the batch, would attend across rows). A model
+    refuses dtypes other than int32 and int64, with the fix."""
+    ids = torch.tensor([[0, 0, 2_000_000_000], [0, 1, 1], [5, 5, 5]], dtype=torch.int32)
+    flat = da.documents_end_to_end(ids).reshape(3, 3)
+    assert all(set(flat[i].tolist()).isdisjoint(flat[j].tolist()) for i in range(3) for j in range(i))
+    model = tiny_model()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 8))
+    with pytest.raises(ValueError, match=r"doc_ids must be int32 or int64, got torch.uint8: pass doc_ids.long\(\)"):
+        model(tokens, doc_ids=torch.zeros(2, 8, dtype=torch.uint8))

@@ -370,3 +370,18 @@ def test_no_resume_refuses_a_run_directory_with_checkpoints(tiny_data, tmp_path,
     assert f"--no-resume: {run} has checkpoints" in capsys.readouterr().err
     assert main(["train", "--out", str(run), "--resume"]) == 0
     assert [r["step"] for r in records(run, "train")] == [1, 2, 3]
+
+
+def test_an_attention_kernel_that_document_masks_bypass_is_said_to_be_bypassed():
+    """--model.attention_backend flash (or xformers, or --experimental_fa3) serves attention without document masks
+    only: a run that masks documents (the default) must hear that its choice takes no effect, and how to make it."""
+    import hydra_lm
+    from hydra_lm.train.model_features import apply_model_features
+
+    model = hydra_lm.create_model("debug", dim=64, attention_backend="flash")
+    notes = apply_model_features(model, TrainConfig(), torch.device("cpu"))
+    assert len(notes) == 1 and "add --no-document_masking for flash to take effect" in notes[0]
+    assert apply_model_features(model, TrainConfig(document_masking=False), torch.device("cpu")) == []
+    fa3 = apply_model_features(hydra_lm.create_model("debug", dim=64), TrainConfig(experimental_fa3=True),
+                               torch.device("cpu"))
+    assert len(fa3) == 1 and fa3[0].endswith("add --no-document_masking for FA3 to take effect")

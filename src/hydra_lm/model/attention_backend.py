@@ -1,5 +1,7 @@
 """Which kernel computes softmax attention: PyTorch SDPA (default; picks flash / cuDNN / efficient /
 math itself), the FlashAttention package, or xFormers, chosen per model by ``HydraConfig.attention_backend``.
+The choice serves attention without document masks (a run's ``--no-document_masking``, generation): attention
+within documents runs model/doc_attention.py's masked kernels whatever it is (the trainer's log says so).
 
 The packages are optional and imported lazily; a model asking for one that is missing fails on its
 first CUDA forward with an error that says what to install, never a silent fallback. The check waits

@@ -22,8 +22,10 @@ Two ways to compute the same function, chosen per model by ``HydraConfig.doc_mas
   trainer's tokens/s at 100M on an H200 and an H100 (sixty-first to sixty-third), all against SDPA's masked call:
   the cuDNN call with the causal flag has since won 1.3-1.5% of it back for HYDRA (sixty-eighth; flex not
   re-measured against it). torch 2.11 failed to lower flex inside units compiled with dynamic token counts
-  (evaluation's, a MoR ramp's), so those take the dense mask (``block._run_compiled_unit``); with that the
-  trainer's flex GPU test passes (sixty-second). Flex stays opt-in for its cold compile: 200 s and more against
+  (evaluation's, a MoR ramp's, and in compiled training every block without routing: a dense model's layers,
+  middle-cycle's first and last), so those take the dense mask (``block._run_compiled_unit``), built per unit
+  call; with that the trainer's flex GPU test passes (sixty-second). For the dense baseline flex thus buys
+  nothing in compiled training. Flex stays opt-in for its cold compile: 200 s and more against
   115-120 s for the preset on an H100 (sixty-third), also when only rows of 512 entries or more took flex, so the
   extra time is not the routed rows' kernels.
 
@@ -150,8 +152,10 @@ def _end_to_end(t: torch.Tensor) -> torch.Tensor:
 
 def documents_end_to_end(ids: torch.Tensor) -> torch.Tensor:
     """Document ids [B, N] -> [1, B * N]: the rows laid end to end, each row's ids moved past the previous row's so
-    that no two rows share a document (non-decreasing where each row's are)."""
-    row = torch.arange(ids.shape[0], device=ids.device, dtype=ids.dtype)[:, None]
+    that no two rows share a document (non-decreasing where each row's are). In int64: the offsets grow with the
+    rows times the ids' range, which a caller's int32 ids of large values would overflow."""
+    ids = ids.long()
+    row = torch.arange(ids.shape[0], device=ids.device)[:, None]
     return ((ids - ids.amin()) + row * (ids.amax() - ids.amin() + 1)).reshape(1, -1)
 
 
@@ -175,7 +179,9 @@ def _flex(q: torch.Tensor):
     if not q.is_cuda or torch.compiler.is_compiling():
         return flex_attention
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        # A graph per batch x entries shape: a run's curriculum phases and evaluation give flex a few dozen (24 at
+        # the 100M preset), past Dynamo's default limit of 8, after which it would run unfused, silently.
+        _compiled_flex = torch._dynamo.config.patch(recompile_limit=64)(torch.compile(flex_attention, dynamic=False))
     return _compiled_flex
 
 

@@ -211,6 +211,10 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             raise ValueError(f"input_ids must be [batch, length] with both > 0, got shape {list(input_ids.shape)}")
         if doc_ids is not None and doc_ids.shape != input_ids.shape:
             raise ValueError(f"doc_ids must have input_ids' shape {list(input_ids.shape)}, got {list(doc_ids.shape)}")
+        if doc_ids is not None and doc_ids.dtype not in (torch.int32, torch.int64):
+            # Rows laid end to end get ids offset by the row (doc_attention.documents_end_to_end): a narrower dtype
+            # would wrap around and let two rows share a document.
+            raise ValueError(f"doc_ids must be int32 or int64, got {doc_ids.dtype}: pass doc_ids.long()")
         b, t = input_ids.shape
         if t > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.config.max_seq_len}; "

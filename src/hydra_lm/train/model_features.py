@@ -25,8 +25,14 @@ def apply_model_features(model: HydraModel, cfg: TrainConfig, device: torch.devi
                          f"{device.type}): use --model.doc_mask_backend auto here; a model trained with flex still "
                          "evaluates and generates on the CPU")
     notes = []
+    # The packages and SDPA's flash kernel serve attention without document masks only (model/attention_backend.py)
+    masked = ("; but with document masks (--document_masking, the default) attention runs PyTorch's masked kernels: "
+              "add --no-document_masking for {} to take effect") if cfg.document_masking else ""
+    if model.config.attention_backend in ("flash", "xformers") and masked:
+        notes.append(f"--model.attention_backend {model.config.attention_backend} serves attention without document "
+                     "masks only" + masked.format(model.config.attention_backend))
     if cfg.experimental_fa3:
-        notes.append(enable_fa3(device))
+        notes.append(enable_fa3(device) + masked.format("FA3"))
     if cfg.experimental_fp8:
         n = convert_to_fp8(model, cfg.fp8_format, device, cfg.fp8_min_tokens, cfg.fp8_recipe)
         notes.append(f"--experimental_fp8: {n} Linear layers of the transformer layers now train in float8 "
