@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hydra_lm.cli import main
-from support import TINY_RUN, prepare, write_corpus
+from support import TINY_RUN, prepare, rewrite_state, write_corpus
 
 
 def err_of(capsys):
@@ -68,13 +68,17 @@ def test_generate_decodes_with_the_tokenizer_the_run_recorded(run, other_tokeniz
     shutil.copyfile(other_tokenizer / "tokenizer.json", copy / "tokenizer.json")  # a replaced copy
     assert main(["generate", "--run", str(copy), *greedy]) == 0  # the data directory's is the run's
     assert capsys.readouterr().out == expected
+    # its data directory prepared again, with another tokenizer (the run and its checkpoints name that directory)
     config = json.loads((copy / "config.json").read_text())
-    config["data"]["path"] = str(other_tokenizer)  # its data directory prepared again, with another tokenizer
+    config["data"]["path"] = str(other_tokenizer)
     (copy / "config.json").write_text(json.dumps(config))
+    for checkpoint in (copy / "checkpoints").glob("hydra_*"):
+        rewrite_state(checkpoint, lambda state: state["data"].__setitem__("path", str(other_tokenizer)))
     assert main(["generate", "--run", str(copy), *greedy]) == 2
     assert err_of(capsys) == (f"hydra-lm generate: error: run {copy} was not trained with the tokenizer in "
                               f"{copy / 'tokenizer.json'} or {other_tokenizer} (its fingerprint differs from the one "
-                              "config.json records): put back the tokenizer.json of the data directory it trained on")
+                              "its checkpoint records): put back the tokenizer.json of the data directory it "
+                              "trained on")
 
 
 def test_a_run_whose_data_directory_is_gone_says_so(tiny_data, tmp_path, capsys):

@@ -431,6 +431,8 @@ def test_float64_logits_are_sampled_in_float64():
     logits = torch.tensor([[1.0, 1.0 + 1e-9]], dtype=torch.float64)  # one value in float32: a coin toss there
     gen = torch.Generator().manual_seed(0)
     assert [sample_next(logits, 1e-30, generator=gen).item() for _ in range(50)] == [1] * 50
+    # a temperature that rounds to 0 in fp32: still the top token, not 0 / 0
+    assert sample_next(torch.tensor([[0.0, 5.0, 4.0]]), 1e-46, generator=gen).tolist() == [1]
 
 
 def test_top_k_and_top_p_keep_every_token_tied_with_the_last_one_they_keep():

@@ -270,11 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, action="append",
                      help="the text to continue; give it several times to sample several prompts as one batch "
                           "(the first samples with --seed, the next with --seed + 1, ..., each as it would alone "
-                          "with that seed)")
+                          "with that seed, up to bf16 rounding on a GPU; every prompt's new tokens are capped by the "
+                          "context left after the longest prompt)")
     gen.add_argument("--max_new_tokens", type=int, default=100)
     gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     gen.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens; 0: all of them")
-    gen.add_argument("--top_p", type=float, default=None)
+    gen.add_argument("--top_p", type=float, default=None,
+                     help="sample among the likeliest tokens whose probabilities sum to p (nucleus), within --top_k's: "
+                          "add --top_k 0 for the nucleus alone")
     gen.add_argument("--seed", type=int, default=0, help="any integer, taken modulo 2**64")
     gen.add_argument("--checkpoint", default=None, help="checkpoint directory (or its name in the run's "
                                                         "checkpoints/) or exported .safetensors file (default: the "

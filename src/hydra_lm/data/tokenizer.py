@@ -145,10 +145,34 @@ class HydraTokenizer:
                 for parts in out]
 
     def decode(self, ids: Iterable[int]) -> str:
+        """The text of ``ids``; an id with no token (a model's vocabulary padded past the tokenizer's, tiktoken's
+        unused ids) reads as U+FFFD, where Hugging Face's tokenizers drop it silently and tiktoken raises."""
         ids = [int(i) for i in ids]
+        known = [self._has(i) for i in ids]
+        if all(known):
+            return self._decode(ids)
+        parts, run = [], []
+        for i, has in zip(ids, known):
+            if has:
+                run.append(i)
+            else:
+                parts += [self._decode(run), "\ufffd"]
+                run = []
+        return "".join(parts) + self._decode(run)
+
+    def _decode(self, ids: list[int]) -> str:
         if self.kind == "tiktoken":
             return self.backend.decode(ids)
         return self.backend.decode(ids, skip_special_tokens=False)
+
+    def _has(self, i: int) -> bool:
+        if self.kind != "tiktoken":
+            return self.backend.id_to_token(i) is not None
+        try:
+            self.backend.decode_single_token_bytes(i)
+        except KeyError:
+            return False
+        return True
 
     def save(self, directory: str | Path) -> Path:
         """Write ``tokenizer.json`` (or a record of the tiktoken encoding) into ``directory``."""

@@ -123,7 +123,7 @@ def export_model(run_dir: str | Path, out: str | Path, checkpoint: str | Path | 
 
 def run_tokenizer(run: LoadedRun):
     """The tokenizer the run trained with: its own copy, else its data directory's; one whose fingerprint differs
-    from the one config.json records (replaced, e.g. by `hydra-lm prepare --out RUN_DIR`) is refused."""
+    from the one the checkpoint records (replaced, e.g. by `hydra-lm prepare --out RUN_DIR`) is refused."""
     from ..data import load_tokenizer
 
     data = run.config.get("data") or {}
@@ -141,7 +141,7 @@ def run_tokenizer(run: LoadedRun):
             wrong.append(str(candidate))
     if wrong:
         raise ValueError(f"run {run.run_dir} was not trained with the tokenizer in {' or '.join(wrong)} (its "
-                         "fingerprint differs from the one config.json records): put back the tokenizer.json of "
+                         "fingerprint differs from the one its checkpoint records): put back the tokenizer.json of "
                          "the data directory it trained on")
     if "tokenizer_fingerprint" in data and recorded is None:
         raise ValueError(f"run {run.run_dir} has no tokenizer (its data was pre-tokenized without one): text "

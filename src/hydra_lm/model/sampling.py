@@ -88,9 +88,11 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     per_row = check_generator(generator, logits.shape[0])
     if temperature == 0:
         return logits.argmax(dim=-1)
-    # Relative to each row's highest logit: a tiny temperature then drives the others to -inf, not the top to inf.
+    # Relative to each row's highest logit: a tiny temperature then drives the others to -inf, not the top to inf,
+    # and the top stays 0 (0 / a temperature that rounds to 0 in fp32 would be NaN).
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    logits = torch.where(shifted == 0, shifted, shifted / temperature)
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, int(top_k), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
