@@ -84,6 +84,28 @@ def test_json_lines_records_without_the_text_field_name_it(tmp_path, tokenizer_d
     assert sorted(_documents(out)) == ["alpha", "beta"]
 
 
+def test_json_records_without_the_text_field_read_as_text_are_warned_about_and_a_named_one_is_refused(
+        tmp_path, tokenizer_dir, capsys):
+    """A directory of data files whose text field has another name trained on their JSON syntax without a word: they
+    still read as text (a code repository's .json configs are text), but prepare says so and how to name the field;
+    one object without the field, named explicitly, is an error like a list or lines of them."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(2):
+        (src / f"part{i}.json").write_text(json.dumps([{"content": t} for t in _texts(3, seed=i)]))
+    (src / "notes.txt").write_text("alpha\n")
+    out = _prepare([src], tmp_path / "out", tokenizer_dir)
+    assert len(_documents(out)) == 3
+    err = capsys.readouterr().err
+    assert "warning: 2 .json file(s) hold records without a 'text' field, e.g." in err and "part0.json" in err
+    assert "pass --text_field NAME" in err
+    assert len(_documents(_prepare([src], tmp_path / "named", tokenizer_dir, text_field="content"))) == 7
+    assert "records without" not in capsys.readouterr().err
+    (tmp_path / "one.json").write_text(json.dumps({"content": "alpha"}))
+    with pytest.raises(ValueError, match=r"one.json: record has no field 'text'.*--text_field NAME"):
+        _prepare([tmp_path / "one.json"], tmp_path / "one", tokenizer_dir)
+
+
 # encodings --------------------------------------------------------------------------------------------
 def test_text_that_is_not_utf8_is_kept_with_a_warning(tmp_path, tokenizer_dir, capsys):
     src = tmp_path / "src"
@@ -200,6 +222,32 @@ def test_linked_directories_are_walked_once(tmp_path, tokenizer_dir):
     os.symlink(corpus, corpus / "own" / "up")  # a cycle
     out = _prepare([corpus], tmp_path / "out", tokenizer_dir)
     assert sorted(_documents(out)) == ["alpha\n", "beta\n"]
+
+
+def test_globs_over_directories_saved_datasets_inside_and_unread_compressions(tmp_path, tokenizer_dir, capsys):
+    """A glob may match a directory with nothing to read (it is skipped, not fatal); a dataset saved with
+    ``save_to_disk`` below a walked directory is read as one, not its metadata as text; compressed files of a kind
+    that is not read are named in a warning instead of vanishing."""
+    from hydra_lm.data.sources import resolve_inputs
+
+    corpus = tmp_path / "corpus"
+    (corpus / "a").mkdir(parents=True)
+    (corpus / "empty").mkdir()
+    (corpus / "a" / "x.txt").write_text("alpha\n")
+    (corpus / "big.jsonl.xz").write_bytes(b"\xfd7zXZ\x00")
+    saved = corpus / "wiki_saved"
+    saved.mkdir()
+    for name in ("state.json", "dataset_info.json"):
+        (saved / name).write_text("{}")
+    (saved / "data-00000-of-00001.arrow").write_bytes(b"arrow")
+    for spec in (corpus, f"{corpus}/*", f"{corpus}/**"):
+        found = resolve_inputs([str(spec)])
+        assert sorted((s.fmt, s.path.name) for s in found.sources) == [("hf_disk", "wiki_saved"), ("text", "x.txt")]
+        assert found.compressed == {corpus / "big.jsonl.xz"}
+    (saved / "state.json").unlink()  # a directory of two .json configs again: read as text
+    _prepare([f"{corpus}/*"], tmp_path / "out", tokenizer_dir)
+    err = capsys.readouterr().err
+    assert "skipped 1 compressed file(s) of a kind that is not read, e.g." in err and "big.jsonl.xz" in err
 
 
 # command line -----------------------------------------------------------------------------------------

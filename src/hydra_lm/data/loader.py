@@ -1,9 +1,10 @@
 """``PackedLoader``: fixed-shape, resumable, rank-sharded batches from a prepared data directory.
 
 Rows are windows of ``seq_len + 1`` tokens cut from the split's token stream with stride
-``seq_len`` (each token is a target exactly once per epoch). Training shuffles the rows of each
-epoch with a generator seeded by ``(seed, epoch)`` and shifts the cut points by a random offset,
-so repeated epochs see new document splits. Step ``k`` of rank ``r`` takes the rows at
+``seq_len`` (each token is a target at most once per epoch: exactly once in evaluation). Training shuffles the
+rows of each epoch with a generator seeded by ``(seed, epoch)`` and shifts the cut points by a random offset,
+so repeated epochs see new document splits (the tokens before the offset and after the last whole row are not
+targets in that epoch). Step ``k`` of rank ``r`` takes the rows at
 ``position + i * world_size + r`` of the epoch's order, ``position`` counting rows consumed by
 all ranks; the state is therefore the same on every rank, and a run may resume with another
 world size or batch size and still see every remaining row of the epoch once.

@@ -61,7 +61,8 @@ def _documents(corpus: Corpus, text_field: str, max_bytes: int | None) -> Iterat
     used = 0
     for si, source in enumerate(corpus.sources):
         try:
-            for key, payload in source.documents(text_field, corpus.strict_text, corpus.not_utf8):
+            for key, payload in source.documents(text_field, corpus.strict_text, corpus.not_utf8,
+                                                 corpus.records_as_text):
                 if max_bytes is not None:
                     size = len(payload.encode("utf-8")) if isinstance(payload, str) else 4 * len(payload)
                     if used and used + size > max_bytes:
@@ -273,6 +274,15 @@ def _build(out: Path, corpus: Corpus, tok: HydraTokenizer | None, options: dict,
         print(f"[hydra-lm prepare] warning: {len(corpus.not_utf8)} file(s) are not valid UTF-8, e.g. "
               f"{min(corpus.not_utf8)}: their undecodable bytes became U+FFFD replacement characters; convert them "
               f"to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8) to keep their text exact", file=sys.stderr, flush=True)
+    if corpus.compressed:
+        print(f"[hydra-lm prepare] warning: skipped {len(corpus.compressed)} compressed file(s) of a kind that is "
+              f"not read, e.g. {min(corpus.compressed)}: decompress them, or recompress them with gzip (.gz), to "
+              "include them", file=sys.stderr, flush=True)
+    if corpus.records_as_text:
+        print(f"[hydra-lm prepare] warning: {len(corpus.records_as_text)} .json file(s) hold records without a "
+              f"{text_field!r} field, e.g. {min(corpus.records_as_text)}: each was read whole as text, JSON syntax and "
+              "all; if they are data, pass --text_field NAME (the field that holds the text)", file=sys.stderr,
+              flush=True)
     for stale in (TOKENIZER_FILE, TIKTOKEN_FILE):
         (out / stale).unlink(missing_ok=True)
     if tok is not None:

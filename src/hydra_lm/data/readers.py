@@ -180,13 +180,15 @@ def _json_lines(raw: str) -> tuple[list[tuple[int, dict | str]], int | None]:
 
 
 def iter_json(path: Path, key: str, text_field: str, explicit: bool = False,
-              not_utf8: set[Path] | None = None) -> Iterator[Doc]:
+              not_utf8: set[Path] | None = None, records_as_text: set[Path] | None = None) -> Iterator[Doc]:
     """A list of records (or strings), or JSON Lines (what ``datasets``' ``to_json`` writes under a ``.json``
     name), gives one document each; any other JSON is one text document.
 
     The fallback keeps directories of code or docs usable: their ``.json`` files are configs and
     data that read best as text. A file named explicitly is meant as data, so records without
-    the text field, or content that is not JSON at all, are an error there rather than text.
+    the text field, or content that is not JSON at all, are an error there rather than text. Records read as
+    text (a list or lines of objects, or one object, without the field) are added to ``records_as_text``: a
+    directory of data files whose field has another name would otherwise train on their JSON syntax unnoticed.
     """
     raw = read_text(path, not_utf8=not_utf8)
     try:
@@ -198,6 +200,7 @@ def iter_json(path: Path, key: str, text_field: str, explicit: bool = False,
                 for lineno, rec in lines:
                     yield f"{key}#{lineno}", _record_text(rec, text_field, f"{path}:{lineno}")
                 return
+            _note(records_as_text, path)
         elif explicit:
             raise ValueError(f"{path} is neither JSON ({err.msg}: line {err.lineno} column {err.colno}) nor JSON Lines "
                              f"(line {bad} is not a JSON object): fix the file, or give it a text suffix such as .txt "
@@ -211,10 +214,20 @@ def iter_json(path: Path, key: str, text_field: str, explicit: bool = False,
         if explicit:
             bad = next(i for i, r in enumerate(obj) if not isinstance(r, str) and text_field not in r)
             _record_text(obj[bad], text_field, f"{path}[{bad}]")
+        _note(records_as_text, path)
     if isinstance(obj, dict) and isinstance(obj.get(text_field), str):
         yield key, obj[text_field]
         return
+    if isinstance(obj, dict):
+        if explicit:
+            _record_text(obj, text_field, str(path))
+        _note(records_as_text, path)
     yield key, raw
+
+
+def _note(paths: set[Path] | None, path: Path) -> None:
+    if paths is not None:
+        paths.add(path)
 
 
 @contextlib.contextmanager

@@ -50,9 +50,10 @@ class Source:
     def fingerprint(self) -> list:
         return [self.fmt, self.key, str(self.path) if self.path else None, self.size, self.mtime_ns]
 
-    def documents(self, text_field: str, strict_text: bool = False,
-                  not_utf8: set[Path] | None = None) -> Iterator[readers.Doc]:
-        """``not_utf8`` collects the files whose bytes that are not UTF-8 were replaced by U+FFFD."""
+    def documents(self, text_field: str, strict_text: bool = False, not_utf8: set[Path] | None = None,
+                  records_as_text: set[Path] | None = None) -> Iterator[readers.Doc]:
+        """``not_utf8`` collects the files whose bytes that are not UTF-8 were replaced by U+FFFD,
+        ``records_as_text`` the JSON files of records without ``text_field`` read as text (``readers.iter_json``)."""
         if self.fmt == "hf":
             yield from readers.iter_hf(self.key, text_field)
         elif self.fmt == "hf_disk":
@@ -64,7 +65,7 @@ class Source:
         elif self.fmt == "jsonl":
             yield from readers.iter_jsonl(self.path, self.key, text_field, not_utf8)
         elif self.fmt == "json":
-            yield from readers.iter_json(self.path, self.key, text_field, self.explicit, not_utf8)
+            yield from readers.iter_json(self.path, self.key, text_field, self.explicit, not_utf8, records_as_text)
         elif self.fmt == "parquet":
             yield from readers.iter_parquet(self.path, self.key, text_field, not_utf8)
         else:
@@ -80,6 +81,8 @@ class Corpus:
     notes: dict = field(default_factory=dict)
     skipped: set[Path] = field(default_factory=set)  # files found in directories that turned out binary
     not_utf8: set[Path] = field(default_factory=set)  # files read with U+FFFD in place of bytes that are not UTF-8
+    records_as_text: set[Path] = field(default_factory=set)  # JSON records without the text field, read as text
+    compressed: set[Path] = field(default_factory=set)  # files in directories compressed in a way that is not read
 
     @property
     def has_text(self) -> bool:
@@ -138,9 +141,10 @@ def _is_incomplete(directory: Path) -> bool:
         (directory / name).is_file() for name in ("train.bin", "train.idx.npy"))
 
 
-def _walk(root: Path, skip_test_data: bool = False) -> Iterator[Path]:
+def _walk(root: Path, skip_test_data: bool = False, saved: list[Path] | None = None) -> Iterator[Path]:
     """Files under ``root``, linked directories included; a directory reached twice (a link back up the tree,
-    two links to one place) is read once."""
+    two links to one place) is read once. ``saved``: collects the Hugging Face datasets saved to disk found below
+    ``root`` (``save_to_disk``), whose files are not walked (their metadata is not text, their data not files)."""
     visited = {os.path.realpath(root)}
 
     def first_visit(directory: Path) -> bool:
@@ -156,13 +160,33 @@ def _walk(root: Path, skip_test_data: bool = False) -> Iterator[Path]:
         dirnames[:] = [d for d in sorted(dirnames) if d not in SKIP_DIRS and not d.startswith(".")
                        and not (skip_test_data and in_tests and d.endswith("data"))
                        and not _is_prepared(Path(dirpath) / d) and not _is_incomplete(Path(dirpath) / d)
+                       and not (saved is not None and _saved_dataset(Path(dirpath) / d, saved))
                        and first_visit(Path(dirpath) / d)]
         for name in sorted(filenames):
             if not name.startswith("."):
                 yield Path(dirpath) / name
 
 
-def _dir_sources(root: Path) -> list[Source]:
+def _saved_dataset(directory: Path, saved: list[Path]) -> bool:
+    if readers.is_saved_dataset(directory):
+        saved.append(directory)
+        return True
+    return False
+
+
+def _saved_dataset_source(root: Path) -> Source:
+    files = [p for p in root.rglob("*") if p.is_file()]
+    stamp = max((p.stat().st_mtime_ns for p in files), default=0)
+    return Source("hf_disk", root.name, root, sum(p.stat().st_size for p in files), stamp)
+
+
+# Compressed files of kinds that are not read (gzip is): skipped with a warning, not silently.
+UNREAD_COMPRESSED = (".bz2", ".xz", ".zst", ".zstd", ".lz4", ".7z", ".zip", ".tar", ".tgz", ".br")
+
+
+def _dir_sources(root: Path, required: bool = True, compressed: set[Path] | None = None) -> list[Source]:
+    """The sources under ``root``; ``required``: none is an error (a directory a glob matched may hold none).
+    ``compressed`` collects the files skipped for a compression that is not read."""
     if _is_prepared(root):
         raise ValueError(f"{root} is prepared data (a `hydra-lm prepare` output), not a corpus: train on it with "
                          f"--data {root}, or prepare from the files it was made of")
@@ -170,11 +194,18 @@ def _dir_sources(root: Path) -> list[Source]:
         raise ValueError(f"{root} is incomplete `hydra-lm prepare` output (its meta.json is missing: the preparation "
                          f"was interrupted), not a corpus: prepare it again from its corpus")
     if readers.is_saved_dataset(root):
-        files = [p for p in root.rglob("*") if p.is_file()]
-        stamp = max((p.stat().st_mtime_ns for p in files), default=0)
-        return [Source("hf_disk", root.name, root, sum(p.stat().st_size for p in files), stamp)]
-    found = [s for p in _walk(root) if p.is_file() and (s := _file_source(p, root, explicit=False))]
-    if not found:
+        return [_saved_dataset_source(root)]
+    saved: list[Path] = []
+    found = []
+    for p in _walk(root, saved=saved):
+        if not p.is_file():
+            continue
+        if (s := _file_source(p, root, explicit=False)) is not None:
+            found.append(s)
+        elif compressed is not None and p.name.lower().endswith(UNREAD_COMPRESSED):
+            compressed.add(p)
+    found += [_saved_dataset_source(d) for d in saved]
+    if not found and required:
         raise ValueError(f"found no supported files under {root}: supported are {readers.FORMAT_HELP}")
     return found
 
@@ -224,6 +255,7 @@ def resolve_inputs(inputs: Sequence[str | Path] | str | Path | None, default_cap
                          "standard library source)")
     sources: list[Source] = []
     notes: dict = {}
+    compressed: set[Path] = set()
     skip = exclude.resolve() if exclude is not None else None
     for spec in inputs:
         path = Path(spec).expanduser()
@@ -243,12 +275,17 @@ def resolve_inputs(inputs: Sequence[str | Path] | str | Path | None, default_cap
             for m in map(Path, matches):
                 if any(_is_prepared(d) or _is_incomplete(d) for d in (m, *m.parents)):  # an earlier output
                     continue
+                below = m.parents[:len(m.relative_to(base).parts) - 1] if m.is_relative_to(base) else ()
+                if any(readers.is_saved_dataset(d) for d in below):  # read whole, as its directory's match
+                    continue
                 if m.is_dir():
-                    sources += _dir_sources(m)
+                    sources += _dir_sources(m, required=False, compressed=compressed)
                 elif (s := _file_source(m, base, explicit=False)) is not None:
                     sources.append(s)
+                elif m.name.lower().endswith(UNREAD_COMPRESSED):
+                    compressed.add(m)
         elif path.is_dir():
-            sources += _dir_sources(path)
+            sources += _dir_sources(path, compressed=compressed)
         elif path.is_file():
             sources.append(_file_source(path, path.parent, explicit=True))
         elif (name := _named_set(spec)) is not None:
@@ -272,7 +309,8 @@ def resolve_inputs(inputs: Sequence[str | Path] | str | Path | None, default_cap
                          f"read as input: choose an --out outside the inputs")
     if not unique:
         raise ValueError(f"no supported input files in {inputs}: supported are {readers.FORMAT_HELP}")
-    return Corpus(unique, f"{len(unique)} source(s) from {', '.join(inputs)}", inputs, notes=notes)
+    return Corpus(unique, f"{len(unique)} source(s) from {', '.join(inputs)}", inputs, notes=notes,
+                  compressed=compressed)
 
 
 def _path_hash(rel: str) -> bytes:
