@@ -115,7 +115,8 @@ def test_a_learning_rate_where_some_seeds_diverged_is_failed_not_best_and_not_ex
 
     def run(lr, seed):
         return SimpleNamespace(name=f"hydra.lr{lr:g}.seed{seed}", values={"lr": lr}, seed=seed,
-                               variant=SimpleNamespace(swept_from="hydra", name=f"hydra.lr{lr:g}", arch="hydra"))
+                               variant=SimpleNamespace(swept_from="hydra", name=f"hydra.lr{lr:g}", arch="hydra",
+                                                       budget_scale=1.0))
 
     def finished(loss):
         return {"status": "finished", "rollbacks": 0, "final": {"val_loss_causal": loss}}
@@ -146,6 +147,10 @@ def test_a_learning_rate_where_some_seeds_diverged_is_failed_not_best_and_not_ex
     assert three["left_out"] == {"1": "non-finite", "2": "diverged"}
     rows = seed_rows({"across_seeds": summary})
     assert rows[0][1] == "0 1 2" and rows[1][1] == "0 (1 of 3; left out: 1 non-finite, 2 diverged)"
+    # A seed that rolled back finished at a reduced learning rate: left out, not averaged as the rate's.
+    variants["hydra.lr0.001.seed1"]["rollbacks"] = 1
+    one = across_seeds(runs, variants)["hydra.lr0.001"]
+    assert one["left_out"] == {"1": "rolled back"} and one["seeds"] == [0, 2] and not one["complete"]
 
 
 def test_lr_extensions_step_past_the_end_a_best_sits_at_by_the_grids_ratio_there():
@@ -211,6 +216,13 @@ def test_the_seed_margin_gives_welchs_t_and_how_many_hydra_seeds_beat_every_dens
     assert margin_statistics(hydra[:1], dense[:1])["t"] is None
     assert "standard errors" not in seed_margin({"across_seeds": one}) and "above the best dense" in seed_margin(
         {"across_seeds": one})
+    # Only equal budgets and whole seed sets are ranked: a HYDRA variant given twice the budget, or one whose other
+    # seeds diverged, is no rival however low its mean.
+    lucky = {"arch": "hydra", "seeds": [1], "causal": [0.90], "mean": 0.90, "min": 0.90, "max": 0.90}
+    rivals = {**summary, "twice": dict(lucky, budget_scale=2.0, complete=True),
+              "survivor": dict(lucky, complete=False, planned=[1, 2, 3, 4])}
+    text = seed_margin({"across_seeds": rivals})
+    assert text.startswith("Best HYDRA variant b12r1") and "Not ranked: survivor, twice" in text
 
 
 def test_seeds_of_separate_studies_pool_into_one_report_without_training_again(tiny_data, tmp_path, capsys):

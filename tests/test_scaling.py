@@ -99,3 +99,20 @@ def test_scaling_pools_a_seconds_budgets_seeds_only_on_one_device(tmp_path):
             "budget": {"kind": "seconds", "value": 60}, "settings": {"seed": [0, 1]},
             "variants": {"good.seed0": seed_run(0, devices[0], 0.1), "good.seed1": seed_run(1, devices[1], -0.1)}}))
         assert load_points([study], "seconds", "family")["hydra"]["y"] == pytest.approx(expected)
+
+
+def test_a_seed_that_diverged_does_not_leave_the_averaged_curve_to_the_survivors(tmp_path):
+    """Past the point where one seed diverged (its losses null), a mean of the survivors would drop exactly where
+    the fit's floor is decided: those points are left out, as are those a seed never reached."""
+    def seed_run(seed, losses):
+        return {"variant": "good", "seed": seed, "arch": "hydra",
+                "evals": [{"step": i, "flops": 10.0 ** (12 + i), "val_loss_causal": y} for i, y in enumerate(losses)]}
+    study = tmp_path / "study"
+    study.mkdir()
+    (study / "results.json").write_text(json.dumps({
+        "budget": {"kind": "flops", "value": 1e16}, "settings": {"seed": [0, 1, 2]},
+        "variants": {"good.seed0": seed_run(0, [5.0, 4.0, 3.6, 3.4]), "good.seed1": seed_run(1, [5.2, 4.4, None, None]),
+                     "good.seed2": seed_run(2, [5.1, 4.2, 3.8])}}))
+    points = load_points([study], "flops", "family")["hydra"]
+    assert points["y"] == pytest.approx([5.1, 4.2]) and points["x"] == pytest.approx([1e12, 1e13])
+    assert len(load_points([study], "flops", "family", "all")["hydra"]["y"]) == 4 + 2 + 3

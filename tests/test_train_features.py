@@ -254,6 +254,23 @@ def test_metrics_lines_are_strict_json_with_nested_non_finite_values(tmp_path):
     assert record["moe_expert_load"]["after_block0"] == [0.5, None]
 
 
+def test_a_resume_keeps_the_rollback_its_checkpoint_was_written_after(tmp_path):
+    """Diverged at step 80, rolled back to 50, saved at 60 at the lowered learning rate, stopped, resumed from 60:
+    the steps after 60 are redone (their records dropped), but the rollback stays, or a compare of the run would
+    rank its halved learning rate as the rate it was given. A rollback to the resumed step itself was not written
+    into that checkpoint: it goes with the steps after it."""
+    from hydra_lm.train.metrics import MetricsWriter, RunLog
+
+    records = [{"kind": "train", "step": 50}, {"kind": "eval", "step": 50}, {"kind": "train", "step": 60},
+               {"kind": "divergence", "step": 80, "action": "rollback", "to_step": 50},
+               {"kind": "train", "step": 60}, {"kind": "train", "step": 70},
+               {"kind": "divergence", "step": 90, "action": "rollback", "to_step": 60}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    MetricsWriter(tmp_path, RunLog(None, echo=False), resume_step=60).close()
+    kept = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert kept == records[:5]
+
+
 def test_a_resumed_run_logs_to_its_own_wandb_run(tmp_path, monkeypatch):
     """--wandb: a resume continues the W&B run its start made (the id kept in the run directory); a fresh start in
     the same directory makes a new one. (A stand-in module records what wandb.init was given.)"""

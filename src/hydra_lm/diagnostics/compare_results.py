@@ -180,22 +180,25 @@ def lr_extensions(sweep: dict[str, Any]) -> dict[str, float]:
 
 
 def across_seeds(runs: list[VariantRun], variants: dict[str, Any]) -> dict[str, Any]:
-    """Per variant, its final causal losses over the seeds (finished runs with a finite loss only): mean, min, max
-    and the sample standard deviation, with the planned seeds (``planned``) and the status of each one left out
-    (``left_out``, by seed: "diverged", "failed", "unfinished" or "non-finite"), so a mean over fewer seeds says so
-    (``complete`` False)."""
+    """Per variant, its final causal losses over the seeds (finished runs with a finite loss and no rollback only):
+    mean, min, max and the sample standard deviation, with the planned seeds (``planned``), the variant's share of the
+    budget (``budget_scale``) and the status of each seed left out (``left_out``, by seed: "diverged", "failed",
+    "unfinished", "non-finite" or "rolled back", which trained on at a reduced learning rate), so a mean over fewer
+    seeds says so (``complete`` False)."""
     out: dict[str, Any] = {}
     for run in runs:
         entry = variants[run.name]
         summary = out.setdefault(run.variant.name, {"arch": run.variant.arch, "seeds": [], "causal": [],
-                                                    "planned": [], "left_out": {}})
+                                                    "planned": [], "left_out": {},
+                                                    "budget_scale": run.variant.budget_scale})
         summary["planned"].append(run.seed)
         loss = _final_causal(entry)
-        if loss is not None:
+        if loss is not None and not entry.get("rollbacks"):
             summary["seeds"].append(run.seed)
             summary["causal"].append(loss)
         else:
-            summary["left_out"][str(run.seed)] = "non-finite" if entry["status"] == "finished" else entry["status"]
+            summary["left_out"][str(run.seed)] = ("rolled back" if loss is not None else
+                                                  "non-finite" if entry["status"] == "finished" else entry["status"])
     for summary in out.values():
         losses = np.asarray(summary["causal"], dtype=np.float64)
         n = len(losses)

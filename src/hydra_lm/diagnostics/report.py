@@ -94,11 +94,17 @@ def margin_statistics(hydra: list[float], dense: list[float]) -> dict[str, Any]:
 
 def seed_margin(results: dict[str, Any]) -> str | None:
     """The best HYDRA variant's mean final causal loss against the best dense variant's: both spreads, the
-    margin in standard errors of the difference (Welch's t), and how many HYDRA seeds beat every dense one."""
-    best = {}
+    margin in standard errors of the difference (Welch's t), and how many HYDRA seeds beat every dense one. Only
+    variants trained on the whole budget with every planned seed count: one given another share (budget_scale) is
+    not an equal-budget rival, and one ranked by the seeds that survived would win by its lucky ones."""
+    best, unranked = {}, []
     for name, v in results["across_seeds"].items():
         arch = "hydra" if v["arch"] == "hydra" else "dense"
-        if v["mean"] is not None and (arch not in best or v["mean"] < best[arch][1]["mean"]):
+        if v["mean"] is None:
+            continue
+        if not v.get("complete", True) or v.get("budget_scale", 1.0) != 1.0:
+            unranked.append(name)
+        elif arch not in best or v["mean"] < best[arch][1]["mean"]:
             best[arch] = (name, v)
     if len(best) < 2:
         return None
@@ -113,7 +119,11 @@ def seed_margin(results: dict[str, Any]) -> str | None:
         # smaller t is a difference the seeds' own spread can make.
         text += (f": {abs(stats['t']):.1f} standard errors of the difference (Welch's t, "
                  f"{stats['df']:.1f} degrees of freedom{'; too few for t to say much' if stats['df'] < 3 else ''})")
-    return text + f"; {stats['below_every_dense']} of {stats['n_hydra']} HYDRA seeds end below every dense seed."
+    text += f"; {stats['below_every_dense']} of {stats['n_hydra']} HYDRA seeds end below every dense seed."
+    if unranked:
+        text += (f" Not ranked: {', '.join(sorted(unranked))} (another budget share, or seeds that diverged, rolled "
+                 "back or did not finish).")
+    return text
 
 
 def _of_planned(v: dict[str, Any]) -> str:

@@ -113,22 +113,25 @@ def load_points(dirs: list[str | Path], x: str, group: str,
             experiment = json.dumps([budget, settings, device], sort_keys=True) if budget is not None else str(n)
             variant = v.get("variant", name)  # a compare with --seeds: NAME.seedS is a run of NAME
             label = variant if group == "variant" else ("hydra" if v.get("arch", "hydra") == "hydra" else "dense")
-            pts = [(float(p[key]), float(p["val_loss_causal"])) for p in v.get("evals", [])
-                   if p.get(key) and p.get("val_loss_causal") is not None]
+            # By evaluation, None where it has no finite loss (a run that diverged): seeds stay aligned.
+            pts = [(float(p[key]), float(p["val_loss_causal"])) if p.get(key) and p.get("val_loss_causal") is not None
+                   else None for p in v.get("evals", [])]
             runs.setdefault((label, variant, experiment), []).append(pts)
     groups: dict[str, dict[str, list[float]]] = {}
     for (label, _, _), seeds in runs.items():
         g = groups.setdefault(label, {"x": [], "y": []})
         if points == "all":
             for pts in seeds:
-                g["x"] += [p[0] for p in pts]
-                g["y"] += [p[1] for p in pts]
+                g["x"] += [p[0] for p in pts if p is not None]
+                g["y"] += [p[1] for p in pts if p is not None]
             continue
-        # Seeds of one budget share their evaluation schedule: average the i-th points of the runs that have one.
-        for i in range(max(len(pts) for pts in seeds)):
-            at = [pts[i] for pts in seeds if i < len(pts)]
-            g["x"].append(sum(p[0] for p in at) / len(at))
-            g["y"].append(sum(p[1] for p in at) / len(at))
+        # Seeds of one budget share their evaluation schedule: average the i-th points where every seed has one. A
+        # mean over the seeds that got there would fall where one diverged or stopped, as the fit's floor is decided.
+        for i in range(min(len(pts) for pts in seeds)):
+            at = [pts[i] for pts in seeds]
+            if None not in at:
+                g["x"].append(sum(p[0] for p in at) / len(at))
+                g["y"].append(sum(p[1] for p in at) / len(at))
     if points == "frontier":
         for g in groups.values():
             g["x"], g["y"] = frontier(g["x"], g["y"])

@@ -154,7 +154,9 @@ class MetricsWriter:
 
     def _drop_after(self, step: int, kinds: tuple[str, ...] | None = None) -> None:
         """A resumed run redoes the steps after its checkpoint; drop their old records (of ``kinds``, None: all)
-        so every step appears once. A fresh start (step -1) keeps an earlier attempt's file as metrics.jsonl.old."""
+        so every step appears once. A rollback to a step before the checkpoint stays: the checkpoint was written after
+        it, with its lowered learning rate, which a compare of the run must still see. A fresh start (step -1) keeps
+        an earlier attempt's file as metrics.jsonl.old."""
         if not self.path.is_file():
             return
         if step < 0:
@@ -166,7 +168,9 @@ class MetricsWriter:
                 record = json.loads(line)
             except ValueError:
                 continue  # a line cut short by a crash
-            if record.get("step", 0) <= step or (kinds is not None and record.get("kind") not in kinds):
+            rolled_back_before = record.get("action") == "rollback" and record.get("to_step", step) < step
+            if record.get("step", 0) <= step or (kinds is not None and record.get("kind") not in kinds) \
+                    or rolled_back_before:
                 kept.append(line)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
