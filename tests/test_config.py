@@ -65,8 +65,10 @@ def test_invalid_values_raise_value_errors_that_name_the_field(overrides, field)
     (dict(head_dim=16), "head_dim=16: n_heads\\*head_dim=4\\*16 must equal .*=128: set head_dim=32 or leave it unset"),
     (dict(arch="dense", n_heads=3, n_kv_heads=1), "n_heads=3: must divide dim=512 for the dense baseline"),
     (dict(arch="dense", dim=33, n_heads=2, n_kv_heads=1), "n_heads=2: .*no head count can, as the width is odd"),
+    # n_heads first: advice on n_kv_heads alone (1 or 3) would lead to the error above
+    (dict(n_heads=3), r"n_heads=3: must divide the query latent"),
 ], ids=["one_block", "mod_every_past_the_blocks", "more_heads_than_latent", "heads_not_dividing_latent",
-        "compression_past_dim", "head_dim_set", "dense_heads", "odd_width"])
+        "compression_past_dim", "head_dim_set", "dense_heads", "odd_width", "heads_before_kv_heads"])
 def test_layout_errors_name_the_field_to_change_and_a_value_that_works(overrides, message):
     with pytest.raises(ValueError, match=f"^HydraConfig.{message}"):
         HydraConfig(**overrides)

@@ -315,6 +315,7 @@ def test_cli_overrides_config_file_and_resolved_config_is_written(tiny_data, tmp
     (["--8bit_adam"], "--8bit_adam"),
     (["--8bit_adam", "--adafactor"], "--adafactor contradicts --8bit_adam"),  # the flags as typed
     (["--optimizer", "lion", "--adafactor"], "--adafactor contradicts --optimizer lion"),
+    (["--no-cuda_graph", "--experimental_cuda_graphs"], "--experimental_cuda_graphs contradicts --no-cuda_graph"),
     (["--chunked_ce_size", "0"], "chunked_ce_size=0 must be >= 1"),
     (["--chunked_ce", "--ce_impl", "liger"], "impl 'liger'"),  # CPU (and no liger-kernel here): refused up front
     (["--cuda_graph"], "--cuda_graph needs a CUDA device"),
@@ -385,3 +386,43 @@ def test_an_attention_kernel_that_document_masks_bypass_is_said_to_be_bypassed()
     fa3 = apply_model_features(hydra_lm.create_model("debug", dim=64), TrainConfig(experimental_fa3=True),
                                torch.device("cpu"))
     assert len(fa3) == 1 and fa3[0].endswith("add --no-document_masking for FA3 to take effect")
+
+
+def test_model_arch_contradicting_arch_is_refused():
+    """--arch dense --model.arch hydra trained HYDRA while the saved train config said dense, and a resume checked
+    --arch against the wrong one."""
+    from types import SimpleNamespace
+
+    from hydra_lm.train.run import build_model_config
+
+    data = SimpleNamespace(vocab_size=256, path="d")
+    with pytest.raises(ValueError, match="--model.arch hydra contradicts --arch dense: give --arch alone"):
+        build_model_config(TrainConfig(arch="dense", model={"arch": "hydra"}), data)
+    same = resolve(TrainConfig(arch="dense", model={"arch": "dense"}), "debug", on_cuda=False)
+    assert build_model_config(same, data).arch == "dense"
+
+
+def test_a_gpu_index_the_machine_does_not_have_is_refused_with_how_many_it_has(monkeypatch):
+    from hydra_lm.train.run import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ValueError, match=r"--device cuda:2: this machine shows 2 GPU\(s\), numbered from 0"):
+        pick_device("cuda:2")
+
+
+def test_a_config_files_aliases_are_booleans_and_agree_with_the_fields_they_set_in_any_order():
+    """The CLI refuses an alias that contradicts its field; a config file must too, whichever key comes first, and a
+    string "false" is not true."""
+    with pytest.raises(ValueError, match=r"f.toml: adafactor='false' must be true or false"):
+        normalize({"adafactor": "false"}, "f.toml")
+    for values in ({"optimizer": "lion", "adafactor": True}, {"adafactor": True, "optimizer": "lion"}):
+        with pytest.raises(ValueError, match=r"adafactor contradicts optimizer='lion': keep one"):
+            normalize(values, "f.toml")
+    with pytest.raises(ValueError, match="8bit_adam contradicts adafactor"):
+        normalize({"adafactor": True, "8bit_adam": True}, "f.toml")
+    with pytest.raises(ValueError, match="experimental_cuda_graphs contradicts cuda_graph=False"):
+        normalize({"experimental_cuda_graphs": True, "cuda_graph": False}, "f.toml")
+    assert normalize({"adafactor": True, "optimizer": "adafactor"}, "f.toml")["optimizer"] == "adafactor"
+    assert "optimizer" not in normalize({"adafactor": False}, "f.toml")

@@ -18,6 +18,8 @@ MOR_SCHEDULES = ("paper", "layer_aware", "geometric")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "xformers")
 DOC_MASK_BACKENDS = ("auto", "flex", "sdpa")
 DECODE_KERNELS = ("auto", "triton", "torch")
+# The fields that choose how attention is computed, not what: a run may change them when it resumes.
+KERNEL_CHOICES = ("attention_backend", "doc_mask_backend", "decode_kernel")
 
 
 @dataclass
@@ -138,10 +140,8 @@ class HydraConfig:
                      "mod_every", "moe_num_experts", "moe_num_layers", "moe_top_k", "moe_hidden", "topk_groups"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(name, "must be a positive integer")
-        if self.n_heads % self.n_kv_heads:
-            bad("n_kv_heads", f"must divide n_heads={self.n_heads} (grouped-query attention); "
-                              f"try one of {[d for d in range(1, self.n_heads + 1) if self.n_heads % d == 0]}")
-        # The fields head_dim is derived from come first: a bad one is named, not the head_dim of 0 it gave.
+        # The fields head_dim is derived from come first: a bad one is named, not the head_dim of 0 it gave; and
+        # n_heads before n_kv_heads, whose advice would otherwise lead to a head count the width cannot take.
         if self.arch == "hydra" and self.dim % self.compression_factor:
             bad("compression_factor", f"must divide dim={self.dim}; the query latent is dim/compression_factor")
         latent = self.dim // self.compression_factor if self.arch == "hydra" else self.dim
@@ -151,6 +151,9 @@ class HydraConfig:
             heads = [d for d in range(1, latent + 1) if latent % d == 0 and latent // d % 2 == 0]
             bad("n_heads", f"must divide {what} (each head an even share of it): " +
                 (f"try one of {heads}" if heads else "no head count can, as the width is odd: make it even"))
+        if self.n_heads % self.n_kv_heads:
+            bad("n_kv_heads", f"must divide n_heads={self.n_heads} (grouped-query attention); "
+                              f"try one of {[d for d in range(1, self.n_heads + 1) if self.n_heads % d == 0]}")
         if self.head_dim != latent // self.n_heads:
             bad("head_dim", f"n_heads*head_dim={self.n_heads}*{self.head_dim} must equal {what}: set head_dim="
                             f"{latent // self.n_heads} or leave it unset")

@@ -116,7 +116,9 @@ def cli_values(args: argparse.Namespace, model_overrides: dict[str, Any]) -> dic
     for alias, (field, target) in KEY_ALIASES.items():
         if getattr(args, f"alias_{alias}", None):
             if field in values and values[field] != target:
-                raise ValueError(f"--{alias} contradicts {given.get(field, f'--{field} {values[field]}')}")
+                typed = (f"--{field}" if values[field] else f"--no-{field}") if isinstance(values[field], bool) \
+                    else f"--{field} {values[field]}"
+                raise ValueError(f"--{alias} contradicts {given.get(field, typed)}")
             values[field], given[field] = target, f"--{alias}"
     for name in MODEL_ALIASES:
         if getattr(args, f"model_alias_{name}", None) is not None:

@@ -263,11 +263,16 @@ def normalize(values: dict[str, Any], where: str) -> dict[str, Any]:
     check_train_keys(values, where)
     out: dict[str, Any] = {}
     model_fields: dict[str, Any] = {}
+    aliased: dict[str, tuple[str, Any]] = {}  # field -> (the alias that set it, its value)
     for key, value in values.items():
         if key in KEY_ALIASES:
             name, target = KEY_ALIASES[key]
+            if not isinstance(value, bool):  # "false" would read as true
+                raise ValueError(f"{where}: {key}={value!r} must be true or false")
             if value:
-                out[name] = target
+                if name in aliased and aliased[name][1] != target:
+                    raise ValueError(f"{where}: {key} contradicts {aliased[name][0]}: keep one")
+                aliased[name] = (key, target)
             continue
         if key in MODEL_ALIASES:
             kind = MODEL_ALIASES[key]
@@ -276,6 +281,10 @@ def normalize(values: dict[str, Any], where: str) -> dict[str, Any]:
             model_fields[key] = value
             continue
         out[key] = _coerce(key, value, where)
+    for name, (key, target) in aliased.items():  # whatever the keys' order: an alias and its field must agree
+        if name in out and out[name] != target:
+            raise ValueError(f"{where}: {key} contradicts {name}={out[name]!r}: keep one")
+        out[name] = target
     if model_fields:
         model = out.setdefault("model", {})
         clash = sorted(k for k, v in model_fields.items() if k in model and model[k] != v)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..config import HydraConfig, preset_config
+from ..config import KERNEL_CHOICES, HydraConfig, preset_config
 from .checkpoint import Checkpoint, CheckpointError, CheckpointManager, verify, write_text_atomic
 from .data_io import DataInfo, dataset_dir, open_data, tokenized_alike
 from .distributed import DistInfo, broadcast_object, init_distributed, launched_rank
@@ -64,6 +64,9 @@ def pick_device(name: str) -> torch.device:
         raise ValueError(f"--device {name}: not a device this trainer runs on (use auto, cpu, cuda or cuda:N)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available on this machine (use cpu or auto)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine shows {torch.cuda.device_count()} GPU(s), numbered from 0 "
+                         "(CUDA_VISIBLE_DEVICES renumbers them): pick one of those")
     return device
 
 
@@ -101,7 +104,10 @@ def read_saved_config(run_dir: Path) -> dict[str, Any] | None:
                          "resumes with the config stored in its newest checkpoint") from None
 
 
-def merge_layers(file_values: dict[str, Any], cli: dict[str, Any], saved: dict[str, Any] | None) -> TrainConfig:
+def merge_layers(file_values: dict[str, Any], cli: dict[str, Any], saved: dict[str, Any] | None,
+                 built: dict[str, Any] | None = None) -> TrainConfig:
+    """The run's settings: ``saved`` (a resumed run's saved train config; ``built``, the model it built), then the
+    config file's, then the command line's."""
     base: dict[str, Any] = {}
     if saved is not None:
         kept = {k: v for k, v in saved.items() if k in FIELDS and k not in PER_INVOCATION}
@@ -121,11 +127,18 @@ def merge_layers(file_values: dict[str, Any], cli: dict[str, Any], saved: dict[s
             for key, value in MODE_DEFAULTS[base["mode"]].items():
                 if base.get(key) == value:
                     del base[key]
+        reference = dict(base)
+        if built:  # a model key not overridden at the start is what the run's model has, not a change
+            reference["model"] = {**HydraConfig.from_saved(built).to_dict(), **(base.get("model") or {})}
         for key in FROZEN_ON_RESUME:
             for layer, where in ((file_values, "the config file"), (cli, "the command line")):
-                if key in layer and _changes(key, layer[key], base.get(key)):
-                    raise ValueError(f"cannot change {key} when resuming (run has {base.get(key)!r}, {where} gives "
-                                     f"{layer[key]!r}): it would not load or not reproduce the run; drop it to "
+                if key in layer and _changes(key, layer[key], reference.get(key)):
+                    given, had = layer[key], reference.get(key)
+                    if key == "model" and isinstance(given, dict) and isinstance(had, dict):
+                        given = {k: v for k, v in given.items() if _changes(key, {k: v}, had)}
+                        had = {k: had.get(k) for k in given}
+                    raise ValueError(f"cannot change {key} when resuming (run has {had!r}, {where} gives "
+                                     f"{given!r}): it would not load or not reproduce the run; drop it to "
                                      "resume, or start a new --out directory")
     merged = {**base, **file_values, **cli}
     # Model overrides merge key by key: the run's, then the config file's, then the command line's.
@@ -139,7 +152,8 @@ def _changes(key: str, given: Any, saved: Any) -> bool:
     """Whether a resume's ``given`` value of frozen ``key`` changes the run's ``saved`` one: model overrides only in
     the keys given (the rest may come from another layer), preset names as the preset they name."""
     if key == "model" and isinstance(given, dict) and isinstance(saved, dict):
-        return any(k not in saved or saved[k] != v for k, v in given.items())
+        # The kernel choices change how attention is computed, not what: a run may resume with another one.
+        return any(k not in KERNEL_CHOICES and (k not in saved or saved[k] != v) for k, v in given.items())
     if key == "model_size" and isinstance(given, str) and isinstance(saved, str):
         try:
             return preset_config(given).preset != preset_config(saved).preset
@@ -150,6 +164,8 @@ def _changes(key: str, given: Any, saved: Any) -> bool:
 
 def build_model_config(cfg: TrainConfig, data: DataInfo) -> HydraConfig:
     overrides = dict(cfg.model)
+    if overrides.get("arch", cfg.arch) != cfg.arch:  # the saved train config would record the other one
+        raise ValueError(f"--model.arch {overrides['arch']} contradicts --arch {cfg.arch}: give --arch alone")
     preset_len = preset_config(cfg.model_size).max_seq_len
     values = {"arch": cfg.arch, "vocab_size": data.vocab_size, "max_seq_len": max(preset_len, cfg.seq_len)}
     values.update(overrides)
@@ -203,7 +219,7 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
     # A run whose checkpoints were all set aside as corrupt is still this run: --restart trains it again from step 0
     # with its saved config, which the next start then checks as a resume's.
     same_run = saved is not None and (has_ckpt or bool(manager.quarantined()))
-    cfg = merge_layers(file_values, cli, saved["train"] if same_run else None)
+    cfg = merge_layers(file_values, cli, saved["train"] if same_run else None, saved.get("model") if same_run else None)
     rank = launched_rank()  # under torchrun only rank 0 writes the log; the others report warnings
     log = RunLog(run_dir / "train.log", echo=echo) if rank == 0 else RunLog(None, echo=False, prefix=f"[rank {rank}] ")
     try:
@@ -321,8 +337,8 @@ def check_same_run(saved: dict[str, Any], data: DataInfo, model_cfg: HydraConfig
                          f"directory ({was.get('path')})")
     # Read back through HydraConfig: fields added since the run was saved take what the run was built with.
     was_model = HydraConfig.from_saved(saved["model"]).to_dict() if saved.get("model") else {}
-    if was_model != model_cfg.to_dict():
-        diff = sorted(k for k, v in model_cfg.to_dict().items() if was_model.get(k) != v)
+    diff = sorted(k for k, v in model_cfg.to_dict().items() if was_model.get(k) != v and k not in KERNEL_CHOICES)
+    if diff:
         raise ValueError(f"the model config differs from the one {run_dir} was trained with (fields {diff}); "
                          "resume with the same settings or start a new --out directory")
 
