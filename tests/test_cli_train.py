@@ -604,3 +604,11 @@ def test_a_signal_before_the_first_step_stops_without_a_step(tiny_data, tmp_path
     # --out alone would start a new run from the defaults, not this one: the log must not advise it
     log = (run / "train.log").read_text()
     assert "nothing to resume: run the same command again" in log and "resume with" not in log
+
+
+def test_a_warm_up_longer_than_a_new_run_is_warned_about(tiny_data, tmp_path, capsys):
+    """The learning rate would never reach --lr. Allowed (a resume that shortens a run keeps its warm-up), but said."""
+    assert train(tiny_data, tmp_path / "run", "--max_steps", "2", "--warmup_steps", "5") == 0
+    assert "--warmup_steps 5 is longer than the run (--max_steps 2)" in capsys.readouterr().err
+    assert train(tiny_data, tmp_path / "ok", "--max_steps", "2", "--warmup_steps", "2") == 0
+    assert "longer than the run" not in capsys.readouterr().err

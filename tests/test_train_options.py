@@ -400,6 +400,11 @@ def test_model_arch_contradicting_arch_is_refused():
         build_model_config(TrainConfig(arch="dense", model={"arch": "hydra"}), data)
     same = resolve(TrainConfig(arch="dense", model={"arch": "dense"}), "debug", on_cuda=False)
     assert build_model_config(same, data).arch == "dense"
+    # Fields the architecture ignores: the run would train what it trains without them (compare refuses them too).
+    for arch, model, message in (("dense", {"recursions": 4}, "--model.recursions does nothing for --arch dense"),
+                                 ("hydra", {"n_layers": 12}, "n_layers is the dense baseline's depth")):
+        with pytest.raises(ValueError, match=message):
+            build_model_config(resolve(TrainConfig(arch=arch, model=model), "debug", on_cuda=False), data)
 
 
 def test_a_gpu_index_the_machine_does_not_have_is_refused_with_how_many_it_has(monkeypatch):
@@ -426,3 +431,12 @@ def test_a_config_files_aliases_are_booleans_and_agree_with_the_fields_they_set_
         normalize({"experimental_cuda_graphs": True, "cuda_graph": False}, "f.toml")
     assert normalize({"adafactor": True, "optimizer": "adafactor"}, "f.toml")["optimizer"] == "adafactor"
     assert "optimizer" not in normalize({"adafactor": False}, "f.toml")
+
+
+def test_the_python_setup_types_and_checks_its_settings_like_the_command_line(tmp_path):
+    """setup_run (the Python API's entry) took a dict as given: "1e-3" failed deep inside, moe=True was unknown."""
+    from hydra_lm.train.run import setup_run
+
+    with pytest.raises(ValueError, match="setup_run's settings: max_steps=5.5 must be of type int"):
+        setup_run({"out": str(tmp_path / "r"), "max_steps": 5.5})
+    assert not (tmp_path / "r").exists()  # refused before anything was made

@@ -20,6 +20,13 @@ DOC_MASK_BACKENDS = ("auto", "flex", "sdpa")
 DECODE_KERNELS = ("auto", "triton", "torch")
 # The fields that choose how attention is computed, not what: a run may change them when it resumes.
 KERNEL_CHOICES = ("attention_backend", "doc_mask_backend", "decode_kernel")
+# Model fields the dense baseline never reads (its layers are GQA, unrouted, each applied once): a dense model given
+# one is the model it would be without it.
+HYDRA_ONLY_FIELDS = ("recursions", "sharing", "mod_enabled", "mod_capacity", "mod_every", "mod_first_block",
+                     "mor_enabled", "mor_routing", "topk_over", "topk_groups", "mor_capacity_schedule", "mor_capacity",
+                     "mor_gate_scale", "static_routing_mode", "mod_aux_weight", "mor_aux_weight",
+                     "compression_factor", "conv_seq_kernel", "conv_ch_kernel", "qk_mean", "value_shift",
+                     "decode_kernel")
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import HydraConfig, check_keys
+from ..config import HYDRA_ONLY_FIELDS, HydraConfig, check_keys
 from ..model.accounting import executed_flops_per_token
 from ..train.flags import parse_value
 from ..train.options import TrainConfig, normalize
@@ -39,13 +39,6 @@ OPTIMIZER_FIELDS = ("optimizer", "lr", "min_lr", "adamw_lr", "weight_decay")
 # The matmuls' precision likewise (bf16 against float8 at one budget).
 PRECISION_FIELDS = ("experimental_fp8", "fp8_format", "fp8_recipe", "fp8_min_tokens")
 TRAIN_FIELDS = CURRICULUM_FIELDS + OPTIMIZER_FIELDS + PRECISION_FIELDS
-# Model fields the dense baseline never reads (its layers are GQA, unrouted, each applied once): a dense
-# variant giving one trains the model it would without it.
-HYDRA_ONLY_FIELDS = ("recursions", "sharing", "mod_enabled", "mod_capacity", "mod_every", "mod_first_block",
-                     "mor_enabled", "mor_routing", "topk_over", "topk_groups", "mor_capacity_schedule", "mor_capacity",
-                     "mor_gate_scale", "static_routing_mode", "mod_aux_weight", "mor_aux_weight",
-                     "compression_factor", "conv_seq_kernel", "conv_ch_kernel", "qk_mean", "value_shift",
-                     "decode_kernel")
 MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(HydraConfig))
 # Trainer settings compare sets for every variant from its own flags.
 BUDGET_OWNED = ("max_steps", "time_budget_s", "stop_at_step")

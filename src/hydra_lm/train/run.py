@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..config import KERNEL_CHOICES, HydraConfig, preset_config
+from ..config import HYDRA_ONLY_FIELDS, KERNEL_CHOICES, HydraConfig, preset_config
 from .checkpoint import Checkpoint, CheckpointError, CheckpointManager, verify, write_text_atomic
 from .data_io import DataInfo, dataset_dir, open_data, tokenized_alike
 from .distributed import DistInfo, broadcast_object, init_distributed, launched_rank
@@ -166,6 +166,12 @@ def build_model_config(cfg: TrainConfig, data: DataInfo) -> HydraConfig:
     overrides = dict(cfg.model)
     if overrides.get("arch", cfg.arch) != cfg.arch:  # the saved train config would record the other one
         raise ValueError(f"--model.arch {overrides['arch']} contradicts --arch {cfg.arch}: give --arch alone")
+    ignored = [k for k in overrides if k in HYDRA_ONLY_FIELDS] if cfg.arch == "dense" else \
+        [k for k in overrides if k == "n_layers"]
+    if ignored:  # the run would train the model it trains without them
+        raise ValueError(f"--model.{ignored[0]} does nothing for --arch {cfg.arch}: " + (
+            "the dense baseline has no routing, recursion or CCGQA attention; drop it" if cfg.arch == "dense" else
+            "n_layers is the dense baseline's depth; a HYDRA model's is --model.n_blocks x --model.recursions"))
     preset_len = preset_config(cfg.model_size).max_seq_len
     values = {"arch": cfg.arch, "vocab_size": data.vocab_size, "max_seq_len": max(preset_len, cfg.seq_len)}
     values.update(overrides)
@@ -184,7 +190,10 @@ def build_model_config(cfg: TrainConfig, data: DataInfo) -> HydraConfig:
 
 
 def setup_run(cli: dict[str, Any], file_values: dict[str, Any] | None = None, echo: bool = True) -> RunSetup:
-    file_values = file_values or {}
+    # Typed and checked here too (idempotent for the CLI's and config files' already normalized values): a Python
+    # caller's "1e-3" or moe=True would otherwise fail deep inside, or an alias not map to its field.
+    cli = normalize(cli, "setup_run's settings")
+    file_values = normalize(file_values or {}, "setup_run's file values")
     out = cli.get("out") or file_values.get("out")
     if not out:
         raise ValueError("--out RUN_DIR is required")
@@ -250,6 +259,9 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
         eval_from_table = cfg.eval_batches is None
         cfg = resolve(cfg.replace(model_size=preset), preset, device.type == "cuda")
         model_cfg = build_model_config(cfg, data)
+        if not resuming and cfg.warmup_steps > cfg.max_steps:  # a resume that shortened the run may (options.py)
+            log.warning(f"--warmup_steps {cfg.warmup_steps} is longer than the run (--max_steps {cfg.max_steps}): the "
+                        "learning rate never reaches --lr; lower --warmup_steps, or leave it out for max_steps/10")
         check_logger_packages(cfg.tensorboard, cfg.wandb)  # before write_run_files saves the flags
         if batch_from_table and device.type == "cuda" and not info.enabled and not resuming:
             cfg = _fit_batch_to_gpu(cfg, model_cfg, device, log, eval_from_table)
