@@ -141,6 +141,18 @@ def test_the_trainer_estimates_sophias_hessian_on_sampled_labels(tiny_data, tmp_
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
 
 
+def test_sophias_curvature_counts_the_tokens_of_the_micro_batch_it_samples():
+    """The sampled-label loss runs on one micro-batch, so its squared gradients scale by that batch's tokens: the
+    step's (times grad_accum) made the preconditioner grad_accum times too large, rho in effect as much larger."""
+    from hydra_lm.train.optim import build_optimizer
+
+    model = tiny_model()
+    for accum in (1, 4):
+        cfg = resolve(TrainConfig(optimizer="sophia", batch_size=4, seq_len=32, grad_accum=accum), "debug",
+                      on_cuda=False)
+        assert build_optimizer(model, cfg, torch.device("cpu")).tokens_per_batch == 4 * 32
+
+
 def test_per_optimizer_learning_rate_defaults():
     lrs = {name: resolve(TrainConfig(optimizer=name), "100M", on_cuda=True).lr for name in ("adamw", "lion", "muon")}
     assert lrs == {"adamw": 6e-4, "lion": pytest.approx(1.8e-4), "muon": pytest.approx(1.5e-3)}

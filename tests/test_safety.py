@@ -571,3 +571,17 @@ def test_decoding_past_the_cache_is_refused_with_what_to_change():
     step = DecodeStep(model, caches, 2, torch.device("cpu"), graphed=False, compiled=False)
     with pytest.raises(ValueError, match="position 8 is outside the caches' 8 positions"):
         step(ids[:, :1], 8)
+
+
+def test_loss_spikes_at_every_log_point_can_switch_an_optimization_off_at_production_logging():
+    """The monitor sees a loss at log points only: with --log_every 50 a 100-step window held two of them, and three
+    anomalies were never reached. The window is widened to hold three."""
+    from hydra_lm.train.safe_optimizations import ANOMALIES_TO_SWITCH, AnomalyMonitor, anomaly_window
+
+    assert anomaly_window(100, 10) == 100 and anomaly_window(100, 50) == 101 and anomaly_window(500, 50) == 500
+    for log_every in (10, 50, 200):
+        monitor = AnomalyMonitor(anomaly_window(100, log_every), loss_spike=2.0, throughput_drop=0.0)
+        monitor.observe(0, 1.0, 1.0, 0.0)
+        first = next(step for step in range(log_every, 20 * log_every, log_every)
+                     if monitor.observe(step, 100.0, 1.0, 0.0) and monitor.too_many())
+        assert first == ANOMALIES_TO_SWITCH * log_every

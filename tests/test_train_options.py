@@ -440,3 +440,18 @@ def test_the_python_setup_types_and_checks_its_settings_like_the_command_line(tm
     with pytest.raises(ValueError, match="setup_run's settings: max_steps=5.5 must be of type int"):
         setup_run({"out": str(tmp_path / "r"), "max_steps": 5.5})
     assert not (tmp_path / "r").exists()  # refused before anything was made
+
+
+def test_moe_on_a_gpu_whose_grouped_gemm_syncs_trains_without_cuda_graphs(monkeypatch):
+    """torch's grouped GEMM runs without a host sync on compute capability 9.x and 10.x only; elsewhere (an A100, an
+    RTX card) a captured MoE step would fail: graphs are left off, and asking for them is refused, naming why."""
+    from hydra_lm.model import moe
+
+    for capability, syncs in (((8, 0), True), ((9, 0), False), ((10, 0), False), ((12, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert moe.grouped_mm_syncs(CUDA) is syncs
+        assert resolve_speed_options(TrainConfig(), CUDA, False, moe=True).cuda_graph is not syncs
+        assert resolve_speed_options(TrainConfig(), CUDA, False, moe=False).cuda_graph
+    with pytest.raises(ValueError, match=r"--cuda_graph with MoE .* capability 9.x and 10.x only \(this one is 12.0\)"):
+        resolve_speed_options(TrainConfig(cuda_graph=True), CUDA, False, moe=True)
+    assert moe.grouped_mm_syncs(CPU)

@@ -273,7 +273,7 @@ def run_bench(cfg: BenchConfig, on_row: Callable[[dict[str, Any]], None] | None 
     cfg.validate()
     dev = pick_device(cfg.device)
     check_optimizer_device(cfg.optimizer, dev)
-    plan = resolve_speed_options(cfg, dev, distributed=False)
+    plan = resolve_speed_options(cfg, dev, distributed=False, moe=bool(cfg.model.get("moe")))
     if plan.parallel_compile and cfg.archs[0] == "hydra":
         start_helpers()  # their imports overlap the set-up below: the peak measurement, model, optimizer
     if dev.type == "cuda":

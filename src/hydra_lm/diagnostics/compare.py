@@ -368,7 +368,7 @@ def check_on_device(name: str, cfg: TrainConfig, device: torch.device) -> None:
     """What the trainer would refuse on this device for a variant's settings, before any variant trains
     (a precision or optimizer the device lacks would otherwise fail after the earlier variants' runs)."""
     try:
-        resolve_speed_options(cfg, device, distributed=False)
+        resolve_speed_options(cfg, device, distributed=False, moe=bool(cfg.model.get("moe")))
         check_optimizer_device(cfg.optimizer, device)
         if cfg.experimental_fp8:
             check_fp8_device(device)

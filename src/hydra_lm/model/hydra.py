@@ -30,7 +30,7 @@ from .block import RecursiveBlock, TransformerLayer
 from .loss import linear_cross_entropy, logits_cross_entropy
 from .layers import (GradientCheckpointMixin, RMSNorm, RotaryEmbedding, eval_mode, init_weights_normal,
                      scale_residual_weights)
-from .moe import MoEFeedForward, grouped_mm_dtype
+from .moe import MoEFeedForward, grouped_mm_dtype, grouped_mm_syncs
 from .routing import ROUTING_MODES, depth_fractions
 from .sampling import as_integer, batch_prompts, check_generator, check_sampling, sample_next
 from .tied_lookup import HeadGradientSlot, kernel_applies, tied_lookup
@@ -350,8 +350,11 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
 
     def decode_capturable(self) -> bool:
         """Whether ``generate`` can replay its steps as a CUDA graph (model on CUDA, current autocast):
-        MoE without the bf16 grouped GEMM runs an expert loop that reads offsets on the host."""
-        return self.embed.weight.is_cuda and (not self.moe_blocks or grouped_mm_dtype(self.embed.weight) is not None)
+        MoE without the bf16 grouped GEMM, or on a GPU its sync-free kernel does not serve, reads offsets on the host
+        (``moe.grouped_mm_syncs``)."""
+        weight = self.embed.weight
+        return weight.is_cuda and (not self.moe_blocks or (grouped_mm_dtype(weight) is not None
+                                                           and not grouped_mm_syncs(weight.device)))
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor | Sequence, max_new_tokens: int, temperature: float = 0.0,

@@ -2,8 +2,9 @@
 
 Tokens are dispatched only to the experts they are routed to: assignments are sorted by expert
 and each expert runs on its contiguous slice. No token is dropped. On CUDA with bf16 the experts
-run as one grouped GEMM (``torch._grouped_mm``: static shapes, no host sync, compile-friendly);
-elsewhere a loop over experts does the same work on the same slices.
+run as one grouped GEMM (``torch._grouped_mm``: static shapes, compile-friendly, and no host sync on the GPUs its
+fast kernel serves, compute capability 9.x and 10.x: elsewhere torch's own fallback reads the offsets on the host,
+``grouped_mm_syncs``); without it a loop over experts does the same work on the same slices.
 """
 
 from __future__ import annotations
@@ -21,6 +22,16 @@ def grouped_mm_dtype(x: torch.Tensor) -> torch.dtype | None:
         return None
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
     return dtype if dtype == torch.bfloat16 else None
+
+
+def grouped_mm_syncs(device: torch.device) -> bool:
+    """Whether the experts' GEMMs on ``device`` read their offsets on the host (so a step with MoE cannot be captured
+    in a CUDA graph): torch's grouped GEMM runs without a sync on compute capability 9.x and 10.x only (Hopper,
+    Blackwell; elsewhere its fallback copies the offsets to the host), and the loop over experts always syncs."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    return not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability(device)[0] not in (9, 10)
 
 
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

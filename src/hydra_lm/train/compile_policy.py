@@ -42,6 +42,7 @@ import torch._functorch.config
 from ..model.block import run_block, run_unit
 from ..model.routing import routed_selection
 from ..model.loss import resolve_impl
+from ..model.moe import grouped_mm_syncs
 
 # Optimizers whose step replays in a CUDA graph: fused AdamW, and Muon (train/muon.py) with AdamW beside it.
 CAPTURABLE_OPTIMIZERS = ("adamw", "muon")
@@ -73,13 +74,14 @@ class SpeedPlan:
         return parts
 
 
-def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> SpeedPlan:
+def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool, moe: bool = False) -> SpeedPlan:
     """``cfg``: a TrainConfig or BenchConfig (fields compile, cuda_graph,
     chunked_ce, chunked_ce_size; a bench has no optimizer or gradient_checkpointing field and runs
-    fused AdamW without checkpointing). Raises ValueError for what cannot run."""
+    fused AdamW without checkpointing); ``moe``: the model has MoE layers. Raises ValueError for what cannot run."""
     cuda = device.type == "cuda"
     optimizer = getattr(cfg, "optimizer", "adamw")
     checkpointing = getattr(cfg, "gradient_checkpointing", False)
+    moe_syncs = moe and cuda and grouped_mm_syncs(device)  # its experts read offsets on the host: no capture
     compile_on = cuda if cfg.compile is None else cfg.compile
 
     def refuse(ok: bool, msg: str) -> None:
@@ -92,9 +94,12 @@ def resolve_speed_options(cfg: Any, device: torch.device, distributed: bool) -> 
         refuse(cuda, f"--cuda_graph needs a CUDA device (this run is on {device}): drop --cuda_graph")
         refuse(not distributed, "--cuda_graph works in one process only: FSDP2/DDP communication cannot be "
                "captured; drop --cuda_graph under torchrun")
+        capability = ".".join(map(str, torch.cuda.get_device_capability(device))) if moe_syncs else ""
+        refuse(not moe_syncs, "--cuda_graph with MoE needs torch's grouped GEMM without a host sync, which runs on "
+               f"GPUs of compute capability 9.x and 10.x only (this one is {capability}): drop --cuda_graph")
         graphs = True
     elif cfg.cuda_graph is None:  # automatic: wherever it can run
-        graphs = cuda and not distributed and not checkpointing
+        graphs = cuda and not distributed and not checkpointing and not moe_syncs
     else:
         graphs = False
     # Checked here, where the automatic setting is known: on CUDA graphs are on without --cuda_graph.

@@ -93,8 +93,10 @@ def _optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torc
     if kind == "sophia":
         from .sophia import SophiaG
 
-        # No batch shape given (create_optimized_training_setup's options may leave it out): its first step sets it.
-        tokens = None if None in (cfg.batch_size, cfg.seq_len) else cfg.batch_size * cfg.seq_len * cfg.grad_accum
+        # The tokens of the one micro-batch its sampled-label loss averages over (TrainStep.sample_hessian_if_due), not
+        # the step's: with grad_accum of them the curvature came out grad_accum times too large. No batch shape given
+        # (create_optimized_training_setup's options may leave it out): its first step sets it.
+        tokens = None if None in (cfg.batch_size, cfg.seq_len) else cfg.batch_size * cfg.seq_len
         return SophiaG(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, update_period=cfg.sophia_update_period,
                        tokens_per_batch=tokens)
     if kind == "adam8bit":

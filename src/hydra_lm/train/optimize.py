@@ -106,8 +106,8 @@ def _prepare(model: nn.Module, cfg: TrainConfig, device: torch.device | str | No
     caps = detect_device_capabilities(device)
     if caps.device.type == "cuda" and not caps.triton_compile and cfg.compile is None:
         cfg = cfg.replace(compile=False)  # no kernel generator: the policy's automatic compile cannot run
-    plan = resolve_speed_options(cfg, caps.device, distributed=False)
     hydra = isinstance(model, HydraModel)
+    plan = resolve_speed_options(cfg, caps.device, distributed=False, moe=hydra and bool(model.moe_blocks))
     if not hydra:  # the routed units and the fused loss exist in a HydraModel only: compile the whole model
         # (nor the block layouts that parallel_compile's helpers compile)
         plan = dataclasses.replace(plan, compile="model" if plan.compile else None, ce_impl="naive",
@@ -197,7 +197,7 @@ class TrainingSetup:
         elif self.steps == self.moe_warmup_steps > 0:
             self.set_lr(self.lr)  # the warm-up is over: the routers' LR back
         if getattr(self.optimizer, "tokens_per_batch", 0) is None:  # Sophia-G without a batch shape in the options
-            self.optimizer.tokens_per_batch = sum(inputs["input_ids"].numel() for inputs in micro)
+            self.optimizer.tokens_per_batch = micro[-1]["input_ids"].numel()  # the batch its curvature samples
         parts, stats = None, None
         for inputs in micro:
             p, s = self.train_step.micro(inputs)

@@ -1,9 +1,10 @@
 """Anomaly monitor that switches a misbehaving speed optimization off, and back on after a clean stretch.
 
 At every log point (values already on the host: no extra synchronisation) the monitor looks for a
-loss spike (above ``loss_spike_threshold`` x its average), non-finite gradients, and throughput
-below ``throughput_drop_threshold`` x its average. Each anomaly is logged and recorded. Three within
-``window`` steps switch off the most invasive optimization still on (CUDA graphs, then
+loss spike (above ``loss_spike_threshold`` x its average) and throughput below ``throughput_drop_threshold`` x its
+average; non-finite losses and gradients reach it from the divergence guard (``note_divergence``). Each anomaly is
+logged and recorded. Three within ``window`` steps (``anomaly_window``: never fewer than three log points span) switch
+off the most invasive optimization still on (CUDA graphs, then
 torch.compile, then the fused chunked loss); the trainer then continues from its last good
 checkpoint. An optimization that has been off for ``window`` steps without a new anomaly is
 switched on again ("graduates"). One that failed its pretest (see ``pretest``) stays off for the rest of
@@ -22,6 +23,13 @@ from .schedule import ema_update
 
 ANOMALIES_TO_SWITCH = 3
 EMA_BETA = 0.9
+
+
+def anomaly_window(window: int, log_every: int) -> int:
+    """The monitor's window in steps: ``window``, widened where it could not hold ``ANOMALIES_TO_SWITCH`` log points
+    (the monitor sees a loss only there): with --log_every 50, a window of 100 held two, and loss spikes alone could
+    never switch anything off."""
+    return max(window, (ANOMALIES_TO_SWITCH - 1) * log_every + 1)
 
 
 @dataclass

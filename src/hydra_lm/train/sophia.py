@@ -23,7 +23,8 @@ class SophiaG(torch.optim.Optimizer):
     """``p -= lr * clip(m / (rho * tokens_per_batch * h), 1)`` coordinate-wise, after decoupled weight decay;
     ``m`` a momentum of the gradients (beta1), ``h`` a running mean (beta2) of the sampled-label squared
     gradients, updated by ``update_hessian``. ``rho`` bounds how far the curvature lets a coordinate move
-    below the clip."""
+    below the clip. ``tokens_per_batch``: the tokens of the batch the sampled-label loss averages over (one
+    micro-batch: the Gauss-Newton estimate is its squared gradient times that count)."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.965, 0.99), rho: float = 0.04,
                  weight_decay: float = 0.1, update_period: int = 10, tokens_per_batch: int | None = 1):

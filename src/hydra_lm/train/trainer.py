@@ -33,7 +33,7 @@ from .optim import build_optimizer, check_optimizer_features, set_lr
 from .parallel_compile import start_helpers
 from .pretest import PretestHook
 from .run import RunSetup, write_run_files
-from .safe_optimizations import AnomalyMonitor, SafeOptimizations, Switch
+from .safe_optimizations import AnomalyMonitor, SafeOptimizations, Switch, anomaly_window
 from .schedule import AdaptiveLR, lr_at
 from .swa import WeightAverage
 from .model_features import apply_model_features
@@ -58,7 +58,7 @@ class Trainer:
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         enable_tf32(self.device)
-        self.plan = resolve_speed_options(cfg, self.device, self.dist.enabled)
+        self.plan = resolve_speed_options(cfg, self.device, self.dist.enabled, moe=setup.model_cfg.moe)
         if self.plan.parallel_compile and setup.model_cfg.arch == "hydra":
             start_helpers()  # their imports overlap the set-up below
         self.model = create_model(setup.model_cfg).to(self.device)
@@ -106,8 +106,8 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.stop_request = StopRequest(self.log)
         self._valset: ValSet | None = None
-        monitor = AnomalyMonitor(cfg.experimental_safety_window, cfg.experimental_loss_spike_threshold,
-                                 cfg.experimental_throughput_drop_threshold)
+        monitor = AnomalyMonitor(anomaly_window(cfg.experimental_safety_window, cfg.log_every),
+                                 cfg.experimental_loss_spike_threshold, cfg.experimental_throughput_drop_threshold)
         self.safe_opts = SafeOptimizations(self._optimization_switches(), monitor, self.log.warning,
                                            lambda record: self.metrics.write(record))
         if setup.resume_from is not None and setup.resume_from.state.get("safe_optimizations"):
