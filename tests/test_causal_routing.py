@@ -366,6 +366,22 @@ def test_the_first_block_runs_every_token_so_every_router_sees_context():
     assert tiny_model(mod_every=1, sharing="middle_cycle", n_blocks=4).blocks[1].depth_fractions[0] < 1.0
 
 
+def test_the_capacity_schedules_give_the_documented_fractions():
+    """"paper": (R-j)/R; "geometric": mor_capacity**j; "layer_aware": the deepest depth 40% of the row in the first
+    block rising to 80% in the last (the seed's "early ~40%, late ~80% deep"), each times the block's MoD capacity."""
+    from hydra_lm.config import preset_config
+    from hydra_lm.model.routing import depth_fractions
+
+    def fractions(schedule):
+        cfg = preset_config("debug", mor_capacity_schedule=schedule, recursions=3, n_blocks=4, mod_enabled=False)
+        return [[round(f, 6) for f in depth_fractions(cfg, i, 4)] for i in range(4)]
+    assert fractions("paper")[0] == [1.0, round(2 / 3, 6), round(1 / 3, 6)]
+    assert fractions("geometric")[2] == [1.0, 0.125, 0.015625]
+    layer_aware = fractions("layer_aware")
+    assert [f[-1] for f in layer_aware] == [0.4, round(0.4 + 0.4 / 3, 6), round(0.4 + 0.8 / 3, 6), 0.8]
+    assert layer_aware[0] == [1.0, 0.7, 0.4]
+
+
 def test_a_model_saved_when_every_block_was_routed_loads_as_it_was_built(tmp_path):
     import json
 

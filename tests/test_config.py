@@ -153,3 +153,13 @@ def test_the_mod_router_loss_weight_is_the_formula_floored_at_its_100m_value():
     assert weights["debug"] == weights["50M"] == weights["100M"] == pytest.approx(0.01)
     assert weights["1B"] == pytest.approx(0.01 * 80 / 32 * (1792 / 768) ** 0.5)
     assert preset_config("debug", mod_aux_weight=0.002).resolved_mod_aux_weight == 0.002
+
+
+def test_mod_first_block_with_middle_cycle_is_refused_and_an_old_config_of_it_loads_as_built():
+    """middle_cycle's first layer is unshared and never routed: mod_first_block did nothing there, silently. Configs
+    saved before with mod_every=1 (which then meant the first block too) still load, as the model they built."""
+    with pytest.raises(ValueError, match="middle_cycle's first layer is unshared and never routed"):
+        preset_config("debug", sharing="middle_cycle", n_blocks=4, mod_every=1, mod_first_block=True)
+    saved = preset_config("debug", sharing="middle_cycle", n_blocks=4, mod_every=1).to_dict()
+    saved.pop("mod_first_block")
+    assert HydraConfig.from_saved(saved).mod_first_block is False

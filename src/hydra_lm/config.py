@@ -189,6 +189,9 @@ class HydraConfig:
         if self.mod_first_block and self.mod_every != 1:
             bad("mod_first_block", f"routes the first block only with mod_every=1 (mod_every={self.mod_every} "
                                    "skips it): set mod_every=1 or mod_first_block=False")
+        if self.mod_first_block and self.sharing == "middle_cycle":
+            bad("mod_first_block", "middle_cycle's first layer is unshared and never routed (its routed block runs "
+                                   "behind it): set mod_first_block=False")
         if self.topk_groups > 1 and self.topk_over == "row":
             bad("topk_groups", "pools rows for a top-k over the batch: set topk_over 'batch' or 'causal', or "
                                "topk_groups=1")
@@ -263,8 +266,9 @@ class HydraConfig:
         values = dict(values)
         if values.get("mod_every") == 1:
             values.setdefault("mod_first_block", True)
-        if values.get("mod_first_block") and values.get("mod_every", 2) != 1:
-            values["mod_first_block"] = False  # what it built: the first block was not MoD-routed
+        unrouted_first = values.get("mod_every", 2) != 1 or values.get("sharing") == "middle_cycle"
+        if values.get("mod_first_block") and unrouted_first:
+            values["mod_first_block"] = False  # what it built: the first block (middle_cycle's first layer) unrouted
         if values.get("sharing") == "middle_cycle" and values.get("mod_every", 2) != 1:
             values["mod_enabled"] = False  # what it built: the shared middle block was not MoD-routed
         as_built = cls.from_dict({**values, "mod_enabled": False})

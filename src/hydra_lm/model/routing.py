@@ -414,7 +414,10 @@ class TokenChoiceRouter(Router):
     (each token decides from its own state), so training and decoding use the same rule.
 
     The balancing ("ponder") loss is Switch-style over depths: R * sum_j f_j * P_j, with f_j the
-    fraction of tokens that chose depth j and P_j the mean probability of depth j.
+    fraction of tokens that chose depth j and P_j the mean probability of depth j. A routed depth's gate is the
+    chosen depth's softmax probability: the expert-choice settings (``mor_gate_scale``'s alpha,
+    ``mor_capacity_schedule``, ``mor_capacity``) do not apply, and the balancing loss, not a capacity, sets how many
+    tokens reach each depth (uniform choices give the "paper" schedule's fractions).
     """
 
     kind = "mor"
@@ -466,8 +469,8 @@ def depth_fractions(cfg: HydraConfig, index: int, n_routable: int, first: bool =
     routes only with ``mod_first_block``.
 
     MoR "paper": (R-j)/R for j = 0..R-1 (the MoR paper's balanced hierarchical filtering).
-    "layer_aware": the deepest depth keeps 60% of tokens in the first block rising to 80% in the
-    last, with depths in between interpolated linearly.
+    "layer_aware": the deepest depth keeps 40% of tokens in the first block rising to 80% in the
+    last (the seed's "early ~40%, late ~80% deep"), with depths in between interpolated linearly.
     "geometric": mor_capacity**j, so a few tokens reach the deep recursions and most pay for one.
     """
     routed = index % cfg.mod_every == cfg.mod_every - 1 and (index > 0 or cfg.mod_first_block or not first)
@@ -481,7 +484,7 @@ def depth_fractions(cfg: HydraConfig, index: int, n_routable: int, first: bool =
         mor = [cfg.mor_capacity**j for j in range(r)]
     else:
         position = index / max(1, n_routable - 1)
-        deepest = 0.6 + 0.2 * position
+        deepest = 0.4 + 0.4 * position
         mor = [1.0 - (1.0 - deepest) * j / (r - 1) for j in range(r)]
     return [mod * f for f in mor]
 
