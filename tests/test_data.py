@@ -73,9 +73,6 @@ def test_tokenizer_round_trip(tmp_path, monkeypatch):
         assert tok.decode(ids) == text
         assert all(0 <= i < tok.vocab_size for i in ids)
     assert tok.eos_id not in tok.encode("a <|endoftext|> b"), "text must not forge a document boundary"
-    # an id past the tokenizer's (a model's vocabulary may be larger) reads as U+FFFD, not dropped
-    ab = tok.encode("ab")
-    assert tok.decode([*ab, tok.vocab_size + 7, *ab]) == "ab\ufffdab"
     again = load_tokenizer(tok.save(tmp_path))
     assert again.encode(samples[1]) == tok.encode(samples[1]) and again.eos_id == tok.eos_id
     assert [a.tolist() for a in tok.encode_arrays(samples)] == [tok.encode(s) for s in samples]

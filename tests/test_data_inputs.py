@@ -250,6 +250,14 @@ def test_globs_over_directories_saved_datasets_inside_and_unread_compressions(tm
     assert "skipped 1 compressed file(s) of a kind that is not read, e.g." in err and "big.jsonl.xz" in err
 
 
+def test_an_id_the_tokenizer_has_no_token_for_decodes_as_a_replacement_character(tokenizer_dir):
+    """A model's vocabulary may be larger than its tokenizer's: a sampled id past it reads as U+FFFD, where Hugging
+    Face's tokenizers dropped it silently and tiktoken raised after the whole batch was generated."""
+    tok = load_tokenizer(tokenizer_dir)
+    ab = tok.encode("ab")
+    assert tok.decode([*ab, tok.vocab_size + 7, *ab]) == "ab\ufffdab"
+
+
 # command line -----------------------------------------------------------------------------------------
 def test_prepare_with_an_empty_input_list_is_refused(tmp_path, capsys):
     assert main(["prepare", "--input", "--out", str(tmp_path / "out"), "--no_progress"]) == 2
