@@ -92,3 +92,16 @@ def test_targets_given_as_a_column_of_a_wider_tensor_are_read_row_by_row():
     got = kernel.cross_entropy_rows(logits, pairs[:, 0], scale, 70, -100, True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_arguments_the_kernel_would_read_past_are_refused():
+    """A vocabulary wider than the logits' columns read into the next row (or past the buffer), fewer targets than
+    rows past the targets: a ValueError instead of numbers (or an illegal address on a GPU)."""
+    from hydra_lm.kernels import cross_entropy_rows as kernel
+
+    logits, targets = _case(torch.float32, n=4, vocab=70, padded=80)
+    scale = torch.tensor(1.0, device=DEVICE)
+    with pytest.raises(ValueError, match="need vocab <= the logits' columns and one target per row"):
+        kernel.cross_entropy_rows(logits, targets, scale, 81, -100, True)
+    with pytest.raises(ValueError, match="one target per row"):
+        kernel.cross_entropy_rows(logits, targets[:1], scale, 70, -100, True)

@@ -65,6 +65,9 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, scale: torch
     if logits.stride(1) != 1:
         raise ValueError("cross_entropy_rows: the logits' columns must be contiguous")
     n, padded = logits.shape
+    if vocab > padded or targets.shape != (n,):  # else the kernel reads past a row, or past the targets
+        raise ValueError(f"cross_entropy_rows: logits {tuple(logits.shape)}, targets {tuple(targets.shape)}, vocab "
+                         f"{vocab}; need vocab <= the logits' columns and one target per row")
     targets = targets.contiguous()  # the kernel reads row r's target at offset r
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     grad = logits.new_empty((n, padded) if need_grad else (0,))

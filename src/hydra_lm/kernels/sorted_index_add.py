@@ -71,7 +71,9 @@ def _index_totals_kernel(sorted_ptr, part_ptr, out_ptr, n, width, out_stride,
 def sorted_index_add_(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``out.index_add_(0, index, src)`` for ``out`` [R, W] (rows contiguous), ``index`` [n] and ``src`` [n, W],
     summed in an order fixed by ``index`` alone: the same bits on every run, in fp32 (``tied_lookup.kernel_applies``
-    keeps float64 on ``index_add_``). Indices must lie in [0, R)."""
+    keeps float64 on ``index_add_``). Indices must lie in [0, R). Finite ``src`` only: the chunks are summed as a 0/1
+    mask times the rows, so a non-finite row makes every index of its 32-row chunk NaN (the divergence guard stops
+    such a step whichever rows it marks)."""
     if out.dim() != 2 or src.dim() != 2 or index.dim() != 1 or src.shape != (index.shape[0], out.shape[1]):
         raise ValueError(f"sorted_index_add_: out {tuple(out.shape)}, index {tuple(index.shape)}, src "
                          f"{tuple(src.shape)}; need out [R, W], index [n], src [n, W]")
