@@ -183,6 +183,20 @@ def test_routing_stats_count_real_rows_only_whatever_the_batch_size():
     assert kept["targets"].shape == (1, 16) and count == 0
 
 
+def test_a_top_k_over_row_groups_evaluates_a_last_batch_of_any_number_of_real_rows():
+    """topk_groups pools the batch's rows in equal groups: a last batch trimmed to its 3 real rows of 4 did not split
+    in 2 and the evaluation raised (under torchrun on one rank only, the others waiting in a collective). Padding rows
+    fill its last group; the loss is that of the real rows."""
+    model = tiny(topk_over="batch", topk_groups=2)
+    rows = torch.randint(1, 50, (7, 17), generator=torch.Generator().manual_seed(3))
+    result = evaluate(model, _passes(rows, 4), torch.device("cpu"))  # batches of 4 real rows, then 3 and 1 padding
+    assert result["val_tokens"] == 7 * 16 and math.isfinite(result["val_loss_causal"])
+    from hydra_lm.train.evaluate import real_rows
+
+    kept, count = real_rows(_passes(rows, 4)[1], groups=2)
+    assert count == 3 and kept["targets"].shape[0] == 4 and (kept["targets"][3] == -100).all()
+
+
 def test_evaluate_gives_every_submodule_its_own_train_eval_flag_back():
     """The trainer's periodic evaluation must not unfreeze routers a user froze with ``.eval()`` (their threshold
     calibration stops) by restoring the top-level flag onto every module."""

@@ -45,13 +45,15 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
     stats = {mode: torch.zeros((len(names), 3), dtype=torch.float64, device=device) for mode in EVAL_MODES}
     tokens = torch.zeros((), dtype=torch.float64, device=device)
     n_batches = rows = 0
+    config = getattr(getattr(model, "module", model), "config", None)  # DDP's model is its .module
+    row_groups = config.topk_groups if getattr(config, "topk_over", "row") != "row" else 1
     with eval_mode(model):  # every submodule's own flag back after it (a router frozen with .eval() stays so)
         for i, batch in enumerate(batches):
             if max_batches and i >= max_batches:
                 break
             if should_stop():
                 return None
-            batch, real = real_rows(batch)
+            batch, real = real_rows(batch, row_groups)
             x = batch["input_ids"].to(device, non_blocking=True)
             y = batch["targets"].to(device, non_blocking=True)
             kwargs = {"doc_ids": batch["doc_ids"].to(device, non_blocking=True)} if use_doc_ids else {}
@@ -100,17 +102,22 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
     return out
 
 
-def real_rows(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+def real_rows(batch: dict[str, torch.Tensor], groups: int = 1) -> tuple[dict[str, torch.Tensor], int]:
     """``batch`` without its rows of padding only (every target -100, as the loader fills the last batch of a pass)
-    and how many rows are left. Their routing would count in the routers' stats (the loss ignores them); left out of
-    the forward they cost nothing. Read off the targets where the loader made them, on the CPU (no device sync);
+    and how many real rows it holds. Their routing would count in the routers' stats (the loss ignores them); left out
+    of the forward they cost nothing. Read off the targets where the loader made them, on the CPU (no device sync);
     a batch with no padding row is returned as it is, and one of padding only keeps one row (weighing nothing:
-    every rank still runs its forward, as sharded weights need)."""
+    every rank still runs its forward, as sharded weights need). ``groups``: a top-k over the batch pools the rows in
+    that many equal groups (``HydraConfig.topk_groups``), so enough padding rows stay to fill the last group."""
     real = (batch["targets"] != -100).any(1)
     count = int(real.sum())
     if count == real.numel():
         return batch, count
     keep = real if count else torch.arange(real.numel()) == 0
+    if count > groups and count % groups:
+        padding = (~real).nonzero().flatten()[:groups - count % groups]
+        keep = keep.clone()
+        keep[padding] = True
     return {key: value[keep.to(value.device)] for key, value in batch.items()}, count
 
 
