@@ -155,6 +155,43 @@ def test_every_rank_logs_the_expert_load_averaged_over_ranks(tiny_data, tmp_path
         torch.testing.assert_close(torch.tensor(logged[rank]), mean, msg=f"rank {rank}")
 
 
+# Each rank's routers' running thresholds as a calibration finds them (before it folds in its batch), one line a call.
+THRESHOLD_RECORDER = """
+import json, os, sys
+
+from hydra_lm.cli import main
+from hydra_lm.model.routing import ExpertChoiceRouter
+
+calibrate = ExpertChoiceRouter.calibrate
+
+
+def recording(self, r, k):
+    with open(os.path.join(os.environ["THRESHOLD_DIR"], f"thresholds{os.environ['RANK']}.jsonl"), "a") as f:
+        f.write(json.dumps([float(self.threshold_sum), float(self.threshold_weight)]) + "\\n")
+    return calibrate(self, r, k)
+
+
+ExpertChoiceRouter.calibrate = recording
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_the_routers_thresholds_are_the_same_on_every_rank_after_each_step(tiny_data, tmp_path, monkeypatch):
+    """Each rank calibrates on its own rows; FSDP2 leaves buffers alone, so the thresholds drifted apart, the causal
+    evaluation summed ranks that routed by different ones, and the checkpoint kept one rank's. Each step's
+    all-reduce now averages them: every calibration starts from the same values on every rank."""
+    script = tmp_path / "record_thresholds.py"
+    script.write_text(THRESHOLD_RECORDER)
+    monkeypatch.setenv("THRESHOLD_DIR", str(tmp_path))
+    torchrun(tiny_data, tmp_path / "run", "--grad_accum", "1", "--max_steps", "3", "--eval_every", "0",
+             "--no-eval_at_start", "--parallel", "fsdp", script=script)
+    seen = [[json.loads(line) for line in (tmp_path / f"thresholds{r}.jsonl").read_text().splitlines()]
+            for r in range(2)]
+    assert len(seen[0]) == len(seen[1]) > 0 and any(s != 0 for s, _ in seen[0][-4:])
+    torch.testing.assert_close(torch.tensor(seen[0]), torch.tensor(seen[1]), rtol=1e-6, atol=0)
+
+
 # A fingerprint of the RNG state each training MoE forward draws its router jitter from, one line per call.
 RNG_RECORDER = """
 import hashlib, os, sys

@@ -17,6 +17,7 @@ import torch
 
 from ..model.accounting import flops_per_token_in_phase
 from ..model.factory import create_model
+from ..model.routing import THRESHOLD_BUFFERS
 
 from .batch_filter import BatchFilter
 from .compile_policy import apply_speed_plan, enable_tf32, resolve_speed_options, units_compile_switch
@@ -70,6 +71,8 @@ class Trainer:
         if self.dist.enabled:  # the ranks initialised alike (FSDP2 shards each one's copy); now each its own noise
             torch.manual_seed(cfg.seed + RANK_SEED_STRIDE * self.dist.rank)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self._threshold_buffers = [buffer for name, buffer in self.model.named_buffers()
+                                   if name.rsplit(".", 1)[-1] in THRESHOLD_BUFFERS]
         self.optimizer = build_optimizer(self.model, cfg, self.device)
         self.curriculum = Curriculum(CurriculumPlan.from_config(cfg, routable))
         self.swa = WeightAverage(self.model, int(cfg.swa_start_pct * cfg.max_steps)) if cfg.swa else None
@@ -432,11 +435,18 @@ class Trainer:
         parts = parts / cfg.grad_accum
         if self.dist.enabled:  # one small all-reduce: every rank logs and decides on the global mean (MoE load too)
             loads = [] if moe_load is None else [moe_load.flatten()]
-            flat = mean_across_ranks(torch.cat([parts, stats.flatten(), *loads]), self.dist)
+            # The routers' running thresholds, calibrated on each rank's own rows, averaged so that every rank (and
+            # the checkpoint, which keeps one rank's copy) holds the pooled one; FSDP2 leaves buffers alone.
+            thresholds = [b.float().flatten() for b in self._threshold_buffers]
+            flat = mean_across_ranks(torch.cat([parts, stats.flatten(), *loads, *thresholds]), self.dist)
             n = 5 + stats.numel()
             parts, stats = flat[:5], flat[5:n].reshape(stats.shape)
             if moe_load is not None:
-                moe_load = flat[n:].reshape(moe_load.shape)
+                moe_load = flat[n:n + moe_load.numel()].reshape(moe_load.shape)
+                n += moe_load.numel()
+            for buffer, value in zip(self._threshold_buffers, flat[n:].split([b.numel() for b in
+                                                                               self._threshold_buffers])):
+                buffer.copy_(value.view_as(buffer))
         if moe_load is not None:
             window.add_moe_load(moe_load)
         # A batch the filter skipped (a non-finite loss among them) changed nothing: not a divergence.
