@@ -357,7 +357,7 @@ def _trainer_with_stubbed_helpers(monkeypatch, data, run_dir, *extra, events=Non
     monkeypatch.setattr(step.TrainStep, "micro", micro)
     monkeypatch.setattr(trainer.PretestHook, "before_training", pretest)
     monkeypatch.setattr(trainer, "resolve_speed_options",
-                        lambda *a: dataclasses.replace(resolve(*a), parallel_compile=parallel))
+                        lambda *a, **k: dataclasses.replace(resolve(*a, **k), parallel_compile=parallel))
     main(["train", "--data", str(data), "--out", str(run_dir), *TINY_RUN, "--max_steps", "3", "--eval_every", "2",
           "--log_every", "1", *extra])
     return events
