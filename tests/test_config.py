@@ -36,6 +36,7 @@ def test_preset_parameter_counts_are_within_25_percent_of_the_advertised_ones(na
     (dict(moe=True, moe_top_k=5), "moe_top_k"),
     (dict(moe=True, moe_num_experts=1, moe_top_k=1), "moe_num_experts"),  # a router over one expert never learns
     (dict(moe=True, moe_num_layers=2), "moe_num_layers"),
+    (dict(moe=True, moe_num_layers=1, mlp_hidden=100), "moe_hidden"),  # the grouped GEMM's 16-byte rows
     (dict(sharing="middle_cycle"), "n_blocks"),
     (dict(sharing="middle_cycle", n_blocks=4, mod_every=2), "mod_every"),
     (dict(rope_theta=0.0), "rope_theta"),

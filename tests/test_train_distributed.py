@@ -192,6 +192,29 @@ def test_the_routers_thresholds_are_the_same_on_every_rank_after_each_step(tiny_
     torch.testing.assert_close(torch.tensor(seen[0]), torch.tensor(seen[1]), rtol=1e-6, atol=0)
 
 
+# Rank 1 trains into a directory of its own, as on a node whose --out is a local disk.
+LOCAL_OUT = """
+import os, sys
+
+from hydra_lm.cli import main
+
+args = sys.argv[1:]
+if os.environ["RANK"] == "1":
+    args[args.index("--out") + 1] += "_rank1"
+sys.exit(main(args))
+"""
+
+
+@pytest.mark.slow
+def test_an_out_directory_that_some_rank_does_not_share_is_refused_at_start_up(tiny_data, tmp_path):
+    script = tmp_path / "local_out.py"
+    script.write_text(LOCAL_OUT)
+    proc = torchrun(tiny_data, tmp_path / "run", "--max_steps", "2", script=script, check=False)
+    assert proc.returncode != 0
+    assert "is not the same directory on every rank" in proc.stdout + proc.stderr
+    assert not list((tmp_path / "run").glob("checkpoints/*"))
+
+
 # A fingerprint of the RNG state each training MoE forward draws its router jitter from, one line per call.
 RNG_RECORDER = """
 import hashlib, os, sys
@@ -278,7 +301,20 @@ def test_one_process_checkpoint_resumes_on_two_ranks(tiny_data, tmp_path, refere
     single(tiny_data, run, "--grad_accum", "2", "--stop_at_step", "3")
     proc = torchrun(tiny_data, run, "--grad_accum", "1")
     assert "written by 1 process(es), this run has 2" in proc.stderr
+    assert "rows against the checkpoint's" not in proc.stderr  # 2 ranks x accumulation 1 keep its 2 x 1 rows
     assert_close(train_losses(run), reference(2))
+
+
+def test_a_resume_on_another_world_size_names_the_accumulation_that_keeps_the_step_rows():
+    from types import SimpleNamespace
+
+    from hydra_lm.train.resume import _global_batch_advice
+    run = SimpleNamespace(cfg=SimpleNamespace(batch_size=4, grad_accum=2), dist=SimpleNamespace(world_size=4))
+    assert "takes 32 rows against the checkpoint's 16" in _global_batch_advice(
+        {"batch_size": 4, "grad_accum": 4}, 1, run)
+    assert "--grad_accum 1 keeps it" in _global_batch_advice({"batch_size": 4, "grad_accum": 4}, 1, run)
+    assert "no --grad_accum keeps it" in _global_batch_advice({"batch_size": 4, "grad_accum": 3}, 2, run)
+    assert _global_batch_advice({"batch_size": 4, "grad_accum": 8}, 1, run) == ""
 
 
 @pytest.mark.slow

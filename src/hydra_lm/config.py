@@ -200,6 +200,10 @@ class HydraConfig:
                                    "1, so it never learns; use 2 or more experts, or moe=False")
         if self.moe_top_k > self.moe_num_experts:
             bad("moe_top_k", f"cannot exceed moe_num_experts={self.moe_num_experts}")
+        if self.moe and (self.dim % 8 or self.moe_hidden % 8):
+            bad("moe_hidden" if self.dim % 8 == 0 else "dim",
+                f"must be a multiple of 8 with moe=True (dim={self.dim}, moe_hidden={self.moe_hidden}): the experts' "
+                "grouped GEMM on CUDA needs rows of a multiple of 16 bytes in bf16; round it to a multiple of 8")
         if self.moe and self.moe_num_layers > self.n_units_between_moe():
             bad("moe_num_layers", f"at most {self.n_units_between_moe()} MoE blocks fit between this "
                                   "model's blocks; lower moe_num_layers or add blocks")

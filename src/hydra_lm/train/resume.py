@@ -136,8 +136,23 @@ def restore(t, ckpt) -> None:
                       f"{t.dist.world_size}: model and optimizer restored; the data continues at the same "
                       f"row of the epoch but batches are now shared out among {t.dist.world_size}, and the "
                       "random number streams restart from the seed, so the run is not bit-identical to an "
-                      "uninterrupted one")
+                      "uninterrupted one" + _global_batch_advice(st.get("train_config", {}), ckpt.world_size, t))
     t.log.info(f"resumed from {ckpt.path} at step {t.step}")
+
+
+def _global_batch_advice(saved: dict, saved_world: int, t) -> str:
+    """What keeps the checkpoint's rows per optimizer step on this world size, where they change."""
+    if not (saved.get("batch_size") and saved.get("grad_accum")):
+        return ""
+    was = saved["batch_size"] * saved["grad_accum"] * saved_world
+    now = t.cfg.batch_size * t.cfg.grad_accum * t.dist.world_size
+    if was == now:
+        return ""
+    per_accum = t.cfg.batch_size * t.dist.world_size
+    fix = (f"--grad_accum {was // per_accum} keeps it" if was % per_accum == 0 else
+           f"no --grad_accum keeps it at --batch_size {t.cfg.batch_size}")
+    return (f"; an optimizer step now takes {now} rows against the checkpoint's {was} (the learning rate was "
+            f"tuned for those): {fix}")
 
 
 def last_good_checkpoint(t):

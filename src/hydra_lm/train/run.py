@@ -18,14 +18,14 @@ import torch
 from ..config import HYDRA_ONLY_FIELDS, KERNEL_CHOICES, HydraConfig, preset_config
 from .checkpoint import Checkpoint, CheckpointError, CheckpointManager, verify, write_text_atomic
 from .data_io import DataInfo, dataset_dir, open_data, tokenized_alike
-from .distributed import DistInfo, broadcast_object, init_distributed, launched_rank
+from .distributed import DistInfo, any_rank, broadcast_object, init_distributed, launched_rank
 from .flags import to_toml
 from .metrics import RunLog, check_logger_packages, git_revision, versions
 from .fit_batch import first_step_peak_mb, fit_micro_batch
 from .memory_estimate import FIT_ADVICE, check_fits_host
 from .options import (FIELDS, FROZEN_ON_RESUME, MODE_DEFAULTS, TrainConfig, derived_defaults,
                       normalize, resolve, validate)
-from .run_lock import RunLock
+from .run_lock import LOCK_FILE, RunLock
 from .seq_len_schedule import SeqLenSchedule
 
 CONFIG_JSON = "config.json"
@@ -78,6 +78,25 @@ def check_writable(run_dir: Path) -> None:
         probe.unlink()
     except OSError as err:
         raise ValueError(f"run directory {run_dir} is not writable: {err.strerror or err}") from None
+
+
+def check_one_out_for_all_ranks(run_dir: Path, info: DistInfo) -> None:
+    """Each rank writes its checkpoint shards under --out and resumes from rank 0's choice there, so every rank must
+    see one directory; on another node's local disk the shards would scatter and the first resume fail. Rank 0's lock
+    file, read back on every rank, tells at start-up."""
+    if not info.enabled:
+        return
+
+    def lock_text() -> bytes | None:
+        try:
+            return (run_dir / LOCK_FILE).read_bytes()
+        except OSError:
+            return None
+
+    expected = broadcast_object(lock_text() if info.is_main else None, info)
+    if any_rank(lock_text() != expected, info):
+        raise ValueError(f"--out {run_dir} is not the same directory on every rank (rank 0's {LOCK_FILE} is missing "
+                         "or different on some rank): on several nodes, put --out on a filesystem they all share")
 
 
 def check_outside_data(run_dir: Path, data: str | None) -> None:
@@ -253,6 +272,7 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
         cfg = cfg.replace(data=str(data.path))  # saved absolute: a resume from another directory finds it
         pick_device(cfg.device)  # a bad --device fails here, before any process group forms
         info, device = init_distributed(cfg.device, cfg.parallel)
+        check_one_out_for_all_ranks(run_dir, info)
         device = device or pick_device(cfg.device)
         preset = preset_config(cfg.model_size).preset  # validates the name early, with suggestions
         batch_from_table = cfg.batch_size is None and cfg.grad_accum is None and not cfg.seq_len_schedule
