@@ -124,6 +124,17 @@ def test_persistent_divergence_stops_naming_a_good_checkpoint_and_keeps_it(tiny_
     assert "--lr 0.000125 --adamw_lr 0.00025" in capsys.readouterr().err
 
 
+def test_a_stop_asked_for_at_a_divergence_explains_it_and_names_the_good_checkpoint(tiny_data, tmp_path, monkeypatch,
+                                                                                     capsys):
+    run = tmp_path / "run"
+    poison_gradients(monkeypatch, {5})  # found at step 6's save, when the stop arrives: no rollback, but said why
+    monkeypatch.setattr(Trainer, "_stop_agreed", lambda self: self.step >= 6)
+    assert train(tiny_data, run) == 1
+    assert [r["action"] for r in records(run, "divergence")] == ["stop"]
+    err = capsys.readouterr().err
+    assert "as the run was asked to stop, without a rollback" in err and "(step 3)" in err
+
+
 def test_resuming_with_the_advised_lr_runs_at_that_lr(tiny_data, tmp_path, monkeypatch, capsys):
     """The advice folds the rollbacks' scaling into its --lr: the resumed run must not scale it again."""
     run = tmp_path / "run"

@@ -195,8 +195,9 @@ def continue_after_switch(t) -> bool:
     return False
 
 
-def handle_divergence(t) -> bool:
-    """Roll back to the last good checkpoint with a lower LR (True), or explain and stop (False)."""
+def handle_divergence(t, stopping: bool = False) -> bool:
+    """Roll back to the last good checkpoint with a lower LR (True), or explain and stop (False; always when
+    ``stopping``: a stop signal arrived with the divergence)."""
     cfg, w = t.cfg, t.window
     values = w.means()
     where = (f"training diverged by step {t.step} (last {w.steps} steps: mean loss {values[0]:.4g}, grad "
@@ -210,12 +211,14 @@ def handle_divergence(t) -> bool:
         t.log.warning(f"{where}; no checkpoint was saved before it, so there is nothing to roll back to: "
                       f"start again with a lower --lr (this run used {cfg.lr:g})")
         return False
-    if not t.rollback.may_roll_back():
+    if stopping or not t.rollback.may_roll_back():
         t.metrics.write({**record, "action": "stop", "good_checkpoint": str(good.path)})
         scale = t.rollback.lr_scale * cfg.rollback_lr_factor
         # --adamw_lr is absolute: lower it alike, or Muon's part alone would slow down
         adamw = f" --adamw_lr {cfg.adamw_lr * scale:.3g}" if cfg.optimizer == "muon" and cfg.adamw_lr else ""
-        t.log.warning(f"{where} after {t.rollback.rollbacks} rollback(s); nothing from the diverged state "
+        why = "as the run was asked to stop, without a rollback" if stopping else \
+            f"after {t.rollback.rollbacks} rollback(s)"
+        t.log.warning(f"{where} {why}; nothing from the diverged state "
                       f"was saved. The last good checkpoint is {good.path} (step {good.step}): resume from it "
                       f"with a lower learning rate: hydra-lm train --out {t.s.run_dir} --lr {cfg.lr * scale:.3g}"
                       f"{adamw}")

@@ -314,10 +314,9 @@ class Trainer:
             stopping = self._stop_agreed()
             due = due_after_step(cfg, self.step, before, now, end, stopping)
             if (due.log or due.eval or due.save) and not self.healthy(check_params=due.save):
-                if not stopping and handle_divergence(self):
+                if handle_divergence(self, stopping):  # it finishes a pending save, checked before it started
                     now = self.clock.position(self.step)
                     continue
-                finish_save(self)  # a pending save was checked before it started: it is good
                 return 1
             if due.log:
                 # An optimization switched off: from the last good checkpoint, or on from here (this step's
