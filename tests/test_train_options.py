@@ -258,6 +258,10 @@ def test_model_overrides_parse_from_argv():
     assert rest == ["train", "--lr", "1"]
     assert overrides == {"dim": 64, "mod_capacity": 0.5, "moe": True}
     assert parse_value("null") is None and parse_value("hydra") == "hydra" and parse_value("[1, 2]") == [1, 2]
+    assert split_model_overrides(["--model.rope_theta", "-1"])[1] == {"rope_theta": -1}
+    for argv in (["--model.mod_capacity", "--max_steps", "3"], ["--model.mod_capacity"]):  # the value left out
+        with pytest.raises(ValueError, match="--model.mod_capacity needs a value"):
+            split_model_overrides(argv)
 
 
 def test_config_file_toml_yaml_and_aliases(tmp_path):
@@ -307,6 +311,15 @@ def test_cli_overrides_config_file_and_resolved_config_is_written(tiny_data, tmp
     assert saved["model"]["vocab_size"] == 300  # from the data's tokenizer
     assert "git" in saved and saved["versions"]["torch"]
     assert (run / "config.toml").is_file() and (run / "train.log").read_text().count("hydra-lm") >= 1
+    # The resolved config.toml, given back as --config, builds the same run again (HYDRA and dense alike).
+    for arch, first in (("hydra", run), ("dense", tmp_path / "dense")):
+        if arch == "dense":
+            assert main(["train", "--data", str(tiny_data), "--out", str(first), "--max_steps", "2", *TINY_RUN,
+                         "--arch", "dense"]) == 0
+        again = tmp_path / f"again_{arch}"
+        assert main(["train", "--config", str(first / "config.toml"), "--out", str(again)]) == 0
+        rebuilt = json.loads((again / "config.json").read_text())
+        assert rebuilt["model"] == json.loads((first / "config.json").read_text())["model"], arch
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -76,11 +76,11 @@ def split_model_overrides(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
             key = token[len(MODEL_PREFIX):]
             if "=" in key:
                 key, raw = key.split("=", 1)
-            elif i + 1 < len(argv):
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):  # not the next flag (a negative number is)
                 i += 1
                 raw = argv[i]
             else:
-                raise ValueError(f"{token} needs a value")
+                raise ValueError(f"{token} needs a value (--model.KEY VALUE or --model.KEY=VALUE)")
             if not key:
                 raise ValueError(f"{token}: missing the model field name")
             overrides[key] = parse_value(raw)

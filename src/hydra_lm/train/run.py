@@ -181,12 +181,16 @@ def _changes(key: str, given: Any, saved: Any) -> bool:
     return given != saved
 
 
+def fields_arch_ignores(arch: str) -> frozenset[str]:
+    """Model fields that do nothing for ``arch`` (refused as overrides, left out of config.toml)."""
+    return frozenset(HYDRA_ONLY_FIELDS) if arch == "dense" else frozenset({"n_layers"})
+
+
 def build_model_config(cfg: TrainConfig, data: DataInfo) -> HydraConfig:
     overrides = dict(cfg.model)
     if overrides.get("arch", cfg.arch) != cfg.arch:  # the saved train config would record the other one
         raise ValueError(f"--model.arch {overrides['arch']} contradicts --arch {cfg.arch}: give --arch alone")
-    ignored = [k for k in overrides if k in HYDRA_ONLY_FIELDS] if cfg.arch == "dense" else \
-        [k for k in overrides if k == "n_layers"]
+    ignored = [k for k in overrides if k in fields_arch_ignores(cfg.arch)]
     if ignored:  # the run would train the model it trains without them
         raise ValueError(f"--model.{ignored[0]} does nothing for --arch {cfg.arch}: " + (
             "the dense baseline has no routing, recursion or CCGQA attention; drop it" if cfg.arch == "dense" else
@@ -394,7 +398,9 @@ def write_run_files(s: RunSetup, argv: list[str]) -> None:
     record = {"train": s.cfg.to_dict(), "model": s.model_cfg.to_dict(), "data": s.data.to_dict(),
               "versions": versions(), "git": git_revision()}
     write_text_atomic(s.run_dir / CONFIG_JSON, json.dumps(record, indent=1))
-    write_text_atomic(s.run_dir / CONFIG_TOML, to_toml({**s.cfg.to_dict(), "model": s.model_cfg.to_dict()}))
+    # The resolved model, less what its arch ignores: the file works as a --config for the same run again.
+    model = {k: v for k, v in s.model_cfg.to_dict().items() if k not in fields_arch_ignores(s.model_cfg.arch)}
+    write_text_atomic(s.run_dir / CONFIG_TOML, to_toml({**s.cfg.to_dict(), "model": model}))
     for name in ("tokenizer.json", "tokenizer_tiktoken.json"):
         src = s.data.path / name
         if src.is_file() and not (s.run_dir / name).is_file():  # copied whole or not at all

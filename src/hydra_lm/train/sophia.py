@@ -52,8 +52,8 @@ class SophiaG(torch.optim.Optimizer):
         if closure is not None:  # the trainer computes the gradients; no caller passes one
             raise ValueError("SophiaG.step takes no closure: compute the gradients first")
         if self.tokens_per_batch is None:
-            raise ValueError("SophiaG.tokens_per_batch is not set: give it the tokens of an optimizer step (batch x "
-                             "length x accumulation), which scale its Hessian estimate")
+            raise ValueError("SophiaG.tokens_per_batch is not set: give it the tokens of one micro-batch (batch x "
+                             "length), which the sampled-label loss averages over and which scale its Hessian estimate")
         for group in self.param_groups:
             group["steps"] += 1
             beta1 = group["betas"][0]
