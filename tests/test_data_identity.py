@@ -94,3 +94,34 @@ def test_a_run_resumes_and_evaluates_after_its_corpus_is_touched_and_prepared_ag
     assert main(["eval", "--run", str(run), "--eval_batches", "1"]) == 0  # its checkpoint predates the rebuild
     assert main(args) == 0
     assert [r["step"] for r in records(run, "train")] == [1, 2, 3, 4], "resumed at step 3, not started again"
+
+
+def test_prepared_again_with_its_own_tokenizer_file_the_data_is_the_same(prepared, tmp_path):
+    """The tokenizer a preparation trained, given back with --tokenizer: the same tokens, so the same content (its
+    fingerprint was the trained object's kind, "bpe", against the loaded file's "tokenizers")."""
+    corpus, out, state, expected = prepared
+    again = prepare_data([str(corpus)], tmp_path / "again", tokenizer=str(out / "tokenizer.json"), val_fraction=0.2,
+                         progress=False)
+    assert (again / "train.bin").read_bytes() == (out / "train.bin").read_bytes()
+    assert read_meta(again)["content_sha256"] == read_meta(out)["content_sha256"]
+    resumed = PackedLoader(again, "train", **LOADER)
+    resumed.load_state_dict(state)
+    assert _same(next(resumed), expected[0])
+
+
+def test_tokenizer_training_cuts_only_long_runs_of_one_character_class():
+    from hydra_lm.data.tokenizer import _RUN_CHARS, _long_runs_cut
+
+    ordinary = "def f(x):\n    return x  # a comment\n" * 500
+    assert list(_long_runs_cut([ordinary])) == [ordinary]  # ordinary text trains the tokenizer it always did
+    texts = ["head " + "ACGT" * 2500 + " tail", " " * 9000, "x" * 4096]
+    pieces = list(_long_runs_cut(texts))
+    assert "".join(pieces) == "".join(texts) and max(map(len, pieces)) == _RUN_CHARS and len(pieces) == 9
+
+
+def test_token_files_take_the_narrowest_type_that_holds_every_id():
+    from hydra_lm.data.shards import token_dtype
+
+    assert [token_dtype(v).name for v in (8192, 2**16, 2**16 + 1, 2**32)] == ["uint16", "uint16", "uint32", "uint32"]
+    with pytest.raises(ValueError, match="does not fit"):
+        token_dtype(2**32 + 1)

@@ -137,7 +137,7 @@ def _training_texts(corpus, text_field, max_bytes, seed, val_fraction, sample_by
             continue
         if held is not None:
             yield held
-            used += len(held)
+            used += len(held.encode("utf-8"))  # bytes, as max_bytes counts them (a CJK character is 3)
             if used >= sample_bytes:
                 return
             held = None

@@ -44,9 +44,9 @@ _FLUSH_TOKENS = 1 << 20
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    if vocab_size <= 65535:
+    if vocab_size <= 2**16:  # ids 0 .. vocab_size - 1
         return np.dtype(np.uint16)
-    if vocab_size <= 2**32 - 1:
+    if vocab_size <= 2**32:
         return np.dtype(np.uint32)
     raise ValueError(f"vocab_size {vocab_size} does not fit in uint32 token files")
 

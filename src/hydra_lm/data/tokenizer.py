@@ -1,7 +1,7 @@
 """Tokenizers behind one small interface: a trained byte-level BPE, a ``tokenizer.json``, or tiktoken.
 
 Byte-level BPE is the default because it round-trips any text exactly (no unknown token, no
-normalisation) and trains in seconds with the Rust ``tokenizers`` library.
+normalisation) and trains in seconds with the Rust ``tokenizers`` library (long runs of one character class cut first).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -28,6 +29,23 @@ _PAD_NAMES = (PAD, "<pad>", "[PAD]", "<|padding|>")
 # Long texts are encoded in pieces cut at line ends: encode_arrays parallelises across pieces and
 # a piece bounds the memory of one Encoding; only the token boundary at each cut can differ.
 _PIECE_CHARS = 1 << 20
+# BPE training's time grows with the square of its longest pre-token, so one run of thousands of letters, digits or
+# spaces (an unwrapped sequence dump, padding) stalls it for minutes to hours. Such runs reach the trainer cut into
+# pieces of _RUN_CHARS; text without one passes whole, so ordinary corpora train the same tokenizer as before.
+_RUN_CHARS = 4096
+_LONG_RUN = re.compile(rf"(?<!\S)\S{{{_RUN_CHARS},}}|(?<!\s)\s{{{_RUN_CHARS},}}")
+
+
+def _long_runs_cut(texts: Iterable[str]) -> Iterator[str]:
+    for text in texts:
+        start = 0
+        for run in _LONG_RUN.finditer(text):
+            if run.start() > start:
+                yield text[start:run.start()]
+            yield from (text[i:min(i + _RUN_CHARS, run.end())] for i in range(run.start(), run.end(), _RUN_CHARS))
+            start = run.end()
+        if start < len(text):
+            yield text[start:]
 
 
 def _split_long(text: str) -> list[str]:
@@ -68,7 +86,7 @@ class HydraTokenizer:
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=progress)
-        tok.train_from_iterator(texts, trainer, length=length)
+        tok.train_from_iterator(_long_runs_cut(texts), trainer, length=length)
         return cls._from_hf(tok, "bpe", f"byte-level BPE {tok.get_vocab_size()}")
 
     @classmethod
@@ -187,8 +205,10 @@ class HydraTokenizer:
         return target
 
     def fingerprint(self) -> str:
+        """The same for a tokenizer just trained and for its file loaded back (kinds "bpe" and "tokenizers")."""
+        backend = "tiktoken" if self.kind == "tiktoken" else "tokenizers"
         body = self.name if self.kind == "tiktoken" else self.backend.to_str()
-        return hashlib.sha256(f"{self.kind}\0{body}".encode()).hexdigest()
+        return hashlib.sha256(f"{backend}\0{body}".encode()).hexdigest()
 
     def describe(self) -> dict:
         return {"kind": self.kind, "name": self.name, "vocab_size": self.vocab_size,
@@ -202,7 +222,7 @@ def check_vocab_size(vocab_size: int) -> None:
     if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB:
         raise ValueError(f"vocab_size={vocab_size!r} is too small: a byte-level BPE needs at least {MIN_VOCAB} "
                          f"(256 byte tokens + {len(SPECIAL_TOKENS)} special tokens); 8192 to 50257 is usual")
-    if vocab_size > 2**32 - 1:
+    if vocab_size > 2**32:
         raise ValueError(f"vocab_size={vocab_size} is too large for uint32 token files")
 
 
