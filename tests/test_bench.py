@@ -45,7 +45,13 @@ def test_bench_reports_training_and_inference_for_both_archs(tmp_path, capsys):
         units = [row[f"decode_units_per_step_batch{b}"] for b in (1, 32)]
         assert 0 < units[0] <= units[1] <= row["routed_units"]
         assert (units[1] == row["routed_units"]) == (row["arch"] == "dense")
+        # K and V as the caches hold them: fp32 on a CPU (no autocast), one slot a unit and position
+        caches = hydra_lm.create_model("debug", vocab_size=512, arch=row["arch"]).init_cache(1, 6)
+        flat = [c for block in caches for depth in block for c in depth]
+        assert row["kv_cache_bytes_per_token"]["allocated"] == sum(c.k.nbytes + c.v.nbytes for c in flat) / 6
     assert report["rows"][0]["ce_impl"] == "naive" and report["measured_bf16_peak_tflops"] is None
+    with pytest.raises(ValueError, match="--new_tokens 2 or more"):  # the timing's two warm-up steps
+        BenchConfig(inference=True, new_tokens=1).validate()
 
 
 def test_bench_document_masking_reports_the_mask_path_and_kernels(tmp_path, capsys):
@@ -311,3 +317,14 @@ def test_the_prefill_rate_times_generates_prefill_into_a_fresh_cache(monkeypatch
         rate = bench.prefill_tokens_per_s(model, torch.zeros(8, 16, dtype=torch.long), torch.device("cpu"), compiled,
                                           repeats=3)
         assert rate > 0 and calls == [((8, 16), 0, 16, True, compiled)] * 5
+
+
+def test_datasheet_peak_tells_the_pcie_and_nvl_cards_from_the_sxm_ones(monkeypatch):
+    from hydra_lm.diagnostics.bench import datasheet_peak
+
+    peaks = {}
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL", "NVIDIA H200",
+                 "NVIDIA L4"):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        peaks[name] = datasheet_peak(torch.device("cuda"))
+    assert list(peaks.values()) == [989.0, 756.0, 835.0, 835.0, 989.0, None]

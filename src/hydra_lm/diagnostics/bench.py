@@ -43,8 +43,10 @@ from ..train.step import TrainStep
 
 # AdamW's learning rate in a timed step (the value does not change the time).
 BENCH_LR = 3e-4
-# Dense bf16 tensor-core peaks from the vendor datasheets (TFLOP/s), keyed by a device-name fragment.
-DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+# Dense bf16 tensor-core peaks from the vendor datasheets (TFLOP/s), keyed by a device-name fragment, the first
+# fragment in the name deciding: the PCIe and NVL cards run at lower clocks and power than the SXM ones.
+DATASHEET_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0, "H200": 989.0,
+                         "A100": 312.0}
 
 
 def datasheet_peak(device: torch.device) -> float | None:
@@ -263,7 +265,11 @@ def bench_inference(model, cfg: BenchConfig, device: torch.device) -> dict[str, 
         result["decode_cuda_graph"] = model.decode_capturable()
         result["decode_device_decisions"] = on_device  # as the last batch's step ran (after any fallback)
         result["decode_compiled"] = compiled
-    result["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(model.config, 2 * cfg.new_tokens)
+        # In the dtype the sessions' caches took (HydraModel.init_cache): autocast's bf16 on CUDA, the weights' on CPU.
+        cached = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else \
+            model.embed.weight.dtype
+    result["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(model.config, 2 * cfg.new_tokens,
+                                                                  bytes_per_value=cached.itemsize)
     return result
 
 

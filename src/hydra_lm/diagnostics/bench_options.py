@@ -86,6 +86,9 @@ class BenchConfig:
                              "`hydra-lm compare`")
         if self.inference:
             self.decode_batch_sizes()
+            if self.new_tokens < 2:  # the decode timing's warm-up takes two steps (an eager one, then the capture)
+                raise ValueError(f"new_tokens={self.new_tokens}: --inference times at least 2 decode steps; give "
+                                 "--new_tokens 2 or more")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(BenchConfig)}
