@@ -563,7 +563,8 @@ def test_a_non_finite_final_loss_is_the_runs_final_one_and_warned_about_by_the_r
     assert [p["val_loss_causal"] for p in entry["evals"]] == [5.6, causal]
     lost = "causal and top-k" if causal is None else "top-k"
     assert entry["warnings"] == [
-        "hydra.seed1: router block1.mod0 executes 0.500 of the tokens under causal routing against a target of 0.125",
+        "hydra.seed1: router block1.mod0 executes 4.00x its target under causal routing (0.5000 of the tokens against "
+        "0.1250): generation runs more of that unit than training did",
         f"hydra.seed1: its final evaluation (step 8) has a non-finite {lost} validation loss, reported as such: the "
         "model diverged by then (lower the learning rate, or look for the step where its training loss left the "
         "finite numbers)"]

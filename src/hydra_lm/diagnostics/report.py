@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..train.checkpoint import write_text_atomic
-from .routing_health import GAP_TOLERANCE, STARVATION_TOLERANCE
+from .routing_health import GAP_TOLERANCE, SHARE_TOLERANCE
 
 # "exec TFLOP/s": executed training FLOPs per training second, what a variant makes of the GPU; a routed
 # model can lead per FLOP (loss vs exec FLOPs) and trail per second when this is low.
@@ -346,7 +346,8 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
               f"Executed share of tokens per router with causal routing against its top-k target, at the final "
               f"checkpoint; agreement is the share of tokens where the causal threshold makes the top-k choice "
               f"(\"off\": a router the curriculum kept switched off, left out of the agreement means). "
-              f"Warnings: a share off its target by more than {STARVATION_TOLERANCE}, or a causal loss more than "
+              f"Warnings: a share under 1/{SHARE_TOLERANCE:g} or over {SHARE_TOLERANCE:g} times its target, or a "
+              f"causal loss more than "
               f"{GAP_TOLERANCE} nats above the top-k loss.", ""]
     routed = {name: v for name, v in results["variants"].items() if v["routing"]}
     if not routed:

@@ -18,10 +18,10 @@ import torch
 
 from ..config import HydraConfig
 from ..model.factory import create_model
-from ..train.evaluate import FRAC_WARN, GAP_WARN, routing_warnings
+from ..train.evaluate import GAP_WARN, SHARE_WARN, routing_warnings
 
 # The evaluation's own warning thresholds: one rule for training logs, `hydra-lm eval` and reports.
-STARVATION_TOLERANCE = FRAC_WARN  # |causal executed fraction - target|, absolute
+SHARE_TOLERANCE = SHARE_WARN  # causal executed fraction / target, either way
 GAP_TOLERANCE = GAP_WARN  # nats of causal loss above the top-k loss
 
 
