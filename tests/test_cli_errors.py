@@ -215,6 +215,15 @@ def test_generate_top_k_takes_zero_for_all_and_refuses_a_negative(run, capsys):
     assert err_of(capsys) == "hydra-lm generate: error: --top_k -1 must be 0 (all tokens) or more"
 
 
+def test_generate_checks_its_sampling_before_loading_the_checkpoint(run, capsys, monkeypatch):
+    import hydra_lm.infer.runs as runs
+
+    monkeypatch.setattr(runs, "load_run", lambda *a, **k: pytest.fail("loaded the checkpoint first"))
+    for flag, value in (("--temperature", "-1"), ("--top_p", "0")):
+        assert main(["generate", "--run", str(run), "--prompt", "a", flag, value]) == 2
+        assert "must" in err_of(capsys)
+
+
 def test_info_memory_checks_its_batch_before_printing_anything(capsys):
     assert main(["info", "--model_size", "debug", "--memory", "--batch_size", "0"]) == 2
     captured = capsys.readouterr()

@@ -567,6 +567,13 @@ def test_forward_cached_refuses_a_batch_other_than_the_caches():
         with pytest.raises(ValueError, match=rf"a batch of {rows} rows for caches of {cache_rows}; allocate caches "
                                              rf"for this batch \(init_cache\({rows}, length\)\)"):
             model.forward_cached(_ids(rows, 4), 0, model.init_cache(cache_rows, 16))
+    for ids, valid in ((_ids(2, 0), None), (_ids(2, 4)[0], None), (_ids(2, 4), torch.ones(2, 3, dtype=torch.bool)),
+                       (_ids(2, 4), torch.ones(2, 4))):
+        with pytest.raises(ValueError, match="forward_cached: (input_ids must be|valid must be)"):
+            model.forward_cached(ids, 0, model.init_cache(2, 16), valid=valid)
+    caches = model.init_cache(2, 16)  # autograd on (the default): the caches are written, not recorded for it
+    model.forward_cached(_ids(2, 4), 0, caches)
+    assert not caches[0][0][0].k.requires_grad
 
 
 def test_forward_cached_in_training_mode_gives_the_eval_forwards_logits():

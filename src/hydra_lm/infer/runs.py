@@ -17,6 +17,7 @@ from safetensors.torch import save_model
 from ..config import HydraConfig
 from ..model.attention import kernels_for_device
 from ..model.factory import create_model
+from ..model.sampling import check_sampling
 from ..train.checkpoint import EXPORT_FORMAT, Checkpoint, resolve_checkpoint
 from ..train.data_io import ValSet, open_data, tokenized_alike
 from ..train.evaluate import evaluate
@@ -215,6 +216,7 @@ def generate_text(run_dir: str | Path, prompt: str | list[str], max_new_tokens: 
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not prompts:
         raise ValueError("no prompt given")
+    check_sampling(temperature, top_k, top_p)  # before the checkpoint loads, which can take a while
     run = load_run(run_dir, checkpoint, device)
     tok = run_tokenizer(run)
     # Prepared documents start with the separator, so each prompt is framed as the start of one.

@@ -310,6 +310,7 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             dtype = torch.get_autocast_dtype(device.type) if autocast else weight.dtype
         return [block.new_caches(batch, length, device, dtype) for block in self.blocks]
 
+    @torch.no_grad()  # the caches are written in place: with autograd on, each step's graph would hang on to them
     def forward_cached(self, input_ids: torch.Tensor, start: int | torch.Tensor, caches: list,
                        compiled: bool = False, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Run new tokens at positions start.. through the model, updating ``caches``; returns the
@@ -326,6 +327,12 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         computed but leave the caches as if they were not there, and the logits are each row's last valid
         entry's. Train or eval mode gives the same logits, the eval forward's (causal routing; MoE without its
         training jitter)."""
+        if input_ids.dim() != 2 or 0 in input_ids.shape:
+            raise ValueError(f"forward_cached: input_ids must be [batch, new tokens], both at least 1; got shape "
+                             f"{tuple(input_ids.shape)}")
+        if valid is not None and (valid.dtype != torch.bool or valid.shape != input_ids.shape):
+            raise ValueError(f"forward_cached: valid must be a bool tensor of input_ids' shape "
+                             f"{tuple(input_ids.shape)}; got {valid.dtype} {tuple(valid.shape)}")
         check_token_ids(input_ids, self.config.vocab_size)
         b, s = input_ids.shape
         rows, length = caches[0][0][0].k.shape[0], caches[0][0][0].k.shape[2]
