@@ -125,6 +125,9 @@ def test_the_setup_applies_the_moe_lr_scales_and_the_router_warm_up():
     (dict(grad_accum=0), "grad_accum=0 must be >= 1"),
     (dict(compile="yes"), "compile='yes' must be of type bool"),
     (dict(moe=True, moe_num_experts=4), "give moe, moe_num_experts to hydra_lm.create_model instead"),
+    # the trainer's loop, which a setup does not run: refused, not silently dropped
+    (dict(warmup_steps=100, schedule="cosine", mod_off=True), "mod_off, schedule, warmup_steps belong to hydra-lm "
+                                                               "train's loop"),
 ])
 def test_the_setup_refuses_what_the_trainer_refuses(options, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -157,6 +160,35 @@ def test_the_setup_applies_the_trainers_model_settings():
         hydra_lm.create_optimized_training_setup(tiny_model(), moe_warmup_steps=100)
     with pytest.raises(ValueError, match="gradient_checkpointing: the setup applies these to a HydraModel only"):
         hydra_lm.optimize_for_gpu(torch.nn.Linear(8, 8), checkpoint_every=1)
+
+
+def test_the_plan_follows_the_models_own_checkpointing_and_a_refused_setup_leaves_the_model_as_it_was():
+    model = tiny_model()
+    model.gradient_checkpointing = True  # set on the model, as docs/python_api.md shows
+    with pytest.warns(UserWarning):
+        setup = hydra_lm.create_optimized_training_setup(model)
+    # planned with it (on CUDA: no graphs around a checkpointed step, which the policy refuses)
+    assert "gradient checkpointing" in setup.description
+    fresh = tiny_model()
+    with pytest.raises(ValueError, match="adam8bit"):
+        hydra_lm.create_optimized_training_setup(fresh, optimizer="adam8bit", gradient_checkpointing=True)
+    assert not fresh.gradient_checkpointing
+
+
+def test_a_curriculum_switch_between_steps_captures_the_step_again():
+    with pytest.warns(UserWarning):
+        setup = hydra_lm.create_optimized_training_setup(tiny_model())
+    resets = []
+    setup.train_step.graphs = type("Graphs", (), {"reset": lambda self: resets.append(setup.steps)})()
+    setup.train_step.micro = lambda inputs: (torch.zeros(5), torch.zeros(1))  # the step's work is not the point
+    setup.train_step.update = lambda: torch.zeros(())
+    batch = _batches(1)[0]
+    setup.step(batch)
+    setup.step(batch)
+    setup.model.set_curriculum(mod_active=False)
+    setup.step(batch)
+    setup.step(batch)
+    assert resets == [2]
 
 
 def test_the_cpu_warning_names_what_is_off():

@@ -17,7 +17,7 @@ from torch import nn
 from ..model.hydra import HydraModel
 from .compile_policy import SpeedPlan, apply_speed_plan, enable_tf32, resolve_speed_options
 from .moe_training import hold_routers
-from .optim import build_optimizer, set_lr
+from .optim import build_optimizer, check_optimizer_device, set_lr
 from .model_features import MODEL_SIDE, apply_model_features
 from .options import FIELDS, KEY_ALIASES, TrainConfig, normalize, resolve
 from .run import pick_device
@@ -26,6 +26,15 @@ from .step import TrainStep
 # What a setup's optimizer and step take when not given: the trainer's per-preset values (all presets
 # clip at 1.0), one micro-batch per step, and a learning rate usual for small models.
 SETUP_DEFAULTS = dict(lr=3e-4, grad_clip=1.0, grad_accum=1)
+# The train flags a setup acts on: its speed plan, model features, optimizer and step. The rest (the LR schedule, the
+# curriculum, evaluation, checkpoints, safety nets) are the trainer's loop, which a setup's caller writes: refused
+# rather than silently dropped.
+SETUP_OPTIONS = frozenset({
+    "seed", "batch_size", "seq_len", "grad_accum", "lr", "weight_decay", "beta1", "beta2", "grad_clip", "optimizer",
+    "adamw_lr", "sophia_update_period", "moe_warmup_steps", "moe_expert_lr_scale", "moe_router_lr_scale",
+    "moe_expert_wd_scale", "cuda_graphs_warmup", "experimental_fa3", "experimental_fp8", "fp8_format", "fp8_recipe",
+    "fp8_min_tokens", "compile", "parallel_compile", "cuda_graph", "gradient_checkpointing", "checkpoint_every",
+    "chunked_ce", "chunked_ce_size", "ce_impl", "model"})
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,11 @@ class OptimizedModel:
 def _train_config(options: dict[str, Any]) -> TrainConfig:
     where = "the optimized setup's options"
     values = normalize(options, where)  # the flags' aliases, types and choices
+    loop_only = sorted(set(values) - SETUP_OPTIONS)
+    if loop_only:
+        raise ValueError(f"{where}: {', '.join(loop_only)} belong to hydra-lm train's loop (schedule, curriculum, "
+                         "evaluation, checkpoints), which a setup leaves to its caller: drop them (set_lr and "
+                         "model.set_curriculum do those parts)")
     if values.get("model"):
         names = ", ".join(sorted(values["model"]))
         raise ValueError(f"{where}: a model's config is fixed once it is built: give {names} to hydra_lm.create_model "
@@ -107,6 +121,8 @@ def _prepare(model: nn.Module, cfg: TrainConfig, device: torch.device | str | No
     if caps.device.type == "cuda" and not caps.triton_compile and cfg.compile is None:
         cfg = cfg.replace(compile=False)  # no kernel generator: the policy's automatic compile cannot run
     hydra = isinstance(model, HydraModel)
+    if hydra and model.gradient_checkpointing and not cfg.gradient_checkpointing:  # set on the model: plan with it
+        cfg = cfg.replace(gradient_checkpointing=True, checkpoint_every=model.checkpoint_every)
     plan = resolve_speed_options(cfg, caps.device, distributed=False, moe=hydra and bool(model.moe_blocks))
     if not hydra:  # the routed units and the fused loss exist in a HydraModel only: compile the whole model
         # (nor the block layouts that parallel_compile's helpers compile)
@@ -168,6 +184,7 @@ class TrainingSetup:
     seed: int = 0  # Sophia-G: with the step, seeds the labels of its Hessian estimates
     moe_warmup_steps: int = 0  # the first updates, whose MoE router LR is 0
     steps: int = 0  # updates taken
+    _routing: tuple | None = None  # the blocks' curriculum switches the captured step was taken with
 
     @property
     def model(self) -> nn.Module:
@@ -192,6 +209,12 @@ class TrainingSetup:
         if not self.model.training:
             self.model.train()
         micro = [_as_inputs(inputs) for inputs in micro]
+        routing = tuple((b.mod_active, b.mor_active, b.mor_ramp) for b in getattr(self.model, "blocks", ())
+                        if hasattr(b, "mor_ramp"))
+        if routing != self._routing:  # model.set_curriculum changed the control flow: capture it again, as the trainer
+            if self._routing is not None and self.train_step.graphs is not None:
+                self.train_step.graphs.reset()
+            self._routing = routing
         if self.steps < self.moe_warmup_steps:
             hold_routers(self.optimizer)  # again each step: a set_lr since the last one restored them
         elif self.steps == self.moe_warmup_steps > 0:
@@ -238,6 +261,7 @@ def create_optimized_training_setup(model: nn.Module, lr: float = SETUP_DEFAULTS
     if picks:  # the argument would silently override the flag's alias
         raise ValueError(f"{picks[0][0]}: pass optimizer={picks[0][1]!r} to create_optimized_training_setup instead")
     cfg = _train_config({**options, "lr": lr, "optimizer": optimizer})
+    check_optimizer_device(cfg.optimizer, detect_device_capabilities(device).device)  # before the model changes
     optimized = _prepare(model, cfg, device)
     opt = build_optimizer(model, cfg, optimized.device)
     train_step = TrainStep(model, optimized.module, opt, optimized.device, optimized.plan, cfg.grad_accum,
