@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hydra_lm
 from hydra_lm.train.compile_policy import apply_speed_plan, resolve_speed_options
@@ -219,6 +220,23 @@ def test_optimize_for_gpu_on_cpu_is_eager_for_any_module():
         assert not hydra_lm.optimize_for_gpu(plain, compile=True, parallel_compile=True).plan.parallel_compile
     with pytest.raises(ValueError, match="unknown training key"):
         hydra_lm.optimize_for_gpu(model, compiel=True)
+
+
+class _LossOnly(torch.nn.Module):  # a language model that returns its loss alone
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(TINY["vocab_size"], 8)
+        self.head = torch.nn.Linear(8, TINY["vocab_size"])
+
+    def forward(self, ids, targets=None):
+        return {"loss": F.cross_entropy(self.head(self.embed(ids)).flatten(0, 1), targets.flatten())}
+
+
+def test_a_module_without_the_step_outputs_is_told_what_the_step_reads():
+    with pytest.warns(UserWarning):
+        setup = hydra_lm.create_optimized_training_setup(_LossOnly())
+    with pytest.raises(ValueError, match=r"returned \['loss'\]; a training step reads \['aux_loss', 'ce_loss'"):
+        setup.step(_batches(1)[0])
 
 
 def test_root_exports_are_lazy():

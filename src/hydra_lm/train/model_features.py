@@ -32,7 +32,8 @@ def apply_model_features(model: HydraModel, cfg: TrainConfig, device: torch.devi
         notes.append(f"--model.attention_backend {model.config.attention_backend} serves attention without document "
                      "masks only" + masked.format(model.config.attention_backend))
     if cfg.experimental_fa3:
-        notes.append(enable_fa3(device) + masked.format("FA3"))
+        note, active = enable_fa3(device)
+        notes.append(note + (masked.format("FA3") if active else ""))  # the masks matter only to FA3 in use
     if cfg.experimental_fp8:
         n = convert_to_fp8(model, cfg.fp8_format, device, cfg.fp8_min_tokens, cfg.fp8_recipe)
         notes.append(f"--experimental_fp8: {n} Linear layers of the transformer layers now train in float8 "

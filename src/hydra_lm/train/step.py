@@ -16,6 +16,9 @@ from .graphed_train_step import GraphedTrainStep
 from .optim import make_capturable
 from .parallel_compile import Warming, release_helpers, start_warming
 
+# What micro_step reads from the model's output.
+STEP_OUTPUTS = frozenset({"loss", "ce_loss", "aux_loss", "ponder_loss", "moe_loss", "routing_stats"})
+
 
 class TrainStep:
     """``micro(inputs)`` runs one micro-batch (gradients accumulate), ``update()`` clips and steps the
@@ -118,6 +121,11 @@ class TrainStep:
         kwargs = {"doc_ids": doc_ids} if doc_ids is not None else {}
         with self.autocast():
             out = self.step_model(input_ids, targets=targets, **kwargs)
+        if not isinstance(out, dict) or not STEP_OUTPUTS <= out.keys():
+            got = sorted(out) if isinstance(out, dict) else type(out).__name__
+            raise ValueError(f"the model's forward(input_ids, targets=...) returned {got}; a training step reads "
+                             f"{sorted(STEP_OUTPUTS)} (a HydraModel's output dict; zeros for the losses a model has "
+                             "none of, an empty tensor of routing stats)")
         (out["loss"] / self.grad_accum).backward()
         self.moe_load = out["moe_load"].detach() if "moe_load" in out else None
         parts = torch.stack([out[k].detach().float() for k in ("loss", "ce_loss", "aux_loss", "ponder_loss",
