@@ -63,6 +63,7 @@ def test_compare_trains_reports_and_skips_finished_variants(tiny_data, tmp_path,
     assert len(hydra["depths"]["causal"]) == 2 and dense["routing"] == {} and dense["depths"] is None
     report = (out / "report.md").read_text()
     assert "| hydra |" in report and "| dense |" in report and "## Routing health" in report
+    assert "| causal / target |" in report  # the ratio the warnings judge, beside the top-k share
     assert "- **hydra** (hydra on cpu, " in report
     assert "## Time and compute to each dense model's final loss" in report and "| hydra | dense |" in report
     for name in PLOTS:

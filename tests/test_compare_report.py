@@ -23,6 +23,8 @@ def test_the_reach_table_bounds_a_loss_reached_at_the_first_evaluation_after_the
     hydra = {"arch": "hydra", "status": "finished", "seed": 0, "evals": evals}
     (row,) = reach_rows({"variants": {"hydra": hydra, "dense": dense}})
     assert row[3:] == ("<= 7.7", "<= 0.51", "<= 7.69e+09", "<= 0.26")
+    (row,) = reach_rows({"variants": {"hydra": dict(hydra, status="diverged"), "dense": dense}})
+    assert row[0] == "hydra (diverged)"  # it reached the loss before it stopped: kept, saying how it ended
 
 
 def test_the_report_says_when_the_runs_were_evaluated_and_how_many_steps_they_made(tiny_data, tmp_path):

@@ -238,3 +238,16 @@ def test_seeds_of_separate_studies_pool_into_one_report_without_training_again(t
     alone = json.loads((tmp_path / "b" / "results.json").read_text())["variants"]["hydra.seed5"]
     assert results["across_seeds"]["hydra"]["seeds"] == [3, 5]
     assert results["variants"]["hydra.seed5"]["final"] == alone["final"]
+
+
+def test_plots_of_variants_without_an_evaluation_say_so_without_a_warning(tmp_path):
+    import warnings
+
+    from hydra_lm.diagnostics.plots import write_compare_plots
+
+    results = {"variants": {"hydra": {"evals": [], "routing": {}, "depth_profile": None},
+                            "dense": {"evals": [], "routing": {}, "depth_profile": None}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels found to put in legend" among them
+        paths = write_compare_plots(results, tmp_path)
+    assert len(paths) == 6 and all(p.stat().st_size > 0 for p in paths)

@@ -38,7 +38,8 @@ def _finish(ax, x_label: str, y_label: str, title: str, legend_columns: int = 1,
     ax.set_ylabel(y_label)
     ax.set_title(title)
     ax.grid(alpha=0.3, **grid)
-    ax.legend(fontsize=7, ncol=legend_columns)
+    if ax.get_legend_handles_labels()[0]:  # an empty plot (no evaluation yet) has nothing to name
+        ax.legend(fontsize=7, ncol=legend_columns)
 
 
 def _colors(names: list[str]) -> dict[str, Any]:
@@ -87,6 +88,8 @@ def write_compare_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
                     label=f"{family} causal{seeds}" if first else None)
             ax.plot(x, [p["val_loss_topk"] for p in pts], "--", color=colors[vname], alpha=0.6,
                     label=f"{family} top-k" if first else None)
+        if not labelled:
+            _empty_note(ax, "no evaluation yet")
         _finish(ax, label, "validation loss (nats/token)", f"validation loss vs {label.split(' (')[0]}", 2)
         paths.append(_save(fig, out_dir / name))
     paths.append(_routing_plot(variants, colors, out_dir / "routing_exec_fraction.png"))
@@ -142,6 +145,8 @@ def _gap_plot(variants: dict[str, Any], colors: dict[str, Any], path: Path) -> P
         pts = v["evals"]
         if pts:
             ax.plot([p["tokens"] for p in pts], [p["gap"] for p in pts], "-o", ms=3, color=colors[name], label=name)
+    if not any(v["evals"] for v in variants.values()):
+        _empty_note(ax, "no evaluation yet")
     ax.axhline(GAP_TOLERANCE, color="red", lw=0.8, ls=":", label=f"warning at {GAP_TOLERANCE}")
     ax.axhline(0.0, color="black", lw=0.6)
     _finish(ax, "training tokens", "causal - top-k validation loss (nats)", "causal-minus-top-k gap over training")

@@ -211,7 +211,8 @@ def reach_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
             if d.get("seed") != v.get("seed"):
                 continue
             target = d["final"]["val_loss_causal"]
-            row = [name, dname, f"{target:.4f}"]
+            # A routed run that stopped early may still have reached the loss first: kept, with how it ended.
+            row = [name if v["status"] == "finished" else f"{name} ({v['status']})", dname, f"{target:.4f}"]
             for key, total, spec in (("train_s", d["train_s"], ".1f"), ("flops", d["executed_flops"], ".3g")):
                 reached = first_reach(v["evals"], key, target)
                 if reached is None:
@@ -353,14 +354,16 @@ def write_report(results: dict[str, Any], plots: list[Path], path: Path) -> None
     if not routed:
         lines.append("No variant has routers.")
     for name, v in routed.items():
-        rows = [(router, f"{r['target']:.3f}", f"{r['exec_causal']:.3f}", f"{r['exec_topk']:.3f}",
+        # The target is what top-k ran (its share of the row), so the column beside it is the ratio the warnings judge.
+        rows = [(router, f"{r['target']:.4f}", f"{r['exec_causal']:.4f}",
+                 f"{r['exec_causal'] / r['target']:.2f}x" if r["target"] > 0 else "-",
                  "off" if r.get("agreement") is None else f"{r['agreement']:.3f}")
                 for router, r in v["routing"].items()]
         overall = (v["final"] or {}).get("val_agreement_decisions")
         summary = [] if overall is None else [f"Agreement over all of its routing decisions (each router weighted "
                                               f"by its candidates): {overall:.1%}.", ""]
         lines += [f"**{name}**", "", *summary,
-                  *_markdown_table(("router", "target", "causal", "top-k", "agreement"), rows), ""]
+                  *_markdown_table(("router", "target (top-k)", "causal", "causal / target", "agreement"), rows), ""]
     lines += ["## Warnings", ""]
     lines += [f"- {w}" for w in results["warnings"]] or ["None."]
     lines += ["", "## Plots", ""]
