@@ -148,3 +148,14 @@ def test_a_resume_cannot_switch_off_a_router_that_is_on(tiny_data, tmp_path, cap
     assert records(run, "train")[-1]["mor_active"]
     assert main(["train", "--out", str(run), "--mor_off"]) == 2
     assert "cannot set mor_off when resuming: MoR routing is on" in capsys.readouterr().err
+
+
+def test_a_switch_on_a_resumes_first_step_is_reported_as_one():
+    """A run stopped just before a planned switch: the resumed run's first step makes it, and says so as the
+    uninterrupted run does (the loaded state, not nothing, is what the first step switches from)."""
+    c = Curriculum(CurriculumPlan(1, 2, 3, None))
+    run_plan(c, 3)  # steps 0-2: MoD on at step 1, MoR still off
+    for step, message in ((3, "curriculum: step 3: MoD on, MoR on"), (2, None)):
+        d = Curriculum(c.plan)
+        d.load_state_dict(c.state_dict())
+        assert d.apply(step, FakeModel()) == message

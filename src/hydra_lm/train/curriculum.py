@@ -112,6 +112,7 @@ class Curriculum:
         self._ema: torch.Tensor | None = None  # biased EMA of the CE loss, on the training device
         self._ema_weight: torch.Tensor | None = None  # its bias: the EMA of 1 over the same (finite) steps
         self._applied: tuple[bool, bool, float] | None = None
+        self._loaded: tuple[bool, bool, float] | None = None  # a resumed checkpoint's routing, until the first apply
         self.mor_ramp = 1.0
 
     # ------------------------------------------------------------------ per step
@@ -135,8 +136,10 @@ class Curriculum:
         previous = self._applied
         model.set_curriculum(mod_active=self.mod_active, mor_active=self.mor_active, mor_ramp=self.mor_ramp)
         self._applied = state
-        if previous is None:
-            return None
+        if previous is None:  # a resume's first step: a switch is one against the checkpoint's routing
+            previous, self._loaded = self._loaded, None
+            if previous is None or previous == state:
+                return None
         on = {True: "on", False: "off"}
         ramp = f" (capacity ramp {self.mor_ramp:g})" if self.mor_active and p.mor_ramp_end is not None else ""
         return f"curriculum: step {step}: MoD {on[self.mod_active]}, MoR {on[self.mor_active]}{ramp}"
@@ -183,3 +186,4 @@ class Curriculum:
         self._ema = None if ema is None else torch.tensor(ema, dtype=torch.float32, device=device)
         self._ema_weight = None if ema is None else torch.tensor(weight, dtype=torch.float32, device=device)
         self._applied = None
+        self._loaded = (self.mod_active, self.mor_active, float(state.get("mor_ramp", 1.0)))
