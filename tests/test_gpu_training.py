@@ -57,7 +57,7 @@ def test_default_training_on_cuda_is_the_fast_path_with_the_eager_numbers(tiny_d
     assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "default"), *BASE]) == 0
     assert train(tiny_data, tmp_path / "eager", *EAGER) == 0
     log = (tmp_path / "default" / "train.log").read_text()
-    assert "torch.compile (default, blocks for training, routed units for evaluation)" in log, log
+    assert "torch.compile (blocks for training, routed units for evaluation)" in log, log
     assert "whole-step CUDA graphs" in log, log
     assert "fused chunked loss" in log and log.count("captured as CUDA graphs") == 2, log
     # helper processes compiled the block layouts before the first step, and the new ones after the MoR switch
