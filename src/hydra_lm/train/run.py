@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,9 +95,12 @@ def check_one_out_for_all_ranks(run_dir: Path, info: DistInfo) -> None:
             return None
 
     expected = broadcast_object(lock_text() if info.is_main else None, info)
-    if any_rank(lock_text() != expected, info):
-        raise ValueError(f"--out {run_dir} is not the same directory on every rank (rank 0's {LOCK_FILE} is missing "
-                         "or different on some rank): on several nodes, put --out on a filesystem they all share")
+    for _ in range(3):  # a network filesystem may show another node's fresh write a moment late
+        if not any_rank(lock_text() != expected, info):  # the same answer on every rank: they loop in step
+            return
+        time.sleep(1.0)
+    raise ValueError(f"--out {run_dir} is not the same directory on every rank (rank 0's {LOCK_FILE} is missing "
+                     "or different on some rank): on several nodes, put --out on a filesystem they all share")
 
 
 def check_outside_data(run_dir: Path, data: str | None) -> None:
