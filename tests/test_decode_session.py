@@ -235,3 +235,19 @@ def test_prompts_of_several_lengths_prefill_and_step_each_as_alone(bucketed):
             for got, expected in zip(logits, want):
                 torch.testing.assert_close(got[r:r + 1], expected)
     assert session._seen == ({16} if bucketed else set())
+
+
+def test_a_prompt_of_the_whole_context_still_gets_its_next_token():
+    """The last new token is sampled, never fed back: it takes no cache position, so prompt + new tokens may be one
+    more than max_seq_len (a prompt filling the context gets the full forward's next token)."""
+    model = _model()
+    context = model.config.max_seq_len
+    prompt = _prompt(2, context, seed=5)
+    with torch.no_grad():
+        want = model(prompt)["logits"][:, -1].argmax(-1)
+        shorter = model(prompt[:, :context - 3])["logits"]
+    assert torch.equal(model.generate(prompt, 1)[:, -1], want)
+    out = model.generate(prompt[:, :context - 3], 4)  # 3 fed back + 1 sampled: one past the context
+    assert out.shape == (2, context + 1) and torch.equal(out[:, context - 3], shorter[:, -1].argmax(-1))
+    with pytest.raises(ValueError, match=rf"prompt \({context}\) \+ max_new_tokens \(2\) exceeds"):
+        model.generate(prompt, 2)

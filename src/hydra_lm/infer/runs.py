@@ -226,10 +226,10 @@ def generate_text(run_dir: str | Path, prompt: str | list[str], max_new_tokens: 
     if top >= vocab:
         raise ValueError(f"the tokenizer produced id {top} outside the model's vocabulary ({vocab})")
     longest = max(len(row) for row in ids)
-    room = context - longest
+    room = context - longest + 1  # the last new token is sampled, never fed back: it takes no position
     if room <= 0:
         which = f"prompt {max(range(len(ids)), key=lambda i: len(ids[i])) + 1}" if len(ids) > 1 else "the prompt"
-        raise ValueError(f"{which} ({longest} tokens) fills the model's context ({context}): shorten it")
+        raise ValueError(f"{which} ({longest} tokens) is longer than the model's context ({context}): shorten it")
     if max_new_tokens > room:
         print(f"note: max_new_tokens {max_new_tokens} -> {room}: the model's context is {context} tokens"
               + (" and the longest prompt takes the rest" if len(ids) > 1 else ""), file=sys.stderr)

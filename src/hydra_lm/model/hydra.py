@@ -414,10 +414,12 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
         if not ragged:  # batch_prompts checked each prompt's ids, naming the prompt
             check_token_ids(input_ids, self.config.vocab_size, sync=True)
         b, t = input_ids.shape
-        total = t + max_new_tokens
+        # Positions the caches hold: the prompt's, then one per new token but the last (it is sampled, never fed).
+        total = max(t, t + max_new_tokens - 1)
         if total > self.config.max_seq_len:
             raise ValueError(f"{'the longest ' if ragged else ''}prompt ({t}) + max_new_tokens ({max_new_tokens}) "
-                             f"exceeds max_seq_len={self.config.max_seq_len}")
+                             f"exceeds max_seq_len={self.config.max_seq_len} + 1 (the last new token is not fed "
+                             "back, so it takes no position)")
         if lengths is not None and bool((lengths == t).all()):
             lengths = None  # one length: the steps' positions as for a tensor prompt
         capturable = input_ids.is_cuda and self.decode_capturable()

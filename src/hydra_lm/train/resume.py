@@ -4,8 +4,12 @@ after a divergence (or after the anomaly monitor switched an optimization off)."
 from __future__ import annotations
 
 import contextlib
+import errno
+import math
+import shutil
 
 import torch
+from safetensors import SafetensorError
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -69,14 +73,27 @@ def finish_save(t) -> None:
 @contextlib.contextmanager
 def disk_full_in_one_line(t):
     """A checkpoint write that found the disk full as one line (``disk_full_error``), whether its OSError comes
-    bare or inside DCP's CheckpointException, which is no Exception."""
+    bare or inside DCP's CheckpointException, which is no Exception, or as the writers' own errors: safetensors'
+    SafetensorError ("No space left on device (os error 28)") and torch.save's RuntimeError ("unexpected pos"), which
+    carry no errno (a real full disk; a tmpfs of 2 MB showed both)."""
     try:
         yield
-    except (OSError, CheckpointException) as err:
-        cause = os_error(err)
-        if cause is None or cause.errno not in DISK_FULL:
-            raise
-        raise disk_full_error(t.s.manager.dir, cause, state_bytes(t)) from None
+    except (OSError, CheckpointException, RuntimeError, SafetensorError) as err:
+        cause, needed = os_error(err), state_bytes(t)
+        if cause is not None and cause.errno in DISK_FULL:
+            raise disk_full_error(t.s.manager.dir, cause, needed) from None
+        text = str(err)
+        if "No space left on device" in text or "os error 28" in text or (
+                isinstance(err, RuntimeError) and "unexpected pos" in text and _free_bytes(t.s.manager.dir) < needed):
+            raise disk_full_error(t.s.manager.dir, OSError(errno.ENOSPC, text), needed) from None
+        raise
+
+
+def _free_bytes(directory) -> float:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return math.inf
 
 
 def state_bytes(t) -> int:
