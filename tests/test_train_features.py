@@ -271,6 +271,35 @@ def test_a_resume_keeps_the_rollback_its_checkpoint_was_written_after(tmp_path):
     assert kept == records[:5]
 
 
+def test_tensorboard_hides_the_steps_a_resume_or_a_rollback_redoes_and_files_events_under_their_kind(tmp_path,
+                                                                                                       monkeypatch):
+    import hydra_lm.train.metrics as metrics
+
+    opened, scalars = [], []
+
+    class Writer:  # what SummaryWriter is given (tensorboard is not installed here)
+        def __init__(self, directory, purge_step):
+            opened.append(purge_step)
+
+        def add_scalar(self, tag, value, step):
+            scalars.append((tag, step))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(metrics, "open_tensorboard", Writer)
+    monkeypatch.setattr(metrics, "check_logger_packages", lambda tensorboard, wandb: None)
+    log = metrics.RunLog(None, echo=False)
+    metrics.MetricsWriter(tmp_path, log, tensorboard=True).close()  # a fresh start: every earlier event hidden
+    writer = metrics.MetricsWriter(tmp_path, log, tensorboard=True, resume_step=60)
+    writer.write({"kind": "divergence", "step": 80, "loss": 9.5})
+    writer.rewind(50)
+    writer.write({"kind": "train", "step": 51, "loss": 3.0})
+    writer.close()
+    assert opened == [0, 61, 51]
+    assert scalars == [("divergence/loss", 80), ("loss", 51)]  # an event's loss is no point of the training curve
+
+
 def test_a_resumed_run_logs_to_its_own_wandb_run(tmp_path, monkeypatch):
     """--wandb: a resume continues the W&B run its start made (the id kept in the run directory); a fresh start in
     the same directory makes a new one. (A stand-in module records what wandb.init was given.)"""

@@ -122,6 +122,12 @@ def check_logger_packages(tensorboard: bool, wandb: bool) -> None:
             raise ValueError("--wandb needs the wandb package (pip install wandb)") from None
 
 
+def open_tensorboard(directory: Path, purge_step: int):
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(directory), purge_step=purge_step)
+
+
 class MetricsWriter:
     def __init__(self, run_dir: Path, log: RunLog, tensorboard: bool = False, wandb: bool = False,
                  wandb_project: str = "hydra-lm", config: dict | None = None, resume_step: int = -1):
@@ -132,9 +138,11 @@ class MetricsWriter:
         self._tb = None
         self._wandb = None
         check_logger_packages(tensorboard, wandb)
+        self._tb_dir = run_dir / "tensorboard"
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            # A resume redoes the steps after its checkpoint, a fresh start every step: TensorBoard hides the events
+            # an earlier attempt logged from there on (its purge step), so no step shows twice.
+            self._tb = open_tensorboard(self._tb_dir, purge_step=resume_step + 1 if resume_step >= 0 else 0)
         if wandb:
             import wandb as wandb_mod
             # One W&B run per training run: a resume continues the id its start recorded, a fresh start takes a new one.
@@ -147,10 +155,14 @@ class MetricsWriter:
     def rewind(self, step: int) -> None:
         """A rollback to the checkpoint of ``step`` redoes the steps after it: drop their measurements (train and
         eval records), so that every step's appear once, and keep the events that explain the rollback
-        (anomalies, divergences, switches). TensorBoard and W&B keep theirs."""
+        (anomalies, divergences, switches). TensorBoard hides its events from ``step + 1`` on; W&B takes no step
+        twice, so it keeps the rolled-back steps' values and drops the redone ones (metrics.jsonl has them)."""
         self._file.close()
         self._drop_after(step, kinds=("train", "eval"))
         self._file = open(self.path, "a", encoding="utf-8")
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = open_tensorboard(self._tb_dir, purge_step=step + 1)
 
     def _drop_after(self, step: int, kinds: tuple[str, ...] | None = None) -> None:
         """A resumed run redoes the steps after its checkpoint; drop their old records (of ``kinds``, None: all)
@@ -180,7 +192,11 @@ class MetricsWriter:
         self._file.write(json.dumps(finite_or_null(record)) + "\n")
         self._file.flush()
         step = record.get("step", 0)
-        numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        # Events (a divergence's window mean, an anomaly's loss) under their kind: in the training curves' own tags
+        # they would read as extra training points.
+        kind = record.get("kind")
+        prefix = "" if kind in ("train", "eval", None) else f"{kind}/"
+        numeric = {prefix + k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self._tb is not None:
             for k, v in numeric.items():
                 self._tb.add_scalar(k, v, step)
