@@ -399,6 +399,15 @@ def test_repeated_loss_spikes_switch_the_chunked_loss_off_and_back_on(tiny_data,
     assert seen[13:] == [(s, "auto") for s in range(13, 17)]
 
 
+def test_a_switch_goes_back_to_a_checkpoint_from_before_its_anomalies_where_one_is_kept(tiny_data, tmp_path,
+                                                                                          monkeypatch):
+    run = tmp_path / "run"
+    seen = spike_logged_losses(monkeypatch, {4, 5, 6})  # anomalies at 5, 6, 7; checkpoints at 3 and 6
+    assert train(tiny_data, run, "--max_steps", "9", "--log_every", "1", "--chunked_ce", "--keep_checkpoints", "3",
+                 "--experimental_safety_window", "6", "--experimental_throughput_drop_threshold", "0.01") == 0
+    assert seen[7] == (4, "naive")  # from step 3's checkpoint: step 6's was saved inside the burst
+
+
 def test_a_switch_with_no_checkpoint_to_go_back_to_keeps_the_steps_evaluation_and_save(tiny_data, tmp_path,
                                                                                          monkeypatch):
     run = tmp_path / "run"

@@ -341,10 +341,13 @@ class CheckpointManager:
         for p in ckpts[:max(0, excess)]:
             shutil.rmtree(p, ignore_errors=True)
 
-    def latest_good(self) -> Checkpoint | None:
-        """Newest checkpoint that verifies; broken newer ones are reported (and renamed *.corrupt)."""
+    def latest_good(self, before: int | None = None) -> Checkpoint | None:
+        """Newest checkpoint that verifies (of a step below ``before``, where given); broken newer ones are reported
+        (and renamed *.corrupt)."""
         errors = []
-        for _, path in reversed(self.list()):
+        for step, path in reversed(self.list()):
+            if before is not None and step >= before:
+                continue
             try:
                 ckpt = verify(path)
             except CheckpointError as err:

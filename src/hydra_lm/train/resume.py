@@ -172,12 +172,12 @@ def _global_batch_advice(saved: dict, saved_world: int, t) -> str:
             f"tuned for those): {fix}")
 
 
-def last_good_checkpoint(t):
-    """The newest checkpoint that verifies (rank 0 decides), or None."""
+def last_good_checkpoint(t, before: int | None = None):
+    """The newest checkpoint that verifies (of a step below ``before``, where given; rank 0 decides), or None."""
     path = None
     if t.dist.is_main:
         try:
-            ckpt = t.s.manager.latest_good()
+            ckpt = t.s.manager.latest_good(before)
         except CheckpointError:
             ckpt = None
         path = None if ckpt is None else str(ckpt.path)
@@ -204,7 +204,9 @@ def roll_back_to(t, good) -> None:
 def continue_after_switch(t) -> bool:
     """An optimization was switched off: go on from the last good checkpoint (True), or from here without one."""
     finish_save(t)  # a pending save was checked before it started: the newest good checkpoint
-    good = last_good_checkpoint(t)
+    # From before the burst of anomalies that switched it off where one is kept (a checkpoint saved between them
+    # holds their state), else the newest.
+    good = last_good_checkpoint(t, before=t.safe_opts.switched_after) or last_good_checkpoint(t)
     if good is not None:
         roll_back_to(t, good)
         return True

@@ -92,6 +92,7 @@ class SafeOptimizations:
     def __init__(self, switches: list[Switch], monitor: AnomalyMonitor, warn: Callable[[str], None],
                  record: Callable[[dict[str, Any]], None]):
         self.switches, self.monitor, self.warn, self.record = switches, monitor, warn, record
+        self.switched_after: int | None = None  # the first anomaly of the burst behind the latest switch-off
 
     def observe(self, step: int, loss: float, grad_norm: float, tokens_per_s: float) -> Switch | None:
         """Feed one log point; returns the optimization switched off (the caller reloads its last good
@@ -153,6 +154,7 @@ class SafeOptimizations:
             return None
         culprit.turn_off()
         culprit.on, culprit.off_since = False, step
+        self.switched_after = min(self.monitor.recent)
         self.monitor.recent.clear()
         self.monitor.tps_ema = None  # the slower path sets a new level: its first steps are no drops
         self.warn(f"{ANOMALIES_TO_SWITCH} anomalies within {self.monitor.window} steps: switched {culprit.name} off "
