@@ -376,3 +376,17 @@ def test_token_choice_router_computes_in_the_models_precision():
     decision, loss = router.enter(x, None, "hard")
     assert decision.dtype == loss.dtype == torch.float64
     torch.autograd.gradcheck(lambda t: router.enter(t, None, "hard")[0][..., 1:], (x,))
+
+
+def test_int32_targets_train_on_either_loss_path_and_a_bad_routing_name_is_refused_on_a_static_model():
+    model = tiny_model().train()
+    ids = torch.randint(0, TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for impl in ("naive", "chunked"):  # the model's check takes int32 targets: both paths must too
+        model.ce_impl = impl
+        torch.manual_seed(0)
+        losses.append(model(ids.int(), targets=torch.roll(ids, -1, 1).int())["ce_loss"])
+    torch.testing.assert_close(losses[0], losses[1])
+    static = tiny_model(static_routing_mode=True)
+    with pytest.raises(ValueError, match="routing='bogus': must be one of"):
+        static(ids, routing="bogus")

@@ -190,11 +190,11 @@ class HydraModel(nn.Module, GradientCheckpointMixin):
             block.mor_ramp = float(mor_ramp)
 
     def routing_mode(self, routing: str | None = None) -> str:
+        if routing is not None and routing not in ROUTING_MODES:  # a typo is one for a static model too
+            raise ValueError(f"routing={routing!r}: must be one of {list(ROUTING_MODES)}")
         if self.config.static_routing_mode:
             return "static"
         if routing is not None:
-            if routing not in ROUTING_MODES:
-                raise ValueError(f"routing={routing!r}: must be one of {list(ROUTING_MODES)}")
             return routing
         return "topk" if self.training else self.eval_routing
 

@@ -265,7 +265,7 @@ def logits_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_ind
     that has no valid target: the loss of the model's unfused path (``HydraModel`` with ``ce_impl="naive"``)."""
     logits = logits.reshape(-1, logits.shape[-1])
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    flat = targets.reshape(-1)
+    flat = targets.reshape(-1).long()  # int32 targets pass the model's check (the chunked path takes them as they are)
     total = F.cross_entropy(logits, flat, ignore_index=ignore_index, reduction="sum")
     return total / (flat != ignore_index).sum().clamp(min=1).to(total.dtype)
 
