@@ -96,6 +96,7 @@ def test_nan_gradient_rolls_back_to_the_last_good_checkpoint_with_a_lower_lr(tin
     assert train(tiny_data, run) == 0
     [event] = records(run, "divergence")
     assert event["action"] == "rollback" and event["to_step"] == 3 and event["lr_scale"] == 0.5
+    assert event["rollbacks"] == 1  # this rollback counted, as the log's "rollback 1 of 2"
     train_records = records(run, "train")
     # Steps 4-5 ran again after the rollback: the record of the attempt rolled back is gone, the event stays.
     assert [r["step"] for r in train_records] == [5, 10, 12]
@@ -145,6 +146,8 @@ def test_resuming_with_the_advised_lr_runs_at_that_lr(tiny_data, tmp_path, monke
     monkeypatch.undo()
     assert train(tiny_data, run, "--lr", "0.00025") == 0
     assert records(run, "train")[-2]["step"] == 10 and records(run, "train")[-2]["lr"] == pytest.approx(2.5e-4)
+    # the divergence that stopped the run stays beside the resumed steps: it explains their lower learning rate
+    assert [r["action"] for r in records(run, "divergence")] == ["rollback", "stop"]
 
 
 def test_repeated_divergences_add_up_to_switching_an_optimization_off(tiny_data, tmp_path, monkeypatch):

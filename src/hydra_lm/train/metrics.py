@@ -181,8 +181,10 @@ class MetricsWriter:
             except ValueError:
                 continue  # a line cut short by a crash
             rolled_back_before = record.get("action") == "rollback" and record.get("to_step", step) < step
+            # A divergence that stopped the run explains the lower --lr its advice resumes with.
+            stopped_by = record.get("kind") == "divergence" and record.get("action") == "stop"
             if record.get("step", 0) <= step or (kinds is not None and record.get("kind") not in kinds) \
-                    or rolled_back_before:
+                    or rolled_back_before or stopped_by:
                 kept.append(line)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")

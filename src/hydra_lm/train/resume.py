@@ -247,7 +247,7 @@ def handle_divergence(t, stopping: bool = False) -> bool:
     t.safe_opts.note_divergence(diverged_at, good.step)
     t.rollback.record_rollback()
     t.metrics.write({**record, "action": "rollback", "to_step": good.step, "checkpoint": str(good.path),
-                     "lr_scale": t.rollback.lr_scale})
+                     "rollbacks": t.rollback.rollbacks, "lr_scale": t.rollback.lr_scale})  # this one counted
     t.log.warning(f"{where}: rolled back to {good.path} (step {good.step}) with the learning rate "
                   f"x{t.rollback.lr_scale:g} (rollback {t.rollback.rollbacks} of {cfg.max_rollbacks})")
     return True
