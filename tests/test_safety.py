@@ -97,6 +97,8 @@ def test_nan_gradient_rolls_back_to_the_last_good_checkpoint_with_a_lower_lr(tin
     [event] = records(run, "divergence")
     assert event["action"] == "rollback" and event["to_step"] == 3 and event["lr_scale"] == 0.5
     assert event["rollbacks"] == 1  # this rollback counted, as the log's "rollback 1 of 2"
+    log = (run / "train.log").read_text()
+    assert "rolled back to" in log and "resumed from" not in log  # a rollback within the run, not a restart
     train_records = records(run, "train")
     # Steps 4-5 ran again after the rollback: the record of the attempt rolled back is gone, the event stays.
     assert [r["step"] for r in train_records] == [5, 10, 12]

@@ -102,8 +102,9 @@ def state_bytes(t) -> int:
     return sum(x.numel() * x.element_size() for x in tensors)
 
 
-def restore(t, ckpt) -> None:
-    """Load checkpoint ``ckpt`` into trainer ``t``: model, optimizer, loop state, data position, RNGs."""
+def restore(t, ckpt, verb: str = "resumed from") -> None:
+    """Load checkpoint ``ckpt`` into trainer ``t``: model, optimizer, loop state, data position, RNGs (``verb``: how
+    the log line says it, "rolled back to" within a run)."""
     # On the CPU: RNG states must stay there; the optimizer moves its state to the parameters' device.
     same_world = ckpt.world_size == t.dist.world_size
     tensors: dict = {}
@@ -154,7 +155,7 @@ def restore(t, ckpt) -> None:
                       f"row of the epoch but batches are now shared out among {t.dist.world_size}, and the "
                       "random number streams restart from the seed, so the run is not bit-identical to an "
                       "uninterrupted one" + _global_batch_advice(st.get("train_config", {}), ckpt.world_size, t))
-    t.log.info(f"resumed from {ckpt.path} at step {t.step}")
+    t.log.info(f"{verb} {ckpt.path} at step {t.step}")
 
 
 def _global_batch_advice(saved: dict, saved_world: int, t) -> str:
@@ -188,7 +189,7 @@ def last_good_checkpoint(t, before: int | None = None):
 def roll_back_to(t, good) -> None:
     """Continue from checkpoint ``good``, keeping the rollback count and switched-off optimizations."""
     policy = t.rollback.state_dict()
-    restore(t, good)
+    restore(t, good, "rolled back to")
     t.metrics.rewind(good.step)
     if t.clock.t0 is not None:  # training time restarts from the checkpoint's count
         t.clock.start()
