@@ -271,6 +271,25 @@ def test_a_resume_keeps_the_rollback_its_checkpoint_was_written_after(tmp_path):
     assert kept == records[:5]
 
 
+def test_a_resume_on_a_host_without_the_saved_logger_says_how_to_go_on(tiny_data, tmp_path, monkeypatch, capsys):
+    import hydra_lm.train.metrics as metrics
+    import hydra_lm.train.run as run_module
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:  # a host with tensorboard (a stub writer)
+        patch.setattr(run_module, "check_logger_packages", lambda tensorboard, wandb: None)
+        patch.setattr(metrics, "check_logger_packages", lambda tensorboard, wandb: None)
+        patch.setattr(metrics, "open_tensorboard", lambda directory, purge_step: type(
+            "W", (), {"add_scalar": lambda *a: None, "close": lambda self: None})())
+        assert train(tiny_data, run, "--stop_at_step", "1", "--tensorboard") == 0
+    capsys.readouterr()
+    with monkeypatch.context() as patch:  # another without it
+        patch.setitem(sys.modules, "torch.utils.tensorboard", None)
+        assert main(["train", "--out", str(run)]) == 2
+        assert "the run's saved config has it: pass --no-tensorboard to resume without it" in capsys.readouterr().err
+        assert main(["train", "--out", str(run), "--no-tensorboard"]) == 0
+
+
 def test_tensorboard_hides_the_steps_a_resume_or_a_rollback_redoes_and_files_events_under_their_kind(tmp_path,
                                                                                                        monkeypatch):
     import hydra_lm.train.metrics as metrics

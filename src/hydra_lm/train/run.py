@@ -290,7 +290,14 @@ def _setup_locked(run_dir: Path, file_values: dict[str, Any], cli: dict[str, Any
         if not resuming and cfg.warmup_steps > cfg.max_steps:  # a resume that shortened the run may (options.py)
             log.warning(f"--warmup_steps {cfg.warmup_steps} is longer than the run (--max_steps {cfg.max_steps}): the "
                         "learning rate never reaches --lr; lower --warmup_steps, or leave it out for max_steps/10")
-        check_logger_packages(cfg.tensorboard, cfg.wandb)  # before write_run_files saves the flags
+        try:
+            check_logger_packages(cfg.tensorboard, cfg.wandb)  # before write_run_files saves the flags
+        except ValueError as err:
+            saved = [f for f in ("tensorboard", "wandb") if getattr(cfg, f) and f not in given] if same_run else []
+            if not saved:
+                raise
+            raise ValueError(f"{err}; the run's saved config has it: pass --no-{saved[0]} to resume without "
+                             "it") from None
         if batch_from_table and device.type == "cuda" and not info.enabled and not resuming:
             cfg = _fit_batch_to_gpu(cfg, model_cfg, device, log, eval_from_table)
         if device.type == "cpu":
