@@ -545,3 +545,16 @@ def test_loss_spikes_at_every_log_point_can_switch_an_optimization_off_at_produc
         first = next(step for step in range(log_every, 20 * log_every, log_every)
                      if monitor.observe(step, 100.0, 1.0, 0.0) and monitor.too_many())
         assert first == ANOMALIES_TO_SWITCH * log_every
+
+
+def test_a_second_interrupt_says_the_checkpoints_are_intact_and_how_to_resume(tiny_data, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    assert train(tiny_data, run, "--stop_at_step", "3") == 0
+
+    def interrupted(self):
+        raise KeyboardInterrupt  # what a second Ctrl-C raises, mid-save
+
+    monkeypatch.setattr(Trainer, "_loop", interrupted)
+    assert train(tiny_data, run) == 130
+    assert f"checkpoint is intact (an unfinished one is cleaned up at the next start): resume with: hydra-lm " \
+           f"train --out {run}" in capsys.readouterr().err

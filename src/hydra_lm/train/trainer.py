@@ -249,6 +249,10 @@ class Trainer:
                 raise
             self.log.info(self._resume_hint())
             return EXIT_INTERRUPTED
+        except KeyboardInterrupt:  # a second signal, in the middle of a save: the checkpoints before it are intact
+            self.log.warning("interrupted again before the run could stop cleanly; the last complete checkpoint is "
+                             "intact (an unfinished one is cleaned up at the next start): " + self._resume_hint())
+            raise
         finally:
             self.train_step.stop_warming()
             self.stall.close()
