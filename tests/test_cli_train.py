@@ -572,3 +572,14 @@ def test_a_signal_before_the_first_step_stops_without_a_step(tiny_data, tmp_path
     # --out alone would start a new run from the defaults, not this one: the log must not advise it
     log = (run / "train.log").read_text()
     assert "nothing to resume: run the same command again" in log and "resume with" not in log
+
+
+def test_data_prepared_again_under_a_run_is_warned_about_and_the_resume_says_how_to_go_on(tmp_path, capsys):
+    data = prepare(write_corpus(tmp_path / "c1", seed=1), tmp_path / "data", vocab_size=300)
+    run = tmp_path / "run"
+    assert train(data, run, "--max_steps", "4", "--stop_at_step", "2") == 0
+    capsys.readouterr()
+    prepare(write_corpus(tmp_path / "c2", seed=2), data, vocab_size=280)  # another corpus into the same directory
+    assert "warning: replacing the data prepared in" in capsys.readouterr().err
+    assert main(["train", "--out", str(run)]) == 2
+    assert "was prepared again since the run started" in err_of(capsys)  # not "resume with" that same directory

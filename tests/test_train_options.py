@@ -320,6 +320,9 @@ def test_cli_overrides_config_file_and_resolved_config_is_written(tiny_data, tmp
         assert main(["train", "--config", str(first / "config.toml"), "--out", str(again)]) == 0
         rebuilt = json.loads((again / "config.json").read_text())
         assert rebuilt["model"] == json.loads((first / "config.json").read_text())["model"], arch
+    # Its resolved sizes under another preset's name would mislabel the model: refused.
+    assert main(["train", "--config", str(run / "config.toml"), "--out", str(tmp_path / "renamed"),
+                 "--model_size", "50M"]) == 2
 
 
 @pytest.mark.parametrize("extra, message", [

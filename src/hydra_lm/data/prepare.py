@@ -233,9 +233,23 @@ def prepare_data(inputs: Sequence[str | Path] | str | Path | None, out_dir: str 
     # it, the others wait, then find it prepared.
     with exclusive_lock(out / PREPARE_LOCK, lambda: _log(progress, f"waiting for another process preparing {out}")):
         if not prepared():
+            _warn_replacing(out)
             remove_stale_temp_files(out)  # of a preparation that was killed
             _build(out, corpus, tok, options, fingerprint, start, progress)
     return out
+
+
+def _warn_replacing(out: Path) -> None:
+    """Data already prepared in ``out`` from other inputs or options is about to be replaced: runs trained on it go on
+    only if the new tokens come out the same, so say so, whatever the progress setting."""
+    try:
+        meta = read_meta(out)
+    except (OSError, ValueError):
+        return
+    print(f"[hydra-lm prepare] warning: replacing the data prepared in {out} (vocabulary {meta.get('vocab_size')}) "
+          "from other inputs or options; runs trained on it resume only if its tokens come out the same (a touched "
+          "corpus does; another corpus or --vocab_size does not): use another --out to keep it", file=sys.stderr,
+          flush=True)
 
 
 def _build(out: Path, corpus: Corpus, tok: HydraTokenizer | None, options: dict, fingerprint: str, start: float,
@@ -317,43 +331,45 @@ def _encode_all(corpus, tok, writers, text_field, max_bytes, seed, val_fraction,
     from tqdm.auto import tqdm
 
     bar = tqdm(total=corpus.total_bytes or None, unit="B", unit_scale=True, desc="encode", disable=not progress)
-    pending: list[tuple[bool, str]] = []
-    pending_chars = 0
-    done_source = 0
-    last_text = None  # the latest document if it is text: a corpus of one text document is cut in characters
+    try:  # closed on an error too: a bar left open redraws over the error line
+        pending: list[tuple[bool, str]] = []
+        pending_chars = 0
+        done_source = 0
+        last_text = None  # the latest document if it is text: a corpus of one text document is cut in characters
 
-    def flush() -> None:
-        nonlocal pending, pending_chars
-        if pending:
-            for (is_val, _), ids in zip(pending, tok.encode_arrays([t for _, t in pending])):
-                writers["val" if is_val else "train"].add(ids)
-            pending, pending_chars = [], 0
+        def flush() -> None:
+            nonlocal pending, pending_chars
+            if pending:
+                for (is_val, _), ids in zip(pending, tok.encode_arrays([t for _, t in pending])):
+                    writers["val" if is_val else "train"].add(ids)
+                pending, pending_chars = [], 0
 
-    for si, key, payload in _documents(corpus, text_field, max_bytes):
-        while done_source < si:
-            bar.update(corpus.sources[done_source].size)
-            done_source += 1
-        is_val = in_val(key, seed, val_fraction)
-        if isinstance(payload, str):
-            if payload.strip():
-                pending.append((is_val, payload))
-                pending_chars += len(payload)
-                last_text = payload
-                if len(pending) >= _BATCH_DOCS or pending_chars >= _BATCH_CHARS:
-                    flush()
-            continue
-        flush()  # keep corpus order when text and token documents interleave
-        if len(payload) == 0:
-            continue
-        top = int(payload.max())
-        if top >= vocab:
-            raise ValueError(f"{corpus.sources[si].path}: token id {top} >= vocab size {vocab} of the tokenizer: "
-                             f"these shards were made with another tokenizer; pass the matching one")
-        writers["val" if is_val else "train"].add(payload)
-        last_text = None
-    flush()
-    bar.update(sum(s.size for s in corpus.sources[done_source:]))
-    bar.close()
+        for si, key, payload in _documents(corpus, text_field, max_bytes):
+            while done_source < si:
+                bar.update(corpus.sources[done_source].size)
+                done_source += 1
+            is_val = in_val(key, seed, val_fraction)
+            if isinstance(payload, str):
+                if payload.strip():
+                    pending.append((is_val, payload))
+                    pending_chars += len(payload)
+                    last_text = payload
+                    if len(pending) >= _BATCH_DOCS or pending_chars >= _BATCH_CHARS:
+                        flush()
+                continue
+            flush()  # keep corpus order when text and token documents interleave
+            if len(payload) == 0:
+                continue
+            top = int(payload.max())
+            if top >= vocab:
+                raise ValueError(f"{corpus.sources[si].path}: token id {top} >= vocab size {vocab} of the tokenizer: "
+                                 f"these shards were made with another tokenizer; pass the matching one")
+            writers["val" if is_val else "train"].add(payload)
+            last_text = None
+        flush()
+        bar.update(sum(s.size for s in corpus.sources[done_source:]))
+    finally:
+        bar.close()
     return _fill_an_empty_split(writers, val_fraction, tok, last_text)
 
 

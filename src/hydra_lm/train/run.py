@@ -199,7 +199,12 @@ def build_model_config(cfg: TrainConfig, data: DataInfo) -> HydraConfig:
         raise ValueError(f"--model.{ignored[0]} does nothing for --arch {cfg.arch}: " + (
             "the dense baseline has no routing, recursion or CCGQA attention; drop it" if cfg.arch == "dense" else
             "n_layers is the dense baseline's depth; a HYDRA model's is --model.n_blocks x --model.recursions"))
-    preset_len = preset_config(cfg.model_size).max_seq_len
+    preset = preset_config(cfg.model_size)
+    if overrides.get("preset") not in (None, preset.preset):  # a resolved [model] table, from a run's config.toml
+        raise ValueError(f"the config's [model] fields were resolved for preset {overrides['preset']!r}: with "
+                         f"--model_size {cfg.model_size} they would keep that preset's sizes under this name; drop "
+                         "--model_size, or the [model] table")
+    preset_len = preset.max_seq_len
     values = {"arch": cfg.arch, "vocab_size": data.vocab_size, "max_seq_len": max(preset_len, cfg.seq_len)}
     values.update(overrides)
     model_cfg = preset_config(cfg.model_size, **values)
@@ -379,9 +384,13 @@ def check_same_run(saved: dict[str, Any], data: DataInfo, model_cfg: HydraConfig
     """A resumed run must see the tokenizer and build the model it was trained with."""
     was = saved.get("data", {})
     if not tokenized_alike(was, data):
+        same_dir = was.get("path") is not None and Path(was["path"]).resolve() == Path(data.path).resolve()
+        way = (f"{data.path} was prepared again since the run started, with another tokenizer: prepare the corpus "
+               f"into a directory with the run's own (hydra-lm prepare --tokenizer {run_dir / 'tokenizer.json'} "
+               "--input ... --out DIR) and pass --data DIR") if same_dir else \
+            f"resume with the run's data directory ({was.get('path')})"
         raise ValueError(f"tokenizer mismatch: {data.path} (vocab {data.vocab_size}) was not tokenized like the data "
-                         f"run {run_dir} was trained on (vocab {was.get('vocab_size')}); resume with the run's data "
-                         f"directory ({was.get('path')})")
+                         f"run {run_dir} was trained on (vocab {was.get('vocab_size')}); {way}")
     # Read back through HydraConfig: fields added since the run was saved take what the run was built with.
     was_model = HydraConfig.from_saved(saved["model"]).to_dict() if saved.get("model") else {}
     diff = sorted(k for k, v in model_cfg.to_dict().items() if was_model.get(k) != v and k not in KERNEL_CHOICES)
