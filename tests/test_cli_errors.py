@@ -4,6 +4,7 @@ range; each checked before the slow part of the command."""
 
 import errno
 import json
+import os
 import shutil
 
 import pytest
@@ -145,17 +146,31 @@ def test_paths_that_cannot_be_made_are_one_line(run, tmp_path, capsys):
 def test_a_failed_export_write_is_one_line_and_leaves_no_temporary_file(run, tmp_path, monkeypatch, capsys):
     from safetensors import SafetensorError
 
-    import hydra_lm.infer.runs as runs
+    import hydra_lm.train.checkpoint as checkpoint
 
     def save_model(model, path, metadata):
         open(path, "wb").close()
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(runs, "save_model", save_model)
+    monkeypatch.setattr(checkpoint, "save_model", save_model)
     out = tmp_path / "m.safetensors"
     assert main(["export", "--run", str(run), "--out", str(out)]) == 2
     assert err_of(capsys).startswith(f"hydra-lm export: error: cannot write {out}: Error while serializing")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_exported_and_checkpointed_weights_are_readable_as_the_umask_allows(run, tmp_path):
+    """safetensors creates its files 0600 whatever the umask: an exported model on a shared filesystem was
+    readable by its writer alone."""
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "m.safetensors"
+        assert main(["export", "--run", str(run), "--out", str(out)]) == 0
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o644
+    written = list((run / "checkpoints").glob("*/model.safetensors"))  # under the test runner's umask
+    assert written and all(w.stat().st_mode & 0o044 == 0o044 & ~old for w in written)
 
 
 def test_an_os_error_without_a_path_keeps_its_traceback(monkeypatch):

@@ -12,13 +12,12 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import save_model
 
 from ..config import HydraConfig
 from ..model.attention import kernels_for_device
 from ..model.factory import create_model
 from ..model.sampling import check_sampling
-from ..train.checkpoint import EXPORT_FORMAT, Checkpoint, resolve_checkpoint
+from ..train.checkpoint import EXPORT_FORMAT, Checkpoint, resolve_checkpoint, save_weights
 from ..train.data_io import ValSet, open_data, tokenized_alike
 from ..train.evaluate import evaluate
 from ..train.run import CONFIG_JSON, pick_device
@@ -114,7 +113,7 @@ def export_model(run_dir: str | Path, out: str | Path, checkpoint: str | Path | 
             "train_config": json.dumps(run.config.get("train", {})), "data": json.dumps(run.config.get("data", {})),
             "curriculum": json.dumps(run.checkpoint.state.get("curriculum"))}
     try:
-        save_model(run.model, str(tmp), metadata=meta)
+        save_weights(run.model, tmp, metadata=meta)
     except SafetensorError as err:  # the writer's I/O errors come as this, not as OSError
         tmp.unlink(missing_ok=True)
         raise ValueError(f"cannot write {out}: {err}; check that its directory is writable and has room") from None

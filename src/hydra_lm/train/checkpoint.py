@@ -151,6 +151,15 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def save_weights(model: torch.nn.Module, filename: Path, metadata: dict[str, str]) -> None:
+    """``save_model``, then the file's mode as the process's umask gives every other file: safetensors (0.8) creates
+    its files 0600 whatever the umask, which on a shared filesystem keeps an exported model from its readers."""
+    save_model(model, str(filename), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(filename, 0o666 & ~umask)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -287,7 +296,7 @@ class CheckpointManager:
         ``write_extra`` adds files of its own to the directory (listed and hashed like the rest)."""
         tmp = self.begin(step, f"{os.getpid()}")
         try:
-            save_model(model, str(tmp / MODEL_FILE), metadata={"format": "hydra-lm", "step": str(step)})
+            save_weights(model, tmp / MODEL_FILE, metadata={"format": "hydra-lm", "step": str(step)})
             torch.save(trainer_tensors, tmp / TRAINER_FILE)
             if write_extra is not None:
                 write_extra(tmp)
