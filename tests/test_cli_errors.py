@@ -303,3 +303,14 @@ def test_running_out_of_gpu_memory_is_one_line_that_says_what_to_change_and_the_
     assert main(command) == 0
     assert f"resumed from {out / 'checkpoints' / 'hydra_debug_step2'} at step 2" in (out / "train.log").read_text()
     assert (out / "checkpoints" / "hydra_debug_step4").is_dir()
+
+
+def test_train_and_compare_refuse_each_others_output_directories(run, tiny_data, tmp_path, capsys):
+    assert main(["compare", "--data", str(tiny_data), "--out", str(run), "--budget", "tokens=256", "--variants",
+                 "dense", *TINY_RUN]) == 2
+    assert "holds a training run (config.json, checkpoints)" in err_of(capsys)
+    compared = tmp_path / "compared"
+    (compared / "runs").mkdir(parents=True)
+    (compared / "results.json").write_text("{}")
+    assert main(["train", "--data", str(tiny_data), "--out", str(compared), *TINY_RUN, "--max_steps", "1"]) == 2
+    assert "holds a `hydra-lm compare` output" in err_of(capsys)

@@ -261,6 +261,10 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
     if not out:
         raise ValueError("--out DIR is required: the variants' runs, results.json, report.md and plots go there")
     check_outside_data(Path(out).expanduser(), data)  # once here, not as each variant's run starts
+    held = [name for name in ("config.json", "checkpoints") if (Path(out).expanduser() / name).exists()]
+    if held:  # the variants' runs go under OUT/runs/: their report and results would land inside a training run
+        raise ValueError(f"--out {out} holds a training run ({', '.join(held)}); compare writes its variants' runs, "
+                         "report and results into a directory of its own: choose another --out")
     if evals is not None and shared.get("eval_every") is not None:
         raise ValueError("--evals and --eval_every both set when to evaluate: keep one")
     evals = DEFAULT_EVALS if evals is None else evals

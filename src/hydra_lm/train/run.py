@@ -235,6 +235,9 @@ def setup_run(cli: dict[str, Any], file_values: dict[str, Any] | None = None, ec
     if data is None and dataset is not None and (Path(dataset).expanduser() / "meta.json").is_file():
         data = dataset  # --dataset naming a prepared directory; its cache directories are not where runs go
     check_outside_data(run_dir, data)
+    if (run_dir / "results.json").is_file() and (run_dir / "runs").is_dir():  # compare's own names
+        raise ValueError(f"--out {run_dir} holds a `hydra-lm compare` output (results.json, runs/): train into a "
+                         "directory of its own")
     made_here = not run_dir.exists()
     check_writable(run_dir)
     # Before anything reads or cleans the directory: another trainer's temporary files are its own.
