@@ -198,11 +198,12 @@ def test_all_checkpoints_corrupt_needs_restart_to_start_over(tiny_data, tmp_path
     [ckpt] = checkpoints(run)
     model_file = ckpt / "model.safetensors"
     model_file.write_bytes(model_file.read_bytes()[:100])
-    for _ in range(2):  # the first attempt quarantines it; a later one must not quietly start over either
+    for attempt in range(2):  # the first attempt quarantines it; a later one must not quietly start over either
         capsys.readouterr()
         assert train(tiny_data, run, "--max_steps", "6") == 2
         err = capsys.readouterr().err
         assert "Pass --restart to start this run again from step 0" in err
+        assert ("no earlier checkpoint is left" in err) == (attempt == 0) and "falling back" not in err
         assert not (run / "checkpoints" / "hydra_debug_step6").exists()
     assert (run / "checkpoints" / f"{ckpt.name}.corrupt").is_dir()
     assert train(tiny_data, run, "--max_steps", "6", "--restart") == 0

@@ -354,14 +354,14 @@ class CheckpointManager:
         """Newest checkpoint that verifies (of a step below ``before``, where given); broken newer ones are reported
         (and renamed *.corrupt)."""
         errors = []
-        for step, path in reversed(self.list()):
-            if before is not None and step >= before:
-                continue
+        candidates = [path for step, path in reversed(self.list()) if before is None or step < before]
+        for i, path in enumerate(candidates):
             try:
                 ckpt = verify(path)
             except CheckpointError as err:
                 errors.append(str(err))
-                self.warn(f"{err}; falling back to the previous checkpoint")
+                self.warn(f"{err}; " + ("falling back to the previous checkpoint" if i + 1 < len(candidates) else
+                                        "set aside as corrupt, and no earlier checkpoint is left"))
                 # A name of its own: left in place beside an earlier one of its step, it would stay in list(),
                 # counted by the rotation and warned about at every resume.
                 bad, n = path.with_name(f"{path.name}.corrupt"), 2
