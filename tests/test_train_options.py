@@ -312,10 +312,11 @@ def test_cli_overrides_config_file_and_resolved_config_is_written(tiny_data, tmp
     assert "git" in saved and saved["versions"]["torch"]
     assert (run / "config.toml").is_file() and (run / "train.log").read_text().count("hydra-lm") >= 1
     # The resolved config.toml, given back as --config, builds the same run again (HYDRA and dense alike).
-    for arch, first in (("hydra", run), ("dense", tmp_path / "dense")):
-        if arch == "dense":
-            assert main(["train", "--data", str(tiny_data), "--out", str(first), "--max_steps", "2", *TINY_RUN,
-                         "--arch", "dense"]) == 0
+    for arch, first in (("hydra", run), ("dense", tmp_path / "dense"), ("dataset", tmp_path / "dataset")):
+        if arch != "hydra":  # dense; and a run given --dataset, which resolves into --data
+            source = ["--dataset" if arch == "dataset" else "--data", str(tiny_data)]
+            assert main(["train", *source, "--out", str(first), "--max_steps", "2", *TINY_RUN,
+                         *(["--arch", "dense"] if arch == "dense" else [])]) == 0
         again = tmp_path / f"again_{arch}"
         assert main(["train", "--config", str(first / "config.toml"), "--out", str(again)]) == 0
         rebuilt = json.loads((again / "config.json").read_text())

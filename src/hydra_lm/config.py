@@ -91,7 +91,7 @@ class HydraConfig:
     # 97.6%) at 0.97x the default's training tokens/s (the whole batch 0.91x), its causal loss tied at equal tokens.
     topk_groups: int = 1
     # "geometric" (default; best val loss per GPU-second measured at 100M): each depth keeps mor_capacity
-    # of the previous depth's tokens; "paper": (R-j+1)/R of the row; "layer_aware": deeper late blocks
+    # of the previous depth's tokens; "paper": (R-j)/R of the row at depth j = 0..R-1; "layer_aware": deeper late blocks
     mor_capacity_schedule: str = "geometric"
     mor_capacity: float = 0.125
     mor_gate_scale: float = 0.1  # alpha in gate = alpha * sigmoid(router logit)

@@ -423,7 +423,8 @@ def write_run_files(s: RunSetup, argv: list[str]) -> None:
     write_text_atomic(s.run_dir / CONFIG_JSON, json.dumps(record, indent=1))
     # The resolved model, less what its arch ignores: the file works as a --config for the same run again.
     model = {k: v for k, v in s.model_cfg.to_dict().items() if k not in fields_arch_ignores(s.model_cfg.arch)}
-    write_text_atomic(s.run_dir / CONFIG_TOML, to_toml({**s.cfg.to_dict(), "model": model}))
+    # --dataset resolved into --data: the file names the data once (a --config holding both is refused).
+    write_text_atomic(s.run_dir / CONFIG_TOML, to_toml({**s.cfg.to_dict(), "dataset": None, "model": model}))
     for name in ("tokenizer.json", "tokenizer_tiktoken.json"):
         src = s.data.path / name
         if src.is_file() and not (s.run_dir / name).is_file():  # copied whole or not at all
