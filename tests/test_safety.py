@@ -264,6 +264,7 @@ def test_eval_refuses_data_the_run_was_not_trained_on_or_says_how(tmp_path, caps
     assert "was not tokenized like the data run" in one_line_error(capsys, "eval")
     assert main(["prepare", "--inputs", str(tmp_path / "corpus"), "--out", str(data), "--tokenizer",
                  str(run / "tokenizer.json"), "--val_fraction", "0.3", "--no_progress"]) == 0
+    assert "warning: replacing the data prepared in" in capsys.readouterr().err  # prepare says so up front
     assert main(["eval", "--run", str(run)]) == 2
     assert "was prepared again since run" in one_line_error(capsys, "eval")
     assert main(["eval", "--run", str(run), "--data", str(data)]) == 0
