@@ -308,6 +308,11 @@ def test_a_resumed_windows_start_up_rate_counts_only_the_steps_since_it_reopened
     window.restart_timer(now[0])  # the trainer banks that step as start-up
     record, _ = window.record(10, tokens_per_step=1000, run={}, router_names=[], moe_names=[])
     assert record["tokens_per_s"] == pytest.approx(1000 / 0.5)
+    for _ in range(2):  # then two training steps in 1 s: the ordinary window's rate
+        window.add(torch.full((5,), 4.0), torch.tensor(1.0), torch.zeros(0, 3), 1e-3)
+    now[0] += 1.0
+    record, _ = window.record(12, tokens_per_step=1000, run={}, router_names=[], moe_names=[])
+    assert record["tokens_per_s"] == pytest.approx(2 * 1000 / 1.0)
     assert record["loss"] == pytest.approx(4.0)  # its means still take the steps before the interruption
 
 

@@ -571,13 +571,12 @@ def test_loader_errors(tmp_path, text_data):
 
 def test_a_partial_evaluation_samples_the_whole_validation_split(tmp_path):
     from hydra_lm.train.data_io import ValSet, open_data
-    # Token ids grow along the corpus, so a row's ids say where in the split it lies. The split keeps
-    # the corpus order: the first batches of an unshuffled pass would all come from its first files.
+    # Token ids grow along the corpus, so a row's ids say where in the split it lies; unshuffled, the first batches
+    # of a pass would all come from its first files (the split keeps the corpus order).
     rng = np.random.default_rng(2)
     _token_shard(tmp_path / "shard.pt", [int(x) for x in rng.integers(20, 60, size=200)])
     out = prepare_data([str(tmp_path / "shard.pt")], tmp_path / "out", val_fraction=0.3, progress=False)
-    meta = read_meta(out)
-    n, eos = meta["splits"]["val"]["tokens"], meta["eos_id"]
+    n, eos = read_meta(out)["splits"]["val"]["tokens"], read_meta(out)["eos_id"]
     val = ValSet(open_data(out), batch_size=4, seq_len=16)
     batches = list(val)
     ids = np.asarray(PackedLoader(out, "val", batch_size=4, seq_len=16, loop=False).tokens)
@@ -588,13 +587,14 @@ def test_a_partial_evaluation_samples_the_whole_validation_split(tmp_path):
     # Still one whole pass: every token once, and the same pass again on the next iteration.
     assert sum(int((b["targets"] != -100).sum()) for b in batches) == n - 1
     assert all(_same(x, y) for x, y in zip(batches, list(val)))
+    next(iter(val))  # an evaluation of fewer batches (--eval_batches) stops early: the next starts the pass again
+    assert all(_same(x, y) for x, y in zip(batches[:2], (b for _, b in zip(range(2), val))))
 
 
 def test_every_input_flag_adds_to_one_list():
     """``--input`` and ``--inputs`` spell one option: repeated, each adds its paths (a later one used to replace
     the earlier ones, silently preparing part of the corpus)."""
     from hydra_lm.cli import build_parser
-
     parse = build_parser().parse_args
     assert parse(["prepare", "--inputs", "a", "--input", "b", "c", "--out", "o"]).inputs == ["a", "b", "c"]
     assert parse(["prepare", "--out", "o"]).inputs is None

@@ -446,6 +446,7 @@ def test_top_k_and_top_p_keep_every_token_tied_with_the_last_one_they_keep():
     assert drawn([0.0, 0.0, 0.0, 0.0], top_p=0.5) == {0, 1, 2, 3}  # not the first half by index
     assert drawn([1.5, 1.0, 1.0, 0.0], top_p=0.5) == {0, 1, 2}
     assert drawn([3.0, 1.0, 1.0, 0.0], top_p=0.5) == {0}  # the top alone holds more than half
+    assert drawn([1.0, 3.0, 0.0, 2.9], top_p=0.5) == {1, 3}  # the nucleus by probability, not by index
     assert drawn([1.0, 1.0, 1.0, 0.0], top_k=1) == {0, 1, 2}
     assert drawn([1.0, 1.0, 0.5, 0.0], top_k=3) == {0, 1, 2}
 

@@ -15,9 +15,10 @@ def test_scaling_fit_recovers_a_known_law_and_compares_compute(tmp_path, capsys)
     c = np.geomspace(1e12, 1e15, 10)
     fit = fit_power_law(c, 3e3 * c ** -0.3 + 1.8)
     assert fit["a"] == pytest.approx(3e3, rel=1e-3) and fit["b"] == pytest.approx(0.3, rel=1e-3)
-    assert fit["c"] == pytest.approx(1.8, abs=1e-4)
+    assert fit["c"] == pytest.approx(1.8, abs=1e-4) and fit["rmse"] < 1e-4
     noisy = 3e3 * c ** -0.3 + 1.8 + np.random.default_rng(0).normal(0, 0.003, c.size)
-    assert fit_power_law(c, noisy)["b"] == pytest.approx(0.3, abs=0.05)
+    noisy_fit = fit_power_law(c, noisy)
+    assert noisy_fit["b"] == pytest.approx(0.3, abs=0.05) and 0.001 < noisy_fit["rmse"] < 0.005  # the noise's size
     with pytest.raises(ValueError, match="at least 4"):
         fit_power_law([1e12, 1e13, 1e14, 1e14], [3.0, 2.5, 2.2, 2.2])
 

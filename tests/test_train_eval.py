@@ -195,6 +195,8 @@ def test_a_top_k_over_row_groups_evaluates_a_last_batch_of_any_number_of_real_ro
 
     kept, count = real_rows(_passes(rows, 4)[1], groups=2)
     assert count == 3 and kept["targets"].shape[0] == 4 and (kept["targets"][3] == -100).all()
+    kept, count = real_rows(_passes(rows[:6], 12)[0], groups=4)  # 6 real rows of 12: two of padding fill a group
+    assert count == 6 and kept["targets"].shape[0] == 8
 
 
 def test_evaluate_gives_every_submodule_its_own_train_eval_flag_back():

@@ -64,3 +64,5 @@ def test_adaptive_lr_cools_down_after_a_spike_and_round_trips():
     b.load_state_dict(a.state_dict())
     assert b.state_dict() == a.state_dict()
     assert b.observe(20, float("nan"))
+    # a non-finite loss cools down as a spike does, counted as one
+    assert b.multiplier(21) == 0.5 and b.multiplier(29) == 0.5 and b.multiplier(30) == 1.0 and b.spikes == a.spikes + 1
