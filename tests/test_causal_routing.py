@@ -345,6 +345,8 @@ def test_a_router_off_its_small_target_by_a_factor_warns_whatever_its_share_of_t
         "b.mor3": dict(target=0.0156, exec_causal=0.019, **on),  # 1.2x: within the band
         "b.mor4": dict(target=0.0002, exec_causal=0.0, **on)}}  # 52 admissions expected: too few to judge
     assert [w.split()[1] for w in routing_warnings(record)] == ["b.mor1", "b.mor2"]
+    old_record = {"val_gap": 0.0, "routing": {"b.mor1": dict(target=0.0, exec_causal=0.0, **on)}}  # no val_tokens
+    assert routing_warnings(old_record) == []  # a router with nothing to run is not judged (nor divided by)
 
 
 def _first_router_logits(model, ids: torch.Tensor) -> torch.Tensor:

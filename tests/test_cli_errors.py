@@ -308,7 +308,7 @@ def test_running_out_of_gpu_memory_is_one_line_that_says_what_to_change_and_the_
 def test_train_and_compare_refuse_each_others_output_directories(run, tiny_data, tmp_path, capsys):
     assert main(["compare", "--data", str(tiny_data), "--out", str(run), "--budget", "tokens=256", "--variants",
                  "dense", *TINY_RUN]) == 2
-    assert "holds a training run (config.json, checkpoints)" in err_of(capsys)
+    assert "holds a training run (config.json, checkpoints/)" in err_of(capsys)
     compared = tmp_path / "compared"
     (compared / "runs").mkdir(parents=True)
     (compared / "results.json").write_text("{}")

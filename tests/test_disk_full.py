@@ -36,7 +36,7 @@ def test_disk_full_while_saving_is_one_line_naming_the_path_and_space(tiny_data,
         return real_save(model, filename, metadata=metadata)
 
     monkeypatch.setattr(checkpoint, "save_model", save_model)
-    monkeypatch.setattr(resume, "_free_bytes", lambda directory: 1024)  # torch.save's error says nothing of space
+    monkeypatch.setattr(resume, "free_bytes", lambda directory: 1024)  # torch.save's error says nothing of space
     run = tmp_path / "run"
     assert train(tiny_data, run, "--max_steps", "6", "--keep_checkpoints", "2") == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]

@@ -87,11 +87,16 @@ def _check_options(vocab_size, val_fraction, seed, max_bytes, text_field) -> Non
     check_vocab_size(vocab_size)
 
 
+def run_files_in(out: Path) -> list[str]:
+    """The files of a training run that ``out`` holds (names as train/run.py writes them): empty if none."""
+    return [name for name, is_there in (("config.json", (out / "config.json").is_file()),
+                                        ("checkpoints/", (out / "checkpoints").is_dir())) if is_there]
+
+
 def _check_not_a_run(out: Path) -> None:
     """A run directory keeps a copy of its data's tokenizer, which generation decodes with: preparing into it would
-    replace that copy with another tokenizer (names as train/run.py writes them)."""
-    found = [name for name, is_there in (("config.json", (out / "config.json").is_file()),
-                                         ("checkpoints/", (out / "checkpoints").is_dir())) if is_there]
+    replace that copy with another tokenizer."""
+    found = run_files_in(out)
     if found:
         raise ValueError(f"{out} holds a training run ({', '.join(found)}): preparing data there would replace the "
                          "run's tokenizer.json; choose another --out")

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..config import HydraConfig, preset_config
+from ..data.prepare import run_files_in
 from ..train.checkpoint import write_text_atomic
 from ..train.compile_policy import resolve_speed_options
 from ..train.fp8 import check_fp8_device
@@ -261,7 +262,7 @@ def plan_compare(data: str | None, out: str | None, budget: Budget, variant_name
     if not out:
         raise ValueError("--out DIR is required: the variants' runs, results.json, report.md and plots go there")
     check_outside_data(Path(out).expanduser(), data)  # once here, not as each variant's run starts
-    held = [name for name in ("config.json", "checkpoints") if (Path(out).expanduser() / name).exists()]
+    held = run_files_in(Path(out).expanduser())
     if held:  # the variants' runs go under OUT/runs/: their report and results would land inside a training run
         raise ValueError(f"--out {out} holds a training run ({', '.join(held)}); compare writes its variants' runs, "
                          "report and results into a directory of its own: choose another --out")

@@ -62,12 +62,18 @@ class CheckpointError(ValueError):
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
+def free_bytes(directory: Path) -> int | None:
+    """Free space on ``directory``'s filesystem; None where it cannot be read."""
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
 def disk_full_error(directory: Path, err: OSError, needed_bytes: int) -> ValueError:
     """One line for a checkpoint that did not fit: where, how much is free, how much it needs."""
-    try:
-        free = f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB free"
-    except OSError:
-        free = "free space unknown"
+    free = free_bytes(directory)
+    free = "free space unknown" if free is None else f"{free / 2**20:.1f} MiB free"
     return ValueError(f"no space left on the device while writing a checkpoint to {directory} ({free}, a checkpoint "
                       f"needs about {needed_bytes / 2**20:.1f} MiB): free some space and run again to resume; the "
                       f"earlier checkpoints are intact")

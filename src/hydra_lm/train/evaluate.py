@@ -171,7 +171,7 @@ def routing_warnings(result: dict[str, Any]) -> list[str]:
         if not r.get("active", True) or not r.get("calibrated", result.get("routing_calibrated", True)):
             continue
         target, executed = r["target"], r["exec_causal"]
-        if result.get("val_tokens") is not None and target * result["val_tokens"] < MIN_ADMITTED:
+        if target <= 0 or (result.get("val_tokens") is not None and target * result["val_tokens"] < MIN_ADMITTED):
             continue
         if not 1 / SHARE_WARN <= executed / target <= SHARE_WARN:
             warnings.append(f"router {name} executes {executed / target:.2f}x its target under causal routing "

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import math
-import shutil
 
 import torch
 from safetensors import SafetensorError
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from .checkpoint import DISK_FULL, CheckpointError, capture_rng, disk_full_error, restore_rng, verify
+from .checkpoint import DISK_FULL, CheckpointError, capture_rng, disk_full_error, free_bytes, restore_rng, verify
 from .distributed import broadcast_object
 from .optim import load_keeping_lr, portable_optimizer_state
 from .sharded_checkpoint import RANK_FILE, load_dcp, load_optimizer, load_single_into_sharded, os_error
@@ -82,18 +80,11 @@ def disk_full_in_one_line(t):
         cause, needed = os_error(err), state_bytes(t)
         if cause is not None and cause.errno in DISK_FULL:
             raise disk_full_error(t.s.manager.dir, cause, needed) from None
-        text = str(err)
+        text, free = str(err), free_bytes(t.s.manager.dir)
         if "No space left on device" in text or "os error 28" in text or (
-                isinstance(err, RuntimeError) and "unexpected pos" in text and _free_bytes(t.s.manager.dir) < needed):
+                isinstance(err, RuntimeError) and "unexpected pos" in text and free is not None and free < needed):
             raise disk_full_error(t.s.manager.dir, OSError(errno.ENOSPC, text), needed) from None
         raise
-
-
-def _free_bytes(directory) -> float:
-    try:
-        return shutil.disk_usage(directory).free
-    except OSError:
-        return math.inf
 
 
 def state_bytes(t) -> int:
